@@ -1,0 +1,169 @@
+"""`vlm-caption` command line: run, demo, recipes list, recipes show.
+
+`recipes ...` import neither torch, vLLM nor Prefect, so they answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
+
+
+def _prefect_env() -> None:
+    # Prefect's embedded SQLite API reports "database is locked" while analytics run beside it.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. max_model_len=4096")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _add_job_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default="llava", help="recipe name (default: llava)")
+    parser.add_argument("--question", help="question asked about every image")
+    parser.add_argument("--model", help="model id or local path instead of the recipe's")
+    parser.add_argument("--shard-size", type=int, default=None, help="images per task run")
+    parser.add_argument("--limit", type=int, help="stop after this many objects")
+    parser.add_argument("--glob", help="only keys matching this glob, e.g. '*.jpg'")
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
+                        metavar="KEY=VALUE", help="vLLM engine argument override (repeatable)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow recipes that run the model repository's own code")
+
+
+def _job_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields: dict[str, Any] = {"recipe": args.recipe, "trust_remote_code": args.trust_remote_code}
+    for name in ("question", "model", "shard_size", "limit", "glob"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    sampling = {k: getattr(args, k) for k in ("temperature", "max_tokens", "seed")
+                if getattr(args, k) is not None}
+    if sampling:
+        fields["sampling"] = sampling
+    if args.engine_arg:
+        fields["engine_overrides"] = dict(args.engine_arg)
+    return fields
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlm-caption", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the vlm-caption flow on a bucket or folder")
+    run.add_argument("source", help="s3://bucket/prefix/ or a local folder")
+    run.add_argument("--out", required=True, help="s3://bucket/prefix/ or a local folder")
+    _add_job_options(run)
+
+    demo = sub.add_parser("demo", help="caption a few generated images, offline, on CPU or GPU")
+    demo.add_argument("--dir", default="vlm-caption-demo", help="working folder (default: ./vlm-caption-demo)")
+    demo.add_argument("--images", type=int, default=8, help="how many sample images to make")
+    _add_job_options(demo)
+
+    recipes = sub.add_parser("recipes", help="list or inspect recipes")
+    rsub = recipes.add_subparsers(dest="recipes_command", required=True)
+    rlist = rsub.add_parser("list", help="all recipes")
+    rlist.add_argument("--json", action="store_true")
+    show = rsub.add_parser("show", help="what a recipe builds, without loading a model")
+    show.add_argument("name")
+    show.add_argument("--modality", default="image", choices=["image", "video", "multi-image"])
+    show.add_argument("--question", action="append", help="repeatable")
+    show.add_argument("--images", type=int, default=2, help="images for multi-image")
+    show.add_argument("--model", help="model id or local path (a local tokenizer renders chat templates)")
+    show.add_argument("--json", action="store_true")
+    return parser
+
+
+def cmd_recipes_list(args: argparse.Namespace) -> int:
+    from recipes import all_recipes
+
+    rows = [
+        {"name": r.name, "model": r.model, "modalities": list(r.modalities),
+         "multi_image": r.multi_image is not None, "needs_remote_code": r.needs_remote_code,
+         "gpus": r.gpus_needed}
+        for r in all_recipes()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    headers = ("name", "default model", "modalities", "multi-image", "remote code", "GPUs")
+    table = [(r["name"], r["model"], ",".join(m for m in r["modalities"] if m != "multi-image"),
+              "yes" if r["multi_image"] else "-", "yes" if r["needs_remote_code"] else "-",
+              str(r["gpus"])) for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    for row in (headers, *table):
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print(f"\n{len(rows)} recipes")
+    return 0
+
+
+def cmd_recipes_show(args: argparse.Namespace) -> int:
+    from flows.params import DEFAULT_QUESTION
+    from recipes import get_recipe
+    from recipes.requests import build_requests, load_local_tokenizer
+
+    recipe = get_recipe(args.name)
+    model = recipe.model_for(args.modality, args.model) if recipe.prompting_or_none(args.modality) else None
+    tokenizer = None
+    if model and recipe.uses_chat_template(args.modality):
+        tokenizer = load_local_tokenizer(model, trust_remote_code=recipe.needs_remote_code)
+    built = build_requests(recipe, args.modality, args.question or [DEFAULT_QUESTION],
+                           images=args.images, model=args.model, tokenizer=tokenizer)
+    print(json.dumps(built.to_json_dict(), indent=2, ensure_ascii=False))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    _prefect_env()
+    from flows.caption import vlm_caption
+    from flows.params import CaptionJob
+
+    job = CaptionJob(source=args.source, output=args.out, **_job_fields(args))
+    summary = vlm_caption(job)
+    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _prefect_env()
+    from flows.demo import run_demo
+
+    return run_demo(args, _job_fields(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"run": cmd_run, "demo": cmd_demo}
+    if args.command == "recipes":
+        handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
+    else:
+        handler = handlers[args.command]
+    try:
+        return handler(args)
+    except Exception as exc:  # user-facing errors: one clear line, no traceback
+        from pydantic import ValidationError
+
+        from recipes import RecipeError
+        from tasks.storage import StorageError
+
+        if isinstance(exc, (RecipeError, StorageError, ValidationError)):
+            print(f"vlm-caption: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The flow's parameters: one pydantic model, so the Prefect UI renders it as a form."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from recipes import RecipeError, get_recipe
+
+DEFAULT_QUESTION = "Describe the content of this image in detail."
+
+
+class SamplingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, description="None: the recipe's value, else 0.0 (greedy)."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, le=65536, description="None: the recipe's value, else 256."
+    )
+    seed: int | None = Field(0, description="Per-request sampling seed; fixed by default so reruns agree.")
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+class CaptionJob(BaseModel):
+    """Caption every image under `source` with a recipe's model and write one record per image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(..., description="s3://bucket/prefix/ or a local folder of images.")
+    output: str = Field(..., description="s3://bucket/prefix/ or a local folder for results.")
+    recipe: str = Field("llava", description="Recipe name; `vlm-caption recipes list` shows all.")
+    question: str = Field(DEFAULT_QUESTION, min_length=1, description="Asked about every image.")
+    modality: Literal["image"] = Field(
+        "image", description="What each source object is. The flow captions single images."
+    )
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    shard_size: int = Field(64, ge=1, le=100_000, description="Objects per task run.")
+    limit: int | None = Field(None, ge=1, description="Stop after this many listed objects.")
+    glob: str | None = Field(None, description="Only keys matching this glob, e.g. '*.jpg'.")
+    model: str | None = Field(None, description="Model id or local path instead of the recipe's.")
+    engine_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM engine arguments that win over the recipe's."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow recipes whose model runs its repository's own Python code."
+    )
+
+    @field_validator("source", "output")
+    @classmethod
+    def _uri(cls, value: str) -> str:
+        from tasks.storage import StorageError
+
+        value = value.strip()
+        scheme = value.split("://", 1)[0] if "://" in value else ""
+        if not value:
+            raise ValueError("empty location")
+        if scheme and scheme not in ("s3", "s3a", "file"):
+            raise StorageError(f"{value}: unsupported scheme {scheme!r}; use s3://bucket/prefix or a folder")
+        if scheme in ("s3", "s3a") and not value.split("://", 1)[1].split("/", 1)[0]:
+            raise StorageError(f"{value}: missing bucket name; use s3://BUCKET/PREFIX/")
+        return value
+
+    @model_validator(mode="after")
+    def _recipe_supports_job(self) -> CaptionJob:
+        try:
+            get_recipe(self.recipe).prompting(self.modality)
+        except RecipeError as exc:
+            raise ValueError(str(exc)) from None
+        return self

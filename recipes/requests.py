@@ -1,0 +1,125 @@
+"""Turn a recipe plus questions into the requests vLLM receives (prompt text or chat messages).
+
+Pure Python: the only optional heavy import is a local tokenizer, used to render chat templates
+and resolve stop-token strings when one is available.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from recipes.base import EOS_TOKEN, MEDIA_KIND, Recipe, RecipeError
+
+
+class PromptRequest(BaseModel):
+    """One prompt for one media item (or one set of images for multi-image)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+class RecipeRequests(BaseModel):
+    """What a recipe builds for some questions: the `recipes show` contract."""
+
+    recipe: str
+    model: str
+    modality: str
+    engine_args: dict[str, Any]
+    requests: list[PromptRequest]
+    stop_token_ids: list[int] | None = None
+    stop_tokens: list[str] | None = None
+    method: str
+    chat_template: str | None = None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "recipe": self.recipe,
+            "model": self.model,
+            "modality": self.modality,
+            "engine_args": self.engine_args,
+            "requests": [r.model_dump(exclude_none=True) for r in self.requests],
+            "method": self.method,
+        }
+        if self.stop_token_ids is not None:
+            data["stop_token_ids"] = self.stop_token_ids
+        if self.stop_tokens is not None:
+            data["stop_tokens"] = self.stop_tokens
+        if self.chat_template is not None:
+            data["chat_template"] = self.chat_template
+        return data
+
+
+def load_local_tokenizer(model: str, trust_remote_code: bool = False):
+    """The model's tokenizer if it is on local disk, else None (never downloads)."""
+    path = Path(model)
+    if not (path / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template
+    )
+
+
+def resolve_stop_ids(tokenizer, recipe: Recipe, modality: str) -> list[int] | None:
+    """Stop token ids for generation: literal ids plus token strings resolved by the tokenizer."""
+    ids, tokens = recipe.stops_for(modality)
+    out = list(ids or [])
+    if tokens and tokenizer is not None:
+        unk = getattr(tokenizer, "unk_token_id", None)
+        for token in tokens:
+            tid = tokenizer.eos_token_id if token == EOS_TOKEN else tokenizer.convert_tokens_to_ids(token)
+            if tid is not None and tid != unk:
+                out.append(int(tid))
+    return out or None
+
+
+def build_requests(
+    recipe: Recipe,
+    modality: str,
+    questions: list[str],
+    *,
+    images: int = 1,
+    model: str | None = None,
+    tokenizer: Any = None,
+) -> RecipeRequests:
+    """Build one request per question (one in total for multi-image, as the example does)."""
+    spec = recipe.prompting(modality)
+    if not questions:
+        raise RecipeError("at least one question is needed")
+    if modality == "multi-image":
+        if images < 1:
+            raise RecipeError("multi-image needs --images N with N >= 1")
+        questions = questions[:1]
+    count = images if modality == "multi-image" else 1
+    kind = MEDIA_KIND[modality]
+    requests = []
+    for question in questions:
+        if spec.chat is None:
+            requests.append(PromptRequest(prompt=spec.text(question, count)))
+            continue
+        messages = spec.messages(question, count, kind)
+        prompt = render_chat(tokenizer, messages, spec.chat_template) if tokenizer is not None else None
+        requests.append(PromptRequest(prompt=prompt, messages=messages))
+    ids, tokens = recipe.stops_for(modality)
+    stop_ids = resolve_stop_ids(tokenizer, recipe, modality) if tokenizer is not None else None
+    return RecipeRequests(
+        recipe=recipe.name,
+        model=recipe.model_for(modality, model),
+        modality=modality,
+        engine_args=recipe.engine_args_for(modality, images=images, model=model),
+        requests=requests,
+        stop_token_ids=stop_ids if tokenizer is not None else (list(ids) if ids is not None else None),
+        stop_tokens=list(tokens) if tokens is not None else None,
+        method=recipe.method,
+        chat_template=spec.chat_template,
+    )

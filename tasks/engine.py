@@ -1,0 +1,220 @@
+"""The only module that talks to vLLM.
+
+`get_engine(EngineSpec(...))` returns the process's `CaptionEngine`: one `vllm.LLM`, built once
+from the recipe's engine arguments, sized for the hardware at hand, plus the caller's
+overrides, and reused by every shard this worker process handles.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recipes import Recipe, RecipeError, get_recipe
+from recipes.base import MEDIA_KIND
+from recipes.requests import render_chat, resolve_stop_ids
+from tasks.records import GenerationOutput
+
+DEFAULT_TEMPERATURE = 0.0
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    recipe: str
+    modality: str = "image"
+    model: str | None = None
+    engine_overrides: tuple[tuple[str, str], ...] = ()  # (key, JSON value), hashable
+    trust_remote_code: bool = False
+    images: int = 1  # images per prompt for multi-image
+
+    @classmethod
+    def build(cls, recipe: str, *, modality: str = "image", model: str | None = None,
+              engine_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False,
+              images: int = 1) -> EngineSpec:
+        overrides = tuple(sorted((k, json.dumps(v)) for k, v in (engine_overrides or {}).items()))
+        return cls(recipe, modality, model, overrides, trust_remote_code, images)
+
+    def overrides(self) -> dict[str, Any]:
+        return {key: json.loads(value) for key, value in self.engine_overrides}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = 0
+
+
+@dataclass
+class MediaPrompt:
+    """One request: a prompt (already rendered) with its media and content hash."""
+
+    prompt: str
+    media: Any
+    uuid: str
+
+
+def check_remote_code(recipe: Recipe, allowed: bool) -> None:
+    if recipe.needs_remote_code and not allowed:
+        raise RecipeError(
+            f"recipe {recipe.name!r} runs the model repository's own Python code "
+            "(trust_remote_code). Review that code, then opt in with --trust-remote-code "
+            "(flow parameter trust_remote_code=true)."
+        )
+
+
+def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, Any]:
+    """Recipe facts + sizing for this hardware + the caller's overrides (which win)."""
+    check_remote_code(recipe, spec.trust_remote_code)
+    args = recipe.engine_args_for(spec.modality, images=spec.images, model=spec.model)
+    if spec.trust_remote_code and recipe.needs_remote_code:
+        args["trust_remote_code"] = True
+    if on_cpu:
+        # On the CPU backend this is a fraction of RAM for the KV cache; compilation does not
+        # pay off for the short jobs a CPU runs.
+        args.setdefault("gpu_memory_utilization", 0.3)
+        args.setdefault("enforce_eager", True)
+    args.update(spec.overrides())
+    limit = checkpoint_context_limit(args["model"], bool(args.get("trust_remote_code")))
+    if limit and args.get("max_model_len") and args["max_model_len"] > limit:
+        args["max_model_len"] = limit
+    _resolve_logits_processors(args)
+    return args
+
+
+def checkpoint_context_limit(model: str, trust_remote_code: bool) -> int | None:
+    """The checkpoint's own maximum context, if its config can be read (local or cached)."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception:
+        return None
+    text = getattr(config, "get_text_config", lambda: config)()
+    return getattr(text, "max_position_embeddings", None)
+
+
+def _resolve_logits_processors(args: dict[str, Any]) -> None:
+    """Recipes name logits processors as 'module:Class' strings; vLLM wants the classes."""
+    from importlib import import_module
+
+    resolved = []
+    for item in args.get("logits_processors") or []:
+        if isinstance(item, str) and ":" in item:
+            module, _, name = item.partition(":")
+            item = getattr(import_module(module), name)
+        resolved.append(item)
+    if resolved:
+        args["logits_processors"] = resolved
+
+
+class CaptionEngine:
+    def __init__(self, spec: EngineSpec):
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.spec = spec
+        self.recipe = get_recipe(spec.recipe)
+        self.prompting = self.recipe.prompting(spec.modality)
+        self.args = engine_args(spec, self.recipe, on_cpu=current_platform.is_cpu())
+        self.model = self.args["model"]
+        started = time.perf_counter()
+        self.llm = LLM(**self.args)
+        self.startup_s = time.perf_counter() - started
+        self.tokenizer = self.llm.get_tokenizer()
+        self.stop_token_ids = resolve_stop_ids(self.tokenizer, self.recipe, spec.modality)
+        self.lora_request = self._lora_request()
+
+    def prompt_for(self, question: str) -> str:
+        """The exact prompt text for one media item (the chat template rendered if needed)."""
+        count = self.spec.images if self.spec.modality == "multi-image" else 1
+        if self.prompting.chat is None:
+            return self.prompting.text(question, count)
+        messages = self.prompting.messages(question, count, MEDIA_KIND[self.spec.modality])
+        return render_chat(self.tokenizer, messages, self.prompting.chat_template)
+
+    def sampling_params(self, sampling: Sampling):
+        from vllm import SamplingParams
+
+        params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_MAX_TOKENS}
+        params.update(self.recipe.sampling)
+        if sampling.temperature is not None:
+            params["temperature"] = sampling.temperature
+        if sampling.max_tokens is not None:
+            params["max_tokens"] = sampling.max_tokens
+        return SamplingParams(seed=sampling.seed, stop_token_ids=self.stop_token_ids, **params)
+
+    def generate(self, requests: list[MediaPrompt], sampling: Sampling) -> list[GenerationOutput]:
+        """Generate for a batch; a request vLLM rejects fails alone, not the batch."""
+        if not requests:
+            return []
+        params = self.sampling_params(sampling)
+        try:
+            return [_output(o) for o in self._generate(requests, params)]
+        except Exception:  # one bad request poisons a batch call: retry one by one to isolate it
+            return [self._generate_one(r, params) for r in requests]
+
+    def _generate_one(self, request: MediaPrompt, params) -> GenerationOutput:
+        try:
+            return _output(self._generate([request], params)[0])
+        except Exception as exc:  # noqa: BLE001 - recorded on the item, never dropped
+            return GenerationOutput(None, None, 0, 0, error=f"{type(exc).__name__}: {exc}")
+
+    def _generate(self, requests: list[MediaPrompt], params):
+        kind = MEDIA_KIND[self.spec.modality]
+        inputs = [
+            {
+                "prompt": r.prompt,
+                "multi_modal_data": {kind: r.media},
+                # Content-derived ids let vLLM's processor cache recognise repeated media.
+                "multi_modal_uuids": {kind: r.uuid},
+            }
+            for r in requests
+        ]
+        lora = [self.lora_request] * len(inputs) if self.lora_request else None
+        return self.llm.generate(inputs, params, lora_request=lora, use_tqdm=False)
+
+    def _lora_request(self):
+        if self.recipe.lora is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        root = Path(self.model)
+        if not root.exists():
+            from huggingface_hub import snapshot_download
+
+            root = Path(snapshot_download(self.model))
+        return LoRARequest(self.recipe.lora.name, 1, str(root / self.recipe.lora.subdir))
+
+
+def _output(request_output) -> GenerationOutput:
+    completion = request_output.outputs[0]
+    return GenerationOutput(
+        text=completion.text,
+        finish_reason=completion.finish_reason,
+        prompt_tokens=len(request_output.prompt_token_ids or []),
+        output_tokens=len(completion.token_ids or []),
+    )
+
+
+_ENGINES: dict[EngineSpec, CaptionEngine] = {}
+_LOCK = threading.Lock()
+
+
+def get_engine(spec: EngineSpec) -> CaptionEngine:
+    """The process's engine for `spec`, built on first use and reused afterwards.
+
+    A worker serves one model at a time: asking for another spec releases the old engine.
+    """
+    with _LOCK:
+        engine = _ENGINES.get(spec)
+        if engine is None:
+            for old in list(_ENGINES):
+                _ENGINES.pop(old).llm = None
+            engine = _ENGINES[spec] = CaptionEngine(spec)
+        return engine

@@ -1,0 +1,114 @@
+"""Structured logs, Prefect artifacts and events: what an operator sees while a job runs.
+
+structlog is configured once per process: JSON lines in workers, a readable console on a
+terminal. Its lines go through the stdlib logger `vlm_caption`, which carries Prefect's API log
+handler, so they show in the flow run's logs in the Prefect UI.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+from tasks.settings import get_settings
+
+LOGGER_NAME = "vlm_caption"
+EVENT_PREFIX = "vlm-caption"
+_configured = False
+
+
+def _in_prefect_run() -> bool:
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+def configure_logging() -> None:
+    """Idempotent: safe to call from every flow and task."""
+    global _configured
+    if _configured:
+        return
+    fmt = get_settings().log_format
+    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    renderer = structlog.dev.ConsoleRenderer(colors=False) if console else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        cache_logger_on_first_use=True,
+    )
+    stdlib = logging.getLogger(LOGGER_NAME)
+    stdlib.setLevel(logging.INFO)
+    stdlib.propagate = False
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(logging.Formatter("%(message)s"))
+    stdlib.addHandler(stream)
+    from prefect.logging.handlers import APILogHandler
+
+    api = APILogHandler()
+    api.addFilter(lambda record: _in_prefect_run())  # outside a run there is nowhere to send it
+    stdlib.addHandler(api)
+    _configured = True
+
+
+def get_logger(**context: Any):
+    configure_logging()
+    return structlog.get_logger(LOGGER_NAME).bind(**context)
+
+
+def emit(event: str, run_id: str, **payload: Any) -> None:
+    """A Prefect event (`vlm-caption.shard.completed`, ...) that automations can react to."""
+    from prefect.events import emit_event
+
+    emit_event(
+        event=f"{EVENT_PREFIX}.{event}",
+        resource={"prefect.resource.id": f"{EVENT_PREFIX}.run.{run_id}",
+                  "prefect.resource.name": f"vlm-caption run {run_id}"},
+        payload=payload,
+    )
+
+
+class Progress:
+    """A Prefect progress artifact advanced once per shard."""
+
+    def __init__(self, total_shards: int, description: str):
+        from prefect.artifacts import create_progress_artifact
+
+        self.total = max(total_shards, 1)
+        self.done = 0
+        self.artifact_id = create_progress_artifact(
+            progress=0.0, key="vlm-caption-progress", description=description
+        )
+
+    def advance(self) -> float:
+        from prefect.artifacts import update_progress_artifact
+
+        self.done += 1
+        percent = round(100.0 * self.done / self.total, 1)
+        update_progress_artifact(artifact_id=self.artifact_id, progress=percent)
+        return percent
+
+
+def publish_summary(summary: dict[str, Any], samples: list[dict[str, str]]) -> None:
+    """The run's closing table artifact: counts, throughput, failures, sample captions."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    rows = [{"metric": key, "value": str(value)} for key, value in summary.items()]
+    create_table_artifact(table=rows, key="vlm-caption-summary",
+                          description="vlm-caption run summary")
+    if samples:
+        lines = ["| key | caption |", "| --- | --- |"]
+        for sample in samples:
+            caption = sample["text"].replace("|", "\\|").replace("\n", " ")[:300]
+            lines.append(f"| `{sample['key']}` | {caption} |")
+        create_markdown_artifact(markdown="\n".join(lines), key="vlm-caption-samples",
+                                 description="A few captions from this run")

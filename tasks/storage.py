@@ -1,0 +1,173 @@
+"""Object storage behind one small interface: S3-compatible buckets and local folders.
+
+`open_storage("s3://bucket/prefix/")` or `open_storage("/data/images")` returns a `Storage`
+rooted at that location. Keys are relative to the root. Listing is lazy (paginated for S3,
+a sorted walk for folders); writes are atomic (a single PUT, or temp file + rename).
+
+S3 credentials come from a prefect-aws credentials block when one is named (settings
+`VLM_CAPTION_AWS_CREDENTIALS_BLOCK` / `VLM_CAPTION_MINIO_CREDENTIALS_BLOCK`), otherwise from the
+standard AWS chain (environment, profile, instance role). They are never logged.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlparse
+
+from tasks.records import ObjectRef
+from tasks.settings import get_settings
+
+
+class StorageError(ValueError):
+    """A storage location cannot be used; the message says how to fix it."""
+
+
+class Storage(Protocol):
+    uri: str
+
+    def iter_objects(self, glob: str | None = None, prefix: str = "") -> Iterator[ObjectRef]: ...
+    def read(self, key: str) -> bytes: ...
+    def write(self, key: str, data: bytes) -> None: ...
+    def exists(self, key: str) -> bool: ...
+    def describe(self, key: str) -> str: ...
+
+
+def _matches(relative: str, glob: str | None) -> bool:
+    return glob is None or fnmatch.fnmatch(relative, glob) or fnmatch.fnmatch(
+        relative.rsplit("/", 1)[-1], glob
+    )
+
+
+class LocalStorage:
+    def __init__(self, root: str | Path, *, create: bool = False):
+        self.root = Path(root).expanduser().resolve()
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            raise StorageError(f"{root}: no such folder. Give an existing folder or an s3:// URI.")
+        self.uri = str(self.root)
+
+    def iter_objects(self, glob: str | None = None, prefix: str = "") -> Iterator[ObjectRef]:
+        start = self.root / prefix
+        if not start.is_dir():
+            return
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for name in sorted(filenames):
+                if name.startswith("."):
+                    continue
+                path = Path(dirpath) / name
+                relative = path.relative_to(self.root).as_posix()
+                if _matches(relative, glob):
+                    stat = path.stat()
+                    yield ObjectRef(relative, stat.st_size, f"{stat.st_size:x}-{stat.st_mtime_ns:x}")
+
+    def read(self, key: str) -> bytes:
+        return (self.root / key).read_bytes()
+
+    def write(self, key: str, data: bytes) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, path)  # atomic: readers see the old file or the new one
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def exists(self, key: str) -> bool:
+        return (self.root / key).exists()
+
+    def describe(self, key: str) -> str:
+        return str(self.root / key)
+
+
+class S3Storage:
+    def __init__(self, bucket: str, prefix: str, client=None):
+        self.bucket = bucket
+        self.prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+        self.uri = f"s3://{bucket}/{self.prefix}"
+        self._client = client or make_s3_client()
+
+    def iter_objects(self, glob: str | None = None, prefix: str = "") -> Iterator[ObjectRef]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                for obj in page.get("Contents", []):
+                    key = obj["Key"]
+                    relative = key[len(self.prefix):]
+                    if not relative or key.endswith("/") or not _matches(relative, glob):
+                        continue
+                    yield ObjectRef(relative, int(obj["Size"]), obj.get("ETag", "").strip('"'))
+        except self._client.exceptions.NoSuchBucket as exc:
+            raise StorageError(f"{self.uri}: bucket {self.bucket!r} does not exist") from exc
+
+    def read(self, key: str) -> bytes:
+        return self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+
+    def write(self, key: str, data: bytes) -> None:
+        # A single PUT is atomic: readers never see a partial object.
+        self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def describe(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self.prefix}{key}"
+
+
+def make_s3_client():
+    """A boto3 S3 client from a Prefect credentials block or the standard AWS chain."""
+    from botocore.config import Config
+
+    settings = get_settings()
+    config = Config(retries={"max_attempts": 5, "mode": "adaptive"}, max_pool_connections=64)
+    if settings.minio_credentials_block:
+        from prefect_aws import MinIOCredentials
+
+        creds = MinIOCredentials.load(settings.minio_credentials_block)
+        return creds.get_client("s3")
+    if settings.aws_credentials_block:
+        from prefect_aws import AwsCredentials
+
+        creds = AwsCredentials.load(settings.aws_credentials_block)
+        return creds.get_boto3_session().client(
+            "s3", endpoint_url=settings.s3_endpoint_url, config=config
+        )
+    import boto3
+
+    return boto3.session.Session().client("s3", endpoint_url=settings.s3_endpoint_url, config=config)
+
+
+def open_storage(uri: str, *, create: bool = False) -> Storage:
+    """A Storage for `s3://bucket/prefix`, `file:///path` or a plain local path."""
+    if not uri or not uri.strip():
+        raise StorageError("empty storage location: give a folder or an s3://bucket/prefix URI")
+    parsed = urlparse(uri)
+    if parsed.scheme in ("s3", "s3a"):
+        if not parsed.netloc:
+            raise StorageError(f"{uri}: missing bucket name; use s3://BUCKET/PREFIX/")
+        return S3Storage(parsed.netloc, parsed.path.lstrip("/"))
+    if parsed.scheme == "file":
+        return LocalStorage(parsed.path, create=create)
+    if parsed.scheme and len(parsed.scheme) > 1:  # "C:" on Windows is a drive, not a scheme
+        raise StorageError(
+            f"{uri}: unsupported scheme {parsed.scheme!r}. Use s3://bucket/prefix "
+            "(AWS S3, MinIO, R2, Ceph via VLM_CAPTION_S3_ENDPOINT_URL) or a local folder."
+        )
+    return LocalStorage(uri, create=create)

@@ -1,0 +1,134 @@
+"""Tiny random-weight LLaVA-1.5 checkpoints, for the offline demo and the tests.
+
+Real weights cannot be downloaded everywhere (CI has no network), but the whole pipeline --
+processor, placeholder expansion, vision tower, generation -- can still run for real on a model
+of the right *shape*. Captions from such a model are noise; the demo says so loudly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Words the tokenizer is trained on: enough that prompts and random output decode to text.
+_CORPUS = (
+    "USER ASSISTANT Describe the content of this image in detail . What is in the picture ? "
+    "a an the of and with on in at red green blue yellow circle square triangle sky grass water "
+    "dog cat bird tree house car person sun cloud road field city night day small large bright "
+    "dark colourful shape pattern background foreground left right top bottom centre text"
+)
+IMAGE_SIDE = 112  # pixels; with patch 14 this gives 64 image tokens per picture
+PATCH = 14
+
+
+def train_tokenizer(special_tokens: list[str], vocab_size: int = 600):
+    """A byte-level BPE tokenizer trained in-process; every string encodes and decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+def save_fast_tokenizer(tok, out: Path, *, bos: str, eos: str, extra: dict | None = None):
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token=None, pad_token=eos,
+        **(extra or {}),
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_tiny_llava(out: str | Path, seed: int = 0) -> Path:
+    """Write a ~2 MB LLaVA-1.5-shaped checkpoint (CLIP tower + Llama LM) to `out`.
+
+    Shapes are chosen for vLLM's CPU backend: attention head_dim 64 (it rejects 16).
+    Idempotent: an existing complete checkpoint is reused.
+    """
+    out = Path(out)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    torch.manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(["<unk>", "<s>", "</s>", "<image>", "<pad>"])
+    fast = save_fast_tokenizer(tok, out, bos="<s>", eos="</s>")
+    image_token_id = fast.convert_tokens_to_ids("<image>")
+
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+            image_size=IMAGE_SIDE, patch_size=PATCH, projection_dim=64,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+            bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+            pad_token_id=fast.pad_token_id, torch_dtype="float32",
+        ),
+        image_token_index=image_token_id,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        image_seq_length=(IMAGE_SIDE // PATCH) ** 2,
+    )
+    model = LlavaForConditionalGeneration(config).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    _to_hub_layout(out / "model.safetensors", load_file, save_file)
+
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIDE}, crop_size={"height": IMAGE_SIDE, "width": IMAGE_SIDE},
+        ),
+        tokenizer=fast,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(out)
+    (out / "TINY_RANDOM_WEIGHTS").write_text("Random weights: outputs are noise.\n")
+    return out
+
+
+def _to_hub_layout(path: Path, load_file, save_file) -> None:
+    """transformers 5 saves the CLIP tower as `vision_tower.*` (or `model.vision_tower.*`);
+    vLLM 0.26 loads the hub layout: `vision_tower.vision_model.*`, `language_model.model.*`,
+    `language_model.lm_head.*`, `multi_modal_projector.*`."""
+    tensors = load_file(str(path))
+    renamed = {}
+    for key, value in tensors.items():
+        new = key.removeprefix("model.")
+        if new.startswith("vision_tower.") and not new.startswith("vision_tower.vision_model."):
+            new = "vision_tower.vision_model." + new[len("vision_tower."):]
+        elif new.startswith("language_model.") and not new.startswith(
+            ("language_model.model.", "language_model.lm_head.")
+        ):
+            new = "language_model.model." + new[len("language_model."):]
+        elif new.startswith("lm_head."):
+            new = "language_model." + new
+        renamed[new] = value.contiguous()
+    save_file(renamed, str(path), metadata={"format": "pt"})
+
+
+def is_tiny_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / "TINY_RANDOM_WEIGHTS").exists()
