@@ -8,6 +8,7 @@ overrides, and reused by every shard this worker process handles.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,11 @@ from recipes import Recipe, RecipeError, get_recipe
 from recipes.base import MEDIA_KIND
 from recipes.requests import render_chat, resolve_stop_ids
 from tasks.records import GenerationOutput
+
+# Importing vLLM otherwise runs logging.config.dictConfig, which shuts down every handler in the
+# process -- Prefect's API log handler included, whose flush then deadlocks inside a running
+# flow. With this, vLLM's warnings still reach the root logger that Prefect configures.
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_MAX_TOKENS = 256

@@ -87,7 +87,7 @@ def load_done_index(output_uri: str, fingerprint: str) -> dict[str, DoneEntry]:
     out = open_storage(output_uri, create=True)
     done: dict[str, DoneEntry] = {}
     for part in out.iter_objects(glob="*.jsonl", prefix=results_prefix(fingerprint)):
-        for line in out.read(results_prefix(fingerprint) + part.key).splitlines():
+        for line in out.read(part.key).splitlines():  # keys are relative to the storage root
             if not line.strip():
                 continue
             record = ResultRecord.model_validate_json(line)

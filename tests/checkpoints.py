@@ -1,0 +1,20 @@
+"""Tiny random-weight checkpoints for tests: one builder per architecture, shared by suites.
+
+`build_checkpoint("llava", folder)` writes a checkpoint real vLLM can load. Builders are cached
+per folder, so several suites in one session share the same files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tasks.tiny_checkpoint import build_tiny_llava
+
+BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "llava": build_tiny_llava,
+}
+
+
+def build_checkpoint(architecture: str, root: Path) -> Path:
+    return BUILDERS[architecture](root / architecture)

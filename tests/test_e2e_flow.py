@@ -1,0 +1,110 @@
+"""End to end: a bucket of images -> the vlm-caption flow (real vLLM on CPU, real Prefect API,
+real S3 over HTTP) -> one record per object in the bucket; a rerun recomputes nothing."""
+
+import json
+
+import pytest
+
+from flows.caption import vlm_caption
+from flows.params import CaptionJob
+from tests.images import corrupt_jpeg, image_bytes
+
+
+BUCKET = "media"
+
+
+def _upload_images(s3_client) -> dict[str, bytes]:
+    s3_client.create_bucket(Bucket=BUCKET)
+    objects = {}
+    for i in range(18):
+        fmt = ("JPEG", "PNG", "WEBP")[i % 3]
+        color = (i * 13 % 256, 255 - i * 9 % 256, i * 29 % 256)
+        objects[f"images/{i:02d}.{fmt.lower()}"] = image_bytes(fmt, size=(96 + i, 72), color=color)
+    objects["images/broken.jpg"] = corrupt_jpeg()
+    objects["images/notes.txt"] = b"this is not an image"
+    for key, body in objects.items():
+        s3_client.put_object(Bucket=BUCKET, Key=key, Body=body)
+    return objects
+
+
+def _records(s3_client, prefix: str) -> list[dict]:
+    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+    records = []
+    for key in sorted(k for k in keys if k.endswith(".jsonl")):
+        body = s3_client.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+        records += [json.loads(line) for line in body.splitlines() if line]
+    return records
+
+
+def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client, tiny_llava):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    objects = _upload_images(s3_client)
+    job = CaptionJob(
+        source=f"s3://{BUCKET}/images/", output=f"s3://{BUCKET}/captions/", recipe="llava",
+        model=str(tiny_llava), shard_size=6, sampling={"max_tokens": 8},
+    )
+
+    state = vlm_caption(job, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    records = _records(s3_client, "captions/results/")
+
+    # One record per object, each with its content hash and a caption or an error.
+    assert sorted(r["key"] for r in records) == sorted(k.removeprefix("images/") for k in objects)
+    by_key = {r["key"]: r for r in records}
+    assert by_key["broken.jpg"]["error"]["kind"] == "decode"
+    assert by_key["notes.txt"]["error"]["kind"] == "decode"
+    good = [r for r in records if r["error"] is None]
+    assert len(good) == 18
+    import hashlib
+    for r in good:
+        assert r["text"] is not None and r["finish_reason"] in ("length", "stop")
+        assert r["sha256"] == hashlib.sha256(objects["images/" + r["key"]]).hexdigest()
+        assert r["prompt"] == "USER: <image>\nDescribe the content of this image in detail.\nASSISTANT:"
+        assert r["prompt_tokens"] > 60 and 0 < r["output_tokens"] <= 8  # 64 image tokens + text
+        assert r["recipe"] == "llava" and r["model"] == str(tiny_llava)
+
+    # The manifest, written last, adds up.
+    manifest = json.loads(s3_client.get_object(Bucket=BUCKET, Key=f"captions/manifests/{summary['run_id']}.json")["Body"].read())
+    counts = manifest["counts"]
+    assert counts["listed"] == 20 and counts["processed"] == 20
+    assert counts["succeeded"] + counts["failed"] == counts["processed"]
+    assert counts["failed_by_kind"] == {"decode": 2}
+    assert sorted(f["key"] for f in manifest["failures"]) == ["broken.jpg", "notes.txt"]
+    assert counts["output_tokens"] == sum(r["output_tokens"] for r in records)
+    assert len(manifest["parts"]) == 4  # 20 objects / shard size 6
+    assert manifest["parameters"]["recipe"] == "llava" and "prefect" in manifest["versions"]
+
+    # The Prefect API knows the run: Completed, named after recipe and source, with artifacts and logs.
+    flow_run_id = state.state_details.flow_run_id
+    APILogHandler().flush()  # logs are shipped in batches; send what is queued
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+        assert run.state.is_completed()
+        assert run.name == f"llava · s3://{BUCKET}/images/"
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+        by_key = {a.key: a for a in artifacts}
+        assert by_key["vlm-caption-progress"].data == 100.0
+        table = by_key["vlm-caption-summary"].data
+        table = json.loads(table) if isinstance(table, str) else table
+        assert {"metric": "succeeded", "value": "18"} in table
+        assert "vlm-caption-samples" in by_key
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        assert any('"event": "shard done"' in log.message for log in logs)
+
+    # Same parameters again: everything is already done; nothing recomputed or duplicated.
+    again = vlm_caption(job)
+    assert again["listed"] == 20 and again["skipped_already_done"] == 20 and again["processed"] == 0
+    assert len(_records(s3_client, "captions/results/")) == 20
+
+    # A new object is the only thing the next run computes.
+    s3_client.put_object(Bucket=BUCKET, Key="images/new.png", Body=image_bytes("PNG", color=(1, 2, 3)))
+    third = vlm_caption(job)
+    assert third["processed"] == 1 and third["succeeded"] == 1 and third["skipped_already_done"] == 20
+    assert len(_records(s3_client, "captions/results/")) == 21

@@ -1,0 +1,41 @@
+import pytest
+
+from tasks.media import MediaError, decode_image
+from tests.images import corrupt_jpeg, image_bytes
+
+
+def test_exif_orientation_is_applied():
+    # Orientation 6 = rotated 90 degrees: a 64x48 file shows as 48x64.
+    image = decode_image(image_bytes("JPEG", size=(64, 48), exif_orientation=6), max_pixels=10**6)
+    assert image.size == (48, 64)
+
+
+@pytest.mark.parametrize("fmt, mode", [("PNG", "RGBA"), ("PNG", "L"), ("WEBP", "RGB"), ("GIF", "RGB")])
+def test_any_mode_becomes_rgb(fmt, mode):
+    assert decode_image(image_bytes(fmt, mode=mode), max_pixels=10**6).mode == "RGB"
+
+
+def test_transparency_is_flattened_onto_white():
+    from PIL import Image
+    import io
+
+    buf = io.BytesIO()
+    Image.new("RGBA", (4, 4), (0, 0, 0, 0)).save(buf, "PNG")
+    assert decode_image(buf.getvalue(), max_pixels=100).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_corrupt_image_is_a_decode_error():
+    with pytest.raises(MediaError) as info:
+        decode_image(corrupt_jpeg(), max_pixels=10**6)
+    assert info.value.error.kind == "decode" and not info.value.error.retryable
+
+
+def test_non_image_is_a_decode_error():
+    with pytest.raises(MediaError, match="not an image"):
+        decode_image(b"just some text, not pixels", max_pixels=10**6)
+
+
+def test_pixel_guard_refuses_huge_images_without_decoding_them():
+    with pytest.raises(MediaError) as info:
+        decode_image(image_bytes("PNG", size=(200, 100)), max_pixels=10_000)
+    assert info.value.error.kind == "too_large" and "VLM_CAPTION_MAX_IMAGE_PIXELS" in str(info.value)
