@@ -11,7 +11,9 @@ from importlib import import_module
 
 from recipes.base import EOS_TOKEN, MODALITIES, LoraSpec, Modality, Prompting, Recipe, RecipeError
 
-_FAMILY_MODULES = ("llava",)
+_FAMILY_MODULES = (
+    "llava", "qwen", "internvl", "google", "glm", "phi", "mistral", "idefics", "minicpm", "ocr", "others",
+)
 
 __all__ = [
     "EOS_TOKEN", "MODALITIES", "LoraSpec", "Modality", "Prompting", "Recipe", "RecipeError",

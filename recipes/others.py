@@ -1,0 +1,81 @@
+"""Model families with one or two members each."""
+
+from recipes.base import Prompting, Recipe
+
+_COHERE = ("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{media}{question}<|END_OF_TURN_TOKEN|>"
+           "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+_ARIA = "<|im_start|>user\n{media}{question}<|im_end|>\n<|im_start|>assistant\n"
+_OVIS25 = "<|im_start|>user\n\n{media}\n{question}<|im_end|>\n<|im_start|>assistant\n"
+_ERNIE = "<|begin_of_sentence|>User: {question}{media}\nAssistant: <think></think>"
+_PARTS = Prompting(chat="parts")
+
+RECIPES = (
+    Recipe(name="aria", family="aria", model="rhymes-ai/Aria", max_model_len=4096,
+           engine_args={"dtype": "bfloat16"},
+           image=Prompting(template=_ARIA, media="<fim_prefix><|img|><fim_suffix>"),
+           multi_image=Prompting(template=_ARIA, media="<fim_prefix><|img|><fim_suffix>\n",
+                                 engine_args={"max_model_len": None, "tokenizer_mode": "slow",
+                                              "trust_remote_code": True}),
+           stop_token_ids=(93532, 93653, 944, 93421, 1019, 93653, 93519)),
+    Recipe(name="aya_vision", family="cohere", model="CohereForAI/aya-vision-8b", max_model_len=2048,
+           engine_args={"mm_processor_kwargs": {"crop_to_patches": True}},
+           image=Prompting(template=_COHERE, media="<image>")),
+    Recipe(name="command_a_vision", family="cohere", model="CohereLabs/command-a-vision-07-2025",
+           max_model_len=32768, engine_args={"tensor_parallel_size": 4},
+           image=Prompting(template=_COHERE, media="<|IMG_PATCH|>")),
+    Recipe(name="bee", family="bee", model="Open-Bee/Bee-8B-RL", max_model_len=16384,
+           engine_args={"trust_remote_code": True},
+           image=Prompting(template="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                           "<|im_start|>user\n{media}\n{question}<|im_end|><|im_start|>assistant\n<think>\n",
+                           media="<image>")),
+    # The BLIP-2 format on the model card is inaccurate; this is the one that works.
+    Recipe(name="blip-2", family="blip", aliases=("blip2",), model="Salesforce/blip2-opt-2.7b",
+           image=Prompting(template="Question: {question} Answer:")),
+    Recipe(name="chameleon", family="chameleon", model="facebook/chameleon-7b", max_model_len=4096,
+           image=Prompting(template="{question}{media}", media="<image>")),
+    Recipe(name="deepseek_vl_v2", family="deepseek", model="deepseek-ai/deepseek-vl2-tiny", max_model_len=4096,
+           engine_args={"hf_overrides": {"architectures": ["DeepseekVLV2ForCausalLM"]}},
+           image=Prompting(template="<|User|>: {media}\n{question}\n\n<|Assistant|>:", media="<image>"),
+           multi_image=Prompting(template="<|User|>: {media}{question}\n\n<|Assistant|>:",
+                                 media="image_{i}:<image>\n")),
+    Recipe(name="ernie45_vl", family="ernie", model="baidu/ERNIE-4.5-VL-28B-A3B-PT", max_model_len=4096,
+           engine_args={"trust_remote_code": True},
+           image=Prompting(template=_ERNIE, media="Picture 1:<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>"),
+           video=Prompting(template=_ERNIE, media="Video 1:<|VIDEO_START|><|video@placeholder|><|VIDEO_END|>")),
+    Recipe(name="fuyu", family="fuyu", model="adept/fuyu-8b", max_model_len=2048,
+           image=Prompting(template="{question}\n")),
+    Recipe(name="hyperclovax_seed_vision", family="hyperclovax",
+           model="naver-hyperclovax/HyperCLOVAX-SEED-Vision-Instruct-3B",
+           engine_args={"trust_remote_code": True},
+           # Empty ocr/lens fields: the chat template can carry OCR words and entity names.
+           image=Prompting(chat="parts", engine_args={"max_model_len": 8192},
+                           part_extra={"ocr": "", "lens_keywords": "", "lens_local_keywords": ""}),
+           video=Prompting(chat="parts", engine_args={"max_model_len": 16384})),
+    Recipe(name="kimi_vl", family="kimi", model="moonshotai/Kimi-VL-A3B-Instruct", max_model_len=4096,
+           engine_args={"trust_remote_code": True},
+           image=Prompting(template="<|im_user|>user<|im_middle|>{media}{question}<|im_end|>"
+                           "<|im_assistant|>assistant<|im_middle|>",
+                           media="<|media_start|>image<|media_content|><|media_pad|><|media_end|>")),
+    Recipe(name="llama4", family="llama", model="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+           max_model_len=8192, engine_args={"tensor_parallel_size": 8}, image=_PARTS),
+    Recipe(name="mllama", family="llama", model="meta-llama/Llama-3.2-11B-Vision-Instruct",
+           max_model_len=4096,
+           multi_image=Prompting(template="{media}<|begin_of_text|>{question}", media="<|image|>")),
+    Recipe(name="minimax_vl_01", family="minimax", model="MiniMaxAI/MiniMax-VL-01",
+           engine_args={"trust_remote_code": True, "tensor_parallel_size": 8}, image=_PARTS),
+    Recipe(name="molmo", family="molmo", model="allenai/Molmo-7B-D-0924",
+           engine_args={"trust_remote_code": True, "dtype": "bfloat16"},
+           image=Prompting(template="<|im_start|>user {media}\n{question}<|im_end|><|im_start|>assistant\n",
+                           media="<image>")),
+    Recipe(name="ovis", family="ovis", model="AIDC-AI/Ovis2-1B", max_model_len=4096,
+           engine_args={"trust_remote_code": True, "dtype": "half"},
+           image=Prompting(chat="text", template="{media}\n{question}", media="<image>")),
+    Recipe(name="ovis2_5", family="ovis", model="AIDC-AI/Ovis2.5-2B", max_model_len=4096,
+           engine_args={"trust_remote_code": True, "dtype": "half"},
+           image=Prompting(template=_OVIS25, media="<image>"),
+           video=Prompting(template=_OVIS25, media="<video>")),
+    Recipe(name="step3", family="step", model="stepfun-ai/step3-fp8",
+           engine_args={"tensor_parallel_size": 8, "reasoning_parser": "step3"},
+           image=Prompting(template="<|begin\u2581of\u2581sentence|> You are a helpful assistant. <|BOT|>user\n "
+                           "{media}{question} <|EOT|><|BOT|>assistant\n<think>\n", media="<im_patch>")),
+)
