@@ -1,0 +1,35 @@
+"""The real-processor matrix: recipes' prompts on tiny checkpoints through the CPU build of vLLM.
+
+Each architecture runs in its own process (one engine per process, as in production).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.checkpoints import build_checkpoint
+
+# architecture (checkpoint builder) -> (recipe, modalities run through vLLM)
+MATRIX = {
+    "llava": ("llava", ["image"]),
+    "qwen2_vl": ("qwen2_vl", ["image", "video"]),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(MATRIX))
+def test_recipe_prompts_pass_real_vllm_processors(architecture, checkpoints_root):
+    recipe, modalities = MATRIX[architecture]
+    checkpoint = build_checkpoint(architecture, checkpoints_root)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.matrix_worker", recipe, str(checkpoint), *modalities],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["modality"] for r in results] == modalities
+    for result in results:
+        assert result["output_tokens"] > 0
+        assert result["prompt_tokens"] > len(result["prompt"]) // 8  # media placeholders were expanded
