@@ -58,7 +58,6 @@ def build_tiny_llava(out: str | Path, seed: int = 0) -> Path:
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
     import torch
-    from safetensors.torch import load_file, save_file
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -93,7 +92,7 @@ def build_tiny_llava(out: str | Path, seed: int = 0) -> Path:
     )
     model = LlavaForConditionalGeneration(config).eval()
     model.save_pretrained(out, safe_serialization=True)
-    _to_hub_layout(out / "model.safetensors", load_file, save_file)
+    to_hub_layout(out / "model.safetensors")
 
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(
@@ -110,10 +109,12 @@ def build_tiny_llava(out: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def _to_hub_layout(path: Path, load_file, save_file) -> None:
+def to_hub_layout(path: Path) -> None:
     """transformers 5 saves the CLIP tower as `vision_tower.*` (or `model.vision_tower.*`);
     vLLM 0.26 loads the hub layout: `vision_tower.vision_model.*`, `language_model.model.*`,
-    `language_model.lm_head.*`, `multi_modal_projector.*`."""
+    `language_model.lm_head.*`, `multi_modal_projector.*` (LLaVA, PaliGemma)."""
+    from safetensors.torch import load_file, save_file
+
     tensors = load_file(str(path))
     renamed = {}
     for key, value in tensors.items():

@@ -10,11 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tasks.tiny_checkpoint import build_tiny_llava
+from tests.tiny_paligemma import build_tiny_paligemma
 from tests.tiny_qwen2_vl import build_tiny_qwen2_vl
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llava": build_tiny_llava,
     "qwen2_vl": build_tiny_qwen2_vl,
+    "paligemma": build_tiny_paligemma,
 }
 
 

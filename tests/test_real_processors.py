@@ -16,6 +16,7 @@ from tests.checkpoints import build_checkpoint
 MATRIX = {
     "llava": ("llava", ["image"]),
     "qwen2_vl": ("qwen2_vl", ["image", "video"]),
+    "paligemma": ("paligemma", ["image"]),
 }
 
 
