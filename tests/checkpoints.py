@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tasks.tiny_checkpoint import build_tiny_llava
+from tests.tiny_idefics3 import build_tiny_idefics3
 from tests.tiny_paligemma import build_tiny_paligemma
 from tests.tiny_qwen2_vl import build_tiny_qwen2_vl
 
@@ -17,6 +18,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llava": build_tiny_llava,
     "qwen2_vl": build_tiny_qwen2_vl,
     "paligemma": build_tiny_paligemma,
+    "idefics3": build_tiny_idefics3,
 }
 
 

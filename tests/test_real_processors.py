@@ -17,6 +17,7 @@ MATRIX = {
     "llava": ("llava", ["image"]),
     "qwen2_vl": ("qwen2_vl", ["image", "video"]),
     "paligemma": ("paligemma", ["image"]),
+    "idefics3": ("idefics3", ["multi-image", "image"]),  # engine sized by the first
 }
 
 
