@@ -7,7 +7,6 @@ of the right *shape*. Captions from such a model are noise; the demo says so lou
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 # Words the tokenizer is trained on: enough that prompts and random output decode to text.
