@@ -36,11 +36,13 @@ def train_tokenizer(special_tokens: list[str], vocab_size: int = 600):
     return tok
 
 
-def save_fast_tokenizer(tok, out: Path, *, bos: str, eos: str, extra: dict | None = None):
+def save_fast_tokenizer(tok, out: Path, *, eos: str, bos: str | None = None, pad: str | None = None,
+                        unk: str | None = None, extra: dict | None = None):
+    """Wrap a trained tokenizer as a `PreTrainedTokenizerFast` and save it; pad defaults to eos."""
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token=None, pad_token=eos,
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad or eos,
         **(extra or {}),
     )
     fast.save_pretrained(out)
@@ -111,7 +113,7 @@ def build_tiny_llava(out: str | Path, seed: int = 0) -> Path:
 def to_hub_layout(path: Path) -> None:
     """transformers 5 saves the CLIP tower as `vision_tower.*` (or `model.vision_tower.*`);
     vLLM 0.26 loads the hub layout: `vision_tower.vision_model.*`, `language_model.model.*`,
-    `language_model.lm_head.*`, `multi_modal_projector.*` (LLaVA, PaliGemma)."""
+    `language_model.lm_head.*`, `multi_modal_projector.*` (LLaVA, LLaVA-NeXT, PaliGemma, Gemma 3)."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(path))

@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tasks.tiny_checkpoint import build_tiny_llava
+from tests.tiny_gemma3 import build_tiny_gemma3
 from tests.tiny_idefics3 import build_tiny_idefics3
+from tests.tiny_llava_next import build_tiny_llava_next
 from tests.tiny_paligemma import build_tiny_paligemma
 from tests.tiny_qwen2_vl import build_tiny_qwen2_vl
 
@@ -19,6 +21,8 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "qwen2_vl": build_tiny_qwen2_vl,
     "paligemma": build_tiny_paligemma,
     "idefics3": build_tiny_idefics3,
+    "llava_next": build_tiny_llava_next,
+    "gemma3": build_tiny_gemma3,
 }
 
 

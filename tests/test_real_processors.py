@@ -18,6 +18,8 @@ MATRIX = {
     "qwen2_vl": ("qwen2_vl", ["image", "video"]),
     "paligemma": ("paligemma", ["image"]),
     "idefics3": ("idefics3", ["multi-image", "image"]),  # engine sized by the first
+    "llava_next": ("llava-next", ["image"]),
+    "gemma3": ("gemma3", ["multi-image", "image"]),
 }
 
 

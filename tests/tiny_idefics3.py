@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.tiny_checkpoint import train_tokenizer
+from tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 
 SIDE, PATCH, SCALE = 56, 14, 2  # (56/14)^2 / 2^2 = 4 tokens per tile
 SPECIALS = ["<unk>", "<|begin_of_text|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>",
@@ -17,13 +17,12 @@ def build_tiny_idefics3(out: Path, seed: int = 0) -> Path:
         return out
     import torch
     from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
-                              Idefics3Processor, PreTrainedTokenizerFast)
+                              Idefics3Processor)
 
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(SPECIALS), bos_token="<|begin_of_text|>",
-                                   eos_token="<end_of_utterance>", pad_token="<pad>", unk_token="<unk>")
-    fast.save_pretrained(out)
+    fast = save_fast_tokenizer(train_tokenizer(SPECIALS), out, bos="<|begin_of_text|>",
+                               eos="<end_of_utterance>", pad="<pad>", unk="<unk>")
     config = Idefics3Config(
         vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
                            image_size=SIDE, patch_size=PATCH),

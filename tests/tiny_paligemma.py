@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.tiny_checkpoint import to_hub_layout, train_tokenizer
+from tasks.tiny_checkpoint import save_fast_tokenizer, to_hub_layout, train_tokenizer
 
 SIDE, PATCH = 56, 14  # 16 image tokens
 
@@ -15,13 +15,13 @@ def build_tiny_paligemma(out: Path, seed: int = 0) -> Path:
         return out
     import torch
     from transformers import (GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration,
-                              PaliGemmaProcessor, PreTrainedTokenizerFast, SiglipImageProcessor,
+                              PaliGemmaProcessor, SiglipImageProcessor,
                               SiglipVisionConfig)
 
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]),
-                                   bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    fast = save_fast_tokenizer(train_tokenizer(["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]), out,
+                               bos="<bos>", eos="<eos>", pad="<pad>", unk="<unk>")
     image_processor = SiglipImageProcessor(size={"height": SIDE, "width": SIDE})
     image_processor.image_seq_length = (SIDE // PATCH) ** 2
     processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=fast)  # adds <loc>/<seg> tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.tiny_checkpoint import train_tokenizer
+from tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]
@@ -21,11 +21,7 @@ def build_tiny_qwen2_vl(out: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    from transformers import PreTrainedTokenizerFast
-
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(SPECIALS), eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
-    fast.save_pretrained(out)
+    fast = save_fast_tokenizer(train_tokenizer(SPECIALS), out, eos="<|im_end|>", pad="<|endoftext|>")
     ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
     config = Qwen2VLConfig(
         text_config=dict(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
