@@ -4,29 +4,37 @@
                                                                    ├─> generate (vLLM) ─> write part
                                prepare overlaps the current generate┘
     ... all shards ──> manifest ──> summary artifacts
+
+With `fan_out=N` the run also starts N-1 child runs (tasks/fanout.py), captions partition 0
+itself, waits for the children and merges their reports into the one manifest.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import uuid
 
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.params import CaptionJob
-from recipes import get_recipe
+from flows.params import CaptionJob, Partition
+from recipes import Recipe, get_recipe
 from tasks.engine import EngineSpec, Sampling, check_remote_code
+from tasks.fanout import FanOutError, start_children, wait_for_children
 from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary
 from tasks.records import job_fingerprint
-from tasks.report import RunStats
+from tasks.report import PartitionReport, RunStats
 from tasks.steps import (
     generate_shard,
     list_source,
     load_done_index,
     prepare_shard,
+    read_partition_reports,
     start_engine,
     write_manifest,
+    write_partition_report,
     write_shard,
 )
 
@@ -34,11 +42,20 @@ from tasks.steps import (
 def _run_name() -> str:
     job = flow_run.parameters.get("job", {})
     job = job if isinstance(job, dict) else job.model_dump()
-    return f"{job.get('recipe', 'llava')} · {job.get('source', '?')}"
+    name = f"{job.get('recipe', 'llava')} · {job.get('source', '?')}"
+    part = job.get("partition")
+    return f"{name} [{part['index'] + 1}/{part['count']}]" if part else name
 
 
 def _run_id() -> str:
     return str(flow_run.id or uuid.uuid4())[:8] + time.strftime("-%Y%m%dT%H%M%S", time.gmtime())
+
+
+def _where() -> dict:
+    """Which worker, host and GPU ran this partition (shown in the manifest)."""
+    return {"flow_run_id": str(flow_run.id) if flow_run.id else None,
+            "worker": os.environ.get("PREFECT__WORKER_NAME"), "host": socket.gethostname(),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 @flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False)
@@ -47,54 +64,97 @@ def vlm_caption(job: CaptionJob) -> dict:
     configure_logging()
     recipe = get_recipe(job.recipe)
     check_remote_code(recipe, job.trust_remote_code)  # refuse before touching storage or GPU
-    run_id = _run_id()
+    run_id = job.partition.run_id if job.partition else _run_id()
+    fingerprint = job_fingerprint(recipe=recipe.name, model=recipe.model_for(job.modality, job.model),
+                                  question=job.question, sampling=job.sampling.fingerprint_dict())
+    log = get_logger(run_id=run_id, recipe=recipe.name, fingerprint=fingerprint)
+
+    own = job.partition or (Partition(index=0, count=job.fan_out, run_id=run_id) if job.fan_out > 1 else None)
+    children = []
+    if job.fan_out > 1:
+        child_jobs = {i: job.model_copy(update={"fan_out": 1, "partition": own.model_copy(update={"index": i})})
+                      .model_dump(mode="json") for i in range(1, job.fan_out)}
+        children = start_children(job.partition_deployment, child_jobs, _run_name(),
+                                  attempt=flow_run.run_count or 1, parent_run_id=run_id)
+
+    stats, engine = caption_shards(job, recipe, fingerprint, run_id, own, log)
+    mine = stats.report(own.index if own else 0, engine, **_where())
+    if job.partition is not None:  # a child: the parent writes the run's one manifest
+        write_partition_report(job.output, run_id, mine)
+        publish_summary({**stats.summary(), "recipe": recipe.name, "partition": f"{own.index + 1}/{own.count}"},
+                        stats.samples)
+        return {**stats.summary(), "run_id": run_id, "partition": own.index, "fingerprint": fingerprint}
+
+    partitions = [mine] + merge_children(job.output, run_id, children, stats) if children else []
+    manifest = stats.manifest(run_id=run_id, parameters=job.model_dump(mode="json"),
+                              fingerprint=fingerprint, engine=engine,
+                              partitions=[p.brief() for p in partitions])
+    manifest_uri = write_manifest(job.output, run_id, manifest)
+    summary = stats.summary()
+    publish_summary({**summary, "recipe": recipe.name, "model": engine["model"]
+                     if engine else recipe.model_for(job.modality, job.model),
+                     "partitions": len(partitions) or 1, "manifest": manifest_uri}, stats.samples)
+    emit("run.completed", run_id, **summary)
+    log.info("run finished", manifest=manifest_uri, **summary)
+    incomplete = {p.index: p.state for p in partitions if p.state != "COMPLETED"}
+    if incomplete:
+        raise FanOutError(f"partitions {incomplete} did not complete; {manifest_uri} counts what was done. "
+                          "Run the deployment again: objects already done are skipped.")
+    return {**summary, "run_id": run_id, "manifest": manifest_uri, "fingerprint": fingerprint,
+            "failures": stats.failures}
+
+
+def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str,
+                   partition: Partition | None, log) -> tuple[RunStats, dict | None]:
+    """List this run's objects (one partition of them when fanned out) and caption them shard by
+    shard, fetching the next shard while the current one is on the GPU."""
     spec = EngineSpec.build(job.recipe, modality=job.modality, model=job.model,
                             engine_overrides=job.engine_overrides,
                             trust_remote_code=job.trust_remote_code)
     sampling = Sampling(**job.sampling.model_dump())
-    fingerprint = job_fingerprint(recipe=recipe.name, model=recipe.model_for(job.modality, job.model),
-                                  question=job.question, sampling=job.sampling.fingerprint_dict())
-    log = get_logger(run_id=run_id, recipe=recipe.name, fingerprint=fingerprint)
+    parts_id = f"{run_id}-p{partition.index}" if partition else run_id
     stats = RunStats()
-
-    shards = list_source(job.source, job.glob, job.shard_size, job.limit)
+    shards = list_source(job.source, job.glob, job.shard_size, job.limit,
+                         (partition.index, partition.count) if partition else None)
     done = load_done_index(job.output, fingerprint)
     progress = Progress(len(shards), f"Captioning {job.source} with {recipe.name}")
     log.info("run started", source=job.source, output=job.output, shards=len(shards),
-             already_done=len(done))
+             already_done=len(done), partition=parts_id)
 
     engine = None
     writes = []
     next_prepared = prepare_shard.submit(job.source, shards[0], done) if shards else None
     for position, shard in enumerate(shards):
         prepared = next_prepared.result()
-        # Fetch and decode the next shard while this one is on the GPU.
         has_next = position + 1 < len(shards)
         next_prepared = prepare_shard.submit(job.source, shards[position + 1], done) if has_next else None
         records, generate_s = [], 0.0
         if prepared.items:
             engine = engine or start_engine(spec)
             started = time.perf_counter()
-            records = generate_shard(spec, prepared, job.question, sampling, fingerprint, run_id)
+            records = generate_shard(spec, prepared, job.question, sampling, fingerprint, parts_id)
             generate_s = time.perf_counter() - started
-        writes.append(write_shard.submit(job.output, fingerprint, run_id, shard.index, records))
+        writes.append(write_shard.submit(job.output, fingerprint, parts_id, shard.index, records))
         stats.add(prepared, records, generate_s)
         failed = sum(1 for r in records if r.error)
         percent = progress.advance()
         emit("shard.failed" if failed else "shard.completed", run_id, shard=shard.index,
-             objects=len(shard.objects), skipped=prepared.skipped, failed=failed)
+             partition=partition.index if partition else 0, objects=len(shard.objects),
+             skipped=prepared.skipped, failed=failed)
         log.info("shard done", shard=shard.index, objects=len(shard.objects),
                  skipped=prepared.skipped, failed=failed, progress=percent)
-
     stats.parts = [part for part in (w.result() for w in writes) if part]
-    manifest = stats.manifest(run_id=run_id, parameters=job.model_dump(mode="json"),
-                              fingerprint=fingerprint, engine=engine)
-    manifest_uri = write_manifest(job.output, run_id, manifest)
-    summary = stats.summary()
-    publish_summary({**summary, "recipe": recipe.name, "model": manifest["engine"]["model"]
-                     if engine else recipe.model_for(job.modality, job.model),
-                     "manifest": manifest_uri}, stats.samples)
-    emit("run.completed", run_id, **summary)
-    log.info("run finished", manifest=manifest_uri, **summary)
-    return {**summary, "run_id": run_id, "manifest": manifest_uri, "fingerprint": fingerprint,
-            "failures": stats.failures}
+    return stats, engine
+
+
+def merge_children(output: str, run_id: str, children, stats: RunStats) -> list[PartitionReport]:
+    """Wait for the child runs, then add each one's report to this run's counts."""
+    states = wait_for_children(children)
+    reports = read_partition_reports(output, run_id, [child.index for child in children])
+    merged = []
+    for child in children:
+        report = reports.get(child.index) or PartitionReport(index=child.index, flow_run_id=child.flow_run_id)
+        report.state = states[child.index] if child.index in reports else states[child.index] + " (no report)"
+        stats.absorb(report)
+        merged.append(report)
+    return merged

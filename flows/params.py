@@ -26,6 +26,22 @@ class SamplingSettings(BaseModel):
         return self.model_dump()
 
 
+class Partition(BaseModel):
+    """Which slice of the listing a child run of a fanned-out job captions (set by the parent)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int = Field(..., ge=0)
+    count: int = Field(..., ge=2)
+    run_id: str = Field(..., min_length=1, description="The parent run's id: names parts and reports.")
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> Partition:
+        if self.index >= self.count:
+            raise ValueError(f"partition index {self.index} out of range for {self.count} partitions")
+        return self
+
+
 class CaptionJob(BaseModel):
     """Caption every image under `source` with a recipe's model and write one record per image."""
 
@@ -49,6 +65,17 @@ class CaptionJob(BaseModel):
     trust_remote_code: bool = Field(
         False, description="Allow recipes whose model runs its repository's own Python code."
     )
+    fan_out: int = Field(
+        1, ge=1, le=1024,
+        description="Split the listing into this many partitions: this run captions one and starts "
+        "the others as child runs of `partition_deployment` (one per GPU worker).",
+    )
+    partition_deployment: str = Field(
+        "vlm-caption/partition", description="Deployment that runs the child partitions of a fan-out."
+    )
+    partition: Partition | None = Field(
+        None, description="Set by a fanned-out parent run; leave empty when starting a job."
+    )
 
     @field_validator("source", "output")
     @classmethod
@@ -64,6 +91,12 @@ class CaptionJob(BaseModel):
         if scheme in ("s3", "s3a") and not value.split("://", 1)[1].split("/", 1)[0]:
             raise StorageError(f"{value}: missing bucket name; use s3://BUCKET/PREFIX/")
         return value
+
+    @model_validator(mode="after")
+    def _one_level_of_fan_out(self) -> CaptionJob:
+        if self.partition is not None and self.fan_out > 1:
+            raise ValueError("a partition run cannot fan out again: set fan_out=1 or leave partition empty")
+        return self
 
     @model_validator(mode="after")
     def _recipe_supports_job(self) -> CaptionJob:

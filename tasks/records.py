@@ -97,5 +97,10 @@ def job_fingerprint(*, recipe: str, model: str, question: str, sampling: dict[st
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def partition_of(key: str, count: int) -> int:
+    """A stable partition for an object key: every run (and every host) agrees on it."""
+    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") % count
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()

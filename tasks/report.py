@@ -8,10 +8,42 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from tasks.records import PreparedShard, ResultRecord
 
 MAX_FAILURES_LISTED = 10_000
 SAMPLE_CAPTIONS = 5
+
+
+class PartitionReport(BaseModel):
+    """What one run of a fan-out did, written by the child and merged by the parent."""
+
+    index: int
+    flow_run_id: str | None = None
+    worker: str | None = None  # the Prefect worker that ran it
+    host: str | None = None
+    devices: str | None = None  # CUDA_VISIBLE_DEVICES of the worker
+    state: str = "COMPLETED"
+    listed: int = 0
+    skipped: int = 0
+    processed: int = 0
+    succeeded: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    generate_s: float = 0.0
+    failures_by_kind: dict[str, int] = Field(default_factory=dict)
+    failures: list[dict[str, Any]] = Field(default_factory=list)
+    samples: list[dict[str, str]] = Field(default_factory=list)
+    parts: list[str] = Field(default_factory=list)
+    engine: dict[str, Any] | None = None
+
+    def brief(self) -> dict[str, Any]:
+        failed = sum(self.failures_by_kind.values())
+        return {"index": self.index, "state": self.state, "flow_run_id": self.flow_run_id,
+                "worker": self.worker, "host": self.host, "devices": self.devices,
+                "listed": self.listed, "processed": self.processed, "succeeded": self.succeeded,
+                "failed": failed}
 
 
 @dataclass
@@ -50,6 +82,24 @@ class RunStats:
             if len(self.failures) < MAX_FAILURES_LISTED:
                 self.failures.append({"key": record.key, **record.error})
 
+    def report(self, index: int, engine: dict[str, Any] | None, **where: Any) -> PartitionReport:
+        return PartitionReport(
+            index=index, listed=self.listed, skipped=self.skipped, processed=self.processed,
+            succeeded=self.succeeded, prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens,
+            generate_s=self.generate_s, failures_by_kind=dict(self.failures_by_kind),
+            failures=self.failures, samples=self.samples, parts=self.parts, engine=engine, **where,
+        )
+
+    def absorb(self, report: PartitionReport) -> None:
+        """Add a child partition's counts to this (the parent's) run."""
+        for name in ("listed", "skipped", "processed", "succeeded", "prompt_tokens", "output_tokens",
+                     "generate_s"):
+            setattr(self, name, getattr(self, name) + getattr(report, name))
+        self.failures_by_kind.update(report.failures_by_kind)
+        self.failures.extend(report.failures[: max(MAX_FAILURES_LISTED - len(self.failures), 0)])
+        self.samples.extend(report.samples[: max(SAMPLE_CAPTIONS - len(self.samples), 0)])
+        self.parts.extend(report.parts)
+
     def summary(self) -> dict[str, Any]:
         wall = max(time.time() - self.started, 1e-9)
         gen = max(self.generate_s, 1e-9)
@@ -67,7 +117,7 @@ class RunStats:
         }
 
     def manifest(self, *, run_id: str, parameters: dict[str, Any], fingerprint: str,
-                 engine: dict[str, Any] | None) -> dict[str, Any]:
+                 engine: dict[str, Any] | None, partitions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {
             "run_id": run_id,
             "fingerprint": fingerprint,
@@ -82,6 +132,7 @@ class RunStats:
             "throughput": self.summary(),
             "failures": self.failures,
             "parts": self.parts,
+            "partitions": partitions or [],
             "parameters": parameters,
             "engine": engine,
             "versions": versions(),

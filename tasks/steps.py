@@ -31,8 +31,10 @@ from tasks.records import (
     PreparedShard,
     ResultRecord,
     Shard,
+    partition_of,
     sha256_hex,
 )
+from tasks.report import PartitionReport
 from tasks.settings import get_settings
 from tasks.storage import Storage, open_storage
 
@@ -43,6 +45,10 @@ def results_prefix(fingerprint: str) -> str:
 
 def manifest_key(run_id: str) -> str:
     return f"manifests/{run_id}.json"
+
+
+def partition_report_key(run_id: str, index: int) -> str:
+    return f"partitions/{run_id}/p{index:03d}.json"
 
 
 # ---- listing -------------------------------------------------------------------------------
@@ -61,13 +67,28 @@ def iter_shards(refs: Iterable[ObjectRef], shard_size: int, limit: int | None = 
         yield Shard(index, tuple(batch))
 
 
+def in_partition(refs: Iterable[ObjectRef], limit: int | None,
+                 partition: tuple[int, int] | None) -> Iterator[ObjectRef]:
+    """The first `limit` listed objects (the whole job's limit), then only this partition's keys."""
+    for count, ref in enumerate(refs, start=1):
+        if limit is not None and count > limit:
+            return
+        if partition is None or partition_of(ref.key, partition[1]) == partition[0]:
+            yield ref
+
+
 @task(name="list-source", cache_policy=NONE, persist_result=False, retries=2, retry_delay_seconds=5)
-def list_source(source_uri: str, glob: str | None, shard_size: int, limit: int | None) -> list[Shard]:
-    """Page through the source (never loading object bytes) and cut it into shards."""
+def list_source(source_uri: str, glob: str | None, shard_size: int, limit: int | None,
+                partition: tuple[int, int] | None = None) -> list[Shard]:
+    """Page through the source (never loading object bytes) and cut it into shards.
+
+    `partition=(index, count)` keeps the keys that hash to `index`: the runs of a fan-out list
+    the same source and each takes a disjoint slice, so no object is captioned twice."""
     storage = open_storage(source_uri)
-    shards = list(iter_shards(storage.iter_objects(glob), shard_size, limit))
+    shards = list(iter_shards(in_partition(storage.iter_objects(glob), limit, partition), shard_size))
     get_logger(source=source_uri).info(
-        "listed source", objects=sum(len(s.objects) for s in shards), shards=len(shards)
+        "listed source", objects=sum(len(s.objects) for s in shards), shards=len(shards),
+        partition=f"{partition[0]}/{partition[1]}" if partition else None,
     )
     return shards
 
@@ -219,3 +240,20 @@ def write_manifest(output_uri: str, run_id: str, manifest: dict) -> str:
     out = open_storage(output_uri, create=True)
     out.write(manifest_key(run_id), json.dumps(manifest, indent=2, default=str).encode())
     return out.describe(manifest_key(run_id))
+
+
+@task(name="write-partition-report", cache_policy=NONE, persist_result=False, retries=3,
+      retry_delay_seconds=2)
+def write_partition_report(output_uri: str, run_id: str, report: PartitionReport) -> str:
+    """A child run's accounting, for the parent's single manifest (flow results are not shared)."""
+    out = open_storage(output_uri, create=True)
+    out.write(partition_report_key(run_id, report.index), report.model_dump_json(indent=2).encode())
+    return out.describe(partition_report_key(run_id, report.index))
+
+
+@task(name="read-partition-reports", cache_policy=NONE, persist_result=False, retries=2)
+def read_partition_reports(output_uri: str, run_id: str, indexes: list[int]) -> dict[int, PartitionReport]:
+    """The reports the children wrote; a child that died before writing one is simply absent."""
+    out = open_storage(output_uri, create=True)
+    return {index: PartitionReport.model_validate_json(out.read(partition_report_key(run_id, index)))
+            for index in indexes if out.exists(partition_report_key(run_id, index))}

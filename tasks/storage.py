@@ -146,9 +146,11 @@ def make_s3_client():
         from prefect_aws import AwsCredentials
 
         creds = AwsCredentials.load(settings.aws_credentials_block)
-        return creds.get_boto3_session().client(
-            "s3", endpoint_url=settings.s3_endpoint_url, config=config
-        )
+        if settings.s3_endpoint_url:
+            return creds.get_boto3_session().client(
+                "s3", endpoint_url=settings.s3_endpoint_url, config=config
+            )
+        return creds.get_s3_client()  # the block's own client parameters (endpoint_url, config)
     import boto3
 
     return boto3.session.Session().client("s3", endpoint_url=settings.s3_endpoint_url, config=config)

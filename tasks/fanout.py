@@ -1,0 +1,86 @@
+"""Fan-out over GPU workers: child runs of the partition deployment, started and awaited.
+
+A parent run with `fan_out=N` captions partition 0 itself and starts partitions 1..N-1 as child
+flow runs (`run_deployment`, linked to the parent in the UI) on the partition deployment's work
+pool, where one worker per GPU picks each up. Objects are assigned to partitions by a hash of
+their key, so the runs never overlap; each child writes a report, and the parent writes the one
+manifest of the run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
+
+from tasks.observability import get_logger
+
+POLL_S = 5.0
+
+
+class FanOutError(RuntimeError):
+    """Fan-out cannot start (no such deployment) or a child partition did not complete."""
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    index: int
+    flow_run_id: str
+    name: str
+
+
+def start_children(deployment: str, child_jobs: dict[int, dict[str, Any]], run_label: str,
+                   attempt: int, parent_run_id: str) -> list[ChildRun]:
+    """Create one child flow run per partition and return without waiting for them."""
+    children = []
+    for index, job in child_jobs.items():
+        name = f"{run_label} [{index + 1}/{job['partition']['count']}]"
+        try:
+            flow_run = run_deployment(
+                deployment, parameters={"job": job}, flow_run_name=name, timeout=0,
+                tags=["vlm-caption-partition"],
+                # A retried parent starts fresh children; a repeated call within one attempt does not.
+                idempotency_key=f"{parent_run_id}-attempt{attempt}-p{index}",
+            )
+        except ObjectNotFound:
+            raise FanOutError(
+                f"fan_out needs the deployment {deployment!r}, which does not exist: run "
+                "`prefect deploy --all --prefect-file deployments/prefect.yaml`, or set fan_out=1"
+            ) from None
+        children.append(ChildRun(index, str(flow_run.id), name))
+    get_logger().info("started child partitions", deployment=deployment, children=len(children))
+    return children
+
+
+def wait_for_children(children: list[ChildRun], poll_s: float = POLL_S) -> dict[int, str]:
+    """Block until every child reaches a final state; return each one's state name.
+
+    A child whose worker died stays RUNNING until Prefect marks it CRASHED (the zombie
+    automation in deployments/automations.yaml does that from missed heartbeats)."""
+    log = get_logger()
+    states: dict[int, str] = {}
+    warned_waiting = False
+    with get_client(sync_client=True) as client:
+        while len(states) < len(children):
+            waiting = []
+            for child in children:
+                if child.index in states:
+                    continue
+                flow_run = client.read_flow_run(child.flow_run_id)
+                if flow_run.state is not None and flow_run.state.is_final():
+                    states[child.index] = flow_run.state.type.value
+                    log.info("child partition finished", partition=child.index,
+                             state=states[child.index], flow_run_id=child.flow_run_id)
+                elif flow_run.state is None or flow_run.state.is_scheduled():
+                    waiting.append(child.index)
+            if waiting and not warned_waiting:
+                # Normal for a moment; for long, it means fewer free workers than partitions.
+                log.info("child partitions waiting for a free worker", partitions=waiting)
+                warned_waiting = True
+            if len(states) < len(children):
+                time.sleep(poll_s)
+    return states

@@ -1,0 +1,287 @@
+"""The deployments as a user runs them: a real `prefect server`, the real CLI, two real workers.
+
+`prefect server start` (SQLite) on loopback, the GPU work pool from our base job template,
+`prefect deploy --all`, the zombie automation, an AwsCredentials block pointing at moto's S3
+server, and two process workers (`--limit 1`, CUDA_VISIBLE_DEVICES 0 and 1). Then
+`prefect deployment run vlm-caption/prod` with the tiny checkpoint, checked through the
+Prefect REST API and the bucket; and a worker killed mid-run, then the deployment run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from tests.images import image_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = [sys.executable, "-m", "prefect"]
+BUCKET = "nightly"
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+class PrefectStack:
+    """A Prefect server plus workers as subprocesses, driven through the CLI and the REST API."""
+
+    def __init__(self, root: Path, s3_url: str):
+        self.root = root
+        self.port = free_port()
+        self.api = f"http://127.0.0.1:{self.port}/api"
+        self.env = {key: value for key, value in os.environ.items()
+                    if not key.startswith(("AWS_", "PREFECT_", "VLM_CAPTION_"))}  # storage creds: the block only
+        self.env.update({
+            "PREFECT_API_URL": self.api, "PREFECT_HOME": str(root / "prefect-home"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
+            "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_CLI_PROMPT": "false",
+            "VLM_CAPTION_HOME": str(REPO), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
+        })
+        self.s3_url = s3_url
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.logs: list = []
+        self.server = None
+
+    # -- processes --------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str], **env) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "ab")
+        self.logs.append(log)
+        return subprocess.Popen(args, cwd=REPO, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def start_server(self) -> None:
+        db = self.root / "prefect.db"
+        self.server = self._spawn("server", [*PREFECT, "server", "start", "--host", "127.0.0.1",
+                                             "--port", str(self.port)],
+                                  PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{db}",
+                                  # a dead run's deployment concurrency slot is freed after 30 s, not 5 min
+                                  PREFECT_SERVER_CONCURRENCY_INITIAL_DEPLOYMENT_LEASE_DURATION="30")
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.api}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.server.poll() is None, (self.root / "server.log").read_text()[-3000:]
+            time.sleep(1)
+        raise TimeoutError("prefect server did not become healthy")
+
+    def start_worker(self, name: str, gpu: str) -> None:
+        self.workers[name] = self._spawn(
+            f"worker-{name}", [*PREFECT, "worker", "start", "--pool", "vlm-caption-gpu", "--limit", "1",
+                               "--name", name, "--type", "process"], CUDA_VISIBLE_DEVICES=gpu)
+
+    def kill_worker(self, name: str, flow_run_pid: int | None) -> None:
+        """SIGKILL a worker and the flow-run process it started: a host that died."""
+        if flow_run_pid:
+            os.kill(flow_run_pid, signal.SIGKILL)
+        os.killpg(self.workers[name].pid, signal.SIGKILL)
+        self.workers.pop(name).wait(timeout=30)
+
+    def close(self) -> None:
+        for proc in [*self.workers.values(), self.server]:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in [*self.workers.values(), self.server]:
+            if proc is not None:
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for log in self.logs:
+            log.close()
+
+    # -- CLI and API ------------------------------------------------------------------------
+    def cli(self, *args: str, timeout: float = 300) -> str:
+        done = subprocess.run([*PREFECT, *args], cwd=REPO, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert done.returncode == 0, f"prefect {' '.join(args)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout
+
+    def python(self, code: str) -> None:
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, env=self.env, check=True, timeout=120)
+
+    def get(self, path: str):
+        response = httpx.get(f"{self.api}{path}", timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body: dict):
+        response = httpx.post(f"{self.api}{path}", json=body, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def run_deployment(self, name: str, job: dict) -> str:
+        out = self.cli("deployment", "run", name, "--params", json.dumps({"job": job}))
+        return re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
+
+    def flow_run(self, flow_run_id: str) -> dict:
+        return self.get(f"/flow_runs/{flow_run_id}")
+
+    def wait_for(self, flow_run_id: str, timeout: float = 900) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            run = self.flow_run(flow_run_id)
+            if run["state_type"] in FINAL:
+                return run
+            time.sleep(3)
+        raise TimeoutError(f"flow run {flow_run_id} still {run['state_type']}; logs in {self.root}")
+
+    def runs_of(self, deployment: str) -> list[dict]:
+        deployment_id = self.get(f"/deployments/name/{deployment}")["id"]
+        return self.post("/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}})
+
+    def artifacts_of(self, flow_run_id: str) -> set[str]:
+        found = self.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+        return {artifact["key"] for artifact in found if artifact["key"]}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, s3_endpoint, tiny_llava):
+    import boto3
+
+    root = tmp_path_factory.mktemp("deployments")
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=BUCKET)
+    stack = PrefectStack(root, s3_endpoint)
+    try:
+        stack.start_server()
+        # What the README's "Operate it" says, in order.
+        stack.cli("work-pool", "create", "vlm-caption-gpu", "--type", "process",
+                  "--base-job-template", "deployments/base-job-templates/process-gpu.json")
+        stack.python(
+            "from prefect_aws import AwsCredentials\n"
+            "AwsCredentials(aws_access_key_id='testing', aws_secret_access_key='testing', region_name='us-east-1',"
+            f" aws_client_parameters={{'endpoint_url': '{s3_endpoint}'}}).save('vlm-caption-s3')")
+        stack.cli("variable", "set", "vlm_caption_source", f"s3://{BUCKET}/images/")
+        stack.cli("variable", "set", "vlm_caption_output", f"s3://{BUCKET}/captions/")
+        stack.cli("variable", "set", "vlm_caption_dev_output", f"s3://{BUCKET}/dev-captions/")
+        stack.cli("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+        stack.cli("automation", "create", "--from-file", "deployments/automations.yaml")
+        stack.start_worker("gpu0", "0")
+        stack.start_worker("gpu1", "1")
+        yield stack
+    finally:
+        stack.close()
+
+
+def job_for(prefix: str, model: Path, **extra) -> dict:
+    return {"source": f"s3://{BUCKET}/{prefix}/", "output": f"s3://{BUCKET}/captions/", "recipe": "llava",
+            "model": str(model), "fan_out": 2, "shard_size": 2, "sampling": {"max_tokens": 8},
+            "engine_overrides": {"gpu_memory_utilization": 0.1}, **extra}
+
+
+def upload(s3_client, prefix: str, count: int) -> set[str]:
+    keys = set()
+    for i in range(count):
+        key = f"{prefix}/img-{i:03d}.jpg"
+        s3_client.put_object(Bucket=BUCKET, Key=key, Body=image_bytes(size=(64 + i, 48), color=(i * 5 % 255, 80, 160)))
+        keys.add(key.split("/", 1)[1])
+    return keys
+
+
+def records_under(s3_client, prefix: str) -> list[dict]:
+    records = []
+    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    for page in pages:
+        for obj in page.get("Contents", []):
+            if obj["Key"].endswith(".jsonl"):
+                body = s3_client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read().decode()
+                records += [json.loads(line) for line in body.splitlines() if line.strip()]
+    return records
+
+
+def manifests(s3_client) -> dict[str, dict]:
+    found = s3_client.list_objects_v2(Bucket=BUCKET, Prefix="captions/manifests/").get("Contents", [])
+    return {obj["Key"]: json.loads(s3_client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read())
+            for obj in found}
+
+
+def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava):
+    keys = upload(s3_client, "images", 12)
+    s3_client.put_object(Bucket=BUCKET, Key="images/broken.jpg", Body=b"\xff\xd8 not a jpeg")
+    keys.add("broken.jpg")
+
+    deployment = stack.get("/deployments/name/vlm-caption/prod")
+    schedule = deployment["schedules"][0]["schedule"]
+    assert (schedule["cron"], schedule["timezone"]) == ("0 2 * * *", "Europe/Berlin")
+    assert deployment["global_concurrency_limit"]["limit"] == 1  # nightly runs never overlap
+    assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+    assert deployment["work_pool_name"] == "vlm-caption-gpu"
+    assert deployment["parameters"]["job"]["source"] == f"s3://{BUCKET}/images/"  # from the variable
+
+    parent_id = stack.run_deployment("vlm-caption/prod", job_for("images", tiny_llava))
+    parent = stack.wait_for(parent_id)
+    assert parent["state_type"] == "COMPLETED", (stack.root / "worker-gpu0.log").read_text()[-4000:]
+    children = [run for run in stack.runs_of("vlm-caption/partition")]
+    assert [child["state_type"] for child in children] == ["COMPLETED"]
+
+    records = records_under(s3_client, "captions/results/")
+    assert Counter(r["key"] for r in records) == Counter(keys)  # every object once, none twice
+    assert {r["key"] for r in records if r["error"]} == {"broken.jpg"}
+    run_ids = {r["run_id"].rsplit("-", 1)[1] for r in records}
+    assert run_ids == {"p0", "p1"}  # both partitions captioned something
+
+    (manifest,) = manifests(s3_client).values()  # one manifest for the whole fanned-out run
+    assert manifest["counts"]["processed"] == 13 and manifest["counts"]["failed"] == 1
+    workers = {p["worker"]: p["devices"] for p in manifest["partitions"]}
+    assert workers == {"gpu0": "0", "gpu1": "1"}  # the two partitions ran on the two workers
+    assert {p["state"] for p in manifest["partitions"]} == {"COMPLETED"}
+    assert {"vlm-caption-summary", "vlm-caption-progress"} <= stack.artifacts_of(parent_id)
+
+
+def test_rerun_after_a_worker_dies_completes_without_duplicates(stack, s3_client, tiny_llava):
+    keys = upload(s3_client, "more", 40)
+    job = job_for("more", tiny_llava, shard_size=1)
+    first_id = stack.run_deployment("vlm-caption/prod", job)
+
+    # Wait until the parent run has captioned something of its own partition, then kill its worker.
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        first = stack.flow_run(first_id)
+        done = [r for r in records_under(s3_client, "captions/results/") if r["key"] in keys]
+        if first["state_type"] == "RUNNING" and any(r["run_id"].endswith("-p0") for r in done):
+            break
+        assert first["state_type"] not in FINAL, "the run ended before the worker could be killed"
+        time.sleep(0.5)
+    flow_pid = int(first["infrastructure_pid"].rsplit(":", 1)[1])
+    worker = next(name for name, proc in stack.workers.items() if _is_ancestor(proc.pid, flow_pid))
+    stack.kill_worker(worker, flow_pid)
+    partial = {r["key"] for r in records_under(s3_client, "captions/results/") if r["key"] in keys}
+    assert partial < keys  # killed mid-run: some of the job is left
+
+    # The orphaned child keeps going on the other worker; a replacement worker comes up.
+    (orphan,) = [run for run in stack.runs_of("vlm-caption/partition") if run["state_type"] not in FINAL]
+    assert stack.wait_for(orphan["id"])["state_type"] == "COMPLETED"
+    stack.start_worker(f"{worker}-replacement", "0" if worker == "gpu0" else "1")
+
+    rerun_id = stack.run_deployment("vlm-caption/prod", job)
+    rerun = stack.wait_for(rerun_id)
+    assert rerun["state_type"] == "COMPLETED", (stack.root / "server.log").read_text()[-3000:]
+
+    records = [r for r in records_under(s3_client, "captions/results/") if r["key"] in keys]
+    assert Counter(r["key"] for r in records) == Counter(keys)  # all done, nothing twice
+    rerun_manifest = next(m for m in manifests(s3_client).values() if m["run_id"].startswith(rerun_id[:8]))
+    assert rerun_manifest["counts"]["skipped_already_done"] >= len(partial)
+    assert rerun_manifest["counts"]["processed"] == len(keys) - rerun_manifest["counts"]["skipped_already_done"]
+
+
+def _is_ancestor(ancestor: int, pid: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
