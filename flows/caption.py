@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 from flows.params import CaptionJob, Partition
 from recipes import Recipe, get_recipe
 from tasks.engine import EngineSpec, Sampling, check_remote_code
-from tasks.fanout import FanOutError, start_children, wait_for_children
+from tasks.fanout import FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary
 from tasks.records import job_fingerprint
 from tasks.report import PartitionReport, RunStats
@@ -65,19 +65,25 @@ def vlm_caption(job: CaptionJob) -> dict:
     recipe = get_recipe(job.recipe)
     check_remote_code(recipe, job.trust_remote_code)  # refuse before touching storage or GPU
     run_id = job.partition.run_id if job.partition else _run_id()
-    fingerprint = job_fingerprint(recipe=recipe.name, model=recipe.model_for(job.modality, job.model),
-                                  question=job.question, sampling=job.sampling.fingerprint_dict())
+    fingerprint = job_fingerprint(source=job.source, recipe=recipe.name,
+                                  model=recipe.model_for(job.modality, job.model), question=job.question,
+                                  sampling=job.sampling.fingerprint_dict())
     log = get_logger(run_id=run_id, recipe=recipe.name, fingerprint=fingerprint)
 
-    own = job.partition or (Partition(index=0, count=job.fan_out, run_id=run_id) if job.fan_out > 1 else None)
-    children = []
+    own, children = job.partition, []
     if job.fan_out > 1:
+        own = Partition(index=0, count=job.fan_out, run_id=run_id, fingerprint=fingerprint)
+        wait_for_orphans(job.partition_deployment, job.output, fingerprint)
         child_jobs = {i: job.model_copy(update={"fan_out": 1, "partition": own.model_copy(update={"index": i})})
                       .model_dump(mode="json") for i in range(1, job.fan_out)}
         children = start_children(job.partition_deployment, child_jobs, _run_name(),
                                   attempt=flow_run.run_count or 1, parent_run_id=run_id)
-
-    stats, engine = caption_shards(job, recipe, fingerprint, run_id, own, log)
+    try:
+        stats, engine = caption_shards(job, recipe, fingerprint, run_id, own, log)
+    except Exception:
+        if children:  # a retry of this run must not overlap this attempt's children
+            wait_for_children(children)
+        raise
     mine = stats.report(own.index if own else 0, engine, **_where())
     if job.partition is not None:  # a child: the parent writes the run's one manifest
         write_partition_report(job.output, run_id, mine)

@@ -34,6 +34,7 @@ class Partition(BaseModel):
     index: int = Field(..., ge=0)
     count: int = Field(..., ge=2)
     run_id: str = Field(..., min_length=1, description="The parent run's id: names parts and reports.")
+    fingerprint: str | None = Field(None, description="The job's result set (recipe, model, question, sampling).")
 
     @model_validator(mode="after")
     def _index_in_range(self) -> Partition:

@@ -33,6 +33,36 @@ class ChildRun:
     name: str
 
 
+def wait_for_orphans(deployment: str, output: str, fingerprint: str, poll_s: float = POLL_S) -> None:
+    """Let children of an earlier run of this job finish before starting new ones.
+
+    A child whose parent died keeps captioning its slice. Starting a new child for the same
+    slice meanwhile would caption objects twice; once the orphan is done, its parts are on the
+    done-index and the new run skips them."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterState
+
+    log = get_logger()
+    with get_client(sync_client=True) as client:
+        try:
+            deployment_id = client.read_deployment_by_name(deployment).id
+        except ObjectNotFound:
+            return  # start_children says what to do about it
+        live = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+                             state=FlowRunFilterState(type={"any_": ["SCHEDULED", "PENDING", "RUNNING"]}))
+        while True:
+            orphans = [run for run in client.read_flow_runs(flow_run_filter=live)
+                       if _same_job(run.parameters.get("job") or {}, output, fingerprint)]
+            if not orphans:
+                return
+            log.info("waiting for partitions of an earlier run of this job",
+                     flow_runs=[str(run.id) for run in orphans])
+            time.sleep(poll_s)
+
+
+def _same_job(job: dict[str, Any], output: str, fingerprint: str) -> bool:
+    return job.get("output") == output and (job.get("partition") or {}).get("fingerprint") == fingerprint
+
+
 def start_children(deployment: str, child_jobs: dict[int, dict[str, Any]], run_label: str,
                    attempt: int, parent_run_id: str) -> list[ChildRun]:
     """Create one child flow run per partition and return without waiting for them."""

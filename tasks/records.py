@@ -88,10 +88,14 @@ class ResultRecord(BaseModel):
         return self.error is None or not self.error.get("retryable", False)
 
 
-def job_fingerprint(*, recipe: str, model: str, question: str, sampling: dict[str, Any]) -> str:
-    """What makes two results interchangeable: same recipe, model, prompt and sampling."""
+def job_fingerprint(*, source: str, recipe: str, model: str, question: str, sampling: dict[str, Any]) -> str:
+    """What makes two results interchangeable: same source, recipe, model, prompt and sampling.
+
+    The source is part of it because record keys are relative to it: two prefixes that both
+    hold `a.jpg` and write to one output must not count as each other's work."""
     payload = json.dumps(
-        {"recipe": recipe, "model": model, "question": question, "sampling": sampling},
+        {"source": source.rstrip("/"), "recipe": recipe, "model": model, "question": question,
+         "sampling": sampling},
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -16,15 +14,9 @@ MAX_FAILURES_LISTED = 10_000
 SAMPLE_CAPTIONS = 5
 
 
-class PartitionReport(BaseModel):
-    """What one run of a fan-out did, written by the child and merged by the parent."""
+class Tally(BaseModel):
+    """The counts of a run (or of one partition of it): what the manifest and summary report."""
 
-    index: int
-    flow_run_id: str | None = None
-    worker: str | None = None  # the Prefect worker that ran it
-    host: str | None = None
-    devices: str | None = None  # CUDA_VISIBLE_DEVICES of the worker
-    state: str = "COMPLETED"
     listed: int = 0
     skipped: int = 0
     processed: int = 0
@@ -36,30 +28,27 @@ class PartitionReport(BaseModel):
     failures: list[dict[str, Any]] = Field(default_factory=list)
     samples: list[dict[str, str]] = Field(default_factory=list)
     parts: list[str] = Field(default_factory=list)
+
+
+class PartitionReport(Tally):
+    """What one run of a fan-out did, written by the child and merged by the parent."""
+
+    index: int
+    flow_run_id: str | None = None
+    worker: str | None = None  # the Prefect worker that ran it
+    host: str | None = None
+    devices: str | None = None  # CUDA_VISIBLE_DEVICES of the worker
+    state: str = "COMPLETED"
     engine: dict[str, Any] | None = None
 
     def brief(self) -> dict[str, Any]:
-        failed = sum(self.failures_by_kind.values())
-        return {"index": self.index, "state": self.state, "flow_run_id": self.flow_run_id,
-                "worker": self.worker, "host": self.host, "devices": self.devices,
-                "listed": self.listed, "processed": self.processed, "succeeded": self.succeeded,
-                "failed": failed}
+        return {**self.model_dump(include={"index", "state", "flow_run_id", "worker", "host", "devices",
+                                           "listed", "processed", "succeeded"}),
+                "failed": sum(self.failures_by_kind.values())}
 
 
-@dataclass
-class RunStats:
-    started: float = field(default_factory=time.time)
-    listed: int = 0
-    skipped: int = 0
-    processed: int = 0
-    succeeded: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    generate_s: float = 0.0
-    failures_by_kind: Counter = field(default_factory=Counter)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    samples: list[dict[str, str]] = field(default_factory=list)
-    parts: list[str] = field(default_factory=list)
+class RunStats(Tally):
+    started: float = Field(default_factory=time.time)
 
     @property
     def failed(self) -> int:
@@ -78,24 +67,22 @@ class RunStats:
                 if len(self.samples) < SAMPLE_CAPTIONS and record.text:
                     self.samples.append({"key": record.key, "text": record.text})
                 continue
-            self.failures_by_kind[record.error["kind"]] += 1
+            kind = record.error["kind"]
+            self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
             if len(self.failures) < MAX_FAILURES_LISTED:
                 self.failures.append({"key": record.key, **record.error})
 
     def report(self, index: int, engine: dict[str, Any] | None, **where: Any) -> PartitionReport:
-        return PartitionReport(
-            index=index, listed=self.listed, skipped=self.skipped, processed=self.processed,
-            succeeded=self.succeeded, prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens,
-            generate_s=self.generate_s, failures_by_kind=dict(self.failures_by_kind),
-            failures=self.failures, samples=self.samples, parts=self.parts, engine=engine, **where,
-        )
+        return PartitionReport(**self.model_dump(include=set(Tally.model_fields)), index=index,
+                               engine=engine, **where)
 
     def absorb(self, report: PartitionReport) -> None:
         """Add a child partition's counts to this (the parent's) run."""
         for name in ("listed", "skipped", "processed", "succeeded", "prompt_tokens", "output_tokens",
                      "generate_s"):
             setattr(self, name, getattr(self, name) + getattr(report, name))
-        self.failures_by_kind.update(report.failures_by_kind)
+        for kind, count in report.failures_by_kind.items():
+            self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + count
         self.failures.extend(report.failures[: max(MAX_FAILURES_LISTED - len(self.failures), 0)])
         self.samples.extend(report.samples[: max(SAMPLE_CAPTIONS - len(self.samples), 0)])
         self.parts.extend(report.parts)

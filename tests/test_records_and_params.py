@@ -29,11 +29,12 @@ def test_listing_is_consumed_lazily():
     assert len(first.objects) == 3 and len(consumed) == 3
 
 
-def test_fingerprint_changes_with_prompt_sampling_model_recipe():
-    base = dict(recipe="llava", model="m", question="q", sampling={"temperature": 0.0})
+def test_fingerprint_changes_with_source_prompt_sampling_model_recipe():
+    base = dict(source="s3://b/images/", recipe="llava", model="m", question="q", sampling={"temperature": 0.0})
     fp = job_fingerprint(**base)
     assert fp == job_fingerprint(**base)
-    for change in ({"question": "other"}, {"model": "n"}, {"recipe": "x"}, {"sampling": {"temperature": 0.5}}):
+    assert job_fingerprint(**{**base, "source": "s3://b/images"}) == fp  # a trailing slash is the same place
+    for change in ({"source": "s3://b/more/"}, {"question": "other"}, {"model": "n"}, {"recipe": "x"}, {"sampling": {"temperature": 0.5}}):
         assert job_fingerprint(**{**base, **change}) != fp
 
 
@@ -77,3 +78,34 @@ def test_job_schema_is_a_form_prefect_can_render():
     assert schema["required"] == ["job"]
     job_schema = schema["definitions"]["CaptionJob"]
     assert {"source", "output", "recipe", "question", "sampling", "shard_size"} <= set(job_schema["properties"])
+
+
+def test_partitions_split_a_listing_into_disjoint_slices_that_cover_it():
+    from tasks.steps import in_partition
+
+    listing = refs(200)
+    slices = [[r.key for r in in_partition(iter(listing), None, (i, 3))] for i in range(3)]
+    assert sorted(sum(slices, [])) == sorted(r.key for r in listing)  # every key, exactly once
+    assert all(30 < len(s) < 110 for s in slices)  # hashed, so roughly balanced
+    # The job's limit applies to the listing before partitioning: the slices of 50 cover those 50.
+    limited = sum(([r.key for r in in_partition(iter(listing), 50, (i, 3))] for i in range(3)), [])
+    assert sorted(limited) == sorted(r.key for r in listing[:50])
+
+
+def test_a_partition_run_cannot_fan_out_again():
+    from flows.params import Partition
+
+    with pytest.raises(ValidationError, match="cannot fan out again"):
+        CaptionJob(source="/tmp", output="/tmp/o", fan_out=2, partition=Partition(index=1, count=2, run_id="r"))
+    with pytest.raises(ValidationError, match="out of range"):
+        Partition(index=2, count=2, run_id="r")
+
+
+def test_parent_absorbs_child_partition_reports():
+    from tasks.report import PartitionReport, RunStats
+
+    stats = RunStats(listed=5, processed=5, succeeded=4, parts=["a"], failures_by_kind={"decode": 1})
+    stats.absorb(PartitionReport(index=1, listed=7, processed=6, succeeded=6, skipped=1, parts=["b"],
+                                 failures_by_kind={"decode": 2}, failures=[{"key": "x"}, {"key": "y"}]))
+    assert (stats.listed, stats.processed, stats.succeeded, stats.skipped) == (12, 11, 10, 1)
+    assert stats.failed == 3 and stats.parts == ["a", "b"] and len(stats.failures) == 2
