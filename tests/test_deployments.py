@@ -82,23 +82,21 @@ class PrefectStack:
             f"worker-{name}", [*PREFECT, "worker", "start", "--pool", "vlm-caption-gpu", "--limit", "1",
                                "--name", name, "--type", "process"], CUDA_VISIBLE_DEVICES=gpu)
 
-    def kill_worker(self, name: str, flow_run_pid: int | None) -> None:
-        """SIGKILL a worker and the flow-run process it started: a host that died."""
-        if flow_run_pid:
-            os.kill(flow_run_pid, signal.SIGKILL)
-        os.killpg(self.workers[name].pid, signal.SIGKILL)
+    def kill_worker(self, name: str) -> None:
+        """SIGKILL a worker with everything under it (flow run, vLLM engine): a host that died."""
+        _kill_tree(self.workers[name].pid, signal.SIGKILL)
         self.workers.pop(name).wait(timeout=30)
 
     def close(self) -> None:
         for proc in [*self.workers.values(), self.server]:
             if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                _kill_tree(proc.pid, signal.SIGTERM)
         for proc in [*self.workers.values(), self.server]:
             if proc is not None:
                 try:
                     proc.wait(timeout=20)
                 except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    _kill_tree(proc.pid, signal.SIGKILL)
         for log in self.logs:
             log.close()
 
@@ -265,8 +263,8 @@ def test_rerun_after_a_worker_dies_completes_without_duplicates(stack, s3_client
         assert first["state_type"] not in FINAL, "the run ended before the worker could be killed"
         time.sleep(0.5)
     flow_pid = int(first["infrastructure_pid"].rsplit(":", 1)[-1])  # "pid" or "host:pid"
-    worker = next(name for name, proc in stack.workers.items() if _is_ancestor(proc.pid, flow_pid))
-    stack.kill_worker(worker, flow_pid)
+    worker = next(name for name, proc in stack.workers.items() if flow_pid in _descendants(proc.pid))
+    stack.kill_worker(worker)
     partial = {r["key"] for r in records_under(s3_client, "captions/results/") if r["key"] in keys}
     assert partial < keys  # killed mid-run: some of the job is left
 
@@ -286,13 +284,26 @@ def test_rerun_after_a_worker_dies_completes_without_duplicates(stack, s3_client
     assert rerun_manifest["counts"]["processed"] == len(keys) - rerun_manifest["counts"]["skipped_already_done"]
 
 
-def _is_ancestor(ancestor: int, pid: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
+def _descendants(root: int) -> set[int]:
+    """`root` and every process under it (the flow run's process starts its own session)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            return False
-        pid = int(stat.rsplit(")", 1)[1].split()[1])
-    return False
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _kill_tree(root: int, sig: int) -> None:
+    for pid in _descendants(root):  # listed first, so nothing is re-parented to init unseen
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -31,7 +31,8 @@ def test_recipe_prompts_pass_real_vllm_processors(architecture, checkpoints_root
         [sys.executable, "-m", "tests.matrix_worker", recipe, str(checkpoint), *modalities],
         capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    causes = [line for line in done.stderr.splitlines() if "Error" in line or "error:" in line]
+    assert done.returncode == 0, "\n".join(causes[-20:]) + "\n" + done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["modality"] for r in results] == modalities
     for result in results:
