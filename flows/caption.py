@@ -39,12 +39,16 @@ from tasks.steps import (
 )
 
 
-def _run_name() -> str:
-    job = flow_run.parameters.get("job", {})
-    job = job if isinstance(job, dict) else job.model_dump()
+def run_label(job: dict) -> str:
+    """`<recipe> · <source>`, and `[i/N]` for a partition of a fanned-out run."""
     name = f"{job.get('recipe', 'llava')} · {job.get('source', '?')}"
     part = job.get("partition")
     return f"{name} [{part['index'] + 1}/{part['count']}]" if part else name
+
+
+def _run_name() -> str:
+    job = flow_run.parameters.get("job", {})
+    return run_label(job if isinstance(job, dict) else job.model_dump())
 
 
 def _run_id() -> str:
@@ -65,8 +69,8 @@ def vlm_caption(job: CaptionJob) -> dict:
     recipe = get_recipe(job.recipe)
     check_remote_code(recipe, job.trust_remote_code)  # refuse before touching storage or GPU
     run_id = job.partition.run_id if job.partition else _run_id()
-    fingerprint = job_fingerprint(source=job.source, recipe=recipe.name,
-                                  model=recipe.model_for(job.modality, job.model), question=job.question,
+    model = recipe.model_for(job.modality, job.model)
+    fingerprint = job_fingerprint(source=job.source, recipe=recipe.name, model=model, question=job.question,
                                   sampling=job.sampling.fingerprint_dict())
     log = get_logger(run_id=run_id, recipe=recipe.name, fingerprint=fingerprint)
 
@@ -76,7 +80,7 @@ def vlm_caption(job: CaptionJob) -> dict:
         wait_for_orphans(job.partition_deployment, job.output, fingerprint)
         child_jobs = {i: job.model_copy(update={"fan_out": 1, "partition": own.model_copy(update={"index": i})})
                       .model_dump(mode="json") for i in range(1, job.fan_out)}
-        children = start_children(job.partition_deployment, child_jobs, _run_name(),
+        children = start_children(job.partition_deployment, child_jobs, run_label,
                                   attempt=flow_run.run_count or 1, parent_run_id=run_id)
     try:
         stats, engine = caption_shards(job, recipe, fingerprint, run_id, own, log)
@@ -87,9 +91,10 @@ def vlm_caption(job: CaptionJob) -> dict:
     mine = stats.report(own.index if own else 0, engine, **_where())
     if job.partition is not None:  # a child: the parent writes the run's one manifest
         write_partition_report(job.output, run_id, mine)
-        publish_summary({**stats.summary(), "recipe": recipe.name, "partition": f"{own.index + 1}/{own.count}"},
+        summary = stats.summary()
+        publish_summary({**summary, "recipe": recipe.name, "partition": f"{own.index + 1}/{own.count}"},
                         stats.samples)
-        return {**stats.summary(), "run_id": run_id, "partition": own.index, "fingerprint": fingerprint}
+        return {**summary, "run_id": run_id, "partition": own.index, "fingerprint": fingerprint}
 
     partitions = [mine] + merge_children(job.output, run_id, children, stats) if children else []
     manifest = stats.manifest(run_id=run_id, parameters=job.model_dump(mode="json"),
@@ -97,8 +102,7 @@ def vlm_caption(job: CaptionJob) -> dict:
                               partitions=[p.brief() for p in partitions])
     manifest_uri = write_manifest(job.output, run_id, manifest)
     summary = stats.summary()
-    publish_summary({**summary, "recipe": recipe.name, "model": engine["model"]
-                     if engine else recipe.model_for(job.modality, job.model),
+    publish_summary({**summary, "recipe": recipe.name, "model": engine["model"] if engine else model,
                      "partitions": len(partitions) or 1, "manifest": manifest_uri}, stats.samples)
     emit("run.completed", run_id, **summary)
     log.info("run finished", manifest=manifest_uri, **summary)

@@ -10,6 +10,7 @@ manifest of the run.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +64,14 @@ def _same_job(job: dict[str, Any], output: str, fingerprint: str) -> bool:
     return job.get("output") == output and (job.get("partition") or {}).get("fingerprint") == fingerprint
 
 
-def start_children(deployment: str, child_jobs: dict[int, dict[str, Any]], run_label: str,
+def start_children(deployment: str, child_jobs: dict[int, dict[str, Any]], label: Callable[[dict], str],
                    attempt: int, parent_run_id: str) -> list[ChildRun]:
-    """Create one child flow run per partition and return without waiting for them."""
+    """Create one child flow run per partition and return without waiting for them.
+
+    Each is named by `label` (the flow's own run-name rule) so it reads right before it starts."""
     children = []
     for index, job in child_jobs.items():
-        name = f"{run_label} [{index + 1}/{job['partition']['count']}]"
+        name = label(job)
         try:
             flow_run = run_deployment(
                 deployment, parameters={"job": job}, flow_run_name=name, timeout=0,
