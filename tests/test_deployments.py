@@ -17,7 +17,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
@@ -35,7 +37,7 @@ pytestmark = pytest.mark.timeout(1500)  # a hung worker must fail the test, not 
 class PrefectStack:
     """A Prefect server plus workers as subprocesses, driven through the CLI and the REST API."""
 
-    def __init__(self, root: Path, s3_url: str):
+    def __init__(self, root: Path):
         self.root = root
         self.port = free_port()
         self.api = f"http://127.0.0.1:{self.port}/api"
@@ -47,7 +49,6 @@ class PrefectStack:
             "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_CLI_PROMPT": "false",
             "VLM_CAPTION_HOME": str(REPO), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
         })
-        self.s3_url = s3_url
         self.workers: dict[str, subprocess.Popen] = {}
         self.logs: list = []
         self.server = None
@@ -151,7 +152,7 @@ def stack(tmp_path_factory, s3_endpoint, tiny_llava):
 
     root = tmp_path_factory.mktemp("deployments")
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=BUCKET)
-    stack = PrefectStack(root, s3_endpoint)
+    stack = PrefectStack(root)
     try:
         stack.start_server()
         # What the README's "Operate it" says, in order.
@@ -238,9 +239,6 @@ def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava)
     assert {"vlm-caption-summary", "vlm-caption-progress"} <= stack.artifacts_of(parent_id)
 
     # The server's scheduler has put the coming nights on the calendar: 02:00 in Berlin.
-    from datetime import datetime
-    from zoneinfo import ZoneInfo
-
     nightly = [run for run in stack.runs_of("vlm-caption/prod") if run["state_type"] == "SCHEDULED"]
     assert nightly, "the server scheduled no nightly runs"
     for run in nightly:
