@@ -14,9 +14,12 @@ from typing import Any
 DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
 
 
-def _prefect_env() -> None:
-    # Prefect's embedded SQLite API reports "database is locked" while analytics run beside it.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+EMBEDDED_SERVER_HINT = (
+    "Prefect's embedded API server did not start in time (a fresh database on a slow or busy "
+    "machine). Run the command again, raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS "
+    "(now {timeout} s), or start a server once with `prefect server start` and point "
+    "PREFECT_API_URL at it (http://127.0.0.1:4200/api)."
+)
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:
@@ -127,7 +130,6 @@ def cmd_recipes_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    _prefect_env()
     from flows.caption import vlm_caption
     from flows.params import CaptionJob
 
@@ -138,7 +140,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    _prefect_env()
     from flows.demo import run_demo
 
     return run_demo(args, _job_fields(args))
@@ -162,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, (RecipeError, StorageError, ValidationError)):
             print(f"vlm-caption: error: {exc}", file=sys.stderr)
             return 2
+        if isinstance(exc, RuntimeError) and "ephemeral Prefect API server" in str(exc):
+            timeout = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+            print(f"vlm-caption: error: {EMBEDDED_SERVER_HINT.format(timeout=timeout)}", file=sys.stderr)
+            return 3
         raise
 
 

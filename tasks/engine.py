@@ -81,16 +81,33 @@ def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, 
     if spec.trust_remote_code and recipe.needs_remote_code:
         args["trust_remote_code"] = True
     if on_cpu:
-        # On the CPU backend this is a fraction of RAM for the KV cache; compilation does not
-        # pay off for the short jobs a CPU runs.
-        args.setdefault("gpu_memory_utilization", 0.3)
-        args.setdefault("enforce_eager", True)
+        args.setdefault("enforce_eager", True)  # compilation does not pay off for CPU-sized jobs
     args.update(spec.overrides())
+    if on_cpu:
+        _size_cpu_kv_cache(args)
     limit = checkpoint_context_limit(args["model"], bool(args.get("trust_remote_code")))
     if limit and args.get("max_model_len") and args["max_model_len"] > limit:
         args["max_model_len"] = limit
     _resolve_logits_processors(args)
     return args
+
+
+CPU_KV_CACHE_GIB = 2
+
+
+def _size_cpu_kv_cache(args: dict[str, Any]) -> None:
+    """On CPU, give the KV cache a fixed size in bytes unless the caller sized it.
+
+    vLLM's CPU worker reads `gpu_memory_utilization` as a fraction of RAM *minus the engine
+    process's own RSS at start-up*: a small fraction fails at random ("Engine core
+    initialization failed") whenever the freshly loaded model's RSS happens to exceed it, and a
+    large one fails when another engine on the host already holds that RAM. A byte count does
+    neither. `VLLM_CPU_KVCACHE_SPACE` (GiB, vLLM's own knob) wins when set.
+    """
+    if "gpu_memory_utilization" in args or "kv_cache_memory_bytes" in args:
+        return
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_GIB * 1024**3
 
 
 def checkpoint_context_limit(model: str, trust_remote_code: bool) -> int | None:

@@ -34,7 +34,7 @@ def main(recipe_name: str, checkpoint: str, modalities: list[str]) -> None:
     args = engine_args(EngineSpec.build(recipe_name, modality=modalities[0], model=checkpoint, images=2),
                        recipe, on_cpu=True)
     # A tiny model needs little KV cache; CI runs this beside other engines on one small machine.
-    args["gpu_memory_utilization"] = 0.1
+    args["kv_cache_memory_bytes"] = 512 * 1024**2
     args["limit_mm_per_prompt"] = {"image": 2 if "multi-image" in modalities else 1,
                                    "video": 1 if "video" in modalities else 0}
     llm = LLM(**args)

@@ -177,7 +177,7 @@ def stack(tmp_path_factory, s3_endpoint, tiny_llava):
 def job_for(prefix: str, model: Path, **extra) -> dict:
     return {"source": f"s3://{BUCKET}/{prefix}/", "output": f"s3://{BUCKET}/captions/", "recipe": "llava",
             "model": str(model), "fan_out": 2, "shard_size": 2, "sampling": {"max_tokens": 8},
-            "engine_overrides": {"gpu_memory_utilization": 0.1}, **extra}
+            "engine_overrides": {"kv_cache_memory_bytes": 512 * 1024**2}, **extra}
 
 
 def upload(s3_client, prefix: str, count: int) -> set[str]:
