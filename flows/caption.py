@@ -1,4 +1,5 @@
-"""The `vlm-caption` flow: a folder or bucket of images in, one result record per image out.
+"""The `vlm-caption` flow: images, videos or image groups in a folder or bucket (or the lines
+of a job manifest) in, one result record per (item, question) out.
 
     list source ──> shards ──> prepare (fetch+decode, next shard) ─┐
                                                                    ├─> generate (vLLM) ─> write part
@@ -19,29 +20,24 @@ import uuid
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.params import CaptionJob, Partition
+from flows.params import DEFAULT_MAX_IMAGES, CaptionJob, Partition
 from recipes import Recipe, get_recipe
-from tasks.engine import EngineSpec, Sampling, check_remote_code
+from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
+from tasks.engine.vllm_engine import EngineSpec, Sampling, check_remote_code
 from tasks.fanout import FanOutError, start_children, wait_for_children, wait_for_orphans
+from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary
-from tasks.records import job_fingerprint
-from tasks.report import PartitionReport, RunStats
-from tasks.steps import (
-    generate_shard,
-    list_source,
-    load_done_index,
-    prepare_shard,
-    read_partition_reports,
-    start_engine,
-    write_manifest,
-    write_partition_report,
-    write_shard,
-)
+from tasks.results.done_index import load_done_index
+from tasks.results.records import job_fingerprint
+from tasks.results.report import PartitionReport, RunStats
+from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report, write_shard
+from tasks.sources.items import Shard
+from tasks.sources.listing import SourceSpec, list_source
 
 
 def run_label(job: dict) -> str:
     """`<recipe> · <source>`, and `[i/N]` for a partition of a fanned-out run."""
-    name = f"{job.get('recipe', 'llava')} · {job.get('source', '?')}"
+    name = f"{job.get('recipe', 'llava')} · {job.get('source') or job.get('manifest') or '?'}"
     part = job.get("partition")
     return f"{name} [{part['index'] + 1}/{part['count']}]" if part else name
 
@@ -64,14 +60,17 @@ def _where() -> dict:
 
 @flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False)
 def vlm_caption(job: CaptionJob) -> dict:
-    """Caption every image under `job.source` and write JSON Lines results to `job.output`."""
+    """Caption every item under `job.source` (or of `job.manifest`) and write JSON Lines
+    results to `job.output`: one record per (item, question)."""
     configure_logging()
     recipe = get_recipe(job.recipe)
     check_remote_code(recipe, job.trust_remote_code)  # refuse before touching storage or GPU
     run_id = job.partition.run_id if job.partition else _run_id()
     model = recipe.model_for(job.modality, job.model)
-    fingerprint = job_fingerprint(source=job.source, recipe=recipe.name, model=model, question=job.question,
-                                  sampling=job.sampling.fingerprint_dict())
+    fingerprint = job_fingerprint(
+        source=job.location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
+        media={"num_frames": job.num_frames} if job.modality == "video" else {},
+        sampling=job.sampling.fingerprint_dict())
     log = get_logger(run_id=run_id, recipe=recipe.name, fingerprint=fingerprint)
 
     own, children = job.partition, []
@@ -116,45 +115,60 @@ def vlm_caption(job: CaptionJob) -> dict:
 
 def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str,
                    partition: Partition | None, log) -> tuple[RunStats, dict | None]:
-    """List this run's objects (one partition of them when fanned out) and caption them shard by
+    """List this run's items (one partition of them when fanned out) and caption them shard by
     shard, fetching the next shard while the current one is on the GPU."""
-    spec = EngineSpec.build(job.recipe, modality=job.modality, model=job.model,
-                            engine_overrides=job.engine_overrides,
-                            trust_remote_code=job.trust_remote_code)
-    sampling = Sampling(**job.sampling.model_dump())
+    source = SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
     parts_id = f"{run_id}-p{partition.index}" if partition else run_id
     stats = RunStats()
-    shards = list_source(job.source, job.glob, job.shard_size, job.limit,
+    shards = list_source(source, job.shard_size, job.limit,
                          (partition.index, partition.count) if partition else None)
     done = load_done_index(job.output, fingerprint)
-    progress = Progress(len(shards), f"Captioning {job.source} with {recipe.name}")
-    log.info("run started", source=job.source, output=job.output, shards=len(shards),
-             already_done=len(done), partition=parts_id)
+    media = MediaOptions(job.modality, job.num_frames, job.max_images or DEFAULT_MAX_IMAGES)
+    options = GenerateOptions(engine_spec(job, media, shards), Sampling(**job.sampling.model_dump()),
+                              job.method, job.num_frames)
+    progress = Progress(len(shards), f"Captioning {job.location} with {recipe.name}")
+    log.info("run started", source=job.location, output=job.output, modality=job.modality,
+             shards=len(shards), questions=len(job.questions_to_ask), already_done=len(done),
+             partition=parts_id)
+
+    def prepare(shard: Shard):
+        return prepare_shard.submit(source, shard, done, job.questions_to_ask, media)
 
     engine = None
     writes = []
-    next_prepared = prepare_shard.submit(job.source, shards[0], done) if shards else None
+    next_prepared = prepare(shards[0]) if shards else None
     for position, shard in enumerate(shards):
         prepared = next_prepared.result()
-        has_next = position + 1 < len(shards)
-        next_prepared = prepare_shard.submit(job.source, shards[position + 1], done) if has_next else None
+        next_prepared = prepare(shards[position + 1]) if position + 1 < len(shards) else None
         records, generate_s = [], 0.0
         if prepared.items:
-            engine = engine or start_engine(spec)
+            engine = engine or start_engine(options.spec)
             started = time.perf_counter()
-            records = generate_shard(spec, prepared, job.question, sampling, fingerprint, parts_id)
+            records = generate_shard(prepared, options, fingerprint, parts_id)
             generate_s = time.perf_counter() - started
         writes.append(write_shard.submit(job.output, fingerprint, parts_id, shard.index, records))
-        stats.add(prepared, records, generate_s)
+        stats.add(len(shard.items), prepared.skipped, records, generate_s)
         failed = sum(1 for r in records if r.error)
         percent = progress.advance()
         emit("shard.failed" if failed else "shard.completed", run_id, shard=shard.index,
-             partition=partition.index if partition else 0, objects=len(shard.objects),
+             partition=partition.index if partition else 0, objects=len(shard.items),
              skipped=prepared.skipped, failed=failed)
-        log.info("shard done", shard=shard.index, objects=len(shard.objects),
+        log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
                  skipped=prepared.skipped, failed=failed, progress=percent)
     stats.parts = [part for part in (w.result() for w in writes) if part]
     return stats, engine
+
+
+def engine_spec(job: CaptionJob, media: MediaOptions, shards: list[Shard]) -> EngineSpec:
+    """The engine for this job. For multi-image, vLLM's per-prompt image limit comes from the
+    largest group listed (as the example sets it from its image count), capped by `max_images`."""
+    images = 1
+    if job.modality == "multi-image":
+        largest = max((len(item.members) for shard in shards for item in shard.items), default=1)
+        images = max(1, min(largest, media.max_images))
+    return EngineSpec.build(job.recipe, modality=job.modality, model=job.model,
+                            engine_overrides=job.engine_overrides,
+                            trust_remote_code=job.trust_remote_code, images=images)
 
 
 def merge_children(output: str, run_id: str, children, stats: RunStats) -> list[PartitionReport]:

@@ -34,7 +34,15 @@ def _engine_arg(text: str) -> tuple[str, Any]:
 
 def _add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="llava", help="recipe name (default: llava)")
-    parser.add_argument("--question", help="question asked about every image")
+    parser.add_argument("--question", action="append", dest="questions", metavar="QUESTION",
+                        help="asked about every item, one record each (repeatable)")
+    parser.add_argument("--modality", choices=["image", "video", "multi-image"],
+                        help="what one item is: an image, a video, or a group of images (one folder, or "
+                        "one manifest line) (default: image)")
+    parser.add_argument("--method", choices=["generate", "chat"],
+                        help="generate (default) or chat: LLM.chat with image parts and the chat template")
+    parser.add_argument("--num-frames", type=int, help="frames sampled from each video (default 16)")
+    parser.add_argument("--max-images", type=int, help="largest image group accepted (default 8)")
     parser.add_argument("--model", help="model id or local path instead of the recipe's")
     parser.add_argument("--shard-size", type=int, default=None, help="images per task run")
     parser.add_argument("--limit", type=int, help="stop after this many objects")
@@ -50,7 +58,8 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
 
 def _job_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {"recipe": args.recipe, "trust_remote_code": args.trust_remote_code}
-    for name in ("question", "model", "shard_size", "limit", "glob"):
+    for name in ("questions", "model", "shard_size", "limit", "glob", "modality", "method", "num_frames",
+                 "max_images"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     sampling = {k: getattr(args, k) for k in ("temperature", "max_tokens", "seed")
@@ -67,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the vlm-caption flow on a bucket or folder")
-    run.add_argument("source", help="s3://bucket/prefix/ or a local folder")
+    run.add_argument("source", nargs="?", help="s3://bucket/prefix/ or a local folder")
+    run.add_argument("--manifest", help="instead of a source: a JSON Lines file of items (s3:// or local), "
+                     'each line {"id": ..., "media": [...], "question": ...}')
     run.add_argument("--out", required=True, help="s3://bucket/prefix/ or a local folder")
     _add_job_options(run)
 
@@ -133,7 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.caption import vlm_caption
     from flows.params import CaptionJob
 
-    job = CaptionJob(source=args.source, output=args.out, **_job_fields(args))
+    job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **_job_fields(args))
     summary = vlm_caption(job)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
     return 0
@@ -158,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         from pydantic import ValidationError
 
         from recipes import RecipeError
-        from tasks.storage import StorageError
+        from tasks.sources.storage import StorageError
 
         if isinstance(exc, (RecipeError, StorageError, ValidationError)):
             print(f"vlm-caption: error: {exc}", file=sys.stderr)

@@ -52,6 +52,10 @@ def run_demo(args, job_fields: dict[str, Any]) -> int:
     root = Path(args.dir).resolve()
     images = root / "images"
     results = root / "results"
+    if job_fields.get("modality", "image") != "image":
+        print("vlm-caption demo: the demo makes images; run videos or groups with `vlm-caption run`",
+              file=sys.stderr)
+        return 2
     make_sample_images(images, args.images)
     if not job_fields.get("model"):
         if job_fields.get("recipe", "llava") != "llava":

@@ -9,6 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from recipes import RecipeError, get_recipe
 
 DEFAULT_QUESTION = "Describe the content of this image in detail."
+DEFAULT_QUESTIONS = {
+    "image": DEFAULT_QUESTION,
+    "video": "Describe what happens in this video in detail.",
+    "multi-image": "Describe the content of these images in detail.",
+}
+DEFAULT_MAX_IMAGES = 8
 
 
 class SamplingSettings(BaseModel):
@@ -44,17 +50,31 @@ class Partition(BaseModel):
 
 
 class CaptionJob(BaseModel):
-    """Caption every image under `source` with a recipe's model and write one record per image."""
+    """Caption every image, video or image group under `source` (or every line of `manifest`)
+    with a recipe's model, and write one record per (item, question)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field(..., description="s3://bucket/prefix/ or a local folder of images.")
+    source: str | None = Field(
+        None, description="s3://bucket/prefix/ or a local folder of media. Leave empty with `manifest`.")
+    manifest: str | None = Field(
+        None, description="Instead of `source`: a JSON Lines file (s3:// or local), one item per line: "
+        '{"id": "...", "media": ["s3://...", "https://...", "relative/key.jpg"], "question": "..."}.')
     output: str = Field(..., description="s3://bucket/prefix/ or a local folder for results.")
     recipe: str = Field("llava", description="Recipe name; `vlm-caption recipes list` shows all.")
-    question: str = Field(DEFAULT_QUESTION, min_length=1, description="Asked about every image.")
-    modality: Literal["image"] = Field(
-        "image", description="What each source object is. The flow captions single images."
-    )
+    questions: list[str] = Field(
+        default_factory=list, description="Asked about every item, one record each (empty: a default "
+        "question for the modality). A manifest line's own questions win.")
+    modality: Literal["image", "video", "multi-image"] = Field(
+        "image", description="What one item is: an image object, a video object, or a group of images "
+        "(the objects directly under one folder, or one manifest line).")
+    method: Literal["generate", "chat"] = Field(
+        "generate", description="`generate` renders the recipe's prompt; `chat` runs LLM.chat with image "
+        "parts and the model's chat template (the multi-image example's chat method).")
+    num_frames: int = Field(16, ge=1, le=1024, description="Frames sampled uniformly from each video.")
+    max_images: int | None = Field(
+        None, ge=1, le=256, description="Largest group accepted (multi-image); bigger ones become error "
+        f"records, and the engine's per-prompt image limit. Empty: {DEFAULT_MAX_IMAGES}.")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     shard_size: int = Field(64, ge=1, le=100_000, description="Objects per task run.")
     limit: int | None = Field(None, ge=1, description="Stop after this many listed objects.")
@@ -78,11 +98,24 @@ class CaptionJob(BaseModel):
         None, description="Set by a fanned-out parent run; leave empty when starting a job."
     )
 
-    @field_validator("source", "output")
+    @model_validator(mode="before")
     @classmethod
-    def _uri(cls, value: str) -> str:
-        from tasks.storage import StorageError
+    def _question_is_one_of_questions(cls, data: Any) -> Any:
+        """`question: "..."` (one question, as before) is `questions: ["..."]`."""
+        if isinstance(data, dict) and "question" in data:
+            data = dict(data)
+            question = data.pop("question")
+            if question:
+                data["questions"] = [question, *data.get("questions", [])]
+        return data
 
+    @field_validator("source", "manifest", "output")
+    @classmethod
+    def _uri(cls, value: str | None) -> str | None:
+        from tasks.sources.storage import StorageError
+
+        if value is None:
+            return None
         value = value.strip()
         scheme = value.split("://", 1)[0] if "://" in value else ""
         if not value:
@@ -92,6 +125,32 @@ class CaptionJob(BaseModel):
         if scheme in ("s3", "s3a") and not value.split("://", 1)[1].split("/", 1)[0]:
             raise StorageError(f"{value}: missing bucket name; use s3://BUCKET/PREFIX/")
         return value
+
+    @field_validator("questions")
+    @classmethod
+    def _questions(cls, value: list[str]) -> list[str]:
+        if any(not q.strip() for q in value):
+            raise ValueError("questions must not be empty strings")
+        return list(dict.fromkeys(value))  # a repeated question is asked once
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CaptionJob:
+        if (self.source is None) == (self.manifest is None):
+            raise ValueError("give exactly one of `source` (a folder or bucket prefix) and `manifest` "
+                             "(a JSON Lines file of items)")
+        if self.method == "chat" and self.modality == "video":
+            raise ValueError("method 'chat' sends image parts (the multi-image example's chat method); "
+                             "use method 'generate' for video")
+        return self
+
+    @property
+    def location(self) -> str:
+        """Where the items come from: the source, or the manifest."""
+        return self.source or self.manifest or ""
+
+    @property
+    def questions_to_ask(self) -> tuple[str, ...]:
+        return tuple(self.questions) or (DEFAULT_QUESTIONS[self.modality],)
 
     @model_validator(mode="after")
     def _one_level_of_fan_out(self) -> CaptionJob:

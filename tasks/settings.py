@@ -15,8 +15,14 @@ class Settings(BaseSettings):
     aws_credentials_block: str | None = None  # name of a prefect-aws AwsCredentials block
     minio_credentials_block: str | None = None  # name of a prefect-aws MinIOCredentials block
     fetch_concurrency: int = 16
+    # Bytes of fetched-but-not-yet-decoded media held at once by one prepare step (videos are
+    # large: the bound is on bytes, not on a count of objects).
+    max_bytes_in_flight: int = 1024**3
+    max_object_bytes: int = 2 * 1024**3  # one object (a video) over this is an error record
     # Media
     max_image_pixels: int = 64_000_000  # refuse decompression bombs beyond this
+    max_video_seconds: float = 3 * 3600.0
+    max_video_frame_pixels: int = 3840 * 2160
     # Logging: "json", "console", or "auto" (console on a terminal, JSON otherwise)
     log_format: str = "auto"
 

@@ -1,6 +1,6 @@
 import pytest
 
-from tasks.media import MediaError, decode_image
+from tasks.media.image import MediaError, decode_image
 from tests.images import corrupt_jpeg, image_bytes
 
 

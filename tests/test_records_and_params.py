@@ -2,19 +2,21 @@ import pytest
 from pydantic import ValidationError
 
 from flows.params import CaptionJob
-from tasks.records import ObjectRef, ResultRecord, job_fingerprint
-from tasks.steps import DoneEntry, is_done, iter_shards
+from tasks.results.done_index import DoneIndex
+from tasks.results.records import ResultRecord, job_fingerprint
+from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.listing import in_partition, iter_shards
 
 
 def refs(n):
-    return [ObjectRef(f"{i}.jpg", i, f"e{i}") for i in range(n)]
+    return [WorkItem(f"{i}.jpg", (ObjectRef(f"{i}.jpg", i, f"e{i}"),)) for i in range(n)]
 
 
 def test_shards_cover_every_object_once_and_respect_limit():
     shards = list(iter_shards(iter(refs(10)), 4))
-    assert [len(s.objects) for s in shards] == [4, 4, 2]
+    assert [len(s.items) for s in shards] == [4, 4, 2]
     assert [s.index for s in shards] == [0, 1, 2]
-    assert sum(len(s.objects) for s in iter_shards(iter(refs(10)), 4, limit=5)) == 5
+    assert sum(len(s.items) for s in iter_shards(in_partition(iter(refs(10)), 5, None), 4)) == 5
 
 
 def test_listing_is_consumed_lazily():
@@ -26,24 +28,52 @@ def test_listing_is_consumed_lazily():
             yield ref
 
     first = next(iter_shards(gen(), 3))
-    assert len(first.objects) == 3 and len(consumed) == 3
+    assert len(first.items) == 3 and len(consumed) == 3
 
 
-def test_fingerprint_changes_with_source_prompt_sampling_model_recipe():
-    base = dict(source="s3://b/images/", recipe="llava", model="m", question="q", sampling={"temperature": 0.0})
+def test_fingerprint_changes_with_source_sampling_model_recipe_modality_but_not_question():
+    base = dict(source="s3://b/images/", recipe="llava", model="m", modality="image", method="generate",
+                media={}, sampling={"temperature": 0.0})
     fp = job_fingerprint(**base)
     assert fp == job_fingerprint(**base)
     assert job_fingerprint(**{**base, "source": "s3://b/images"}) == fp  # a trailing slash is the same place
-    for change in ({"source": "s3://b/more/"}, {"question": "other"}, {"model": "n"}, {"recipe": "x"}, {"sampling": {"temperature": 0.5}}):
+    for change in ({"source": "s3://b/more/"}, {"model": "n"}, {"recipe": "x"}, {"sampling": {"temperature": 0.5}},
+                   {"modality": "video"}, {"method": "chat"}, {"media": {"num_frames": 8}}):
         assert job_fingerprint(**{**base, **change}) != fp
 
 
-def test_done_means_same_key_etag_and_size():
-    done = {"a.jpg": DoneEntry("e1", 10, "sha")}
-    assert is_done(ObjectRef("a.jpg", 10, "e1"), done)
-    assert not is_done(ObjectRef("a.jpg", 11, "e1"), done)
-    assert not is_done(ObjectRef("a.jpg", 10, "e2"), done)
-    assert not is_done(ObjectRef("b.jpg", 10, "e1"), done)
+def _record(key="a.jpg", question="q", size=10, etag="e1", sha="sha", members=None, error=None):
+    return ResultRecord(key=key, size=size, etag=etag, sha256=sha, recipe="llava", model="m", question=question,
+                        prompt=None, text="t", finish_reason="stop", members=members, error=error, timings={},
+                        fingerprint="f", run_id="r")
+
+
+def test_done_means_same_item_question_and_members():
+    done = DoneIndex()
+    done.add(_record())
+    item = WorkItem("a.jpg", (ObjectRef("a.jpg", 10, "e1"),))
+    assert done.pending_by_listing(item, ("q",)) == ()
+    assert done.pending_by_listing(item, ("q", "new")) == ("new",)  # a question added later
+    assert done.pending_by_listing(WorkItem("a.jpg", (ObjectRef("a.jpg", 11, "e1"),)), ("q",)) == ("q",)
+    assert done.pending_by_listing(WorkItem("a.jpg", (ObjectRef("a.jpg", 10, "e2"),)), ("q",)) == ("q",)
+    assert done.pending_by_listing(WorkItem("b.jpg", (ObjectRef("b.jpg", 10, "e1"),)), ("q",)) == ("q",)
+    # unknown etags (a manifest's URLs) are judged after the fetch, by content
+    unlisted = WorkItem("a.jpg", (ObjectRef("https://h/a.jpg"),))
+    assert done.pending_by_listing(unlisted, ("q",)) == ("q",)
+    assert done.pending_by_content("a.jpg", "sha", ("q",)) == ()
+    assert done.pending_by_content("a.jpg", "other", ("q",)) == ("q",)
+
+
+def test_a_group_is_done_only_with_the_same_members():
+    from tasks.results.records import Member
+
+    members = [Member(key="g/1.jpg", size=1, etag="a", sha256="s1"), Member(key="g/2.jpg", size=2, etag="b", sha256="s2")]
+    done = DoneIndex()
+    done.add(_record(key="g", size=3, etag="", members=members))
+    same = WorkItem("g", (ObjectRef("g/1.jpg", 1, "a"), ObjectRef("g/2.jpg", 2, "b")))
+    grown = WorkItem("g", (*same.members, ObjectRef("g/3.jpg", 3, "c")))
+    assert done.pending_by_listing(same, ("q",)) == ()
+    assert done.pending_by_listing(grown, ("q",)) == ("q",)  # a new member makes it a new item
 
 
 def test_retryable_errors_are_not_final():
@@ -56,7 +86,16 @@ def test_retryable_errors_are_not_final():
 
 def test_job_defaults_and_validation():
     job = CaptionJob(source="s3://b/in/", output="/tmp/out")
-    assert job.recipe == "llava" and job.question.startswith("Describe") and job.shard_size == 64
+    assert job.recipe == "llava" and job.questions_to_ask[0].startswith("Describe") and job.shard_size == 64
+    assert CaptionJob(source="/x", output="/o", question="Q?").questions == ["Q?"]  # the one-question form
+    assert CaptionJob(source="/x", output="/o", questions=["a", "b", "a"]).questions == ["a", "b"]
+    assert "video" in CaptionJob(source="/x", output="/o", recipe="qwen2_vl", modality="video").questions_to_ask[0]
+    with pytest.raises(ValidationError, match="exactly one of `source`"):
+        CaptionJob(output="/o")
+    with pytest.raises(ValidationError, match="exactly one of `source`"):
+        CaptionJob(source="/x", manifest="/m.jsonl", output="/o")
+    with pytest.raises(ValidationError, match="use method 'generate' for video"):
+        CaptionJob(source="/x", output="/o", recipe="qwen2_vl", modality="video", method="chat")
     with pytest.raises(ValidationError, match="unknown recipe 'lava'.*Did you mean: llava"):
         CaptionJob(source="s3://b/", output="s3://b/o", recipe="lava")
     with pytest.raises(ValidationError, match="does not support modality 'image'; it supports: video"):
@@ -77,19 +116,18 @@ def test_job_schema_is_a_form_prefect_can_render():
     schema = vlm_caption.parameters.model_dump()
     assert schema["required"] == ["job"]
     job_schema = schema["definitions"]["CaptionJob"]
-    assert {"source", "output", "recipe", "question", "sampling", "shard_size"} <= set(job_schema["properties"])
+    assert {"source", "manifest", "output", "recipe", "questions", "modality", "method", "num_frames",
+            "max_images", "sampling", "shard_size"} <= set(job_schema["properties"])
 
 
 def test_partitions_split_a_listing_into_disjoint_slices_that_cover_it():
-    from tasks.steps import in_partition
-
     listing = refs(200)
-    slices = [[r.key for r in in_partition(iter(listing), None, (i, 3))] for i in range(3)]
-    assert sorted(sum(slices, [])) == sorted(r.key for r in listing)  # every key, exactly once
+    slices = [[r.id for r in in_partition(iter(listing), None, (i, 3))] for i in range(3)]
+    assert sorted(sum(slices, [])) == sorted(r.id for r in listing)  # every key, exactly once
     assert all(30 < len(s) < 110 for s in slices)  # hashed, so roughly balanced
     # The job's limit applies to the listing before partitioning: the slices of 50 cover those 50.
-    limited = sum(([r.key for r in in_partition(iter(listing), 50, (i, 3))] for i in range(3)), [])
-    assert sorted(limited) == sorted(r.key for r in listing[:50])
+    limited = sum(([r.id for r in in_partition(iter(listing), 50, (i, 3))] for i in range(3)), [])
+    assert sorted(limited) == sorted(r.id for r in listing[:50])
 
 
 def test_a_partition_run_cannot_fan_out_again():
@@ -102,7 +140,7 @@ def test_a_partition_run_cannot_fan_out_again():
 
 
 def test_parent_absorbs_child_partition_reports():
-    from tasks.report import PartitionReport, RunStats
+    from tasks.results.report import PartitionReport, RunStats
 
     stats = RunStats(listed=5, processed=5, succeeded=4, parts=["a"], failures_by_kind={"decode": 1})
     stats.absorb(PartitionReport(index=1, listed=7, processed=6, succeeded=6, skipped=1, parts=["b"],

@@ -1,6 +1,6 @@
 import pytest
 
-from tasks.storage import LocalStorage, S3Storage, StorageError, open_storage
+from tasks.sources.storage import LocalStorage, S3Storage, StorageError, open_storage
 
 
 def test_local_listing_is_sorted_recursive_and_skips_hidden(tmp_path):

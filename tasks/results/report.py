@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tasks.records import PreparedShard, ResultRecord
+from tasks.results.records import ResultRecord
 
 MAX_FAILURES_LISTED = 10_000
 SAMPLE_CAPTIONS = 5
@@ -54,9 +54,10 @@ class RunStats(Tally):
     def failed(self) -> int:
         return sum(self.failures_by_kind.values())
 
-    def add(self, prepared: PreparedShard, records: list[ResultRecord], generate_s: float) -> None:
-        self.listed += len(prepared.shard.objects)
-        self.skipped += prepared.skipped
+    def add(self, listed: int, skipped: int, records: list[ResultRecord], generate_s: float) -> None:
+        """One shard: `listed` items, `skipped` of them already done, a record per result."""
+        self.listed += listed
+        self.skipped += skipped
         self.processed += len(records)
         self.generate_s += generate_s
         for record in records:
@@ -65,12 +66,13 @@ class RunStats(Tally):
             if record.error is None:
                 self.succeeded += 1
                 if len(self.samples) < SAMPLE_CAPTIONS and record.text:
-                    self.samples.append({"key": record.key, "text": record.text})
+                    self.samples.append({"key": record.key, "question": record.question or "",
+                                         "text": record.text})
                 continue
             kind = record.error["kind"]
             self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
             if len(self.failures) < MAX_FAILURES_LISTED:
-                self.failures.append({"key": record.key, **record.error})
+                self.failures.append({"key": record.key, "question": record.question, **record.error})
 
     def report(self, index: int, engine: dict[str, Any] | None, **where: Any) -> PartitionReport:
         return PartitionReport(**self.model_dump(include=set(Tally.model_fields)), index=index,

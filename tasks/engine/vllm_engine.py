@@ -18,7 +18,7 @@ from typing import Any
 from recipes import Recipe, RecipeError, get_recipe
 from recipes.base import MEDIA_KIND
 from recipes.requests import render_chat, resolve_stop_ids
-from tasks.records import GenerationOutput
+from tasks.results.records import GenerationOutput
 
 # Importing vLLM otherwise runs logging.config.dictConfig, which shuts down every handler in the
 # process -- Prefect's API log handler included, whose flush then deadlocks inside a running
@@ -57,12 +57,17 @@ class Sampling:
 
 
 @dataclass
-class MediaPrompt:
-    """One request: a prompt (already rendered) with its media and content hash."""
+class EngineRequest:
+    """One request: a question about one item's media.
 
-    prompt: str
+    `media` is what vLLM takes for the modality (an image, a list of images, video frames or
+    `(frames, metadata)`); `uuids` are content hashes in the same shape, so vLLM's processor
+    cache recognises media repeated across questions."""
+
+    question: str
     media: Any
-    uuid: str
+    uuids: str | list[str]
+    count: int = 1  # images in the prompt (multi-image)
 
 
 def check_remote_code(recipe: Recipe, allowed: bool) -> None:
@@ -153,9 +158,8 @@ class CaptionEngine:
         self.stop_token_ids = resolve_stop_ids(self.tokenizer, self.recipe, spec.modality)
         self.lora_request = self._lora_request()
 
-    def prompt_for(self, question: str) -> str:
-        """The exact prompt text for one media item (the chat template rendered if needed)."""
-        count = self.spec.images if self.spec.modality == "multi-image" else 1
+    def prompt_for(self, question: str, count: int = 1) -> str:
+        """The exact prompt text for one item (the chat template rendered if needed)."""
         if self.prompting.chat is None:
             return self.prompting.text(question, count)
         messages = self.prompting.messages(question, count, MEDIA_KIND[self.spec.modality])
@@ -172,35 +176,45 @@ class CaptionEngine:
             params["max_tokens"] = sampling.max_tokens
         return SamplingParams(seed=sampling.seed, stop_token_ids=self.stop_token_ids, **params)
 
-    def generate(self, requests: list[MediaPrompt], sampling: Sampling) -> list[GenerationOutput]:
-        """Generate for a batch; a request vLLM rejects fails alone, not the batch."""
+    def run(self, requests: list[EngineRequest], sampling: Sampling,
+            method: str = "generate") -> list[GenerationOutput]:
+        """Run a batch with `LLM.generate` or `LLM.chat`; a request vLLM rejects fails alone."""
         if not requests:
             return []
         params = self.sampling_params(sampling)
+        call = self._chat if method == "chat" else self._generate
         try:
-            return [_output(o) for o in self._generate(requests, params)]
+            return [_output(o) for o in call(requests, params)]
         except Exception:  # one bad request poisons a batch call: retry one by one to isolate it
-            return [self._generate_one(r, params) for r in requests]
+            return [self._run_one(call, r, params) for r in requests]
 
-    def _generate_one(self, request: MediaPrompt, params) -> GenerationOutput:
+    def _run_one(self, call, request: EngineRequest, params) -> GenerationOutput:
         try:
-            return _output(self._generate([request], params)[0])
+            return _output(call([request], params)[0])
         except Exception as exc:  # noqa: BLE001 - recorded on the item, never dropped
             return GenerationOutput(None, None, 0, 0, error=f"{type(exc).__name__}: {exc}")
 
-    def _generate(self, requests: list[MediaPrompt], params):
+    def _generate(self, requests: list[EngineRequest], params):
         kind = MEDIA_KIND[self.spec.modality]
-        inputs = [
-            {
-                "prompt": r.prompt,
-                "multi_modal_data": {kind: r.media},
-                # Content-derived ids let vLLM's processor cache recognise repeated media.
-                "multi_modal_uuids": {kind: r.uuid},
-            }
-            for r in requests
-        ]
-        lora = [self.lora_request] * len(inputs) if self.lora_request else None
-        return self.llm.generate(inputs, params, lora_request=lora, use_tqdm=False)
+        inputs = [{"prompt": self.prompt_for(r.question, r.count),
+                   "multi_modal_data": {kind: r.media}, "multi_modal_uuids": {kind: r.uuids}}
+                  for r in requests]
+        return self.llm.generate(inputs, params, lora_request=self._loras(len(inputs)), use_tqdm=False)
+
+    def _chat(self, requests: list[EngineRequest], params):
+        """The multi-image example's chat method: the question, then one image part per picture,
+        rendered by vLLM with the model's (or the recipe's) chat template."""
+        conversations = []
+        for r in requests:
+            images = r.media if isinstance(r.media, list) else [r.media]
+            uuids = r.uuids if isinstance(r.uuids, list) else [r.uuids]
+            parts = [{"type": "image_pil", "image_pil": image, "uuid": uuid} for image, uuid in zip(images, uuids)]
+            conversations.append([{"role": "user", "content": [{"type": "text", "text": r.question}, *parts]}])
+        return self.llm.chat(conversations, params, use_tqdm=False, lora_request=self._loras(len(conversations)),
+                             chat_template=self.prompting.chat_template)
+
+    def _loras(self, count: int):
+        return [self.lora_request] * count if self.lora_request else None
 
     def _lora_request(self):
         if self.recipe.lora is None:
@@ -222,6 +236,7 @@ def _output(request_output) -> GenerationOutput:
         finish_reason=completion.finish_reason,
         prompt_tokens=len(request_output.prompt_token_ids or []),
         output_tokens=len(completion.token_ids or []),
+        prompt=request_output.prompt,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import warnings
 
-from tasks.records import ItemError
+from tasks.results.records import ItemError
 
 
 class MediaError(Exception):

@@ -19,12 +19,19 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from tasks.records import ObjectRef
+from tasks.sources.items import ObjectRef
 from tasks.settings import get_settings
 
 
 class StorageError(ValueError):
     """A storage location cannot be used; the message says how to fix it."""
+
+
+class ShortBodyError(OSError):
+    """An object arrived shorter than the store said it is (retried; never decoded)."""
+
+
+SHORT_BODY_ATTEMPTS = 3
 
 
 class Storage(Protocol):
@@ -110,7 +117,19 @@ class S3Storage:
             raise StorageError(f"{self.uri}: bucket {self.bucket!r} does not exist") from exc
 
     def read(self, key: str) -> bytes:
-        return self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+        """The whole object. A body shorter than its Content-Length (a connection cut mid-way)
+        is fetched again, never passed on as if complete."""
+        for attempt in range(1, SHORT_BODY_ATTEMPTS + 1):
+            try:
+                response = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)
+            except self._client.exceptions.NoSuchKey as exc:
+                raise FileNotFoundError(f"{self.describe(key)}: no such object") from exc
+            body = response["Body"].read()
+            expected = response.get("ContentLength")
+            if expected is None or len(body) == expected:
+                return body
+        raise ShortBodyError(f"{self.describe(key)}: got {len(body)} of {expected} bytes "
+                             f"{SHORT_BODY_ATTEMPTS} times")
 
     def write(self, key: str, data: bytes) -> None:
         # A single PUT is atomic: readers never see a partial object.
@@ -154,6 +173,15 @@ def make_s3_client():
     import boto3
 
     return boto3.session.Session().client("s3", endpoint_url=settings.s3_endpoint_url, config=config)
+
+
+def split_parent(uri: str) -> tuple[str, str]:
+    """`s3://b/dir/file.jsonl` -> (`s3://b/dir/`, `file.jsonl`); a local path likewise."""
+    uri = uri.rstrip("/")
+    if "/" not in uri.split("://", 1)[-1]:
+        raise StorageError(f"{uri}: expected a file inside a bucket or folder")
+    parent, _, name = uri.rpartition("/")
+    return (parent + "/" if "://" in parent or parent else "/"), name
 
 
 def open_storage(uri: str, *, create: bool = False) -> Storage:

@@ -1,0 +1,107 @@
+"""The engine's Prefect tasks: start the worker's one engine, and caption a prepared shard with
+one batched vLLM call (every (item, question) of the shard), one record each."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from prefect import task
+from prefect.cache_policies import NONE
+
+from recipes import get_recipe
+from tasks.engine.vllm_engine import EngineRequest, EngineSpec, Sampling, get_engine
+from tasks.media.prepare import PreparedItem, PreparedShard
+from tasks.media.video import DecodedVideo
+from tasks.observability import get_logger
+from tasks.results.records import GenerationOutput, ItemError, ResultRecord
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How a shard is run: the engine, the method and the sampling."""
+
+    spec: EngineSpec
+    sampling: Sampling
+    method: str = "generate"  # or "chat" (the multi-image example's LLM.chat)
+    num_frames: int = 16
+
+
+@task(name="start-engine", cache_policy=NONE, persist_result=False)
+def start_engine(spec: EngineSpec) -> dict:
+    """Load the model once for this worker process (reused by every later shard)."""
+    engine = get_engine(spec)
+    get_logger(recipe=spec.recipe).info("engine ready", model=engine.model,
+                                        startup_s=round(engine.startup_s, 1))
+    return {"model": engine.model, "startup_s": engine.startup_s,
+            "engine_args": {k: v if _jsonable(v) else repr(v) for k, v in engine.args.items()}}
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except TypeError:
+        return False
+
+
+def engine_request(item: PreparedItem, question: str, options: GenerateOptions) -> EngineRequest:
+    """One question about one item, with its media in the shape vLLM takes for the modality."""
+    media = item.media
+    if isinstance(media, DecodedVideo):
+        # The same bytes sampled to another frame count are other inputs to the processor.
+        needs_metadata = get_recipe(options.spec.recipe).needs_video_metadata
+        return EngineRequest(question, media.for_request(needs_metadata),
+                             f"{item.sha256}-f{options.num_frames}")
+    if isinstance(media, list):
+        return EngineRequest(question, media, [m.sha256 or "" for m in item.members], count=len(media))
+    return EngineRequest(question, media, item.sha256 or "")
+
+
+@task(name="generate-shard", cache_policy=NONE, persist_result=False)
+def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprint: str,
+                   run_id: str) -> list[ResultRecord]:
+    """Every (item, question) of a shard in one vLLM call; each gets a record, failed or not.
+    Each item was fetched and decoded once; its questions share its media and content ids."""
+    engine = get_engine(options.spec)
+    ready = [(item, q) for item in prepared.items if item.error is None for q in item.questions]
+    started = time.perf_counter()
+    outputs = engine.run([engine_request(item, q, options) for item, q in ready], options.sampling,
+                         options.method)
+    per_request_s = (time.perf_counter() - started) / max(len(ready), 1)
+    by_request = {(id(item), q): out for (item, q), out in zip(ready, outputs)}
+    records = []
+    for item in prepared.items:
+        for question in item.questions:
+            output = by_request.get((id(item), question))
+            prompt = None if options.method == "chat" or item.error else engine.prompt_for(
+                question, len(item.members))
+            records.append(make_record(item, question, output, prompt, engine.model, options.spec.recipe,
+                                       per_request_s, fingerprint, run_id))
+        item.media = None  # release the decoded pixels as soon as they are consumed
+    return records
+
+
+def make_record(item: PreparedItem, question: str, output: GenerationOutput | None, prompt: str | None,
+                model: str, recipe: str, generate_s: float, fingerprint: str, run_id: str) -> ResultRecord:
+    error = item.error
+    if output is not None and output.error is not None:
+        error = ItemError("generate", output.error, retryable=False)
+    single = len(item.item.members) == 1 and item.item.members[0].key == item.item.id
+    return ResultRecord(
+        key=item.item.id, size=sum(max(m.size, 0) for m in item.members) if item.members else item.item.size,
+        etag=item.members[0].etag if single and item.members else "",
+        sha256=item.sha256, recipe=recipe, model=model, question=question,
+        prompt=(output.prompt if output and output.prompt else prompt) if error is None else prompt,
+        text=output.text if output and error is None else None,
+        finish_reason=output.finish_reason if output and error is None else None,
+        prompt_tokens=output.prompt_tokens if output else 0,
+        output_tokens=output.output_tokens if output else 0,
+        error=asdict(error) if error else None,
+        members=None if single else item.members,
+        video=item.video_info,
+        timings={"fetch_s": round(item.fetch_s, 4), "decode_s": round(item.decode_s, 4),
+                 "generate_s": round(generate_s, 4) if output else 0.0},
+        fingerprint=fingerprint, run_id=run_id,
+    )

@@ -1,0 +1,181 @@
+"""The prepare step: fetch each item's media (bounded by bytes in flight), hash it, skip what
+is already done, and decode it for its modality. Every item comes out with media or an error."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NONE
+
+from tasks.media.image import MediaError, decode_image
+from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits, decode_video
+from tasks.results.done_index import DoneIndex
+from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
+from tasks.settings import get_settings
+from tasks.sources.fetch import MediaFetcher, TooLargeError
+from tasks.sources.items import Shard, WorkItem
+from tasks.sources.listing import SourceSpec
+from tasks.sources.manifest import manifest_base
+from tasks.sources.storage import ShortBodyError, open_storage
+
+
+@dataclass(frozen=True)
+class MediaOptions:
+    modality: str = "image"
+    num_frames: int = DEFAULT_NUM_FRAMES
+    max_images: int = 8  # a bigger group becomes an error record naming the limit
+
+
+@dataclass
+class PreparedItem:
+    """A fetched item: its decoded media (or the error that stopped it) and the questions
+    still to compute for it."""
+
+    item: WorkItem
+    questions: tuple[str, ...]
+    members: list[Member] = field(default_factory=list)
+    sha256: str | None = None
+    media: Any = None  # PIL image | list of PIL images (a group) | DecodedVideo
+    error: ItemError | None = None
+    fetch_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def video_info(self) -> dict[str, Any] | None:
+        return self.media.info() if isinstance(self.media, DecodedVideo) else None
+
+
+@dataclass
+class PreparedShard:
+    shard: Shard
+    items: list[PreparedItem] = field(default_factory=list)
+    skipped: int = 0  # items already done by an earlier run with the same fingerprint
+
+
+class ByteBudget:
+    """At most `limit` bytes of fetched media held at once (one object always fits)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, size: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.used == 0 or self.used + size <= self.limit)
+            self.used += size
+
+    def release(self, size: int) -> None:
+        with self._cond:
+            self.used -= size
+            self._cond.notify_all()
+
+
+def _fetch_error(exc: Exception) -> ItemError:
+    if isinstance(exc, TooLargeError):
+        return ItemError("too_large", str(exc))
+    if isinstance(exc, FileNotFoundError):
+        return ItemError("fetch", f"not found: {exc}", retryable=True)
+    retry = "" if not isinstance(exc, ShortBodyError) else " (short body)"
+    return ItemError("fetch", f"{type(exc).__name__}{retry}: {exc}", retryable=True)
+
+
+class ItemPreparer:
+    """Fetch, hash, skip and decode one item at a time; shared by one shard's fetch threads."""
+
+    def __init__(self, fetcher: MediaFetcher, done: DoneIndex, questions: tuple[str, ...],
+                 options: MediaOptions):
+        settings = get_settings()
+        self.fetcher, self.done, self.questions, self.options = fetcher, done, questions, options
+        self.budget = ByteBudget(settings.max_bytes_in_flight)
+        self.max_object_bytes = settings.max_object_bytes
+        self.max_image_pixels = settings.max_image_pixels
+        self.video_limits = VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels)
+
+    def prepare(self, item: WorkItem) -> PreparedItem | None:
+        """None: every question of the item is already done."""
+        pending = self.done.pending_by_listing(item, item.questions or self.questions)
+        if not pending:
+            return None
+        prepared = PreparedItem(item, pending)
+        if self.options.modality == "multi-image" and len(item.members) > self.options.max_images:
+            prepared.error = ItemError("too_many_images", f"group has {len(item.members)} images, over the "
+                                       f"limit of {self.options.max_images} (raise max_images to allow it)")
+            prepared.members = [Member(key=m.key, size=m.size, etag=m.etag) for m in item.members]
+            return prepared
+        held = sum(max(m.size, 0) for m in item.members)
+        self.budget.acquire(held)
+        try:
+            blobs = self._fetch(prepared)
+            if prepared.error is not None:
+                return prepared
+            prepared.sha256 = (prepared.members[0].sha256 if len(prepared.members) == 1
+                               else group_sha256([m.sha256 for m in prepared.members]))
+            prepared.questions = self.done.pending_by_content(item.id, prepared.sha256, pending)
+            if not prepared.questions:
+                return None  # re-uploaded with the same content: already done
+            self._decode(prepared, blobs)
+        finally:
+            self.budget.release(held)
+        return prepared
+
+    def _fetch(self, prepared: PreparedItem) -> list[bytes]:
+        started, blobs = time.perf_counter(), []
+        for ref in prepared.item.members:
+            data, error = None, None
+            if ref.size > self.max_object_bytes:
+                error = ItemError("too_large", f"{ref.key} is {ref.size} bytes, over the limit of "
+                                  f"{self.max_object_bytes} (VLM_CAPTION_MAX_OBJECT_BYTES)")
+            else:
+                try:
+                    data = self.fetcher.read(ref)
+                except Exception as exc:  # noqa: BLE001 - recorded; retryable ones are retried next run
+                    error = _fetch_error(exc)
+            prepared.members.append(Member(key=ref.key, size=len(data) if data is not None else ref.size,
+                                           etag=ref.etag, sha256=sha256_hex(data) if data is not None else None))
+            if error is not None:
+                prepared.error = error
+                prepared.members += [Member(key=m.key, size=m.size, etag=m.etag)
+                                     for m in prepared.item.members[len(prepared.members):]]
+                break
+            blobs.append(data)
+        prepared.fetch_s = time.perf_counter() - started
+        return blobs
+
+    def _decode(self, prepared: PreparedItem, blobs: list[bytes]) -> None:
+        started = time.perf_counter()
+        try:
+            if self.options.modality == "video":
+                prepared.media = decode_video(blobs[0], num_frames=self.options.num_frames,
+                                              limits=self.video_limits)
+            elif self.options.modality == "multi-image":
+                prepared.media = [decode_image(b, max_pixels=self.max_image_pixels) for b in blobs]
+            else:
+                prepared.media = decode_image(blobs[0], max_pixels=self.max_image_pixels)
+        except MediaError as exc:
+            prepared.error = exc.error
+        prepared.decode_s = time.perf_counter() - started
+
+
+def fetch_base(source: SourceSpec) -> str:
+    return manifest_base(source.uri) if source.is_manifest else source.uri
+
+
+@task(name="prepare-shard", cache_policy=NONE, persist_result=False)
+def prepare_shard(source: SourceSpec, shard: Shard, done: DoneIndex, questions: tuple[str, ...],
+                  options: MediaOptions) -> PreparedShard:
+    """Fetch (bounded concurrency and bytes), hash and decode one shard; skip what is done."""
+    preparer = ItemPreparer(MediaFetcher(open_storage(fetch_base(source))), done, questions, options)
+    prepared = PreparedShard(shard)
+    workers = max(1, min(get_settings().fetch_concurrency, len(shard.items)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
+        for item in pool.map(preparer.prepare, shard.items):
+            if item is None:
+                prepared.skipped += 1
+            else:
+                prepared.items.append(item)
+    return prepared

@@ -1,0 +1,94 @@
+"""The result record written per (work item, question), and the identity of a result set."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+@dataclass(frozen=True)
+class ItemError:
+    kind: str  # fetch | decode | too_large | too_many_images | generate | unsupported
+    message: str
+    # Retryable errors (a network blip) are retried by the next run; the others are final.
+    retryable: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    text: str | None
+    finish_reason: str | None
+    prompt_tokens: int
+    output_tokens: int
+    error: str | None = None
+    prompt: str | None = None  # the rendered prompt, where vLLM rendered it (the chat method)
+
+
+class Member(BaseModel):
+    """One object of an item (the only one for an image or video; each image of a group)."""
+
+    key: str
+    size: int
+    etag: str
+    sha256: str | None = None
+
+
+class ResultRecord(BaseModel):
+    """One JSON Lines record per (work item, question)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    key: str  # the item: an object key, a group's folder, or a manifest line's id
+    size: int
+    etag: str
+    sha256: str | None  # of the object; for a group, of its members' hashes in order
+    recipe: str
+    model: str
+    question: str | None = None
+    prompt: str | None
+    text: str | None
+    finish_reason: str | None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: dict[str, Any] | None = None
+    members: list[Member] | None = None  # a group's or a manifest line's objects, in order
+    video: dict[str, Any] | None = None  # frames, duration_s, fps, width, height
+    timings: dict[str, float]
+    fingerprint: str
+    run_id: str
+
+    @property
+    def is_final(self) -> bool:
+        """Done for good: a caption, or an error that a rerun would only repeat."""
+        return self.error is None or not self.error.get("retryable", False)
+
+
+def job_fingerprint(*, source: str, recipe: str, model: str, modality: str, method: str,
+                    media: dict[str, Any], sampling: dict[str, Any]) -> str:
+    """What makes two results interchangeable: same source, recipe, model, modality, method,
+    media sampling (frames per video) and sampling parameters.
+
+    The question is not part of it: each record carries its question, so adding a question
+    later computes only that one. The source is, because record keys are relative to it: two
+    prefixes that both hold `a.jpg` and write to one output must not count as each other's."""
+    payload = json.dumps(
+        {"source": source.rstrip("/"), "recipe": recipe, "model": model, "modality": modality,
+         "method": method, "media": media, "sampling": sampling},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def group_sha256(member_hashes: list[str | None]) -> str | None:
+    """A group's content identity: its members' hashes in order (adding one makes a new item)."""
+    if not member_hashes or any(h is None for h in member_hashes):
+        return None
+    return sha256_hex("\n".join(member_hashes).encode())

@@ -1,0 +1,47 @@
+"""What the pipeline works on: listed objects, and the work items (one record set each) built
+from them: one object (image, video), one folder of images (a group), or one manifest line."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """One stored object: enough to fetch it and to tell whether it changed.
+
+    `key` is relative to the source root for listed objects. A manifest line may also name a
+    full URI (s3://, http(s)://) or a local path; its size and etag are then unknown (-1, "")
+    until fetched, and resume compares content hashes instead."""
+
+    key: str
+    size: int = -1
+    etag: str = ""
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One unit of output: its media (one object, or a group in order) and, for a manifest
+    line, its own questions (empty: the job's questions)."""
+
+    id: str
+    members: tuple[ObjectRef, ...]
+    questions: tuple[str, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return sum(max(m.size, 0) for m in self.members)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The unit of bookkeeping: one Prefect task run per step, one results part."""
+
+    index: int
+    items: tuple[WorkItem, ...]
+
+
+def partition_of(key: str, count: int) -> int:
+    """A stable partition for an item id: every run (and every host) agrees on it."""
+    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") % count

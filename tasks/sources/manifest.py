@@ -1,0 +1,65 @@
+"""A job manifest: JSON Lines, one work item per line, for captioning an existing dataset index.
+
+    {"id": "a1", "media": ["s3://b/x.jpg", "https://h/y.jpg", "rel/z.jpg"], "question": "..."}
+    {"id": "a2", "media": ["clip.mp4"], "questions": ["What happens?", "Who is there?"]}
+
+Media may be s3:// URIs, http(s) URLs, absolute local paths, or keys relative to the
+manifest's own folder. A malformed line stops the job before any engine starts, naming the line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.storage import StorageError, open_storage, split_parent
+
+
+class ManifestLine(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(..., min_length=1)
+    media: list[str] = Field(..., min_length=1)
+    question: str | None = Field(None, min_length=1)
+    questions: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_list_of_questions(self) -> ManifestLine:
+        if self.question is not None:
+            self.questions = [self.question, *self.questions]
+        if any(not q.strip() for q in self.questions):
+            raise ValueError("questions must not be empty")
+        return self
+
+    def item(self) -> WorkItem:
+        return WorkItem(self.id, tuple(ObjectRef(m) for m in self.media), tuple(self.questions))
+
+
+def manifest_base(manifest_uri: str) -> str:
+    """Relative media keys resolve against the manifest's folder."""
+    return split_parent(manifest_uri)[0]
+
+
+def read_manifest(manifest_uri: str) -> Iterator[WorkItem]:
+    folder, name = split_parent(manifest_uri)
+    storage = open_storage(folder)
+    try:
+        text = storage.read(name).decode("utf-8")
+    except FileNotFoundError as exc:
+        raise StorageError(f"{manifest_uri}: manifest not found") from exc
+    seen: set[str] = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            parsed = ManifestLine.model_validate_json(line)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}" for e in exc.errors())
+            raise StorageError(f"{manifest_uri} line {number}: {problems}. Each line is "
+                               '{"id": "...", "media": ["..."], "question": "..."}') from None
+        if parsed.id in seen:
+            raise StorageError(f"{manifest_uri} line {number}: id {parsed.id!r} appears twice; ids name results")
+        seen.add(parsed.id)
+        yield parsed.item()
