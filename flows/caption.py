@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -33,6 +34,8 @@ from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report, write_shard
 from tasks.sources.items import Shard
 from tasks.sources.listing import SourceSpec, list_source
+
+FEED_DEPTH = 2  # shards whose requests are in the engine at once
 
 
 def run_label(job: dict) -> str:
@@ -126,7 +129,8 @@ def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
     media = MediaOptions(job.modality, job.num_frames, job.max_images or DEFAULT_MAX_IMAGES)
     options = GenerateOptions(engine_spec(job, media, shards), Sampling(**job.sampling.model_dump()),
                               job.method, job.num_frames)
-    progress = Progress(len(shards), f"Captioning {job.location} with {recipe.name}")
+    progress = Progress(len(shards), f"Captioning {job.location} with {recipe.name}",
+                        total_items=sum(len(shard.items) for shard in shards))
     log.info("run started", source=job.location, output=job.output, modality=job.modality,
              shards=len(shards), questions=len(job.questions_to_ask), already_done=len(done),
              partition=parts_id)
@@ -134,27 +138,40 @@ def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
     def prepare(shard: Shard):
         return prepare_shard.submit(source, shard, done, job.questions_to_ask, media)
 
-    engine = None
-    writes = []
-    next_prepared = prepare(shards[0]) if shards else None
-    for position, shard in enumerate(shards):
-        prepared = next_prepared.result()
-        next_prepared = prepare(shards[position + 1]) if position + 1 < len(shards) else None
-        records, generate_s = [], 0.0
-        if prepared.items:
-            engine = engine or start_engine(options.spec)
-            started = time.perf_counter()
-            records = generate_shard(prepared, options, fingerprint, parts_id)
-            generate_s = time.perf_counter() - started
+    def finish(shard: Shard, prepared, generating) -> None:
+        records = generating.result() if generating is not None else []
+        if records:
+            stats.mark_result()
         writes.append(write_shard.submit(job.output, fingerprint, parts_id, shard.index, records))
-        stats.add(len(shard.items), prepared.skipped, records, generate_s)
+        stats.add(len(shard.items), prepared.skipped, records, 0.0)
         failed = sum(1 for r in records if r.error)
-        percent = progress.advance()
+        percent = progress.advance(len(shard.items), failed)
         emit("shard.failed" if failed else "shard.completed", run_id, shard=shard.index,
              partition=partition.index if partition else 0, objects=len(shard.items),
              skipped=prepared.skipped, failed=failed)
         log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
                  skipped=prepared.skipped, failed=failed, progress=percent)
+
+    # The engine is fed continuously: up to FEED_DEPTH shards have requests in it at once, the
+    # next shard is being prepared meanwhile, and a shard is written as soon as it is done.
+    engine, writes, in_flight = None, [], deque()
+    generate_started = None
+    next_prepared = prepare(shards[0]) if shards else None
+    for position, shard in enumerate(shards):
+        prepared = next_prepared.result()
+        next_prepared = prepare(shards[position + 1]) if position + 1 < len(shards) else None
+        generating = None
+        if prepared.items:
+            engine = engine or start_engine(options.spec)
+            generate_started = generate_started or time.perf_counter()
+            generating = generate_shard.submit(prepared, options, fingerprint, parts_id)
+        in_flight.append((shard, prepared, generating))
+        while len(in_flight) > FEED_DEPTH:
+            finish(*in_flight.popleft())
+    while in_flight:
+        finish(*in_flight.popleft())
+    if generate_started is not None:
+        stats.generate_s = time.perf_counter() - generate_started  # first request to last result
     stats.parts = [part for part in (w.result() for w in writes) if part]
     return stats, engine
 

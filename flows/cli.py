@@ -87,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--images", type=int, default=8, help="how many sample images to make")
     _add_job_options(demo)
 
+    bench = sub.add_parser("bench", help="the flow against raw vLLM (the example's way) on this machine")
+    bench.add_argument("--dir", default="vlm-caption-bench", help="working folder (default: ./vlm-caption-bench)")
+    bench.add_argument("--model", help="model path or id (default: a random-weight LLaVA of --shape)")
+    bench.add_argument("--shape", choices=["tiny", "7b"], default="tiny",
+                       help="without --model: a random-weight LLaVA-1.5 of this shape (default tiny)")
+    bench.add_argument("--recipe", default="llava")
+    bench.add_argument("--images", type=int, default=64, help="distinct JPEGs to caption (default 64)")
+    bench.add_argument("--size", default="640x480", help="image size WxH (default 640x480)")
+    bench.add_argument("--shard-size", type=int, default=64)
+    bench.add_argument("--source", choices=["folder", "s3"], default="folder",
+                       help="serve the images from a folder or an S3 endpoint (VLM_CAPTION_BENCH_S3, "
+                       "else a loopback moto server)")
+    bench.add_argument("--max-tokens", type=int, default=64, help="output tokens per image (default 64)")
+
     recipes = sub.add_parser("recipes", help="list or inspect recipes")
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
     rlist = rsub.add_parser("list", help="all recipes")
@@ -156,9 +170,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args, _job_fields(args))
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from flows.bench import BenchConfig, run_bench
+
+    width, _, height = args.size.partition("x")
+    run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images,
+                          width=int(width), height=int(height), shard_size=args.shard_size,
+                          source=args.source, max_tokens=args.max_tokens, shape=args.shape))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "demo": cmd_demo}
+    handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench}
     if args.command == "recipes":
         handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
     else:

@@ -27,6 +27,7 @@ class SamplingSettings(BaseModel):
         None, ge=1, le=65536, description="None: the recipe's value, else 256."
     )
     seed: int | None = Field(0, description="Per-request sampling seed; fixed by default so reruns agree.")
+    ignore_eos: bool = Field(False, description="Always generate max_tokens (benchmarks).")
 
     def fingerprint_dict(self) -> dict[str, Any]:
         return self.model_dump()

@@ -77,10 +77,54 @@ def emit(event: str, run_id: str, **payload: Any) -> None:
     )
 
 
-class Progress:
-    """A Prefect progress artifact advanced once per shard."""
+class TerminalProgress:
+    """Items, items/s, ETA and errors in the terminal: a live rich bar on a terminal, one plain
+    line per shard otherwise (CI logs, `| tee`, a worker's output)."""
 
-    def __init__(self, total_shards: int, description: str):
+    def __init__(self, total_items: int, description: str):
+        import time
+
+        from rich.console import Console
+
+        self.total, self.done, self.errors = total_items, 0, 0
+        self.started = time.monotonic()
+        self.console = Console(stderr=True)
+        self.bar = None
+        if self.console.is_terminal:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeRemainingColumn)
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[rate]} items/s"), TimeRemainingColumn(),
+                                TextColumn("{task.fields[errors]} errors"), console=self.console,
+                                transient=False)
+            self.task = self.bar.add_task(description, total=total_items, rate="-", errors=0)
+            self.bar.start()
+
+    def advance(self, items: int, errors: int) -> None:
+        import time
+
+        self.done += items
+        self.errors += errors
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        rate = self.done / elapsed
+        if self.bar is not None:
+            self.bar.update(self.task, advance=items, rate=f"{rate:.2f}", errors=self.errors)
+            return
+        left = (self.total - self.done) / rate if rate > 0 else 0.0
+        self.console.print(f"vlm-caption: {self.done}/{self.total} items · {rate:.2f} items/s · "
+                           f"ETA {int(left // 60)}:{int(left % 60):02d} · {self.errors} errors",
+                           highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class Progress:
+    """A Prefect progress artifact advanced once per shard, and the terminal's progress."""
+
+    def __init__(self, total_shards: int, description: str, total_items: int = 0):
         from prefect.artifacts import create_progress_artifact
 
         self.total = max(total_shards, 1)
@@ -88,13 +132,17 @@ class Progress:
         self.artifact_id = create_progress_artifact(
             progress=0.0, key="vlm-caption-progress", description=description
         )
+        self.terminal = TerminalProgress(total_items, description)
 
-    def advance(self) -> float:
+    def advance(self, items: int = 0, errors: int = 0) -> float:
         from prefect.artifacts import update_progress_artifact
 
         self.done += 1
         percent = round(100.0 * self.done / self.total, 1)
         update_progress_artifact(artifact_id=self.artifact_id, progress=percent)
+        self.terminal.advance(items, errors)
+        if self.done >= self.total:
+            self.terminal.close()
         return percent
 
 

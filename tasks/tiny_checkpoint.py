@@ -49,10 +49,27 @@ def save_fast_tokenizer(tok, out: Path, *, eos: str, bos: str | None = None, pad
     return fast
 
 
-def build_tiny_llava(out: str | Path, seed: int = 0) -> Path:
-    """Write a ~2 MB LLaVA-1.5-shaped checkpoint (CLIP tower + Llama LM) to `out`.
+# Random-weight LLaVA-1.5 shapes: "tiny" (~2 MB, for CPU tests and the demo) and "7b" (the
+# real LLaVA-1.5-7B's CLIP ViT-L/14-336 and Llama-2-7B sizes, ~14 GB in bf16, for GPU benches).
+SHAPES = {
+    "tiny": {"vision": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+                            image_size=IMAGE_SIDE, patch_size=PATCH, projection_dim=64),
+             "text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=2),
+             "image_side": IMAGE_SIDE, "dtype": "float32"},
+    "7b": {"vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                          image_size=336, patch_size=PATCH, projection_dim=768),
+           "text": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=32),
+           "image_side": 336, "dtype": "bfloat16"},
+}
 
-    Shapes are chosen for vLLM's CPU backend: attention head_dim 64 (it rejects 16).
+
+def build_tiny_llava(out: str | Path, seed: int = 0, shape: str = "tiny") -> Path:
+    """Write a random-weight LLaVA-1.5-shaped checkpoint (CLIP tower + Llama LM) to `out`.
+
+    "tiny" is chosen for vLLM's CPU backend: attention head_dim 64 (it rejects 16). "7b" is
+    built on the GPU when there is one (seconds instead of minutes on a CPU).
     Idempotent: an existing complete checkpoint is reused.
     """
     out = Path(out)
@@ -68,6 +85,8 @@ def build_tiny_llava(out: str | Path, seed: int = 0) -> Path:
         LlavaProcessor,
     )
 
+    sizes = SHAPES[shape]
+    side = sizes["image_side"]
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(["<unk>", "<s>", "</s>", "<image>", "<pad>"])
@@ -75,29 +94,28 @@ def build_tiny_llava(out: str | Path, seed: int = 0) -> Path:
     image_token_id = fast.convert_tokens_to_ids("<image>")
 
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
-            image_size=IMAGE_SIDE, patch_size=PATCH, projection_dim=64,
-        ),
+        vision_config=CLIPVisionConfig(**sizes["vision"]),
         text_config=LlamaConfig(
-            vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+            vocab_size=len(fast), max_position_embeddings=2048 if shape == "tiny" else 4096,
             bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-            pad_token_id=fast.pad_token_id, torch_dtype="float32",
+            pad_token_id=fast.pad_token_id, torch_dtype=sizes["dtype"], **sizes["text"],
         ),
         image_token_index=image_token_id,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
-        image_seq_length=(IMAGE_SIDE // PATCH) ** 2,
+        image_seq_length=(side // PATCH) ** 2,
     )
-    model = LlavaForConditionalGeneration(config).eval()
-    model.save_pretrained(out, safe_serialization=True)
+    device = "cuda" if shape != "tiny" and torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlavaForConditionalGeneration(config).to(getattr(torch, sizes["dtype"])).eval()
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="100GB")  # one file
+    del model
     to_hub_layout(out / "model.safetensors")
 
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(
-            size={"shortest_edge": IMAGE_SIDE}, crop_size={"height": IMAGE_SIDE, "width": IMAGE_SIDE},
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side},
         ),
         tokenizer=fast,
         patch_size=PATCH,

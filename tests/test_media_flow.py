@@ -24,9 +24,12 @@ BUCKET = "media-kinds"
 
 
 @pytest.fixture(scope="module")
-def bucket(s3_client):
-    s3_client.create_bucket(Bucket=BUCKET)
-    return s3_client
+def bucket(s3_endpoint):
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    return client
 
 
 def put(s3_client, objects: dict[str, bytes]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from recipes import Recipe, RecipeError, get_recipe
 from recipes.base import MEDIA_KIND
 from recipes.requests import render_chat, resolve_stop_ids
+from tasks.engine.feed import EngineDied, EngineFeed
 from tasks.results.records import GenerationOutput
 
 # Importing vLLM otherwise runs logging.config.dictConfig, which shuts down every handler in the
@@ -54,6 +55,7 @@ class Sampling:
     temperature: float | None = None
     max_tokens: int | None = None
     seed: int | None = 0
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -157,6 +159,8 @@ class CaptionEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.stop_token_ids = resolve_stop_ids(self.tokenizer, self.recipe, spec.modality)
         self.lora_request = self._lora_request()
+        self._feed: EngineFeed | None = None
+        self._batch_lock = threading.Lock()
 
     def prompt_for(self, question: str, count: int = 1) -> str:
         """The exact prompt text for one item (the chat template rendered if needed)."""
@@ -174,7 +178,8 @@ class CaptionEngine:
             params["temperature"] = sampling.temperature
         if sampling.max_tokens is not None:
             params["max_tokens"] = sampling.max_tokens
-        return SamplingParams(seed=sampling.seed, stop_token_ids=self.stop_token_ids, **params)
+        return SamplingParams(seed=sampling.seed, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=sampling.ignore_eos, **params)
 
     def run(self, requests: list[EngineRequest], sampling: Sampling,
             method: str = "generate") -> list[GenerationOutput]:
@@ -182,24 +187,42 @@ class CaptionEngine:
         if not requests:
             return []
         params = self.sampling_params(sampling)
-        call = self._chat if method == "chat" else self._generate
-        try:
-            return [_output(o) for o in call(requests, params)]
-        except Exception:  # one bad request poisons a batch call: retry one by one to isolate it
-            return [self._run_one(call, r, params) for r in requests]
+        if method == "generate":
+            return self._feed_all(requests, params)
+        call = self._chat
+        with self._batch_lock:  # LLM.chat runs the engine to completion: one caller at a time
+            try:
+                return [_output(o) for o in call(requests, params)]
+            except Exception:  # one bad request poisons a batch call: retry one by one to isolate it
+                return [self._run_one(call, r, params) for r in requests]
+
+    def _feed_all(self, requests: list[EngineRequest], params) -> list[GenerationOutput]:
+        """Hand the requests to the engine's continuous feed and wait for this batch's own."""
+        with self._batch_lock:
+            if self._feed is None:
+                self._feed = EngineFeed(self.llm)
+        lora = self.lora_request
+        futures = [self._feed.submit(self._generate_input(r), params, lora) for r in requests]
+        outputs = []
+        for future in futures:
+            try:
+                outputs.append(_output(future.result()))
+            except EngineDied:
+                raise  # the whole shard fails; the task's retry or the next run redoes it
+            except Exception as exc:  # noqa: BLE001 - this request's own error, recorded on its item
+                outputs.append(GenerationOutput(None, None, 0, 0, error=f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _generate_input(self, request: EngineRequest) -> dict[str, Any]:
+        kind = MEDIA_KIND[self.spec.modality]
+        return {"prompt": self.prompt_for(request.question, request.count),
+                "multi_modal_data": {kind: request.media}, "multi_modal_uuids": {kind: request.uuids}}
 
     def _run_one(self, call, request: EngineRequest, params) -> GenerationOutput:
         try:
             return _output(call([request], params)[0])
         except Exception as exc:  # noqa: BLE001 - recorded on the item, never dropped
             return GenerationOutput(None, None, 0, 0, error=f"{type(exc).__name__}: {exc}")
-
-    def _generate(self, requests: list[EngineRequest], params):
-        kind = MEDIA_KIND[self.spec.modality]
-        inputs = [{"prompt": self.prompt_for(r.question, r.count),
-                   "multi_modal_data": {kind: r.media}, "multi_modal_uuids": {kind: r.uuids}}
-                  for r in requests]
-        return self.llm.generate(inputs, params, lora_request=self._loras(len(inputs)), use_tqdm=False)
 
     def _chat(self, requests: list[EngineRequest], params):
         """The multi-image example's chat method: the question, then one image part per picture,
@@ -215,6 +238,12 @@ class CaptionEngine:
 
     def _loras(self, count: int):
         return [self.lora_request] * count if self.lora_request else None
+
+    def release(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
+        self._feed = None
+        self.llm = None
 
     def _lora_request(self):
         if self.recipe.lora is None:
@@ -253,6 +282,6 @@ def get_engine(spec: EngineSpec) -> CaptionEngine:
         engine = _ENGINES.get(spec)
         if engine is None:
             for old in list(_ENGINES):
-                _ENGINES.pop(old).llm = None
+                _ENGINES.pop(old).release()
             engine = _ENGINES[spec] = CaptionEngine(spec)
         return engine

@@ -4,6 +4,7 @@ some models need, through vLLM's own video loader so they match what vLLM's serv
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,9 @@ from tasks.media.image import MediaError
 from tasks.results.records import ItemError
 
 DEFAULT_NUM_FRAMES = 16  # the examples' --num-frames
+# One video decode at a time per process: a decode holds a whole video's bytes and frames, and
+# OpenCV already spreads one decode over the cores.
+_DECODE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -51,13 +55,12 @@ def decode_video(data: bytes, *, num_frames: int, limits: VideoLimits) -> Decode
     """
     if not data:
         raise MediaError(ItemError("decode", "empty file (0 bytes)"))
-    _check_header(data, limits)
-    try:
-        frames, metadata = video_loader().load_bytes(data, num_frames=num_frames)
-    except MediaError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - cv2/av raise many kinds; each is this item's error
-        raise MediaError(ItemError("decode", f"not a video that can be decoded: {exc}")) from None
+    with _DECODE_LOCK:
+        _check_header(data, limits)
+        try:
+            frames, metadata = video_loader().load_bytes(data, num_frames=num_frames)
+        except Exception as exc:  # noqa: BLE001 - cv2/av raise many kinds; each is this item's error
+            raise MediaError(ItemError("decode", f"not a video that can be decoded: {exc}")) from None
     if frames is None or len(frames) == 0:
         raise MediaError(ItemError("decode", "the video has no decodable frames (audio only?)"))
     _check_duration(float(metadata.get("duration") or 0.0), limits)
@@ -75,15 +78,19 @@ def _check_header(data: bytes, limits: VideoLimits) -> None:
     """Refuse huge frames and over-long videos from the container header, before decoding a
     single frame (vLLM's own frame guard reads VLLM_MAX_IMAGE_PIXELS instead)."""
     loader = video_loader()
-    opener = getattr(loader, "open_video_capture", None)
-    if opener is None:
+    api = getattr(loader, "get_cv2_video_api", None)
+    if api is None:  # not the OpenCV backend: its own guards apply
         return
+    import io
+
     import cv2
 
-    try:
-        capture = opener(data)
-    except Exception as exc:  # noqa: BLE001
-        raise MediaError(ItemError("decode", f"not a video that can be decoded: {exc}")) from None
+    # Keep the stream referenced until the capture is released: OpenCV reads it through a
+    # callback, and releasing a capture whose stream was collected crashes the process.
+    stream = io.BytesIO(data)
+    capture = cv2.VideoCapture(stream, api(), [])
+    if not capture.isOpened():
+        raise MediaError(ItemError("decode", "not a video that can be decoded: Could not open video stream"))
     try:
         width = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH))
         height = int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
@@ -91,6 +98,7 @@ def _check_header(data: bytes, limits: VideoLimits) -> None:
         seconds = capture.get(cv2.CAP_PROP_FRAME_COUNT) / fps if fps > 0 else 0.0
     finally:
         capture.release()
+        del stream
     if width * height > limits.max_frame_pixels:
         raise MediaError(ItemError(
             "too_large", f"video frames are {width}x{height}, over the limit of {limits.max_frame_pixels} "

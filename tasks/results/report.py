@@ -49,6 +49,11 @@ class PartitionReport(Tally):
 
 class RunStats(Tally):
     started: float = Field(default_factory=time.time)
+    first_result_s: float | None = None  # from the run's start to its first finished shard
+
+    def mark_result(self) -> None:
+        if self.first_result_s is None:
+            self.first_result_s = round(time.time() - self.started, 3)
 
     @property
     def failed(self) -> int:
@@ -103,6 +108,7 @@ class RunStats(Tally):
             "output_tokens": self.output_tokens,
             "output_tokens_per_s": round(self.output_tokens / gen, 1) if self.generate_s else 0.0,
             "generate_items_per_s": round(self.succeeded / gen, 3) if self.generate_s else 0.0,
+            "first_result_s": self.first_result_s,
         }
 
     def manifest(self, *, run_id: str, parameters: dict[str, Any], fingerprint: str,
