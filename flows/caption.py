@@ -24,7 +24,7 @@ from prefect.runtime import flow_run
 from flows.params import DEFAULT_MAX_IMAGES, CaptionJob, Partition
 from recipes import Recipe, get_recipe
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
-from tasks.engine.vllm_engine import EngineSpec, Sampling, check_remote_code
+from tasks.engine.vllm_engine import EngineSpec, Sampling, check_engine_overrides, check_remote_code
 from tasks.fanout import FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary
@@ -34,6 +34,7 @@ from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report, write_shard
 from tasks.sources.items import Shard
 from tasks.sources.listing import SourceSpec, list_source
+from tasks.sources.preflight import check_output, check_source
 
 FEED_DEPTH = 2  # shards whose requests are in the engine at once
 
@@ -68,6 +69,9 @@ def vlm_caption(job: CaptionJob) -> dict:
     configure_logging()
     recipe = get_recipe(job.recipe)
     check_remote_code(recipe, job.trust_remote_code)  # refuse before touching storage or GPU
+    check_engine_overrides(job.engine_overrides)
+    check_source(job.location, is_manifest=job.manifest is not None)
+    check_output(job.output)
     run_id = job.partition.run_id if job.partition else _run_id()
     model = recipe.model_for(job.modality, job.model)
     fingerprint = job_fingerprint(

@@ -108,3 +108,36 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
     third = vlm_caption(job)
     assert third["processed"] == 1 and third["succeeded"] == 1 and third["skipped_already_done"] == 20
     assert len(_records(s3_client, "captions/results/")) == 21
+
+    # A damaged results part (cut mid-line), a foreign file and a binary file under the results
+    # prefix: each is skipped with a warning naming it, and only the lost items are computed again.
+    parts = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix="captions/results/")["Contents"])
+    damaged = parts[0]
+    body = s3_client.get_object(Bucket=BUCKET, Key=damaged)["Body"].read()
+    kept = body[: len(body) // 2]
+    s3_client.put_object(Bucket=BUCKET, Key=damaged, Body=kept)
+    prefix = damaged.rsplit("/", 1)[0]
+    s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}/notes.jsonl", Body=b'{"hello": "not a record"}\nplain text\n')
+    s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}/junk.jsonl", Body=b"\xff\xfe\x00binary")
+    whole_lines = kept.count(b"\n")
+    lost = body.count(b"\n") - whole_lines
+    fourth = vlm_caption(job)
+    assert fourth["processed"] == lost and fourth["succeeded"] + fourth["failed"] == lost
+    valid = []
+    for record in _records_lenient(s3_client, "captions/results/"):
+        valid.append(record["key"])
+    assert sorted(valid) == sorted([k.removeprefix("images/") for k in objects] + ["new.png"])  # each once
+
+
+def _records_lenient(s3_client, prefix: str) -> list[dict]:
+    """The records a reader can parse (a damaged part's whole lines, none of the foreign files)."""
+    from tasks.results.records import ResultRecord
+
+    found = []
+    for obj in s3_client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]:
+        for line in s3_client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read().split(b"\n"):
+            try:
+                found.append(ResultRecord.model_validate_json(line).model_dump())
+            except ValueError:
+                continue
+    return found

@@ -7,6 +7,14 @@ from pathlib import Path
 from tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 
 SIDE, PATCH, SCALE = 56, 14, 2  # (56/14)^2 / 2^2 = 4 tokens per tile
+# Idefics3's own chat template (HuggingFaceM4/Idefics3-8B-Llama3), for the chat method.
+CHAT_TEMPLATE = (
+    "<|begin_of_text|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
 SPECIALS = ["<unk>", "<|begin_of_text|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>",
             "<global-img>", "<pad>"]
 
@@ -22,7 +30,8 @@ def build_tiny_idefics3(out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     fast = save_fast_tokenizer(train_tokenizer(SPECIALS), out, bos="<|begin_of_text|>",
-                               eos="<end_of_utterance>", pad="<pad>", unk="<unk>")
+                               eos="<end_of_utterance>", pad="<pad>", unk="<unk>",
+                               extra={"chat_template": CHAT_TEMPLATE})
     config = Idefics3Config(
         vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
                            image_size=SIDE, patch_size=PATCH),
@@ -37,5 +46,6 @@ def build_tiny_idefics3(out: Path, seed: int = 0) -> Path:
     image_processor = Idefics3ImageProcessor(size={"longest_edge": 2 * SIDE},
                                              max_image_size={"longest_edge": SIDE})
     Idefics3Processor(image_processor=image_processor, tokenizer=fast,
-                      image_seq_len=(SIDE // PATCH) ** 2 // SCALE**2).save_pretrained(out)
+                      image_seq_len=(SIDE // PATCH) ** 2 // SCALE**2,
+                      chat_template=CHAT_TEMPLATE).save_pretrained(out)
     return out

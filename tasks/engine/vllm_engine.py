@@ -81,6 +81,22 @@ def check_remote_code(recipe: Recipe, allowed: bool) -> None:
         )
 
 
+def check_engine_overrides(overrides: dict[str, Any]) -> None:
+    """Unknown vLLM engine arguments fail the job before anything starts, with close matches."""
+    import dataclasses
+    import difflib
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f" Did you mean: {', '.join(close)}?" if close else ""
+            raise RecipeError(f"unknown vLLM engine argument {key!r}.{hint} "
+                              "See `vllm serve --help` for the engine arguments of vLLM 0.26.")
+
+
 def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, Any]:
     """Recipe facts + sizing for this hardware + the caller's overrides (which win)."""
     check_remote_code(recipe, spec.trust_remote_code)
@@ -189,6 +205,7 @@ class CaptionEngine:
         params = self.sampling_params(sampling)
         if method == "generate":
             return self._feed_all(requests, params)
+        self._check_chat_template()
         call = self._chat
         with self._batch_lock:  # LLM.chat runs the engine to completion: one caller at a time
             try:
@@ -235,6 +252,13 @@ class CaptionEngine:
             conversations.append([{"role": "user", "content": [{"type": "text", "text": r.question}, *parts]}])
         return self.llm.chat(conversations, params, use_tqdm=False, lora_request=self._loras(len(conversations)),
                              chat_template=self.prompting.chat_template)
+
+    def _check_chat_template(self) -> None:
+        """The chat method renders through a chat template: without one every item would fail."""
+        if self.prompting.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise RecipeError(
+                f"the chat method needs a chat template, and {self.model}'s tokenizer has none "
+                f"(recipe {self.spec.recipe!r} gives none either); use method 'generate'")
 
     def _loras(self, count: int):
         return [self.lora_request] * count if self.lora_request else None

@@ -41,6 +41,7 @@ class Storage(Protocol):
     def read(self, key: str) -> bytes: ...
     def write(self, key: str, data: bytes) -> None: ...
     def exists(self, key: str) -> bool: ...
+    def delete(self, key: str) -> None: ...
     def describe(self, key: str) -> str: ...
 
 
@@ -91,6 +92,9 @@ class LocalStorage:
 
     def exists(self, key: str) -> bool:
         return (self.root / key).exists()
+
+    def delete(self, key: str) -> None:
+        (self.root / key).unlink(missing_ok=True)
 
     def describe(self, key: str) -> str:
         return str(self.root / key)
@@ -145,6 +149,9 @@ class S3Storage:
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
+
+    def delete(self, key: str) -> None:
+        self._client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
 
     def describe(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.prefix}{key}"
