@@ -24,7 +24,8 @@ from prefect.runtime import flow_run
 from flows.params import DEFAULT_MAX_IMAGES, CaptionJob, Partition
 from recipes import Recipe, get_recipe
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
-from tasks.engine.vllm_engine import EngineSpec, Sampling, check_engine_overrides, check_remote_code
+from tasks.engine.vllm_engine import (EngineSpec, Sampling, check_engine_overrides, check_remote_code,
+                                     image_resize_target)
 from tasks.fanout import FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary
@@ -130,9 +131,10 @@ def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
     shards = list_source(source, job.shard_size, job.limit,
                          (partition.index, partition.count) if partition else None)
     done = load_done_index(job.output, fingerprint)
-    media = MediaOptions(job.modality, job.num_frames, job.max_images or DEFAULT_MAX_IMAGES)
-    options = GenerateOptions(engine_spec(job, media, shards), Sampling(**job.sampling.model_dump()),
-                              job.method, job.num_frames)
+    spec = engine_spec(job, job.max_images or DEFAULT_MAX_IMAGES, shards)
+    media = MediaOptions(job.modality, job.num_frames, job.max_images or DEFAULT_MAX_IMAGES,
+                         resize=image_resize_target(spec))
+    options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
     progress = Progress(len(shards), f"Captioning {job.location} with {recipe.name}",
                         total_items=sum(len(shard.items) for shard in shards))
     log.info("run started", source=job.location, output=job.output, modality=job.modality,
@@ -180,13 +182,13 @@ def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
     return stats, engine
 
 
-def engine_spec(job: CaptionJob, media: MediaOptions, shards: list[Shard]) -> EngineSpec:
+def engine_spec(job: CaptionJob, max_images: int, shards: list[Shard]) -> EngineSpec:
     """The engine for this job. For multi-image, vLLM's per-prompt image limit comes from the
     largest group listed (as the example sets it from its image count), capped by `max_images`."""
     images = 1
     if job.modality == "multi-image":
         largest = max((len(item.members) for shard in shards for item in shard.items), default=1)
-        images = max(1, min(largest, media.max_images))
+        images = max(1, min(largest, max_images))
     return EngineSpec.build(job.recipe, modality=job.modality, model=job.model,
                             engine_overrides=job.engine_overrides,
                             trust_remote_code=job.trust_remote_code, images=images)

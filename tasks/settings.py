@@ -20,6 +20,7 @@ class Settings(BaseSettings):
     max_bytes_in_flight: int = 1024**3
     max_object_bytes: int = 2 * 1024**3  # one object (a video) over this is an error record
     # Media
+    decode_processes: int | None = None  # image decode pool; None: one per core, 0: no pool
     max_image_pixels: int = 64_000_000  # refuse decompression bombs beyond this
     max_video_seconds: float = 3 * 3600.0
     max_video_frame_pixels: int = 3840 * 2160

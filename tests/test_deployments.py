@@ -305,3 +305,25 @@ def _kill_tree(root: int, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def test_dev_deployment_runs_video_from_its_form(stack, s3_client, checkpoints_root):
+    """Another modality through `prefect deployment run vlm-caption/dev`: the parameters a user
+    types into the deployment's form reach the flow (video, frames, two questions)."""
+    from tests.checkpoints import build_checkpoint
+    from tests.images import video_bytes
+
+    model = build_checkpoint("qwen2_vl", checkpoints_root)
+    for i in range(2):
+        s3_client.put_object(Bucket=BUCKET, Key=f"clips/c{i}.mp4", Body=video_bytes(frames=16, seed=i))
+    job = {"source": f"s3://{BUCKET}/clips/", "output": f"s3://{BUCKET}/dev-video/", "recipe": "qwen2_vl",
+           "modality": "video", "num_frames": 4, "questions": ["What happens?", "Which colours?"],
+           "model": str(model), "sampling": {"max_tokens": 4},
+           "engine_overrides": {"kv_cache_memory_bytes": 512 * 1024**2}}
+    run = stack.wait_for(stack.run_deployment("vlm-caption/dev", job))
+    logs = "\n".join((stack.root / f"worker-{name}.log").read_text()[-3000:] for name in stack.workers)
+    assert run["state_type"] == "COMPLETED", logs
+    records = records_under(s3_client, "dev-video/results/")
+    assert Counter((r["key"], r["question"]) for r in records) == Counter(
+        {(f"c{i}.mp4", q): 1 for i in range(2) for q in job["questions"]})
+    assert all(r["error"] is None and r["video"]["frames"] == 4 for r in records)

@@ -159,13 +159,16 @@ def test_folder_groups_with_generate_and_chat(prefect_api, bucket, albums, idefi
 
 def test_two_questions_one_fetch_and_decode_each_then_resume_by_question(prefect_api, bucket, albums, idefics3,
                                                                          monkeypatch):
-    import tasks.media.prepare as prepare
+    import tasks.media.pool as pool
+    from tasks.settings import get_settings
     from tasks.sources.fetch import MediaFetcher
 
+    monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "0")  # decode in this process, to count it
+    get_settings.cache_clear()
     fetched, decoded = Counter(), Counter()
-    real_read, real_decode = MediaFetcher.read, prepare.decode_image
+    real_read, real_decode = MediaFetcher.read, pool.decode_job
     monkeypatch.setattr(MediaFetcher, "read", lambda self, ref: fetched.update([ref.key]) or real_read(self, ref))
-    monkeypatch.setattr(prepare, "decode_image", lambda data, **kw: decoded.update([len(data)]) or real_decode(data, **kw))
+    monkeypatch.setattr(pool, "decode_job", lambda data, *a: decoded.update([len(data)]) or real_decode(data, *a))
 
     job = group_job(idefics3, "questions", glob="*.jpg", questions=["What is shown?", "Which colours?"])
     first = run(**job)
@@ -188,6 +191,7 @@ def test_two_questions_one_fetch_and_decode_each_then_resume_by_question(prefect
     added = [r for r in records(bucket, "questions/results/") if r["question"] == "How many people?"]
     assert sorted(r["key"] for r in added) == ["beach", "big", "broken", "city"]
     assert len(records(bucket, "questions/results/")) == 12
+    get_settings.cache_clear()
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,18 @@ def check_remote_code(recipe: Recipe, allowed: bool) -> None:
         )
 
 
+def image_resize_target(spec: EngineSpec):
+    """What the decode pool may shrink images to for this engine's model (None: leave them)."""
+    from tasks.media.resize import resize_target
+
+    if spec.modality == "video":
+        return None
+    recipe = get_recipe(spec.recipe)
+    args = recipe.engine_args_for(spec.modality, images=spec.images, model=spec.model)
+    args.update(spec.overrides())
+    return resize_target(args["model"], args.get("mm_processor_kwargs"))
+
+
 def check_engine_overrides(overrides: dict[str, Any]) -> None:
     """Unknown vLLM engine arguments fail the job before anything starts, with close matches."""
     import dataclasses

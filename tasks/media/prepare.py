@@ -12,7 +12,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.media.image import MediaError, decode_image
+from tasks.media.image import MediaError
+from tasks.media.pool import decode_images
+from tasks.media.resize import ResizeTarget
 from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits, decode_video
 from tasks.results.done_index import DoneIndex
 from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
@@ -29,6 +31,7 @@ class MediaOptions:
     modality: str = "image"
     num_frames: int = DEFAULT_NUM_FRAMES
     max_images: int = 8  # a bigger group becomes an error record naming the limit
+    resize: ResizeTarget | None = None  # shrink images to what the model's processor makes of them
 
 
 @dataclass
@@ -152,10 +155,9 @@ class ItemPreparer:
             if self.options.modality == "video":
                 prepared.media = decode_video(blobs[0], num_frames=self.options.num_frames,
                                               limits=self.video_limits)
-            elif self.options.modality == "multi-image":
-                prepared.media = [decode_image(b, max_pixels=self.max_image_pixels) for b in blobs]
             else:
-                prepared.media = decode_image(blobs[0], max_pixels=self.max_image_pixels)
+                images = decode_images(blobs, self.max_image_pixels, self.options.resize)
+                prepared.media = images if self.options.modality == "multi-image" else images[0]
         except MediaError as exc:
             prepared.error = exc.error
         prepared.decode_s = time.perf_counter() - started

@@ -1,0 +1,65 @@
+"""Decode (and shrink) images in a pool of processes sized to the cores, so decoding runs in
+parallel, outside the GIL that vLLM's request processing and Prefect share."""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import threading
+from concurrent.futures import Executor, ProcessPoolExecutor
+
+from tasks.media.image import MediaError, decode_image
+from tasks.media.resize import ResizeTarget
+from tasks.results.records import ItemError
+from tasks.settings import get_settings
+
+_POOL: Executor | None = None
+_LOCK = threading.Lock()
+
+
+def decode_job(data: bytes, max_pixels: int, target: ResizeTarget | None):
+    """Runs in a pool process. Returns (image, None) or (None, error): exceptions with custom
+    arguments do not cross a process boundary intact."""
+    try:
+        image = decode_image(data, max_pixels=max_pixels)
+    except MediaError as exc:
+        return None, exc.error
+    return (target.apply(image) if target else image), None
+
+
+def decode_processes() -> int:
+    configured = get_settings().decode_processes
+    return os.cpu_count() or 1 if configured is None else configured
+
+
+def decode_pool() -> Executor | None:
+    """The process's pool (None with VLM_CAPTION_DECODE_PROCESSES=0: decode in the caller)."""
+    global _POOL
+    if decode_processes() <= 0:
+        return None
+    with _LOCK:
+        if _POOL is None:
+            # spawn: the flow process holds threads (Prefect, vLLM's client); forking them is unsafe.
+            _POOL = ProcessPoolExecutor(max_workers=decode_processes(),
+                                        mp_context=multiprocessing.get_context("spawn"))
+            atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
+        return _POOL
+
+
+def decode_images(blobs: list[bytes], max_pixels: int, target: ResizeTarget | None):
+    """Decode every blob (in the pool when there is one); the first error stops the item."""
+    pool = decode_pool()
+    if pool is None:
+        results = [decode_job(blob, max_pixels, target) for blob in blobs]
+    else:
+        results = [future.result() for future in [pool.submit(decode_job, b, max_pixels, target) for b in blobs]]
+    images = []
+    for image, error in results:
+        if error is not None:
+            raise MediaError(error)
+        images.append(image)
+    return images
+
+
+__all__ = ["ItemError", "ResizeTarget", "decode_images", "decode_pool"]

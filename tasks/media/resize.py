@@ -1,0 +1,80 @@
+"""Shrink images to what the model's own processor would produce anyway, before vLLM sees them.
+
+vLLM renders every image through the model's HF processor in one process; a 1920x1080 photo
+costs it far more than the 336x448 the processor resizes it to first. Shrinking in the decode
+pool (many processes, overlapped with generation) takes that work off vLLM's critical path.
+Only processors whose first step is a plain downscale are handled, and images are never
+enlarged; any other processor (any-resolution tiling, image splitting) gets the image as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ResizeTarget:
+    shortest_edge: int | None = None  # CLIP-style: resize the shortest edge, then centre-crop
+    max_pixels: int | None = None  # Qwen-VL-style: at most this many pixels
+
+    def apply(self, image):
+        from PIL import Image
+
+        width, height = image.size
+        scale = 1.0
+        if self.shortest_edge:
+            scale = min(scale, self.shortest_edge / min(width, height))
+        if self.max_pixels:
+            scale = min(scale, math.sqrt(self.max_pixels / (width * height)))
+        if scale >= 1.0:
+            return image
+        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        return image.resize(size, Image.Resampling.BICUBIC)
+
+
+def _read_local_json(model: str, name: str) -> dict[str, Any] | None:
+    path = Path(model) / name
+    if not path.exists():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, name)
+        except Exception:  # noqa: BLE001 - not a hub id, or no cache: no resize
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def image_processor_config(model: str) -> dict[str, Any] | None:
+    """The image processor's settings from the checkpoint (local folder or hub cache; never a
+    download): `preprocessor_config.json`, or transformers 5's nested `processor_config.json`."""
+    flat = _read_local_json(model, "preprocessor_config.json")
+    if flat is not None:
+        return flat
+    nested = _read_local_json(model, "processor_config.json") or {}
+    return nested.get("image_processor")
+
+
+def resize_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None) -> ResizeTarget | None:
+    processor = image_processor_config(model)
+    config = _read_local_json(model, "config.json") or {}
+    if not processor:
+        return None
+    kind = str(processor.get("image_processor_type", ""))
+    size = processor.get("size") or {}
+    if (kind.startswith("CLIPImageProcessor") and config.get("model_type") == "llava"
+            and processor.get("do_center_crop") and "shortest_edge" in size):
+        return ResizeTarget(shortest_edge=int(size["shortest_edge"]))
+    if kind.startswith(("Qwen2VLImageProcessor", "Qwen2_5_VLImageProcessor")):
+        limit = (mm_processor_kwargs or {}).get("max_pixels") or processor.get("max_pixels") or size.get("longest_edge")
+        return ResizeTarget(max_pixels=int(limit)) if limit else None
+    return None

@@ -1,0 +1,54 @@
+"""Images are shrunk in the decode pool to what the model's processor would make of them, for
+processors whose first step is a plain downscale; never enlarged; others are left alone."""
+
+import json
+
+from tasks.media.pool import decode_images
+from tasks.media.resize import ResizeTarget, resize_target
+from tests.images import image_bytes
+
+
+def test_targets_come_from_the_checkpoint_processor(tmp_path):
+    llava = tmp_path / "llava"
+    llava.mkdir()
+    (llava / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    (llava / "processor_config.json").write_text(json.dumps({"image_processor": {
+        "image_processor_type": "CLIPImageProcessor", "do_center_crop": True, "size": {"shortest_edge": 336}}}))
+    assert resize_target(str(llava)) == ResizeTarget(shortest_edge=336)
+
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 12845056}))
+    assert resize_target(str(qwen), {"max_pixels": 1003520}) == ResizeTarget(max_pixels=1003520)  # the recipe's
+
+    tiles = tmp_path / "next"
+    tiles.mkdir()
+    (tiles / "config.json").write_text(json.dumps({"model_type": "llava_next"}))  # any-res tiling
+    (tiles / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "CLIPImageProcessor", "do_center_crop": True, "size": {"shortest_edge": 336}}))
+    assert resize_target(str(tiles)) is None
+    assert resize_target(str(tmp_path / "missing")) is None
+
+
+def test_shrinks_keep_aspect_and_never_enlarge(monkeypatch):
+    monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "0")
+    from tasks.settings import get_settings
+
+    get_settings.cache_clear()
+    big, small = image_bytes(size=(1920, 1080)), image_bytes(size=(200, 100))
+    shrunk, untouched = decode_images([big, small], 10**8, ResizeTarget(shortest_edge=336))
+    assert shrunk.size == (597, 336) and untouched.size == (200, 100)
+    (capped,) = decode_images([big], 10**8, ResizeTarget(max_pixels=640 * 480))
+    assert capped.size[0] * capped.size[1] <= 640 * 480 * 1.01 and abs(capped.size[0] / capped.size[1] - 16 / 9) < 0.01
+    get_settings.cache_clear()
+
+
+def test_the_pool_returns_every_image_in_order(monkeypatch):
+    monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "2")
+    from tasks.settings import get_settings
+
+    get_settings.cache_clear()
+    images = decode_images([image_bytes(size=(64 + i, 48)) for i in range(4)], 10**6, None)
+    assert [im.size for im in images] == [(64 + i, 48) for i in range(4)]
+    get_settings.cache_clear()
