@@ -158,6 +158,11 @@ def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
         log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
                  skipped=prepared.skipped, failed=failed, progress=percent)
 
+    # The engine starts at once (in the background, overlapping the first shard's fetch and
+    # decode) unless the listing shows everything is already done.
+    starting = start_engine.submit(options.spec) if any(
+        done.pending_by_listing(item, item.questions or job.questions_to_ask)
+        for shard in shards for item in shard.items) else None
     # The engine is fed continuously: up to FEED_DEPTH shards have requests in it at once, the
     # next shard is being prepared meanwhile, and a shard is written as soon as it is done.
     engine, writes, in_flight = None, [], deque()
@@ -168,7 +173,7 @@ def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
         next_prepared = prepare(shards[position + 1]) if position + 1 < len(shards) else None
         generating = None
         if prepared.items:
-            engine = engine or start_engine(options.spec)
+            engine = engine or (starting.result() if starting else start_engine(options.spec))
             generate_started = generate_started or time.perf_counter()
             generating = generate_shard.submit(prepared, options, fingerprint, parts_id)
         in_flight.append((shard, prepared, generating))
@@ -176,6 +181,8 @@ def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
             finish(*in_flight.popleft())
     while in_flight:
         finish(*in_flight.popleft())
+    if engine is None and starting is not None:
+        engine = starting.result()  # started for items that turned out done by content
     if generate_started is not None:
         stats.generate_s = time.perf_counter() - generate_started  # first request to last result
     stats.parts = [part for part in (w.result() for w in writes) if part]
