@@ -12,6 +12,7 @@ itself, waits for the children and merges their reports into the one manifest.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -23,6 +24,7 @@ from prefect.runtime import flow_run
 
 from flows.params import DEFAULT_MAX_IMAGES, CaptionJob, Partition
 from recipes import Recipe, get_recipe
+from tasks.concurrency import one_run_per_job
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
 from tasks.engine.vllm_engine import (EngineSpec, Sampling, check_engine_overrides, check_remote_code,
                                      image_resize_target)
@@ -80,7 +82,14 @@ def vlm_caption(job: CaptionJob) -> dict:
         media={"num_frames": job.num_frames} if job.modality == "video" else {},
         sampling=job.sampling.fingerprint_dict())
     log = get_logger(run_id=run_id, recipe=recipe.name, fingerprint=fingerprint)
+    # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
+    lease = one_run_per_job(fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
+    with lease:
+        return caption_job(job, recipe, run_id, model, fingerprint, log)
 
+
+def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, fingerprint: str, log) -> dict:
+    """The run itself: this run's partition (and the children's, when fanned out), the manifest."""
     own, children = job.partition, []
     if job.fan_out > 1:
         own = Partition(index=0, count=job.fan_out, run_id=run_id, fingerprint=fingerprint)

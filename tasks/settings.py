@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     max_image_pixels: int = 64_000_000  # refuse decompression bombs beyond this
     max_video_seconds: float = 3 * 3600.0
     max_video_frame_pixels: int = 3840 * 2160
+    # A second run of the same job waits this long for the first, then fails with a clear message.
+    job_wait_s: float = 6 * 3600.0
     # Logging: "json", "console", or "auto" (console on a terminal, JSON otherwise)
     log_format: str = "auto"
 

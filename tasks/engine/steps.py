@@ -59,7 +59,9 @@ def engine_request(item: PreparedItem, question: str, options: GenerateOptions) 
     return EngineRequest(question, media, item.sha256 or "")
 
 
-@task(name="generate-shard", cache_policy=NONE, persist_result=False)
+# One retry: if the engine died under the shard, the retry runs it on a new engine. Nothing of
+# the failed attempt was written, so nothing is duplicated.
+@task(name="generate-shard", cache_policy=NONE, persist_result=False, retries=1, retry_delay_seconds=1)
 def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprint: str,
                    run_id: str) -> list[ResultRecord]:
     """Every (item, question) of a shard in one vLLM call; each gets a record, failed or not.

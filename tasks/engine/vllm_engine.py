@@ -189,6 +189,7 @@ class CaptionEngine:
         self.lora_request = self._lora_request()
         self._feed: EngineFeed | None = None
         self._batch_lock = threading.Lock()
+        self.dead = False
 
     def prompt_for(self, question: str, count: int = 1) -> str:
         """The exact prompt text for one item (the chat template rendered if needed)."""
@@ -237,7 +238,8 @@ class CaptionEngine:
             try:
                 outputs.append(_output(future.result()))
             except EngineDied:
-                raise  # the whole shard fails; the task's retry or the next run redoes it
+                self.dead = True  # get_engine builds a new one for the shard's retry
+                raise
             except Exception as exc:  # noqa: BLE001 - this request's own error, recorded on its item
                 outputs.append(GenerationOutput(None, None, 0, 0, error=f"{type(exc).__name__}: {exc}"))
         return outputs
@@ -251,6 +253,9 @@ class CaptionEngine:
         try:
             return _output(call([request], params)[0])
         except Exception as exc:  # noqa: BLE001 - recorded on the item, never dropped
+            if type(exc).__name__ == "EngineDeadError":  # not this item's fault: retry the shard
+                self.dead = True
+                raise EngineDied(str(exc)) from exc
             return GenerationOutput(None, None, 0, 0, error=f"{type(exc).__name__}: {exc}")
 
     def _chat(self, requests: list[EngineRequest], params):
@@ -312,11 +317,12 @@ _LOCK = threading.Lock()
 def get_engine(spec: EngineSpec) -> CaptionEngine:
     """The process's engine for `spec`, built on first use and reused afterwards.
 
-    A worker serves one model at a time: asking for another spec releases the old engine.
+    A worker serves one model at a time: asking for another spec releases the old engine. An
+    engine whose process died (killed, out of memory) is replaced by a new one.
     """
     with _LOCK:
         engine = _ENGINES.get(spec)
-        if engine is None:
+        if engine is None or engine.dead:
             for old in list(_ENGINES):
                 _ENGINES.pop(old).release()
             engine = _ENGINES[spec] = CaptionEngine(spec)

@@ -42,8 +42,11 @@ def decode_image(data: bytes, *, max_pixels: int):
         raise
     except UnidentifiedImageError:
         raise MediaError(ItemError("decode", "not an image Pillow can read")) from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning,
-            Image.DecompressionBombError) as exc:
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise MediaError(ItemError(
+            "too_large", f"declared image size is a decompression bomb ({exc}); refused before decoding "
+            "(raise VLM_CAPTION_MAX_IMAGE_PIXELS to allow large images)")) from None
+    except (OSError, SyntaxError, ValueError) as exc:
         raise MediaError(ItemError("decode", f"corrupt image: {exc}")) from None
 
 

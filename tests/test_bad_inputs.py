@@ -1,0 +1,100 @@
+"""A corpus of hostile or odd files, made here: each decodes to an upright RGB image of the right
+content (the first frame or page) or fails with a readable error, and decoding the lot stays
+within a bounded peak memory (a decompression bomb is refused from its header)."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def bomb_png(side: int = 100_000) -> bytes:
+    """A 200-byte PNG that declares 100,000 x 100,000 pixels (30 GB decoded)."""
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
+            + _png_chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + _png_chunk(b"IEND", b""))
+
+
+def _save(image, fmt, **kw) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **kw)
+    return buffer.getvalue()
+
+
+def corpus() -> dict[str, bytes]:
+    from PIL import Image
+
+    red = Image.new("RGB", (40, 30), (220, 20, 20))
+    frames = [Image.new("RGB", (40, 30), (i * 5, 200, 0)) for i in range(50)]
+    palette = Image.new("P", (40, 30), 1)
+    palette.putpalette([255, 255, 255, 220, 20, 20] + [0] * 762)
+    exif = Image.Exif()
+    exif[0x9286] = "x" * 60_000  # UserComment: an APP1 block near JPEG's 64 KB limit
+    truncated = _save(Image.effect_noise((256, 256), 60).convert("RGB"), "JPEG")
+    return {
+        "bomb.png": bomb_png(),
+        "truncated.jpg": truncated[: len(truncated) // 3],
+        "empty.jpg": b"",
+        "deep.png": _save(Image.new("I;16", (40, 30), 40000), "PNG"),
+        "cmyk.jpg": _save(Image.new("CMYK", (40, 30), (0, 220, 220, 20)), "JPEG"),
+        "palette.png": _save(palette, "PNG", transparency=0),
+        "animated.gif": _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=40),
+        "pages.tiff": _save(red, "TIFF", save_all=True, append_images=[Image.new("RGB", (40, 30), (0, 0, 255))]),
+        "vector.jpg": b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect/></svg>',
+        "page.jpg": b"<!doctype html><html><body>not an image</body></html>",
+        "doc.jpg": b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF",
+        "exif.jpg": _save(red, "JPEG", exif=exif),
+    }
+
+
+EXPECTED_ERRORS = {"bomb.png": "too_large", "truncated.jpg": "decode", "empty.jpg": "decode",
+                   "vector.jpg": "decode", "page.jpg": "decode", "doc.jpg": "decode"}
+FIRST_PIXEL = {"cmyk.jpg": None, "palette.png": (220, 20, 20), "animated.gif": (0, 200, 0),
+               "pages.tiff": (220, 20, 20), "exif.jpg": (220, 20, 20), "deep.png": None}
+
+
+@pytest.mark.parametrize("name", sorted(corpus()))
+def test_each_file_decodes_or_fails_readably(name):
+    from tasks.media.image import MediaError, decode_image
+
+    data = corpus()[name]
+    if name in EXPECTED_ERRORS:
+        with pytest.raises(MediaError) as caught:
+            decode_image(data, max_pixels=64_000_000)
+        assert caught.value.error.kind == EXPECTED_ERRORS[name] and caught.value.error.message
+        return
+    image = decode_image(data, max_pixels=64_000_000)
+    assert image.mode == "RGB" and image.size == (40, 30)
+    expected = FIRST_PIXEL[name]
+    if expected is not None:  # the first frame or page, in its colours (JPEG is close, not exact)
+        assert all(abs(a - b) <= 12 for a, b in zip(image.getpixel((5, 5)), expected)), image.getpixel((5, 5))
+
+
+def test_the_whole_corpus_decodes_in_bounded_memory():
+    """In a fresh process: peak RSS after decoding everything, against the same process idle."""
+    probe = (
+        "import resource, json, sys\n"
+        "from tests.test_bad_inputs import corpus\n"
+        "from tasks.media.image import MediaError, decode_image\n"
+        "files = corpus()\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "for name, data in files.items():\n"
+        "    try:\n"
+        "        decode_image(data, max_pixels=64_000_000)\n"
+        "    except MediaError:\n"
+        "        pass\n"
+        "print(json.dumps({'before_kb': before, 'after_kb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    usage = json.loads(done.stdout.strip().splitlines()[-1])
+    assert usage["after_kb"] - usage["before_kb"] < 100 * 1024  # the bomb's 30 GB were never allocated
