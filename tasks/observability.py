@@ -20,6 +20,61 @@ EVENT_PREFIX = "vlm-caption"
 _configured = False
 
 
+# ---- secrets never reach a log line ---------------------------------------------------------
+# botocore at DEBUG logs every request's headers: the access key (in Authorization) and the
+# session token (X-Amz-Security-Token). Every log record from the libraries that see
+# credentials is scrubbed when it is created, whatever handler (console, Prefect API, a test's)
+# later formats it.
+_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_SCRUBBED_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "prefect", "httpx", "httpcore",
+                     "aiobotocore", LOGGER_NAME)
+_secrets: set[str] = set()
+_factory_installed = False
+REDACTED = "***"
+
+
+def register_secret(*values: str | None) -> None:
+    """Scrub these values (credentials resolved from a block, a profile or a role) from logs."""
+    _secrets.update(v for v in values if v and len(v) >= 8)
+    _install_redaction()
+
+
+def _known_secrets() -> set[str]:
+    import os
+
+    found = {os.environ.get(name) for name in _SECRET_ENV}
+    return _secrets | {v for v in found if v and len(v) >= 8}
+
+
+def redact(text: str) -> str:
+    for secret in _known_secrets():
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def _install_redaction() -> None:
+    global _factory_installed
+    if _factory_installed:
+        return
+    original = logging.getLogRecordFactory()
+
+    def scrubbing_factory(*args, **kwargs):
+        record = original(*args, **kwargs)
+        if record.name.startswith(_SCRUBBED_LOGGERS):
+            try:
+                message = record.getMessage()
+            except Exception:  # noqa: BLE001 - a malformed record is left as it is
+                return record
+            clean = redact(message)
+            if clean != message:
+                record.msg, record.args = clean, ()
+        return record
+
+    logging.setLogRecordFactory(scrubbing_factory)
+    _factory_installed = True
+
+
 def _in_prefect_run() -> bool:
     from prefect.context import FlowRunContext, TaskRunContext
 
@@ -29,6 +84,7 @@ def _in_prefect_run() -> bool:
 def configure_logging() -> None:
     """Idempotent: safe to call from every flow and task."""
     global _configured
+    _install_redaction()
     if _configured:
         return
     fmt = get_settings().log_format

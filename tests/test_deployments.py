@@ -65,6 +65,9 @@ class PrefectStack:
         self.server = self._spawn("server", [*PREFECT, "server", "start", "--host", "127.0.0.1",
                                              "--port", str(self.port)],
                                   PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{db}",
+                                  # SQLite waits this long for a lock (10 s by default): two workers,
+                                  # their flow runs and the CLI write at once on a busy 2-core machine
+                                  PREFECT_SERVER_DATABASE_TIMEOUT="60",
                                   # a dead run's deployment concurrency slot is freed after 30 s, not 5 min
                                   PREFECT_SERVER_CONCURRENCY_INITIAL_DEPLOYMENT_LEASE_DURATION="30")
         deadline = time.time() + 180
@@ -112,14 +115,24 @@ class PrefectStack:
         subprocess.run([sys.executable, "-c", code], cwd=REPO, env=self.env, check=True, timeout=120)
 
     def get(self, path: str):
-        response = httpx.get(f"{self.api}{path}", timeout=30)
-        response.raise_for_status()
-        return response.json()
+        return self._request("GET", path)
 
     def post(self, path: str, body: dict):
-        response = httpx.post(f"{self.api}{path}", json=body, timeout=30)
-        response.raise_for_status()
-        return response.json()
+        return self._request("POST", path, json=body)
+
+    def _request(self, method: str, path: str, **kwargs):
+        """The test's reads of the API, retried on a server error ("database is locked" under
+        load is the server's transient trouble, not what these tests check)."""
+        for attempt in range(6):
+            try:
+                response = httpx.request(method, f"{self.api}{path}", timeout=60, **kwargs)
+                if response.status_code < 500 or attempt == 5:
+                    response.raise_for_status()
+                    return response.json()
+            except httpx.TransportError:
+                if attempt == 5:
+                    raise
+            time.sleep(2 * (attempt + 1))
 
     def run_deployment(self, name: str, job: dict) -> str:
         out = self.cli("deployment", "run", name, "--params", json.dumps({"job": job}))

@@ -36,8 +36,10 @@ class EngineFeed:
         self._inbox: queue.Queue[_Submission | None] = queue.Queue()
         self._pending: dict[str, Future] = {}
         self._dead: BaseException | None = None
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vllm-feed", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, name="vllm-feed-watchdog", daemon=True).start()
 
     def submit(self, prompt: dict[str, Any], params, lora=None) -> Future:
         """A future that resolves to the request's vLLM `RequestOutput` (or raises its error)."""
@@ -49,7 +51,24 @@ class EngineFeed:
         return future
 
     def close(self) -> None:
+        self._closed.set()
         self._inbox.put(None)
+
+    def _watch(self) -> None:
+        """Wake the feed if the engine process dies under it.
+
+        vLLM 0.26's client notices a dead engine process (its monitor thread marks it dead and
+        shuts the client down) but a `step()` already waiting for outputs is never woken: it
+        would wait forever. This puts an error where that wait reads, so the waiting shards
+        fail and are retried on a new engine."""
+        core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        resources, outputs = getattr(core, "resources", None), getattr(core, "outputs_queue", None)
+        if resources is None or outputs is None:
+            return
+        while not self._closed.wait(1.0):
+            if getattr(resources, "engine_dead", False):
+                outputs.put_nowait(EngineDied("the vLLM engine process died"))
+                return
 
     # ---- the feed thread, the only one that touches the engine -------------------------------
     def _loop(self) -> None:

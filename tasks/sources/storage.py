@@ -158,7 +158,20 @@ class S3Storage:
 
 
 def make_s3_client():
-    """A boto3 S3 client from a Prefect credentials block or the standard AWS chain."""
+    """A boto3 S3 client from a Prefect credentials block or the standard AWS chain. The
+    credentials it resolves are registered for scrubbing from every log line."""
+    client = _make_s3_client()
+    # What the client signs with, whatever its source (block, environment, profile, role).
+    credentials = getattr(getattr(client, "_request_signer", None), "_credentials", None)
+    if credentials is not None:
+        from tasks.observability import register_secret
+
+        frozen = credentials.get_frozen_credentials()
+        register_secret(frozen.access_key, frozen.secret_key, frozen.token)
+    return client
+
+
+def _make_s3_client():
     from botocore.config import Config
 
     settings = get_settings()
