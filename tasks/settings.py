@@ -15,6 +15,8 @@ class Settings(BaseSettings):
     aws_credentials_block: str | None = None  # name of a prefect-aws AwsCredentials block
     minio_credentials_block: str | None = None  # name of a prefect-aws MinIOCredentials block
     fetch_concurrency: int = 16
+    s3_read_timeout_s: float = 60.0  # a stalled connection is dropped and retried after this
+    s3_max_attempts: int = 8  # boto3's retries (throttling, 5xx, resets), adaptive mode
     # Bytes of fetched-but-not-yet-decoded media held at once by one prepare step (videos are
     # large: the bound is on bytes, not on a count of objects).
     max_bytes_in_flight: int = 1024**3

@@ -31,7 +31,7 @@ class ShortBodyError(OSError):
     """An object arrived shorter than the store said it is (retried; never decoded)."""
 
 
-SHORT_BODY_ATTEMPTS = 3
+SHORT_BODY_ATTEMPTS = 5
 
 
 class Storage(Protocol):
@@ -123,17 +123,24 @@ class S3Storage:
     def read(self, key: str) -> bytes:
         """The whole object. A body shorter than its Content-Length (a connection cut mid-way)
         is fetched again, never passed on as if complete."""
-        for attempt in range(1, SHORT_BODY_ATTEMPTS + 1):
+        from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
+
+        problem = ""
+        for _ in range(SHORT_BODY_ATTEMPTS):
             try:
                 response = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)
             except self._client.exceptions.NoSuchKey as exc:
                 raise FileNotFoundError(f"{self.describe(key)}: no such object") from exc
-            body = response["Body"].read()
+            try:
+                body = response["Body"].read()
+            except (IncompleteReadError, ResponseStreamingError, ReadTimeoutError) as exc:
+                problem = f"the body broke off: {exc}"  # the connection was cut or stalled mid-body
+                continue
             expected = response.get("ContentLength")
             if expected is None or len(body) == expected:
                 return body
-        raise ShortBodyError(f"{self.describe(key)}: got {len(body)} of {expected} bytes "
-                             f"{SHORT_BODY_ATTEMPTS} times")
+            problem = f"got {len(body)} of {expected} bytes"
+        raise ShortBodyError(f"{self.describe(key)}: {problem} ({SHORT_BODY_ATTEMPTS} attempts)")
 
     def write(self, key: str, data: bytes) -> None:
         # A single PUT is atomic: readers never see a partial object.
@@ -175,7 +182,9 @@ def _make_s3_client():
     from botocore.config import Config
 
     settings = get_settings()
-    config = Config(retries={"max_attempts": 5, "mode": "adaptive"}, max_pool_connections=64)
+    config = Config(retries={"max_attempts": settings.s3_max_attempts, "mode": "adaptive"},
+                    max_pool_connections=64, read_timeout=settings.s3_read_timeout_s,
+                    connect_timeout=min(settings.s3_read_timeout_s, 60))
     if settings.minio_credentials_block:
         from prefect_aws import MinIOCredentials
 
