@@ -1,9 +1,10 @@
 """The `vlm-caption` flow: images, videos or image groups in a folder or bucket (or the lines
 of a job manifest) in, one result record per (item, question) out.
 
-    list source ──> shards ──> prepare (fetch+decode, next shard) ─┐
-                                                                   ├─> generate (vLLM) ─> write part
-                               prepare overlaps the current generate┘
+    preflight ──> one run per job ──> list source ──> shards
+        prepare (fetch + decode, the next shard) ─┐
+        start engine (background, once) ──────────┼─> generate (continuous feed) ─> write part
+        two shards in the engine at once ─────────┘
     ... all shards ──> manifest ──> summary artifacts
 
 With `fan_out=N` the run also starts N-1 child runs (tasks/fanout.py), captions partition 0

@@ -3,7 +3,6 @@ real S3 over HTTP) -> one record per object in the bucket; a rerun recomputes no
 
 import json
 
-import pytest
 
 from flows.caption import vlm_caption
 from flows.params import CaptionJob

@@ -11,7 +11,6 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 
 from tasks.media.image import MediaError, decode_image
 from tasks.media.resize import ResizeTarget
-from tasks.results.records import ItemError
 from tasks.settings import get_settings
 
 _POOL: Executor | None = None
@@ -61,5 +60,3 @@ def decode_images(blobs: list[bytes], max_pixels: int, target: ResizeTarget | No
         images.append(image)
     return images
 
-
-__all__ = ["ItemError", "ResizeTarget", "decode_images", "decode_pool"]
