@@ -141,9 +141,9 @@ def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
     shards = list_source(source, job.shard_size, job.limit,
                          (partition.index, partition.count) if partition else None)
     done = load_done_index(job.output, fingerprint)
-    spec = engine_spec(job, job.max_images or DEFAULT_MAX_IMAGES, shards)
-    media = MediaOptions(job.modality, job.num_frames, job.max_images or DEFAULT_MAX_IMAGES,
-                         resize=image_resize_target(spec))
+    max_images = job.max_images or DEFAULT_MAX_IMAGES
+    spec = engine_spec(job, max_images, shards)
+    media = MediaOptions(job.modality, job.num_frames, max_images, resize=image_resize_target(spec))
     options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
     progress = Progress(len(shards), f"Captioning {job.location} with {recipe.name}",
                         total_items=sum(len(shard.items) for shard in shards))
