@@ -71,7 +71,7 @@ def phase_raw(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
     from vllm.platforms import current_platform
 
     from recipes import get_recipe
-    from tasks.engine.vllm_engine import EngineSpec, engine_args
+    from tasks.engine.arguments import EngineSpec, engine_args
 
     started = time.perf_counter()
     recipe = get_recipe(cfg.recipe)

@@ -27,8 +27,9 @@ from flows.params import DEFAULT_MAX_IMAGES, CaptionJob, Partition
 from recipes import Recipe, get_recipe
 from tasks.concurrency import one_run_per_job
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
-from tasks.engine.vllm_engine import (EngineSpec, Sampling, check_engine_overrides, check_remote_code,
+from tasks.engine.arguments import (EngineSpec, check_engine_overrides, check_remote_code,
                                      image_resize_target)
+from tasks.engine.vllm_engine import Sampling
 from tasks.fanout import FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary

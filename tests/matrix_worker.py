@@ -28,7 +28,7 @@ def main(recipe_name: str, checkpoint: str, modalities: list[str]) -> None:
 
     from recipes import get_recipe
     from recipes.requests import build_requests
-    from tasks.engine.vllm_engine import EngineSpec, engine_args
+    from tasks.engine.arguments import EngineSpec, engine_args
 
     recipe = get_recipe(recipe_name)
     args = engine_args(EngineSpec.build(recipe_name, modality=modalities[0], model=checkpoint, images=2),

@@ -78,7 +78,8 @@ def test_videos_from_a_bucket_get_captions_and_broken_ones_error_records(prefect
 def test_video_metadata_reaches_the_request_for_recipes_that_need_it():
     """Qwen3-VL and GLM-4.xV get (frames, metadata) as the example passes them; others frames."""
     from tasks.engine.steps import GenerateOptions, engine_request
-    from tasks.engine.vllm_engine import EngineSpec, Sampling
+    from tasks.engine.arguments import EngineSpec
+    from tasks.engine.vllm_engine import Sampling
     from tasks.media.prepare import PreparedItem
     from tasks.media.video import VideoLimits, decode_video
     from tasks.sources.items import ObjectRef, WorkItem

@@ -171,7 +171,7 @@ def test_unsupported_modality_and_unknown_recipe_say_what_exists():
 
 
 def test_remote_code_is_refused_unless_opted_in():
-    from tasks.engine.vllm_engine import check_remote_code
+    from tasks.engine.arguments import check_remote_code
 
     with pytest.raises(RecipeError, match="--trust-remote-code"):
         check_remote_code(get_recipe("internvl_chat"), allowed=False)

@@ -11,7 +11,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from recipes import get_recipe
-from tasks.engine.vllm_engine import EngineRequest, EngineSpec, Sampling, get_engine
+from tasks.engine.arguments import EngineSpec
+from tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
 from tasks.media.prepare import PreparedItem, PreparedShard
 from tasks.media.video import DecodedVideo
 from tasks.observability import get_logger

@@ -1,0 +1,131 @@
+"""What the engine is built from: the job's engine spec, the recipe's arguments sized for the
+hardware at hand plus the caller's overrides, and the checks that refuse bad ones before any
+engine starts. No vLLM object is built here."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from recipes import Recipe, RecipeError, get_recipe
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    recipe: str
+    modality: str = "image"
+    model: str | None = None
+    engine_overrides: tuple[tuple[str, str], ...] = ()  # (key, JSON value), hashable
+    trust_remote_code: bool = False
+    images: int = 1  # images per prompt for multi-image
+
+    @classmethod
+    def build(cls, recipe: str, *, modality: str = "image", model: str | None = None,
+              engine_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False,
+              images: int = 1) -> EngineSpec:
+        overrides = tuple(sorted((k, json.dumps(v)) for k, v in (engine_overrides or {}).items()))
+        return cls(recipe, modality, model, overrides, trust_remote_code, images)
+
+    def overrides(self) -> dict[str, Any]:
+        return {key: json.loads(value) for key, value in self.engine_overrides}
+
+
+def check_remote_code(recipe: Recipe, allowed: bool) -> None:
+    if recipe.needs_remote_code and not allowed:
+        raise RecipeError(
+            f"recipe {recipe.name!r} runs the model repository's own Python code "
+            "(trust_remote_code). Review that code, then opt in with --trust-remote-code "
+            "(flow parameter trust_remote_code=true)."
+        )
+
+
+def image_resize_target(spec: EngineSpec):
+    """What the decode pool may shrink images to for this engine's model (None: leave them)."""
+    from tasks.media.resize import resize_target
+
+    if spec.modality == "video":
+        return None
+    recipe = get_recipe(spec.recipe)
+    args = recipe.engine_args_for(spec.modality, images=spec.images, model=spec.model)
+    args.update(spec.overrides())
+    return resize_target(args["model"], args.get("mm_processor_kwargs"))
+
+
+def check_engine_overrides(overrides: dict[str, Any]) -> None:
+    """Unknown vLLM engine arguments fail the job before anything starts, with close matches."""
+    import dataclasses
+    import difflib
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f" Did you mean: {', '.join(close)}?" if close else ""
+            raise RecipeError(f"unknown vLLM engine argument {key!r}.{hint} "
+                              "See `vllm serve --help` for the engine arguments of vLLM 0.26.")
+
+
+def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, Any]:
+    """Recipe facts + sizing for this hardware + the caller's overrides (which win)."""
+    check_remote_code(recipe, spec.trust_remote_code)
+    args = recipe.engine_args_for(spec.modality, images=spec.images, model=spec.model)
+    if spec.trust_remote_code and recipe.needs_remote_code:
+        args["trust_remote_code"] = True
+    if on_cpu:
+        args.setdefault("enforce_eager", True)  # compilation does not pay off for CPU-sized jobs
+    args.update(spec.overrides())
+    if on_cpu:
+        _size_cpu_kv_cache(args)
+    limit = checkpoint_context_limit(args["model"], bool(args.get("trust_remote_code")))
+    if limit and args.get("max_model_len") and args["max_model_len"] > limit:
+        args["max_model_len"] = limit
+    _resolve_logits_processors(args)
+    return args
+
+
+CPU_KV_CACHE_GIB = 2
+
+
+def _size_cpu_kv_cache(args: dict[str, Any]) -> None:
+    """On CPU, give the KV cache a fixed size in bytes unless the caller sized it.
+
+    vLLM's CPU worker reads `gpu_memory_utilization` as a fraction of RAM *minus the engine
+    process's own RSS at start-up*: a small fraction fails at random ("Engine core
+    initialization failed") whenever the freshly loaded model's RSS happens to exceed it, and a
+    large one fails when another engine on the host already holds that RAM. A byte count does
+    neither. `VLLM_CPU_KVCACHE_SPACE` (GiB, vLLM's own knob) wins when set.
+    """
+    if "gpu_memory_utilization" in args or "kv_cache_memory_bytes" in args:
+        return
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_GIB * 1024**3
+
+
+def checkpoint_context_limit(model: str, trust_remote_code: bool) -> int | None:
+    """The checkpoint's own maximum context, if its config can be read (local or cached)."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception:
+        return None
+    text = getattr(config, "get_text_config", lambda: config)()
+    return getattr(text, "max_position_embeddings", None)
+
+
+def _resolve_logits_processors(args: dict[str, Any]) -> None:
+    """Recipes name logits processors as 'module:Class' strings; vLLM wants the classes."""
+    from importlib import import_module
+
+    resolved = []
+    for item in args.get("logits_processors") or []:
+        if isinstance(item, str) and ":" in item:
+            module, _, name = item.partition(":")
+            item = getattr(import_module(module), name)
+        resolved.append(item)
+    if resolved:
+        args["logits_processors"] = resolved
