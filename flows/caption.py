@@ -8,7 +8,8 @@ of a job manifest) in, one result record per (item, question) out.
     ... all shards ──> manifest ──> summary artifacts
 
 With `fan_out=N` the run also starts N-1 child runs (tasks/fanout.py), captions partition 0
-itself, waits for the children and merges their reports into the one manifest.
+itself, captions any child partition no worker has started by then (work stealing), waits for
+the rest and merges their reports into the one manifest.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
                         stats.samples)
         return {**summary, "run_id": run_id, "partition": own.index, "fingerprint": fingerprint}
 
-    partitions = [mine] + merge_children(job.output, run_id, children, stats) if children else []
+    partitions = [mine] + merge_children(job, recipe, fingerprint, run_id, children, stats, log) if children else []
     manifest = stats.manifest(run_id=run_id, parameters=job.model_dump(mode="json"),
                               fingerprint=fingerprint, engine=engine,
                               partitions=[p.brief() for p in partitions])
@@ -212,10 +213,26 @@ def engine_spec(job: CaptionJob, max_images: int, shards: list[Shard]) -> Engine
                             trust_remote_code=job.trust_remote_code, images=images)
 
 
-def merge_children(output: str, run_id: str, children, stats: RunStats) -> list[PartitionReport]:
-    """Wait for the child runs, then add each one's report to this run's counts."""
-    states = wait_for_children(children)
-    reports = read_partition_reports(output, run_id, [child.index for child in children])
+def merge_children(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str, children,
+                   stats: RunStats, log) -> list[PartitionReport]:
+    """Wait for the child runs, captioning here any that no worker has started, then add each
+    partition's report to this run's counts."""
+    taken_over: dict[int, PartitionReport] = {}
+
+    def run_here(child) -> str:
+        partition = Partition(index=child.index, count=job.fan_out, run_id=run_id, fingerprint=fingerprint)
+        try:
+            child_stats, engine = caption_shards(job, recipe, fingerprint, run_id, partition, log)
+        except Exception as exc:  # reported as that partition's failure; the run fails at the end
+            log.error("partition taken over from a child failed", partition=child.index, error=str(exc))
+            taken_over[child.index] = PartitionReport(index=child.index, state="FAILED", **_where())
+            return "FAILED"
+        taken_over[child.index] = child_stats.report(child.index, engine, **_where())
+        return "COMPLETED"
+
+    states = wait_for_children(children, run_here)
+    reports = read_partition_reports(job.output, run_id, [c.index for c in children if c.index not in taken_over])
+    reports.update(taken_over)
     merged = []
     for child in children:
         report = reports.get(child.index) or PartitionReport(index=child.index, flow_run_id=child.flow_run_id)

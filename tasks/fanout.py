@@ -5,6 +5,10 @@ flow runs (`run_deployment`, linked to the parent in the UI) on the partition de
 pool, where one worker per GPU picks each up. Objects are assigned to partitions by a hash of
 their key, so the runs never overlap; each child writes a report, and the parent writes the one
 manifest of the run.
+
+A child that no worker has picked up by the time the parent has finished its own partition is
+taken over by the parent (work stealing), on the engine it already has: so a run completes with
+fewer live workers than partitions, or none besides the parent's, instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -89,17 +93,18 @@ def start_children(deployment: str, child_jobs: dict[int, dict[str, Any]], label
     return children
 
 
-def wait_for_children(children: list[ChildRun], poll_s: float = POLL_S) -> dict[int, str]:
+def wait_for_children(children: list[ChildRun], run_here: Callable[[ChildRun], str] | None = None,
+                      poll_s: float = POLL_S) -> dict[int, str]:
     """Block until every child reaches a final state; return each one's state name.
 
-    A child whose worker died stays RUNNING until Prefect marks it CRASHED (the zombie
-    automation in deployments/automations.yaml does that from missed heartbeats)."""
+    With `run_here`, a child still waiting for a worker is claimed and captioned by this
+    process instead (`run_here` returns the partition's state). A child whose worker died stays
+    RUNNING until Prefect marks it CRASHED (the zombie automation in
+    deployments/automations.yaml does that from missed heartbeats)."""
     log = get_logger()
     states: dict[int, str] = {}
-    warned_waiting = False
     with get_client(sync_client=True) as client:
         while len(states) < len(children):
-            waiting = []
             for child in children:
                 if child.index in states:
                     continue
@@ -108,12 +113,26 @@ def wait_for_children(children: list[ChildRun], poll_s: float = POLL_S) -> dict[
                     states[child.index] = flow_run.state.type.value
                     log.info("child partition finished", partition=child.index,
                              state=states[child.index], flow_run_id=child.flow_run_id)
-                elif flow_run.state is None or flow_run.state.is_scheduled():
-                    waiting.append(child.index)
-            if waiting and not warned_waiting:
-                # Normal for a moment; for long, it means fewer free workers than partitions.
-                log.info("child partitions waiting for a free worker", partitions=waiting)
-                warned_waiting = True
+                elif run_here is not None and flow_run.state is not None and flow_run.state.is_scheduled() \
+                        and claim_unstarted(client, child):
+                    log.warning("no free worker took a child partition; this run captions it",
+                                partition=child.index, flow_run_id=child.flow_run_id)
+                    states[child.index] = run_here(child)
             if len(states) < len(children):
                 time.sleep(poll_s)
     return states
+
+
+def claim_unstarted(client, child: ChildRun) -> bool:
+    """Take over a child that no worker has started. The claim is the one a worker makes (a
+    proposed PENDING, which the server grants to one proposer only), so a worker picking the
+    run up at the same moment gets it or we do, never both. The claimed run is then marked
+    CANCELLED with a message that says who captions its partition."""
+    from prefect.client.schemas.responses import SetStateStatus
+    from prefect.states import Cancelled, Pending
+
+    if client.set_flow_run_state(child.flow_run_id, Pending()).status != SetStateStatus.ACCEPT:
+        return False
+    client.set_flow_run_state(child.flow_run_id, Cancelled(
+        message="no worker started this partition in time; the parent run captions it"), force=True)
+    return True

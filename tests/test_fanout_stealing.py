@@ -1,0 +1,78 @@
+"""Fan-out with fewer live workers than partitions: a child that no worker has started is
+claimed by the parent (the same PENDING claim a worker makes, so never both) and captioned on
+the parent's engine. With no worker at all besides the parent, `fan_out=3` still completes,
+every object once."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from flows.caption import vlm_caption
+from flows.params import CaptionJob
+from tasks.fanout import ChildRun, claim_unstarted
+from tests.images import image_bytes
+
+IDLE_POOL = "no-workers-here"
+
+
+@pytest.fixture(scope="module")
+def idle_partition_deployment(prefect_api) -> str:
+    """A partition deployment on a work pool that no worker polls."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=IDLE_POOL, type="process"), overwrite=True)
+        flow_id = client.create_flow_from_name("vlm-caption")
+        client.create_deployment(flow_id=flow_id, name="partition-idle", work_pool_name=IDLE_POOL,
+                                 entrypoint="flows/caption.py:vlm_caption")
+    return "vlm-caption/partition-idle"
+
+
+def _child(deployment: str) -> ChildRun:
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(deployment, parameters={"job": {}}, timeout=0)
+    return ChildRun(1, str(run.id), run.name)
+
+
+def test_claim_is_exclusive_with_a_worker(idle_partition_deployment):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.responses import SetStateStatus
+    from prefect.states import Pending
+
+    with get_client(sync_client=True) as client:
+        picked = _child(idle_partition_deployment)
+        assert client.set_flow_run_state(picked.flow_run_id, Pending()).status == SetStateStatus.ACCEPT  # a worker
+        assert not claim_unstarted(client, picked)  # the worker has it: the parent keeps off
+        assert client.read_flow_run(picked.flow_run_id).state.is_pending()
+
+        waiting = _child(idle_partition_deployment)
+        assert claim_unstarted(client, waiting)
+        state = client.read_flow_run(waiting.flow_run_id).state
+        assert state.is_cancelled() and "parent run captions it" in state.message
+        # a worker that polls now cannot start it any more
+        assert client.set_flow_run_state(waiting.flow_run_id, Pending()).status != SetStateStatus.ACCEPT
+
+
+def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_llava, tmp_path):
+    source, out = tmp_path / "img", tmp_path / "out"
+    source.mkdir()
+    keys = [f"{i:02d}.png" for i in range(9)]
+    for i, key in enumerate(keys):
+        (source / key).write_bytes(image_bytes("PNG", size=(50 + i, 40), color=(i * 25, 60, 90)))
+    job = CaptionJob(source=str(source), output=str(out), model=str(tiny_llava), shard_size=2, fan_out=3,
+                     partition_deployment=idle_partition_deployment, sampling={"max_tokens": 4})
+    summary = vlm_caption(job)
+
+    records = [json.loads(line) for part in out.glob("results/*/*.jsonl") for line in part.read_text().splitlines()]
+    assert Counter(r["key"] for r in records) == Counter(keys)  # every object once
+    assert all(r["error"] is None for r in records)
+    manifest = json.loads((out / "manifests" / f"{summary['run_id']}.json").read_text())
+    assert sorted(p["index"] for p in manifest["partitions"]) == [0, 1, 2]
+    assert {p["state"] for p in manifest["partitions"]} == {"COMPLETED"}
+    assert manifest["counts"]["processed"] == len(keys)
+    assert {r["run_id"].rsplit("-", 1)[1] for r in records} <= {"p0", "p1", "p2"}
