@@ -1,6 +1,7 @@
 """A corpus of hostile or odd files, made here: each decodes to an upright RGB image of the right
 content (the first frame or page) or fails with a readable error, and decoding the lot stays
-within a bounded peak memory (a decompression bomb is refused from its header)."""
+within a bounded peak memory (a decompression bomb is refused from its header). The same for
+videos: no frames, sound only, hours long (sampled, never decoded whole), or over the limit."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 import zlib
 
 import pytest
+
+from tests.images import VIDEO_CORPUS_ERRORS, video_corpus
 
 
 def _png_chunk(kind: bytes, data: bytes) -> bytes:
@@ -98,3 +101,45 @@ def test_the_whole_corpus_decodes_in_bounded_memory():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     usage = json.loads(done.stdout.strip().splitlines()[-1])
     assert usage["after_kb"] - usage["before_kb"] < 100 * 1024  # the bomb's 30 GB were never allocated
+
+
+@pytest.mark.parametrize("name", sorted(video_corpus()))
+def test_each_video_decodes_or_fails_readably(name):
+    from tasks.media.image import MediaError
+    from tasks.media.video import VideoLimits, decode_video
+
+    limits = VideoLimits(max_seconds=3 * 3600, max_frame_pixels=3840 * 2160)
+    if name in VIDEO_CORPUS_ERRORS:
+        with pytest.raises(MediaError) as caught:
+            decode_video(video_corpus()[name], num_frames=16, limits=limits)
+        assert caught.value.error.kind == VIDEO_CORPUS_ERRORS[name] and caught.value.error.message
+        return
+    video = decode_video(video_corpus()[name], num_frames=16, limits=limits)
+    info = video.info()
+    assert (info["frames"], info["width"], info["height"], info["duration_s"]) == (16, 16, 16, 7200.0)
+    first, last = (int(value) for value in video.frames[0, 0, 0, :2]), int(video.frames[-1, 0, 0, 1])
+    red, green = first
+    assert red < 12 and green < 12  # RGB of the writer's first BGR frame (blue bands, green 0)
+    assert video.metadata["frames_indices"][-1] > 6000  # sampled over the whole two hours
+    assert last > 60  # the last sampled frame is a late one (green grows by 5 a frame), not frame 0 again
+
+
+def test_the_video_corpus_decodes_in_bounded_memory():
+    probe = (
+        "import resource, json\n"
+        "from tests.images import video_corpus\n"
+        "from tasks.media.image import MediaError\n"
+        "from tasks.media.video import VideoLimits, decode_video\n"
+        "files = video_corpus()\n"
+        "decode_video(files['two-hours.mp4'], num_frames=2, limits=VideoLimits(1e5, 10**7))  # warm the loader\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "for data in files.values():\n"
+        "    try:\n"
+        "        decode_video(data, num_frames=16, limits=VideoLimits(3 * 3600, 3840 * 2160))\n"
+        "    except MediaError:\n"
+        "        pass\n"
+        "print(json.dumps({'before_kb': before, 'after_kb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    usage = json.loads(done.stdout.strip().splitlines()[-1])
+    assert usage["after_kb"] - usage["before_kb"] < 100 * 1024  # hours of video, never held whole

@@ -18,7 +18,7 @@ import pytest
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
 from tests.checkpoints import build_checkpoint
-from tests.images import corrupt_jpeg, image_bytes, video_bytes
+from tests.images import VIDEO_CORPUS_ERRORS, corrupt_jpeg, image_bytes, video_bytes, video_corpus
 
 BUCKET = "media-kinds"
 
@@ -57,11 +57,13 @@ def test_videos_from_a_bucket_get_captions_and_broken_ones_error_records(prefect
     model = build_checkpoint("qwen2_vl", checkpoints_root)
     put(bucket, {f"clips/clip{i}.mp4": video_bytes(frames=16 + 8 * i, fps=8, seed=i) for i in range(3)})
     put(bucket, {"clips/corrupt.mp4": video_bytes()[:300], "clips/empty.mp4": b""})
+    odd = video_corpus()  # no frames, sound only, two hours (captioned), four hours (over the limit), text
+    put(bucket, {f"clips/{name}": data for name, data in odd.items()})
 
     summary = run(source=f"s3://{BUCKET}/clips/", output=f"s3://{BUCKET}/video-out/", recipe="qwen2_vl",
                   modality="video", num_frames=4, model=str(model), shard_size=2, sampling={"max_tokens": 6})
     found = {r["key"]: r for r in records(bucket, "video-out/results/")}
-    assert sorted(found) == ["clip0.mp4", "clip1.mp4", "clip2.mp4", "corrupt.mp4", "empty.mp4"]
+    assert sorted(found) == sorted(["clip0.mp4", "clip1.mp4", "clip2.mp4", "corrupt.mp4", "empty.mp4", *odd])
     for i in range(3):
         clip = found[f"clip{i}.mp4"]
         assert clip["error"] is None and clip["output_tokens"] > 0, clip["error"]
@@ -72,7 +74,11 @@ def test_videos_from_a_bucket_get_captions_and_broken_ones_error_records(prefect
         assert clip["question"].startswith("Describe what happens in this video")
     assert found["corrupt.mp4"]["error"]["kind"] == "decode"
     assert found["empty.mp4"]["error"]["kind"] == "decode" and "empty" in found["empty.mp4"]["error"]["message"]
-    assert summary["succeeded"] == 3 and summary["failed"] == 2
+    for name, kind in VIDEO_CORPUS_ERRORS.items():
+        assert found[name]["error"]["kind"] == kind and found[name]["error"]["message"], found[name]
+    long_clip = found["two-hours.mp4"]
+    assert long_clip["error"] is None and long_clip["video"]["duration_s"] == 7200.0, long_clip["error"]
+    assert summary["succeeded"] == 4 and summary["failed"] == 2 + len(VIDEO_CORPUS_ERRORS)
 
 
 def test_video_metadata_reaches_the_request_for_recipes_that_need_it():

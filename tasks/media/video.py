@@ -90,7 +90,8 @@ def _check_header(data: bytes, limits: VideoLimits) -> None:
     stream = io.BytesIO(data)
     capture = cv2.VideoCapture(stream, api(), [])
     if not capture.isOpened():
-        raise MediaError(ItemError("decode", "not a video that can be decoded: Could not open video stream"))
+        raise MediaError(ItemError("decode", "not a video that can be decoded: no video stream could be "
+                                             "opened (sound only, no frames, or not a video file)"))
     try:
         width = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH))
         height = int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
