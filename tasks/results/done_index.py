@@ -3,12 +3,22 @@
 A result is identified by (item key, question). Before fetching, an item whose every question
 is done for the same members (etag and size) is skipped; after fetching, one whose content hash
 matches (re-uploaded, same bytes) is skipped too.
+
+The index is compact so that a bucket's whole history loads fast: 24 bytes per finished result
+(8-byte hashes of the result's key, of its members' signature and of its content), held in one
+sorted numpy array. Each results part has a small sidecar (`part-....idx`, written just after the
+part) holding those rows, so loading reads a few bytes per part instead of parsing JSON; a part
+without a sidecar, or whose size no longer matches the one its sidecar was made from, is parsed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import struct
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 from pydantic import ValidationError
@@ -16,52 +26,100 @@ from pydantic import ValidationError
 from tasks.observability import get_logger
 from tasks.results.layout import results_prefix
 from tasks.results.records import ResultRecord
-from tasks.sources.items import WorkItem
-from tasks.sources.storage import open_storage
+from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.storage import Storage, open_storage
+
+ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])
+SIDECAR_MAGIC = b"VLMIDX1\0"
+SIDECAR_HEADER = struct.Struct("<8sQ")  # magic, byte size of the part it indexes
+READERS = 16  # parallel sidecar reads (object stores answer many small GETs at once well)
+
+Signature = tuple[tuple[str, int], ...]  # (etag, size) of each member, in order
 
 
-@dataclass(frozen=True)
-class DoneEntry:
-    signature: tuple[tuple[str, int], ...]  # (etag, size) of each member, in order
-    sha256: str | None
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def listing_signature(item: WorkItem) -> tuple[tuple[str, int], ...] | None:
+def result_key(key: str, question: str | None) -> int:
+    return _hash64(f"{key}\x1f{question or ''}")
+
+
+def signature_hash(signature: Signature) -> int:
+    return _hash64(repr(tuple((etag, int(size)) for etag, size in signature)))
+
+
+def content_hash(sha256: str | None) -> int:
+    """64 bits standing for the object's sha256; 0 when it is unknown (matches nothing)."""
+    return _hash64(sha256) if sha256 else 0
+
+
+def listing_signature(item: WorkItem) -> Signature | None:
     """(etag, size) per member, or None when a member's were not listed (manifest URLs)."""
     if any(not m.etag or m.size < 0 for m in item.members):
         return None
     return tuple((m.etag, m.size) for m in item.members)
 
 
-def record_signature(record: ResultRecord) -> tuple[tuple[str, int], ...]:
+def record_signature(record: ResultRecord) -> Signature:
     members = record.members or [record]
     return tuple((m.etag, m.size) for m in members)
 
 
-@dataclass
+def index_rows(records: Iterable[ResultRecord]) -> np.ndarray:
+    """The index rows of the records that are final (a retryable failure is computed again)."""
+    return np.array([(result_key(r.key, r.question), signature_hash(record_signature(r)), content_hash(r.sha256))
+                     for r in records if r.is_final], dtype=ROW)
+
+
+def sidecar_bytes(rows: np.ndarray, part_size: int) -> bytes:
+    return SIDECAR_HEADER.pack(SIDECAR_MAGIC, part_size) + rows.astype(ROW).tobytes()
+
+
+def sidecar_key(part_key: str) -> str:
+    return part_key.removesuffix(".jsonl") + ".idx"
+
+
 class DoneIndex:
-    entries: dict[tuple[str, str | None], DoneEntry] = field(default_factory=dict)
+    """Finished results as one sorted array; lookups are binary searches."""
+
+    def __init__(self, tables: Iterable[np.ndarray] = ()):
+        self._set([*tables])
+
+    def _set(self, tables: list[np.ndarray]) -> None:
+        table = np.concatenate(tables) if tables else np.empty(0, ROW)
+        self._table = table[np.argsort(table["key"], kind="stable")]
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self._table)
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes
 
     def add(self, record: ResultRecord) -> None:
-        self.entries[(record.key, record.question)] = DoneEntry(record_signature(record), record.sha256)
+        self._set([self._table, index_rows([record])])
+
+    def _rows(self, key: str, question: str | None) -> np.ndarray:
+        wanted = np.uint64(result_key(key, question))
+        keys = self._table["key"]
+        return self._table[np.searchsorted(keys, wanted, "left"):np.searchsorted(keys, wanted, "right")]
 
     def pending_by_listing(self, item: WorkItem, questions: tuple[str, ...]) -> tuple[str, ...]:
         """The questions still to compute, judged from the listing alone (no fetch)."""
         signature = listing_signature(item)
         if signature is None:
             return questions
-        return tuple(q for q in questions
-                     if (entry := self.entries.get((item.id, q))) is None or entry.signature != signature)
+        wanted = np.uint64(signature_hash(signature))
+        return tuple(q for q in questions if not (self._rows(item.id, q)["signature"] == wanted).any())
 
     def pending_by_content(self, item_id: str, sha256: str | None,
                            questions: tuple[str, ...]) -> tuple[str, ...]:
         """Of those, the ones whose result is not there for these very bytes."""
-        return tuple(q for q in questions
-                     if sha256 is None or (entry := self.entries.get((item_id, q))) is None
-                     or entry.sha256 != sha256)
+        if sha256 is None:
+            return questions
+        wanted = np.uint64(content_hash(sha256))
+        return tuple(q for q in questions if not (self._rows(item_id, q)["sha"] == wanted).any())
 
 
 @task(name="load-done-index", cache_policy=NONE, persist_result=False, retries=2)
@@ -70,26 +128,51 @@ def load_done_index(output_uri: str, fingerprint: str) -> DoneIndex:
     in a way a rerun would only repeat). A part that cannot be read is skipped with a warning
     naming it; its items are computed again."""
     out = open_storage(output_uri, create=True)
-    done = DoneIndex()
+    objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
+    parts = [ref for key, ref in objects.items() if key.endswith(".jsonl")]
     log = get_logger(fingerprint=fingerprint)
-    for part in out.iter_objects(glob="*.jsonl", prefix=results_prefix(fingerprint)):
-        try:
-            lines = out.read(part.key).decode("utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            log.warning("unreadable results part skipped", part=out.describe(part.key), error=str(exc))
+    with ThreadPoolExecutor(READERS) as pool:
+        tables = list(pool.map(lambda part: _part_rows(out, part, sidecar_key(part.key) in objects, log), parts))
+    return DoneIndex(tables)
+
+
+def _part_rows(out: Storage, part: ObjectRef, has_sidecar: bool, log) -> np.ndarray:
+    if has_sidecar:
+        rows = _read_sidecar(out, sidecar_key(part.key), part.size)
+        if rows is not None:
+            return rows
+    return _parse_part(out, part, log)
+
+
+def _read_sidecar(out: Storage, key: str, part_size: int) -> np.ndarray | None:
+    """The sidecar's rows, or None when it is damaged or was made from a different part body."""
+    try:
+        data = out.read(key)
+    except OSError:
+        return None
+    if len(data) < SIDECAR_HEADER.size or (len(data) - SIDECAR_HEADER.size) % ROW.itemsize:
+        return None
+    magic, size = SIDECAR_HEADER.unpack_from(data)
+    if magic != SIDECAR_MAGIC or size != part_size:
+        return None
+    return np.frombuffer(data, ROW, offset=SIDECAR_HEADER.size).copy()
+
+
+def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray:
+    try:
+        lines = out.read(part.key).decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("unreadable results part skipped", part=out.describe(part.key), error=str(exc))
+        return np.empty(0, ROW)
+    records, bad = [], 0
+    for line in lines:
+        if not line.strip():
             continue
-        bad = 0
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                record = ResultRecord.model_validate_json(line)
-            except ValidationError:
-                bad += 1
-                continue
-            if record.is_final:
-                done.add(record)
-        if bad:
-            log.warning("results part has lines that are not records; they are ignored",
-                        part=out.describe(part.key), bad_lines=bad)
-    return done
+        try:
+            records.append(ResultRecord.model_validate_json(line))
+        except ValidationError:
+            bad += 1
+    if bad:
+        log.warning("results part has lines that are not records; they are ignored",
+                    part=out.describe(part.key), bad_lines=bad)
+    return index_rows(records)

@@ -1,6 +1,7 @@
 """Where results live under the output URI.
 
     results/<fingerprint>/part-<run_id>-<shard>.jsonl   one record per (item, question)
+    results/<fingerprint>/part-<run_id>-<shard>.idx     its done-index rows (tasks/results/done_index.py)
     manifests/<run_id>.json                             written when the run ends
     partitions/<run_id>/pNNN.json                       a fanned-out child's report
 """

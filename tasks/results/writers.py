@@ -8,6 +8,7 @@ import json
 from prefect import task
 from prefect.cache_policies import NONE
 
+from tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
 from tasks.results.layout import manifest_key, part_key, partition_report_key
 from tasks.results.records import ResultRecord
 from tasks.results.report import PartitionReport
@@ -17,12 +18,15 @@ from tasks.sources.storage import open_storage
 @task(name="write-shard", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2)
 def write_shard(output_uri: str, fingerprint: str, parts_id: str, shard_index: int,
                 records: list[ResultRecord]) -> str | None:
-    """One JSON Lines file per shard, written atomically. Nothing to write, no file."""
+    """One JSON Lines file per shard, written atomically, then its done-index sidecar (a part
+    whose sidecar is missing is parsed instead). Nothing to write, no file."""
     if not records:
         return None
     out = open_storage(output_uri, create=True)
     key = part_key(fingerprint, parts_id, shard_index)
-    out.write(key, "".join(record.model_dump_json() + "\n" for record in records).encode())
+    body = "".join(record.model_dump_json() + "\n" for record in records).encode()
+    out.write(key, body)
+    out.write(sidecar_key(key), sidecar_bytes(index_rows(records), len(body)))
     return out.describe(key)
 
 

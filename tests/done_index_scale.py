@@ -1,0 +1,36 @@
+"""Measure the done-index at scale (not a test): `python -m tests.done_index_scale 1000000 [DIR]`
+writes that many results in parts of 64 (with sidecars) to a folder, then loads them in a
+fresh process and prints seconds and peak RSS."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def load(out: str) -> None:
+    from tasks.results.done_index import load_done_index
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    began = time.perf_counter()
+    done = load_done_index.fn(out, "f" * 16)
+    print(json.dumps({"records": len(done), "load_s": round(time.perf_counter() - began, 2),
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                      "rss_before_load_mb": before // 1024, "index_mb": round(done.nbytes / 2**20, 1)}))
+
+
+def main(total: int, out: str) -> None:
+    from tests.test_done_index import _record
+    from tasks.results.writers import write_shard
+
+    for shard, start in enumerate(range(0, total, 64)):
+        write_shard.fn(out, "f" * 16, "scale", shard, [_record(i) for i in range(start, min(start + 64, total))])
+    subprocess.run([sys.executable, "-c", f"from tests.done_index_scale import load; load({out!r})"], check=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp())
