@@ -1,10 +1,10 @@
 """The `vlm-caption` flow: images, videos or image groups in a folder or bucket (or the lines
 of a job manifest) in, one result record per (item, question) out.
 
-    preflight ──> one run per job ──> list source ──> shards
+    preflight ──> one run per job ──> list source (streamed) ──> shards
         prepare (fetch + decode, the next shard) ─┐
         start engine (background, once) ──────────┼─> generate (continuous feed) ─> write part
-        two shards in the engine at once ─────────┘
+        several shards in the engine at once ─────┘
     ... all shards ──> manifest ──> summary artifacts
 
 With `fan_out=N` the run also starts N-1 child runs (tasks/fanout.py), captions partition 0
@@ -24,7 +24,7 @@ from collections import deque
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.params import DEFAULT_MAX_IMAGES, CaptionJob, Partition
+from flows.params import CaptionJob, Partition
 from recipes import Recipe, get_recipe
 from tasks.concurrency import one_run_per_job
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
@@ -39,10 +39,10 @@ from tasks.results.records import job_fingerprint
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report, write_shard
 from tasks.sources.items import Shard
-from tasks.sources.listing import SourceSpec, list_source
+from tasks.sources.listing import ShardStream, SourceSpec
+from tasks.settings import get_settings
 from tasks.sources.preflight import check_output, check_source
 
-FEED_DEPTH = 2  # shards whose requests are in the engine at once
 
 
 def run_label(job: dict) -> str:
@@ -135,32 +135,44 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
 
 def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str,
                    partition: Partition | None, log) -> tuple[RunStats, dict | None]:
-    """List this run's items (one partition of them when fanned out) and caption them shard by
-    shard, fetching the next shard while the current one is on the GPU."""
+    """Caption this run's items (one partition of them when fanned out) shard by shard as the
+    listing streams them in, fetching the next shard while the current ones are on the GPU."""
     source = SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
     parts_id = f"{run_id}-p{partition.index}" if partition else run_id
-    stats = RunStats()
-    shards = list_source(source, job.shard_size, job.limit,
-                         (partition.index, partition.count) if partition else None)
     done = load_done_index(job.output, fingerprint)
-    max_images = job.max_images or DEFAULT_MAX_IMAGES
-    spec = engine_spec(job, max_images, shards)
-    media = MediaOptions(job.modality, job.num_frames, max_images, resize=image_resize_target(spec))
-    options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
-    progress = Progress(len(shards), f"Captioning {job.location} with {recipe.name}",
-                        total_items=sum(len(shard.items) for shard in shards))
-    log.info("run started", source=job.location, output=job.output, modality=job.modality,
-             shards=len(shards), questions=len(job.questions_to_ask), already_done=len(done),
-             partition=parts_id)
+    stream = ShardStream(source, job.shard_size, job.limit,
+                         (partition.index, partition.count) if partition else None).start()
+    try:
+        # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
+        # listing is read whole first; image and video start on the first shard listed.
+        shards = list(stream) if job.modality == "multi-image" else stream
+        spec = engine_spec(job, shards if isinstance(shards, list) else [])
+        log.info("run started", source=job.location, output=job.output, modality=job.modality,
+                 questions=len(job.questions_to_ask), already_done=len(done), partition=parts_id)
+        return feed_shards(job, recipe, fingerprint, run_id, partition, parts_id, source, shards, done, spec, log)
+    finally:
+        stream.close()
 
-    def prepare(shard: Shard):
-        return prepare_shard.submit(source, shard, done, job.questions_to_ask, media)
+
+def feed_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str, partition: Partition | None,
+                parts_id: str, source: SourceSpec, shards, done, spec: EngineSpec, log) -> tuple[RunStats, dict | None]:
+    """The pipeline over the shards: prepare one ahead, keep `feed_depth` shards in the engine,
+    write each shard's part as soon as it is done."""
+    depth = max(1, get_settings().feed_depth or (6 if job.modality == "image" else 2))
+    stats = RunStats()
+    media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
+    options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
+    progress = Progress(f"Captioning {job.location} with {recipe.name}")
+    engine, starting, generate_started = None, None, None
+    writes, in_flight = deque(), deque()
 
     def finish(shard: Shard, prepared, generating) -> None:
         records = generating.result() if generating is not None else []
         if records:
             stats.mark_result()
         writes.append(write_shard.submit(job.output, fingerprint, parts_id, shard.index, records))
+        while len(writes) > depth:  # keep only the writes still in flight
+            stats.parts.append(writes.popleft().result())
         stats.add(len(shard.items), prepared.skipped, records, 0.0)
         failed = sum(1 for r in records if r.error)
         percent = progress.advance(len(shard.items), failed)
@@ -170,44 +182,49 @@ def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
         log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
                  skipped=prepared.skipped, failed=failed, progress=percent)
 
-    # The engine starts at once (in the background, overlapping the first shard's fetch and
-    # decode) unless the listing shows everything is already done.
-    starting = start_engine.submit(options.spec) if any(
-        done.pending_by_listing(item, item.questions or job.questions_to_ask)
-        for shard in shards for item in shard.items) else None
-    # The engine is fed continuously: up to FEED_DEPTH shards have requests in it at once, the
-    # next shard is being prepared meanwhile, and a shard is written as soon as it is done.
-    engine, writes, in_flight = None, [], deque()
-    generate_started = None
-    next_prepared = prepare(shards[0]) if shards else None
-    for position, shard in enumerate(shards):
-        prepared = next_prepared.result()
-        next_prepared = prepare(shards[position + 1]) if position + 1 < len(shards) else None
+    def take(shard: Shard):
+        """A shard from the listing: counted, its fetch and decode started, and the engine
+        started in the background at the first item not already done."""
+        nonlocal starting
+        progress.grow(len(shard.items))
+        if starting is None and any(done.pending_by_listing(item, item.questions or job.questions_to_ask)
+                                    for item in shard.items):
+            starting = start_engine.submit(options.spec)
+        return shard, prepare_shard.submit(source, shard, done, job.questions_to_ask, media)
+
+    listed = iter(shards)
+    upcoming = take(first) if (first := next(listed, None)) is not None else None
+    while upcoming is not None:
+        shard, preparing = upcoming
+        prepared = preparing.result()
+        upcoming = take(following) if (following := next(listed, None)) is not None else None
         generating = None
         if prepared.items:
             engine = engine or (starting.result() if starting else start_engine(options.spec))
             generate_started = generate_started or time.perf_counter()
             generating = generate_shard.submit(prepared, options, fingerprint, parts_id)
         in_flight.append((shard, prepared, generating))
-        while len(in_flight) > FEED_DEPTH:
+        while len(in_flight) > depth:
             finish(*in_flight.popleft())
     while in_flight:
         finish(*in_flight.popleft())
+    progress.close()
     if engine is None and starting is not None:
         engine = starting.result()  # started for items that turned out done by content
     if generate_started is not None:
         stats.generate_s = time.perf_counter() - generate_started  # first request to last result
-    stats.parts = [part for part in (w.result() for w in writes) if part]
+    stats.parts += [w.result() for w in writes]
+    stats.parts = [part for part in stats.parts if part]
     return stats, engine
 
 
-def engine_spec(job: CaptionJob, max_images: int, shards: list[Shard]) -> EngineSpec:
+def engine_spec(job: CaptionJob, shards: list[Shard]) -> EngineSpec:
     """The engine for this job. For multi-image, vLLM's per-prompt image limit comes from the
-    largest group listed (as the example sets it from its image count), capped by `max_images`."""
+    largest group listed (as the example sets it from its image count), capped by the job's."""
     images = 1
     if job.modality == "multi-image":
         largest = max((len(item.members) for shard in shards for item in shard.items), default=1)
-        images = max(1, min(largest, max_images))
+        images = max(1, min(largest, job.image_limit))
     return EngineSpec.build(job.recipe, modality=job.modality, model=job.model,
                             engine_overrides=job.engine_overrides,
                             trust_remote_code=job.trust_remote_code, images=images)

@@ -150,6 +150,11 @@ class CaptionJob(BaseModel):
         return self.source or self.manifest or ""
 
     @property
+    def image_limit(self) -> int:
+        """Images per group: more is an error record; also vLLM's per-prompt limit."""
+        return self.max_images or DEFAULT_MAX_IMAGES
+
+    @property
     def questions_to_ask(self) -> tuple[str, ...]:
         return tuple(self.questions) or (DEFAULT_QUESTIONS[self.modality],)
 

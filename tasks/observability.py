@@ -157,6 +157,12 @@ class TerminalProgress:
             self.task = self.bar.add_task(description, total=total_items, rate="-", errors=0)
             self.bar.start()
 
+    def grow(self, items: int) -> None:
+        """More items listed (the listing is streamed)."""
+        self.total += items
+        if self.bar is not None:
+            self.bar.update(self.task, total=self.total)
+
     def advance(self, items: int, errors: int) -> None:
         import time
 
@@ -178,28 +184,34 @@ class TerminalProgress:
 
 
 class Progress:
-    """A Prefect progress artifact advanced once per shard, and the terminal's progress."""
+    """A Prefect progress artifact and the terminal's progress, counted in items. The total
+    grows as the streamed listing hands over shards."""
 
-    def __init__(self, total_shards: int, description: str, total_items: int = 0):
+    def __init__(self, description: str):
         from prefect.artifacts import create_progress_artifact
 
-        self.total = max(total_shards, 1)
+        self.listed = 0
         self.done = 0
         self.artifact_id = create_progress_artifact(
             progress=0.0, key="vlm-caption-progress", description=description
         )
-        self.terminal = TerminalProgress(total_items, description)
+        self.terminal = TerminalProgress(0, description)
+
+    def grow(self, items: int) -> None:
+        self.listed += items
+        self.terminal.grow(items)
 
     def advance(self, items: int = 0, errors: int = 0) -> float:
         from prefect.artifacts import update_progress_artifact
 
-        self.done += 1
-        percent = round(100.0 * self.done / self.total, 1)
+        self.done += items
+        percent = round(100.0 * self.done / max(self.listed, 1), 1)
         update_progress_artifact(artifact_id=self.artifact_id, progress=percent)
         self.terminal.advance(items, errors)
-        if self.done >= self.total:
-            self.terminal.close()
         return percent
+
+    def close(self) -> None:
+        self.terminal.close()
 
 
 def publish_summary(summary: dict[str, Any], samples: list[dict[str, str]]) -> None:

@@ -75,4 +75,6 @@ def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_l
     assert sorted(p["index"] for p in manifest["partitions"]) == [0, 1, 2]
     assert {p["state"] for p in manifest["partitions"]} == {"COMPLETED"}
     assert manifest["counts"]["processed"] == len(keys)
+    sizing = manifest["engine"]["sizing"]  # how vLLM sized the engine for the device present
+    assert sizing["device"] == "cpu" and sizing["max_num_seqs"] > 0 and sizing["kv_cache_tokens"] > 0
     assert {r["run_id"].rsplit("-", 1)[1] for r in records} <= {"p0", "p1", "p2"}

@@ -20,7 +20,7 @@ def no_engine(monkeypatch):
         raise AssertionError("an engine was started for a job that should have been refused")
 
     monkeypatch.setattr(flows.caption, "start_engine", refuse)
-    monkeypatch.setattr(flows.caption, "list_source", refuse)
+    monkeypatch.setattr(flows.caption, "ShardStream", refuse)
 
 
 def run(**fields):

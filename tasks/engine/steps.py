@@ -33,9 +33,10 @@ class GenerateOptions:
 def start_engine(spec: EngineSpec) -> dict:
     """Load the model once for this worker process (reused by every later shard)."""
     engine = get_engine(spec)
+    sizing = engine.sizing()
     get_logger(recipe=spec.recipe).info("engine ready", model=engine.model,
-                                        startup_s=round(engine.startup_s, 1))
-    return {"model": engine.model, "startup_s": engine.startup_s,
+                                        startup_s=round(engine.startup_s, 1), **sizing)
+    return {"model": engine.model, "startup_s": engine.startup_s, "sizing": sizing,
             "engine_args": {k: v if _jsonable(v) else repr(v) for k, v in engine.args.items()}}
 
 

@@ -7,6 +7,8 @@ overrides, and reused by every shard this worker process handles.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import threading
 import time
@@ -71,6 +73,25 @@ class CaptionEngine:
         self._feed: EngineFeed | None = None
         self._batch_lock = threading.Lock()
         self.dead = False
+
+    def sizing(self) -> dict[str, Any]:
+        """How vLLM sized this engine for the device present (recipes leave sizing to vLLM,
+        which picks batch limits by device memory and fills `gpu_memory_utilization` of it
+        with KV cache; `engine_overrides` changes any of it). Written into the manifest."""
+        from vllm.platforms import current_platform
+
+        config = self.llm.llm_engine.vllm_config
+        cache, scheduler = config.cache_config, config.scheduler_config
+        device: dict[str, Any] = {"device": current_platform.device_type}
+        with contextlib.suppress(Exception):  # not every platform can name itself
+            device["device_name"] = current_platform.get_device_name()
+            device["device_memory_gib"] = round(current_platform.get_device_total_memory() / 2**30, 1)
+        blocks = cache.num_gpu_blocks or 0
+        return {**device, "max_num_seqs": scheduler.max_num_seqs,
+                "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+                "max_model_len": config.model_config.max_model_len,
+                "gpu_memory_utilization": cache.gpu_memory_utilization,
+                "kv_cache_blocks": blocks, "kv_cache_tokens": blocks * cache.block_size}
 
     def prompt_for(self, question: str, count: int = 1) -> str:
         """The exact prompt text for one item (the chat template rendered if needed)."""

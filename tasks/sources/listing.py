@@ -6,6 +6,11 @@ a job manifest gives one item per line.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import queue
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -64,16 +69,106 @@ def in_partition(items: Iterable[WorkItem], limit: int | None,
             yield item
 
 
-@task(name="list-source", cache_policy=NONE, persist_result=False, retries=2, retry_delay_seconds=5)
-def list_source(source: SourceSpec, shard_size: int, limit: int | None,
-                partition: tuple[int, int] | None = None) -> list[Shard]:
-    """Page through the source and cut it into shards.
+class _Closed(Exception):
+    """The consumer went away."""
 
-    `partition=(index, count)` keeps the items whose id hashes to `index`: the runs of a
-    fan-out list the same source and each takes a disjoint slice, so nothing is done twice."""
-    shards = list(iter_shards(in_partition(iter_items(source), limit, partition), shard_size))
-    get_logger(source=source.uri).info(
-        "listed source", items=sum(len(s.items) for s in shards), shards=len(shards),
-        partition=f"{partition[0]}/{partition[1]}" if partition else None,
-    )
-    return shards
+
+class ShardStream:
+    """The source's shards as the listing produces them.
+
+    A Prefect task (`list-source`) pages through the source in the background and hands over
+    each shard as soon as it is full, at most `ahead` shards ahead of the captioning: the first
+    shard starts while the listing goes on, and memory does not grow with the bucket.
+    `partition=(index, count)` keeps the items whose id hashes to `index`: the runs of a fan-out
+    list the same source and each takes a disjoint slice, so nothing is done twice."""
+
+    ATTEMPTS = 3  # a listing that fails resumes after the items it already handed over
+
+    def __init__(self, source: SourceSpec, shard_size: int, limit: int | None,
+                 partition: tuple[int, int] | None = None, ahead: int = 4):
+        self.source, self.shard_size, self.limit, self.partition = source, shard_size, limit, partition
+        self.items_listed = 0  # handed over in shards, or waiting in the next one
+        self.shards_listed = 0
+        self.finished = False
+        self._batch: list[WorkItem] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=ahead)
+        self._closed = threading.Event()
+
+    def start(self) -> ShardStream:
+        list_source.submit(self)
+        return self
+
+    def close(self) -> None:
+        """The run stopped taking shards (it failed): let the listing task end, not block."""
+        self._closed.set()
+
+    def __iter__(self) -> Iterator[Shard]:
+        while True:
+            got = self._queue.get()
+            if got is None:
+                return
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+
+    def produce(self) -> None:
+        """Runs in the listing task: every shard into the queue, then the end (or the error)."""
+        try:
+            self._list_with_retries()
+            self.finished = True
+            self._put(None)
+        except _Closed:
+            return
+        except BaseException as exc:
+            with contextlib.suppress(_Closed):
+                self._put(exc)  # the run stops with the listing's own error
+            raise
+
+    def _list_with_retries(self) -> None:
+        for attempt in range(1, self.ATTEMPTS + 1):
+            try:
+                return self._list_from(self.items_listed)
+            except _Closed:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a page that failed past the client's retries
+                if attempt == self.ATTEMPTS:
+                    raise
+                get_logger(source=self.source.uri).warning(
+                    "listing failed; resuming after the items already listed", attempt=attempt,
+                    items_listed=self.items_listed, error=str(exc))
+                time.sleep(2 * attempt)
+
+    def _put(self, thing) -> None:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(thing, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+        raise _Closed
+
+    def _list_from(self, skip: int) -> None:
+        items = in_partition(iter_items(self.source), self.limit, self.partition)
+        for item in itertools.islice(items, skip, None):
+            self._batch.append(item)
+            self.items_listed += 1
+            if len(self._batch) == self.shard_size:
+                self._hand_over()
+        if self._batch:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        self._put(Shard(self.shards_listed, tuple(self._batch)))
+        self.shards_listed += 1
+        self._batch = []
+
+
+@task(name="list-source", cache_policy=NONE, persist_result=False)
+def list_source(stream: ShardStream) -> dict:
+    """Page through the source, cutting it into shards for the run as it goes."""
+    stream.produce()
+    counts = {"items": stream.items_listed, "shards": stream.shards_listed}
+    get_logger(source=stream.source.uri).info(
+        "listed source", **counts,
+        partition=f"{stream.partition[0]}/{stream.partition[1]}" if stream.partition else None)
+    return counts

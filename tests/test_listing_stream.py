@@ -1,0 +1,120 @@
+"""The streamed listing: the first shard is handed over while the listing goes on, memory does
+not grow with the number of listed objects (1,024 against 102,400 synthetic keys), and a listing
+that fails part-way resumes after what it already handed over, without duplicates."""
+
+from __future__ import annotations
+
+import threading
+import tracemalloc
+
+import pytest
+
+import tasks.sources.listing as listing
+from tasks.sources.items import ObjectRef
+from tasks.sources.listing import ShardStream, SourceSpec
+
+
+class SyntheticStorage:
+    """A bucket of `count` keys, listed lazily; `gate` holds the listing after `hold_after` keys;
+    `fail_at` raises once at that key (a page that failed past the client's retries)."""
+
+    def __init__(self, count: int, hold_after: int | None = None, fail_at: int | None = None):
+        self.count, self.hold_after, self.fail_at = count, hold_after, fail_at
+        self.gate = threading.Event()
+
+    def iter_objects(self, glob=None, prefix=""):
+        for i in range(self.count):
+            if i == self.hold_after:
+                self.gate.wait(30)
+            if i == self.fail_at:
+                self.fail_at = None
+                raise ConnectionError("connection reset while listing")
+            yield ObjectRef(f"img/{i:07d}.jpg", 1000 + i, f"etag-{i}")
+
+
+@pytest.fixture
+def storage(monkeypatch):
+    def use(store: SyntheticStorage) -> SyntheticStorage:
+        monkeypatch.setattr(listing, "open_storage", lambda uri: store)
+        return store
+    return use
+
+
+def _stream(shard_size: int = 64, **kwargs) -> ShardStream:
+    stream = ShardStream(SourceSpec("s3://synthetic/"), shard_size, None, **kwargs)
+    threading.Thread(target=_quietly(stream.produce), daemon=True).start()  # what the list-source task runs
+    return stream
+
+
+def _quietly(produce):
+    def run():
+        try:
+            produce()
+        except ConnectionError:
+            pass  # the consumer sees it; the thread need not print it too
+    return run
+
+
+def test_the_first_shard_comes_while_the_listing_goes_on(storage):
+    store = storage(SyntheticStorage(100, hold_after=12))
+    stream = _stream(shard_size=5)
+    shards = iter(stream)
+    first = next(shards)
+    assert [item.id for item in first.items] == [f"img/{i:07d}.jpg" for i in range(5)]
+    assert not stream.finished  # still listing (held at key 12)
+    store.gate.set()
+    rest = list(shards)
+    assert stream.finished and [s.index for s in rest] == list(range(1, 20))
+
+
+def _peak_while_consuming(count: int) -> int:
+    store = SyntheticStorage(count)
+    listing_open = listing.open_storage
+    listing.open_storage = lambda uri: store
+    try:
+        tracemalloc.start()
+        seen = sum(len(shard.items) for shard in _stream())
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    finally:
+        listing.open_storage = listing_open
+    assert seen == count
+    return peak
+
+
+def test_memory_does_not_grow_with_the_listing():
+    small, large = _peak_while_consuming(1_024), _peak_while_consuming(102_400)
+    print(f"LISTING peak traced memory: 1,024 keys {small / 1024:.0f} KiB, 102,400 keys {large / 1024:.0f} KiB")
+    assert large < small * 1.10 + 64 * 1024  # within 10% (plus allocator noise), not 100x
+
+
+def test_a_failed_listing_resumes_without_duplicates(storage):
+    storage(SyntheticStorage(300, fail_at=130))
+    stream = _stream(shard_size=64)
+    shards = list(stream)
+    ids = [item.id for shard in shards for item in shard.items]
+    assert ids == [f"img/{i:07d}.jpg" for i in range(300)]  # each once, in order
+    assert [s.index for s in shards] == list(range(5))
+
+
+def test_a_listing_that_keeps_failing_stops_the_run_with_its_error(storage, monkeypatch):
+    class Broken(SyntheticStorage):
+        def iter_objects(self, glob=None, prefix=""):
+            yield ObjectRef("a.jpg", 1, "e")
+            raise ConnectionError("endpoint unreachable")
+
+    storage(Broken(0))
+    monkeypatch.setattr(listing.time, "sleep", lambda s: None)
+    with pytest.raises(ConnectionError, match="endpoint unreachable"):
+        list(_stream(shard_size=64))
+
+
+def test_a_consumer_that_stops_releases_the_listing(storage):
+    storage(SyntheticStorage(10_000))
+    stream = ShardStream(SourceSpec("s3://synthetic/"), 10, None, ahead=2)
+    producer = threading.Thread(target=stream.produce)
+    producer.start()
+    next(iter(stream))
+    stream.close()  # the run failed: the listing must not stay blocked on a full queue
+    producer.join(10)
+    assert not producer.is_alive()
