@@ -20,6 +20,9 @@ import socket
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -34,7 +37,7 @@ from tasks.engine.vllm_engine import Sampling
 from tasks.fanout import FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary
-from tasks.results.done_index import load_done_index
+from tasks.results.done_index import DoneIndex, load_done_index
 from tasks.results.records import job_fingerprint
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report, write_shard
@@ -43,6 +46,28 @@ from tasks.sources.listing import ShardStream, SourceSpec
 from tasks.settings import get_settings
 from tasks.sources.preflight import check_output, check_source
 
+
+
+@dataclass(frozen=True)
+class PartitionRun:
+    """One partition of a job being captioned in this process (the whole job when not fanned out)."""
+
+    job: CaptionJob
+    recipe: Recipe
+    fingerprint: str
+    run_id: str
+    partition: Partition | None
+    log: Any
+
+    @property
+    def parts_id(self) -> str:
+        """Names this partition's result parts (`part-<parts_id>-<shard>.jsonl`)."""
+        return f"{self.run_id}-p{self.partition.index}" if self.partition else self.run_id
+
+    @property
+    def source(self) -> SourceSpec:
+        job = self.job
+        return SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
 
 
 def run_label(job: dict) -> str:
@@ -102,7 +127,7 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
         children = start_children(job.partition_deployment, child_jobs, run_label,
                                   attempt=flow_run.run_count or 1, parent_run_id=run_id)
     try:
-        stats, engine = caption_shards(job, recipe, fingerprint, run_id, own, log)
+        stats, engine = caption_shards(PartitionRun(job, recipe, fingerprint, run_id, own, log))
     except Exception:
         if children:  # a retry of this run must not overlap this attempt's children
             wait_for_children(children)
@@ -133,36 +158,35 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
             "failures": stats.failures}
 
 
-def caption_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str,
-                   partition: Partition | None, log) -> tuple[RunStats, dict | None]:
+def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None]:
     """Caption this run's items (one partition of them when fanned out) shard by shard as the
     listing streams them in, fetching the next shard while the current ones are on the GPU."""
-    source = SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
-    parts_id = f"{run_id}-p{partition.index}" if partition else run_id
-    done = load_done_index(job.output, fingerprint)
-    stream = ShardStream(source, job.shard_size, job.limit,
+    job, partition = run.job, run.partition
+    done = load_done_index(job.output, run.fingerprint)
+    stream = ShardStream(run.source, job.shard_size, job.limit,
                          (partition.index, partition.count) if partition else None).start()
     try:
         # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
         # listing is read whole first; image and video start on the first shard listed.
         shards = list(stream) if job.modality == "multi-image" else stream
         spec = engine_spec(job, shards if isinstance(shards, list) else [])
-        log.info("run started", source=job.location, output=job.output, modality=job.modality,
-                 questions=len(job.questions_to_ask), already_done=len(done), partition=parts_id)
-        return feed_shards(job, recipe, fingerprint, run_id, partition, parts_id, source, shards, done, spec, log)
+        run.log.info("run started", source=job.location, output=job.output, modality=job.modality,
+                     questions=len(job.questions_to_ask), already_done=len(done), partition=run.parts_id)
+        return feed_shards(run, shards, done, spec)
     finally:
         stream.close()
 
 
-def feed_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str, partition: Partition | None,
-                parts_id: str, source: SourceSpec, shards, done, spec: EngineSpec, log) -> tuple[RunStats, dict | None]:
+def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
+                spec: EngineSpec) -> tuple[RunStats, dict | None]:
     """The pipeline over the shards: prepare one ahead, keep `feed_depth` shards in the engine,
     write each shard's part as soon as it is done."""
+    job, fingerprint, parts_id, log = run.job, run.fingerprint, run.parts_id, run.log
     depth = max(1, get_settings().feed_depth or (6 if job.modality == "image" else 2))
     stats = RunStats()
     media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
     options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
-    progress = Progress(f"Captioning {job.location} with {recipe.name}")
+    progress = Progress(f"Captioning {job.location} with {run.recipe.name}")
     engine, starting, generate_started = None, None, None
     writes, in_flight = deque(), deque()
 
@@ -176,8 +200,8 @@ def feed_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str, 
         stats.add(len(shard.items), prepared.skipped, records, 0.0)
         failed = sum(1 for r in records if r.error)
         percent = progress.advance(len(shard.items), failed)
-        emit("shard.failed" if failed else "shard.completed", run_id, shard=shard.index,
-             partition=partition.index if partition else 0, objects=len(shard.items),
+        emit("shard.failed" if failed else "shard.completed", run.run_id, shard=shard.index,
+             partition=run.partition.index if run.partition else 0, objects=len(shard.items),
              skipped=prepared.skipped, failed=failed)
         log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
                  skipped=prepared.skipped, failed=failed, progress=percent)
@@ -190,7 +214,7 @@ def feed_shards(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str, 
         if starting is None and any(done.pending_by_listing(item, item.questions or job.questions_to_ask)
                                     for item in shard.items):
             starting = start_engine.submit(options.spec)
-        return shard, prepare_shard.submit(source, shard, done, job.questions_to_ask, media)
+        return shard, prepare_shard.submit(run.source, shard, done, job.questions_to_ask, media)
 
     listed = iter(shards)
     upcoming = take(first) if (first := next(listed, None)) is not None else None
@@ -239,7 +263,7 @@ def merge_children(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
     def run_here(child) -> str:
         partition = Partition(index=child.index, count=job.fan_out, run_id=run_id, fingerprint=fingerprint)
         try:
-            child_stats, engine = caption_shards(job, recipe, fingerprint, run_id, partition, log)
+            child_stats, engine = caption_shards(PartitionRun(job, recipe, fingerprint, run_id, partition, log))
         except Exception as exc:  # reported as that partition's failure; the run fails at the end
             log.error("partition taken over from a child failed", partition=child.index, error=str(exc))
             taken_over[child.index] = PartitionReport(index=child.index, state="FAILED", **_where())
