@@ -78,3 +78,55 @@ def test_faults_lose_and_duplicate_nothing(prefect_api, bucket, s3_endpoint, tin
         assert record["error"] is None and record["sha256"] == objects[record["key"]]  # never wrong bytes
     if rate <= 0.10:
         assert runs[0]["succeeded"] == COUNT and runs[0]["failed"] == 0  # the first run completes everything
+
+
+@pytest.mark.parametrize("modality", ["video", "multi-image"])
+def test_videos_and_groups_under_faults_lose_and_duplicate_nothing(prefect_api, s3_endpoint, checkpoints_root,
+                                                                   monkeypatch, modality):
+    """The same faults while fetching videos (one object each) and image groups (one item per
+    folder, several GETs each): every item ends with exactly one record, of the right bytes."""
+    from tasks.settings import get_settings
+    from tests.checkpoints import build_checkpoint
+    from tests.images import video_bytes
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    bucket = f"faulty-{modality}"
+    client.create_bucket(Bucket=bucket)
+    if modality == "video":
+        objects = {f"in/clip{i:02d}.mp4": video_bytes(frames=8 + i % 5, seed=i) for i in range(16)}
+        items = {key.removeprefix("in/"): [body] for key, body in objects.items()}
+        extra = {"recipe": "qwen2_vl", "num_frames": 4, "model": str(build_checkpoint("qwen2_vl", checkpoints_root))}
+    else:
+        objects = {f"in/album{g:02d}/{n}.jpg": image_bytes(size=(40 + g, 30 + n), color=(g * 20, n * 90, 60))
+                   for g in range(12) for n in range(2)}
+        items = {f"album{g:02d}": [objects[f"in/album{g:02d}/{n}.jpg"] for n in range(2)] for g in range(12)}
+        extra = {"recipe": "idefics3", "max_images": 2, "model": str(build_checkpoint("idefics3", checkpoints_root))}
+    for key, body in objects.items():
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    proxy = FaultProxy(s3_endpoint, rate=0.10, stall_s=2.0, seed=7)
+    job = CaptionJob(source=f"s3://{bucket}/in/", output=f"s3://{bucket}/out/", modality=modality, shard_size=4,
+                     sampling={"max_tokens": 2}, **extra)
+    try:
+        _through(proxy, monkeypatch)
+        summary = vlm_caption(job)
+    finally:
+        proxy.close()
+        get_settings.cache_clear()
+    records = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="out/results/"):
+        for obj in page.get("Contents", []):
+            if obj["Key"].endswith(".jsonl"):
+                body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read().decode()
+                records += [json.loads(line) for line in body.splitlines() if line]
+    print("FAULT-REPORT " + json.dumps({"modality": modality, "injected": dict(proxy.injected),
+                                        "items": len(items), "records": len(records), "failed": summary["failed"]}))
+    assert sum(proxy.injected.values()) > 0
+    assert Counter(r["key"] for r in records) == Counter(list(items))  # every item once, none lost
+    for record in records:
+        assert record["error"] is None, record["error"]
+        bodies = items[record["key"]]
+        hashes = [hashlib.sha256(body).hexdigest() for body in bodies]
+        if modality == "video":
+            assert record["sha256"] == hashes[0]  # never a short or wrong body
+        else:
+            assert [m["sha256"] for m in record["members"]] == hashes
