@@ -34,7 +34,7 @@ from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
 from tasks.engine.arguments import (EngineSpec, check_engine_overrides, check_remote_code,
                                      image_resize_target)
 from tasks.engine.vllm_engine import Sampling
-from tasks.fanout import FanOutError, start_children, wait_for_children, wait_for_orphans
+from tasks.fanout import CALLED_OFF, FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary
 from tasks.results.done_index import DoneIndex, load_done_index
@@ -130,7 +130,8 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
         stats, engine = caption_shards(PartitionRun(job, recipe, fingerprint, run_id, own, log))
     except Exception:
         if children:  # a retry of this run must not overlap this attempt's children
-            wait_for_children(children)
+            # ...and children no worker has started are called off, not waited for forever
+            wait_for_children(children, run_here=lambda child: "CANCELLED", claim_message=CALLED_OFF)
         raise
     mine = stats.report(own.index if own else 0, engine, **_where())
     if job.partition is not None:  # a child: the parent writes the run's one manifest

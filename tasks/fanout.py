@@ -93,12 +93,17 @@ def start_children(deployment: str, child_jobs: dict[int, dict[str, Any]], label
     return children
 
 
+TAKEN_OVER = "no worker started this partition in time; the parent run captions it"
+CALLED_OFF = "the parent run failed before a worker started this partition; its retry starts it again"
+
+
 def wait_for_children(children: list[ChildRun], run_here: Callable[[ChildRun], str] | None = None,
-                      poll_s: float = POLL_S) -> dict[int, str]:
+                      poll_s: float = POLL_S, claim_message: str = TAKEN_OVER) -> dict[int, str]:
     """Block until every child reaches a final state; return each one's state name.
 
-    With `run_here`, a child still waiting for a worker is claimed and captioned by this
-    process instead (`run_here` returns the partition's state). A child whose worker died stays
+    With `run_here`, a child still waiting for a worker is claimed (marked CANCELLED with
+    `claim_message`) and handed to `run_here`, which captions it in this process, or not, and
+    returns the partition's state. A child whose worker died stays
     RUNNING until Prefect marks it CRASHED (the zombie automation in
     deployments/automations.yaml does that from missed heartbeats)."""
     log = get_logger()
@@ -114,8 +119,8 @@ def wait_for_children(children: list[ChildRun], run_here: Callable[[ChildRun], s
                     log.info("child partition finished", partition=child.index,
                              state=states[child.index], flow_run_id=child.flow_run_id)
                 elif run_here is not None and flow_run.state is not None and flow_run.state.is_scheduled() \
-                        and claim_unstarted(client, child):
-                    log.warning("no free worker took a child partition; this run captions it",
+                        and claim_unstarted(client, child, claim_message):
+                    log.warning("a child partition that no worker started is taken back", reason=claim_message,
                                 partition=child.index, flow_run_id=child.flow_run_id)
                     states[child.index] = run_here(child)
             if len(states) < len(children):
@@ -123,16 +128,15 @@ def wait_for_children(children: list[ChildRun], run_here: Callable[[ChildRun], s
     return states
 
 
-def claim_unstarted(client, child: ChildRun) -> bool:
+def claim_unstarted(client, child: ChildRun, message: str = TAKEN_OVER) -> bool:
     """Take over a child that no worker has started. The claim is the one a worker makes (a
     proposed PENDING, which the server grants to one proposer only), so a worker picking the
     run up at the same moment gets it or we do, never both. The claimed run is then marked
-    CANCELLED with a message that says who captions its partition."""
+    CANCELLED with a message that says who captions its partition (or why nobody does)."""
     from prefect.client.schemas.responses import SetStateStatus
     from prefect.states import Cancelled, Pending
 
     if client.set_flow_run_state(child.flow_run_id, Pending()).status != SetStateStatus.ACCEPT:
         return False
-    client.set_flow_run_state(child.flow_run_id, Cancelled(
-        message="no worker started this partition in time; the parent run captions it"), force=True)
+    client.set_flow_run_state(child.flow_run_id, Cancelled(message=message), force=True)
     return True

@@ -78,3 +78,31 @@ def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_l
     sizing = manifest["engine"]["sizing"]  # how vLLM sized the engine for the device present
     assert sizing["device"] == "cpu" and sizing["max_num_seqs"] > 0 and sizing["kv_cache_tokens"] > 0
     assert {r["run_id"].rsplit("-", 1)[1] for r in records} <= {"p0", "p1", "p2"}
+
+
+def test_a_parent_that_fails_calls_off_the_children_no_worker_started(idle_partition_deployment, tmp_path,
+                                                                      monkeypatch):
+    """The parent's own partition fails: it must not wait forever for children no worker will
+    take. They are called off (CANCELLED, saying why) and the run fails with its own error."""
+    import flows.caption
+    from prefect.client.orchestration import get_client
+    from tasks.fanout import CALLED_OFF
+
+    def fail(run):
+        raise RuntimeError("partition 0 broke")
+
+    monkeypatch.setattr(flows.caption, "caption_shards", fail)
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(image_bytes("PNG"))
+    job = CaptionJob(source=str(tmp_path / "img"), output=str(tmp_path / "out"), model="any", fan_out=3,
+                     partition_deployment=idle_partition_deployment)
+    with pytest.raises(RuntimeError, match="partition 0 broke"):
+        vlm_caption(job)
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    with get_client(sync_client=True) as client:  # the children: runs of the idle partition deployment
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
+            name=DeploymentFilterName(any_=[idle_partition_deployment.split("/", 1)[1]])))
+    called_off = [r for r in runs if r.state and r.state.message == CALLED_OFF
+                  and (r.parameters.get("job") or {}).get("output") == str(tmp_path / "out")]
+    assert len(called_off) == 2 and all(r.state.is_cancelled() for r in called_off)
