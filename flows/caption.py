@@ -41,11 +41,10 @@ from tasks.results.done_index import DoneIndex, load_done_index
 from tasks.results.records import job_fingerprint
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report, write_shard
+from tasks.settings import get_settings
 from tasks.sources.items import Shard
 from tasks.sources.listing import ShardStream, SourceSpec
-from tasks.settings import get_settings
 from tasks.sources.preflight import check_output, check_source
-
 
 
 @dataclass(frozen=True)
@@ -169,8 +168,11 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None]:
     try:
         # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
         # listing is read whole first; image and video start on the first shard listed.
-        shards = list(stream) if job.modality == "multi-image" else stream
-        spec = engine_spec(job, shards if isinstance(shards, list) else [])
+        if job.modality == "multi-image":
+            shards: Iterable[Shard] = list(stream)
+            spec = engine_spec(job, shards)
+        else:
+            shards, spec = stream, engine_spec(job, [])
         run.log.info("run started", source=job.location, output=job.output, modality=job.modality,
                      questions=len(job.questions_to_ask), already_done=len(done), partition=run.parts_id)
         return feed_shards(run, shards, done, spec)
@@ -182,7 +184,7 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
                 spec: EngineSpec) -> tuple[RunStats, dict | None]:
     """The pipeline over the shards: prepare one ahead, keep `feed_depth` shards in the engine,
     write each shard's part as soon as it is done."""
-    job, fingerprint, parts_id, log = run.job, run.fingerprint, run.parts_id, run.log
+    job, fingerprint, parts_id, source, log = run.job, run.fingerprint, run.parts_id, run.source, run.log
     depth = max(1, get_settings().feed_depth or (6 if job.modality == "image" else 2))
     stats = RunStats()
     media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
@@ -215,7 +217,7 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
         if starting is None and any(done.pending_by_listing(item, item.questions or job.questions_to_ask)
                                     for item in shard.items):
             starting = start_engine.submit(options.spec)
-        return shard, prepare_shard.submit(run.source, shard, done, job.questions_to_ask, media)
+        return shard, prepare_shard.submit(source, shard, done, job.questions_to_ask, media)
 
     listed = iter(shards)
     upcoming = take(first) if (first := next(listed, None)) is not None else None

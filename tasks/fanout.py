@@ -103,9 +103,9 @@ def wait_for_children(children: list[ChildRun], run_here: Callable[[ChildRun], s
 
     With `run_here`, a child still waiting for a worker is claimed (marked CANCELLED with
     `claim_message`) and handed to `run_here`, which captions it in this process, or not, and
-    returns the partition's state. A child whose worker died stays
-    RUNNING until Prefect marks it CRASHED (the zombie automation in
-    deployments/automations.yaml does that from missed heartbeats)."""
+    returns the partition's state. A child whose worker died stays RUNNING until Prefect marks
+    it CRASHED (the zombie automation in deployments/automations.yaml does that from missed
+    heartbeats)."""
     log = get_logger()
     states: dict[int, str] = {}
     with get_client(sync_client=True) as client:

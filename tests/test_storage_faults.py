@@ -33,12 +33,12 @@ def bucket(s3_endpoint):
     return client, objects
 
 
-def _records(client, prefix: str) -> list[dict]:
-    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+def _records(client, prefix: str, bucket: str = BUCKET) -> list[dict]:
+    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
             for o in page.get("Contents", []) if o["Key"].endswith(".jsonl")]
     # every part parses whole: a part is one PUT, never a partial write
     return [json.loads(line) for key in keys
-            for line in client.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode().splitlines() if line]
+            for line in client.get_object(Bucket=bucket, Key=key)["Body"].read().decode().splitlines() if line]
 
 
 def _through(proxy: FaultProxy, monkeypatch):
@@ -112,12 +112,7 @@ def test_videos_and_groups_under_faults_lose_and_duplicate_nothing(prefect_api, 
     finally:
         proxy.close()
         get_settings.cache_clear()
-    records = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="out/results/"):
-        for obj in page.get("Contents", []):
-            if obj["Key"].endswith(".jsonl"):
-                body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read().decode()
-                records += [json.loads(line) for line in body.splitlines() if line]
+    records = _records(client, "out/results/", bucket)
     print("FAULT-REPORT " + json.dumps({"modality": modality, "injected": dict(proxy.injected),
                                         "items": len(items), "records": len(records), "failed": summary["failed"]}))
     assert sum(proxy.injected.values()) > 0

@@ -8,7 +8,6 @@ overrides, and reused by every shard this worker process handles.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import threading
 import time
