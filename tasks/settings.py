@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     # 35.3, raw vLLM 36.3); each holds its decoded media in memory. None: 6 for images (shrunk
     # to the model's size), 2 for videos and groups (their frames are large).
     feed_depth: int | None = None
+    # vLLM's request rendering (the model's HF processor) in a pool of processes beside the
+    # engine; None: a quarter of the cores (at most 4) beside a GPU, 0 on CPU; 0: in the engine's
+    # process. Turns vLLM's multimodal processor cache off (see tasks/engine/render.py).
+    render_processes: int | None = None
     # Media
     decode_processes: int | None = None  # image decode pool; None: one per core, 0: no pool
     max_image_pixels: int = 64_000_000  # refuse decompression bombs beyond this

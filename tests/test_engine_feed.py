@@ -1,42 +1,61 @@
 """The continuous engine feed's bookkeeping, against a stand-in for vLLM's LLM that finishes
-requests out of order, a few per step, and rejects some at enqueue (as vLLM rejects a prompt
-that is too long): every request resolves exactly once, rejections stay with their request,
-and a dead engine fails everything in flight instead of hanging it."""
+requests out of order, a few per step, and rejects some while rendering (as vLLM rejects a
+prompt that is too long): every request resolves exactly once, rejections stay with their
+request, and a dead engine fails everything in flight instead of hanging it. The same holds
+when a render pool renders the requests, and a render worker that dies fails its requests as
+an engine failure (the shard is retried), never as the items' own errors."""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+from concurrent.futures.process import BrokenProcessPool
 
 from tasks.engine.feed import EngineDied, EngineFeed
+from tasks.engine.render import RenderJob, render
+
+
+class StandInRenderer:
+    """vLLM's renderer as `render()` calls it: rejects a prompt that is too long."""
+
+    model_config = SimpleNamespace(is_encoder_decoder=False)
+    default_cmpl_tok_params = None
+
+    def __init__(self):
+        self.threads: set[str] = set()
+
+    def render_cmpl(self, prompts, tok_params):
+        self.threads.add(threading.current_thread().name)
+        (prompt,) = prompts
+        if prompt["prompt"].startswith("bad"):
+            raise ValueError(f"prompt {prompt['prompt']!r} is longer than the model's context")
+        return [{"type": "token", **prompt}]
 
 
 class StandInLLM:
     def __init__(self, die_after_steps: int | None = None):
         self.pending: list[str] = []
-        self.counter = 0
         self.steps = 0
         self.max_in_engine = 0
         self.die_after_steps = die_after_steps
         self.rng = random.Random(7)
         self.owner: set[str] = set()
-        self.llm_engine = SimpleNamespace(step=self._step)
+        self.renderer = StandInRenderer()
+        self.added: list[str] = []
+        self.llm_engine = SimpleNamespace(step=self._step, add_request=self._add_request)
 
-    def enqueue(self, prompts, params, lora_request=None, use_tqdm=False):
+    def _add_request(self, request_id, rendered, params, lora_request=None):
         self.owner.add(threading.current_thread().name)
-        (prompt,) = prompts
-        if prompt["prompt"].startswith("bad"):
-            raise ValueError(f"prompt {prompt['prompt']!r} is longer than the model's context")
-        self.counter += 1
-        request_id = f"{self.counter}"  # vLLM's LLM numbers requests; outputs carry that id ...
-        self.pending.append(request_id)
+        assert rendered["type"] == "token"  # only rendered requests reach the engine
+        self.added.append(rendered["prompt"])
+        self.pending.append(request_id)  # outputs carry the caller's id ...
         self.max_in_engine = max(self.max_in_engine, len(self.pending))
-        return [f"{request_id}-{self.rng.getrandbits(32):08x}"]  # ... enqueue returns it suffixed
+        return f"{request_id}-{self.rng.getrandbits(32):08x}"  # ... vLLM returns it suffixed
 
     def _step(self):
         self.owner.add(threading.current_thread().name)
@@ -50,15 +69,33 @@ class StandInLLM:
                [SimpleNamespace(request_id=r, finished=False) for r in self.pending[:1]]
 
 
+class StandInRenderPool:
+    """`RenderPool`'s interface over threads named render-*; `broken` fails every rendering as
+    a pool whose worker process died does."""
+
+    def __init__(self, renderer, broken: bool = False):
+        self.ready, self.renderer, self.broken = True, renderer, broken
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="render")
+
+    def submit(self, job):
+        if self.broken:
+            future = Future()
+            future.set_exception(BrokenProcessPool("A process in the process pool was terminated abruptly"))
+            return future
+        return self._threads.submit(render, self.renderer, job)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize("shard_size", [1, 7, 64])
-def test_every_request_resolves_once_across_concurrent_shards(shard_size):
+def test_every_request_resolves_once_across_concurrent_shards(shard_size, pooled):
     llm = StandInLLM()
-    feed = EngineFeed(llm)
+    pool_renderer = StandInRenderer()
+    feed = EngineFeed(llm, StandInRenderPool(pool_renderer) if pooled else None)
     prompts = [f"{'bad' if i % 11 == 5 else 'ok'}-{i}" for i in range(150)]
     shards = [prompts[i:i + shard_size] for i in range(0, len(prompts), shard_size)]
 
     def run_shard(shard):
-        futures = [feed.submit({"prompt": p}, params=None) for p in shard]
+        futures = [feed.submit(RenderJob(prompt={"prompt": p}), params=None) for p in shard]
         results = []
         for prompt, future in zip(shard, futures):
             try:
@@ -75,13 +112,18 @@ def test_every_request_resolves_once_across_concurrent_shards(shard_size):
     assert len(ids) == len(set(ids)) == sum(1 for p in prompts if p.startswith("ok"))  # none twice
     assert all("longer than the model's context" in r for p, r in results if p.startswith("bad"))
     assert llm.owner == {"vllm-feed"}  # only the feed thread touches the engine
+    assert sorted(llm.added) == sorted(p for p in prompts if p.startswith("ok"))
+    if pooled:  # every request rendered by the pool, none by the feed thread
+        assert not llm.renderer.threads and all(t.startswith("render") for t in pool_renderer.threads)
+    else:
+        assert llm.renderer.threads == {"vllm-feed"}
     if shard_size == 1:
         assert llm.max_in_engine > 1  # requests of several shards were in the engine together
 
 
 def test_a_dead_engine_fails_every_waiting_request_and_later_ones():
     feed = EngineFeed(StandInLLM(die_after_steps=2))
-    futures = [feed.submit({"prompt": f"ok-{i}"}, params=None) for i in range(20)]
+    futures = [feed.submit(RenderJob(prompt={"prompt": f"ok-{i}"}), params=None) for i in range(20)]
     outcomes = []
     for future in futures:
         try:
@@ -92,4 +134,17 @@ def test_a_dead_engine_fails_every_waiting_request_and_later_ones():
             assert "EngineCore died" in str(exc)
     assert "died" in outcomes  # nothing hangs
     with pytest.raises(EngineDied):
-        feed.submit({"prompt": "ok-late"}, params=None).result(timeout=5)
+        feed.submit(RenderJob(prompt={"prompt": "ok-late"}), params=None).result(timeout=5)
+
+
+def test_a_render_worker_that_dies_fails_its_requests_as_an_engine_failure():
+    llm = StandInLLM()
+    feed = EngineFeed(llm, StandInRenderPool(llm.renderer, broken=True))
+    futures = [feed.submit(RenderJob(prompt={"prompt": f"ok-{i}"}), params=None) for i in range(5)]
+    for future in futures:  # EngineDied makes the shard retry on a new engine and pool ...
+        with pytest.raises(EngineDied, match="terminated abruptly"):
+            future.result(timeout=10)
+    assert llm.added == []  # ... and no item is recorded as failed by its own fault
+    # Video frames stay in the engine's process (pooled=False): rendered by the feed itself.
+    assert feed.submit(RenderJob(prompt={"prompt": "ok-video"}), params=None, pooled=False).result(timeout=10)
+    feed.close()

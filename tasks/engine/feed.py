@@ -3,27 +3,35 @@
 `LLM.generate` per shard adds a shard's requests, runs them to the last one and returns, so
 the running batch drains to zero at the end of every shard (measured: 0.85x raw vLLM on an
 H100 at the default shard size). Here one thread owns the engine: it adds requests as shards
-hand them in (`LLM.enqueue`, one request at a time so a request vLLM rejects fails alone) and
-steps the engine (`LLMEngine.step`) while any is unfinished, resolving each request's future
-as it finishes. Several shards' requests are in the engine at once; the shard stays the unit
-of bookkeeping, never a batch boundary.
+hand them in (`LLMEngine.add_request`, one request at a time so a request vLLM rejects fails
+alone) and steps the engine (`LLMEngine.step`) while any is unfinished, resolving each
+request's future as it finishes. Several shards' requests are in the engine at once; the shard
+stays the unit of bookkeeping, never a batch boundary.
+
+Each request is rendered first (tokens, and the HF processor over its media): by a
+`RenderPool` when there is one and it is ready, otherwise by the feed thread itself.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
+
+from tasks.engine.render import RenderJob, render
 
 
 @dataclass
 class _Submission:
-    prompt: dict[str, Any]
+    job: RenderJob
     params: Any
     lora: Any
     future: Future
+    rendered: Any = None  # the EngineInput, when the render pool made it
 
 
 class EngineDied(RuntimeError):
@@ -31,24 +39,52 @@ class EngineDied(RuntimeError):
 
 
 class EngineFeed:
-    def __init__(self, llm):
+    def __init__(self, llm, render_pool=None):
         self._llm = llm
+        self._render_pool = render_pool
         self._inbox: queue.Queue[_Submission | None] = queue.Queue()
         self._pending: dict[str, Future] = {}
+        self._ids = itertools.count()
         self._dead: BaseException | None = None
+        self._dead_lock = threading.Lock()  # a rendered request is never queued after the drain
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vllm-feed", daemon=True)
         self._thread.start()
         threading.Thread(target=self._watch, name="vllm-feed-watchdog", daemon=True).start()
 
-    def submit(self, prompt: dict[str, Any], params, lora=None) -> Future:
-        """A future that resolves to the request's vLLM `RequestOutput` (or raises its error)."""
-        future: Future = Future()
-        if self._dead is not None:
-            future.set_exception(EngineDied(f"the engine is gone: {self._dead}"))
+    def submit(self, job: RenderJob, params, lora=None, *, pooled: bool = True) -> Future:
+        """A future that resolves to the request's vLLM `RequestOutput` (or raises its error).
+        `pooled=False` keeps the rendering in this process (large media not worth a copy)."""
+        submission = _Submission(job, params, lora, Future())
+        pool = self._render_pool
+        rendering = None
+        if pooled and pool is not None and pool.ready:
+            try:
+                rendering = pool.submit(job)
+            except RuntimeError:  # the pool is closed or broken: render here
+                rendering = None
+        if rendering is None:
+            self._queue(submission)
         else:
-            self._inbox.put(_Submission(prompt, params, lora, future))
-        return future
+            rendering.add_done_callback(lambda done: self._rendered(submission, done))
+        return submission.future
+
+    def _rendered(self, submission: _Submission, rendering: Future) -> None:
+        error = EngineDied("the render pool was closed") if rendering.cancelled() else rendering.exception()
+        if isinstance(error, (BrokenProcessPool, EngineDied)):  # not this request's fault: retry the shard
+            submission.future.set_exception(EngineDied(f"rendering stopped: {error}"))
+        elif error is not None:
+            submission.future.set_exception(error)
+        else:
+            submission.rendered = rendering.result()
+            self._queue(submission)
+
+    def _queue(self, submission: _Submission) -> None:
+        with self._dead_lock:
+            if self._dead is None:
+                self._inbox.put(submission)
+                return
+        submission.future.set_exception(EngineDied(f"the engine is gone: {self._dead}"))
 
     def close(self) -> None:
         self._closed.set()
@@ -91,14 +127,17 @@ class EngineFeed:
             self._fail_all(exc)
 
     def _add(self, item: _Submission) -> None:
+        request_id = f"vc-{next(self._ids)}"  # outputs carry this id (vLLM suffixes its own copy)
         try:
-            (request_id,) = self._llm.enqueue([item.prompt], item.params, lora_request=item.lora,
-                                              use_tqdm=False)
+            rendered = item.rendered if item.rendered is not None else render(self._llm.renderer, item.job)
+            self._llm.llm_engine.add_request(request_id, rendered, item.params, lora_request=item.lora)
         except Exception as exc:  # noqa: BLE001 - this request's own error (too long, bad media)
+            if type(exc).__name__ == "EngineDeadError":  # not this request's: fail all, retry shards
+                item.future.set_exception(EngineDied(str(exc)))
+                raise
             item.future.set_exception(exc)
             return
-        # vLLM returns its internal id ("<ours>-<8 random chars>"); outputs carry ours.
-        self._pending[request_id.rsplit("-", 1)[0]] = item.future
+        self._pending[request_id] = item.future
 
     def _step(self) -> None:
         for output in self._llm.llm_engine.step():
@@ -108,7 +147,8 @@ class EngineFeed:
                     future.set_result(output)
 
     def _fail_all(self, exc: BaseException) -> None:
-        self._dead = exc
+        with self._dead_lock:
+            self._dead = exc
         error = EngineDied(f"the engine failed with requests in flight: {type(exc).__name__}: {exc}")
         for future in self._pending.values():
             future.set_exception(error)

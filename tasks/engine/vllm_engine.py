@@ -20,7 +20,9 @@ from recipes.base import MEDIA_KIND
 from recipes.requests import render_chat, resolve_stop_ids
 from tasks.engine.arguments import EngineSpec, engine_args
 from tasks.engine.feed import EngineDied, EngineFeed
+from tasks.engine.render import RenderJob, RenderPool
 from tasks.results.records import GenerationOutput
+from tasks.settings import get_settings
 
 # Importing vLLM otherwise runs logging.config.dictConfig, which shuts down every handler in the
 # process -- Prefect's API log handler included, whose flush then deadlocks inside a running
@@ -63,14 +65,19 @@ class CaptionEngine:
         self.prompting = self.recipe.prompting(spec.modality)
         self.args = engine_args(spec, self.recipe, on_cpu=current_platform.is_cpu())
         self.model = self.args["model"]
+        renderers = render_processes(on_cpu=current_platform.is_cpu())
+        if "mm_processor_cache_gb" in spec.overrides():
+            renderers = 0  # the user asked for vLLM's cache, which needs one renderer
+        elif renderers:
+            self.args["mm_processor_cache_gb"] = 0  # see tasks/engine/render.py
         started = time.perf_counter()
         self.llm = LLM(**self.args)
         self.startup_s = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()
         self.stop_token_ids = resolve_stop_ids(self.tokenizer, self.recipe, spec.modality)
         self.lora_request = self._lora_request()
-        self._feed: EngineFeed | None = None
-        self._batch_lock = threading.Lock()
+        self._render_pool = RenderPool(self.llm.llm_engine.vllm_config, renderers) if renderers else None
+        self._feed = EngineFeed(self.llm, self._render_pool)
         self.dead = False
 
     def sizing(self) -> dict[str, Any]:
@@ -90,7 +97,8 @@ class CaptionEngine:
                 "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                 "max_model_len": config.model_config.max_model_len,
                 "gpu_memory_utilization": cache.gpu_memory_utilization,
-                "kv_cache_blocks": blocks, "kv_cache_tokens": blocks * cache.block_size}
+                "kv_cache_blocks": blocks, "kv_cache_tokens": blocks * cache.block_size,
+                "render_processes": self._render_pool.processes if self._render_pool else 0}
 
     def prompt_for(self, question: str, count: int = 1) -> str:
         """The exact prompt text for one item (the chat template rendered if needed)."""
@@ -101,6 +109,7 @@ class CaptionEngine:
 
     def sampling_params(self, sampling: Sampling):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_MAX_TOKENS}
         params.update(self.recipe.sampling)
@@ -109,31 +118,21 @@ class CaptionEngine:
         if sampling.max_tokens is not None:
             params["max_tokens"] = sampling.max_tokens
         return SamplingParams(seed=sampling.seed, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=sampling.ignore_eos, **params)
+                              ignore_eos=sampling.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY, **params)
 
     def run(self, requests: list[EngineRequest], sampling: Sampling,
             method: str = "generate") -> list[GenerationOutput]:
-        """Run a batch with `LLM.generate` or `LLM.chat`; a request vLLM rejects fails alone."""
+        """Hand the requests to the engine's continuous feed, rendered as `LLM.generate` or
+        `LLM.chat` would render them, and wait for these; a request vLLM rejects fails alone."""
         if not requests:
             return []
+        if method == "chat":
+            self._check_chat_template()
         params = self.sampling_params(sampling)
-        if method == "generate":
-            return self._feed_all(requests, params)
-        self._check_chat_template()
-        call = self._chat
-        with self._batch_lock:  # LLM.chat runs the engine to completion: one caller at a time
-            try:
-                return [_output(o) for o in call(requests, params)]
-            except Exception:  # one bad request poisons a batch call: retry one by one to isolate it
-                return [self._run_one(call, r, params) for r in requests]
-
-    def _feed_all(self, requests: list[EngineRequest], params) -> list[GenerationOutput]:
-        """Hand the requests to the engine's continuous feed and wait for this batch's own."""
-        with self._batch_lock:
-            if self._feed is None:
-                self._feed = EngineFeed(self.llm)
-        lora = self.lora_request
-        futures = [self._feed.submit(self._generate_input(r), params, lora) for r in requests]
+        # Video frames are large: copying them to a render process costs more than it saves.
+        pooled = self.spec.modality != "video"
+        futures = [self._feed.submit(self._render_job(r, method), params, self.lora_request, pooled=pooled)
+                   for r in requests]
         outputs = []
         for future in futures:
             try:
@@ -145,31 +144,19 @@ class CaptionEngine:
                 outputs.append(GenerationOutput(None, None, 0, 0, error=f"{type(exc).__name__}: {exc}"))
         return outputs
 
-    def _generate_input(self, request: EngineRequest) -> dict[str, Any]:
+    def _render_job(self, request: EngineRequest, method: str) -> RenderJob:
         kind = MEDIA_KIND[self.spec.modality]
-        return {"prompt": self.prompt_for(request.question, request.count),
-                "multi_modal_data": {kind: request.media}, "multi_modal_uuids": {kind: request.uuids}}
-
-    def _run_one(self, call, request: EngineRequest, params) -> GenerationOutput:
-        try:
-            return _output(call([request], params)[0])
-        except Exception as exc:  # noqa: BLE001 - recorded on the item, never dropped
-            if type(exc).__name__ == "EngineDeadError":  # not this item's fault: retry the shard
-                self.dead = True
-                raise EngineDied(str(exc)) from exc
-            return GenerationOutput(None, None, 0, 0, error=f"{type(exc).__name__}: {exc}")
-
-    def _chat(self, requests: list[EngineRequest], params):
-        """The multi-image example's chat method: the question, then one image part per picture,
-        rendered by vLLM with the model's (or the recipe's) chat template."""
-        conversations = []
-        for r in requests:
-            images = r.media if isinstance(r.media, list) else [r.media]
-            uuids = r.uuids if isinstance(r.uuids, list) else [r.uuids]
-            parts = [{"type": "image_pil", "image_pil": image, "uuid": uuid} for image, uuid in zip(images, uuids)]
-            conversations.append([{"role": "user", "content": [{"type": "text", "text": r.question}, *parts]}])
-        return self.llm.chat(conversations, params, use_tqdm=False, lora_request=self._loras(len(conversations)),
-                             chat_template=self.prompting.chat_template)
+        if method == "generate":
+            return RenderJob(prompt={"prompt": self.prompt_for(request.question, request.count),
+                                     "multi_modal_data": {kind: request.media},
+                                     "multi_modal_uuids": {kind: request.uuids}})
+        # The multi-image example's chat method: the question, then one image part per picture,
+        # rendered with the model's (or the recipe's) chat template.
+        images = request.media if isinstance(request.media, list) else [request.media]
+        uuids = request.uuids if isinstance(request.uuids, list) else [request.uuids]
+        parts = [{"type": "image_pil", "image_pil": image, "uuid": uuid} for image, uuid in zip(images, uuids)]
+        return RenderJob(conversation=[{"role": "user", "content": [{"type": "text", "text": request.question}, *parts]}],
+                         chat_template=self.prompting.chat_template)
 
     def _check_chat_template(self) -> None:
         """The chat method renders through a chat template: without one every item would fail."""
@@ -178,13 +165,10 @@ class CaptionEngine:
                 f"the chat method needs a chat template, and {self.model}'s tokenizer has none "
                 f"(recipe {self.spec.recipe!r} gives none either); use method 'generate'")
 
-    def _loras(self, count: int):
-        return [self.lora_request] * count if self.lora_request else None
-
     def release(self) -> None:
-        if self._feed is not None:
-            self._feed.close()
-        self._feed = None
+        self._feed.close()
+        if self._render_pool is not None:
+            self._render_pool.close()
         self.llm = None
 
     def _lora_request(self):
@@ -211,6 +195,15 @@ def _output(request_output) -> GenerationOutput:
     )
 
 
+def render_processes(*, on_cpu: bool) -> int:
+    """Render workers for an engine: `VLM_CAPTION_RENDER_PROCESSES`, else a quarter of the cores
+    (at most 4) beside a GPU, and none beside vLLM's CPU backend, whose engine is the bottleneck."""
+    configured = get_settings().render_processes
+    if configured is not None:
+        return max(0, configured)
+    return 0 if on_cpu else min(4, max(1, (os.cpu_count() or 1) // 4))
+
+
 _ENGINES: dict[EngineSpec, CaptionEngine] = {}
 _LOCK = threading.Lock()
 
@@ -224,7 +217,17 @@ def get_engine(spec: EngineSpec) -> CaptionEngine:
     with _LOCK:
         engine = _ENGINES.get(spec)
         if engine is None or engine.dead:
-            for old in list(_ENGINES):
-                _ENGINES.pop(old).release()
+            _release_all()
             engine = _ENGINES[spec] = CaptionEngine(spec)
         return engine
+
+
+def release_engines() -> None:
+    """Let go of this process's engine (the next shard builds a new one)."""
+    with _LOCK:
+        _release_all()
+
+
+def _release_all() -> None:
+    for old in list(_ENGINES):
+        _ENGINES.pop(old).release()
