@@ -4,8 +4,12 @@ One invocation builds (or takes) a checkpoint and N distinct JPEGs, then runs tw
 after the other on the same GPU, each in a fresh child process so the first one's GPU memory is
 gone before the second starts:
 
-- raw: the example's way: decode every image serially, then one `LLM.generate` over all prompts;
-- flow: the `vlm-caption` flow over the same images, from a folder or an S3 endpoint.
+- raw: the example's way: decode every item serially, then one `LLM.generate` over all prompts;
+- flow: the `vlm-caption` flow over the same items, from a folder or an S3 endpoint; then, for
+  each `--flow-env`, the flow again with those settings (e.g. VLM_CAPTION_RENDER_PROCESSES=0).
+
+`--modality` picks images, videos (MP4 clips) or image groups (folders of two), each as the
+matching example runs it (`vision_language.py` image and video, `vision_language_multi_image.py`).
 
 Both generate exactly `--max-tokens` per image (ignore_eos). It prints a table and writes JSON:
 items/s while generating, items/s including decode, wall including engine start, time to the
@@ -43,7 +47,16 @@ class BenchConfig:
     shard_size: int = 64
     source: str = "folder"  # or "s3" (a loopback moto server, when moto is installed)
     max_tokens: int = 64
-    shape: str = "tiny"  # without --model: a random-weight LLaVA of this shape ("tiny" or "7b")
+    shape: str = "tiny"  # without --model: a random-weight checkpoint of this shape (see CHECKPOINTS)
+    modality: str = "image"  # or "video" (clips of `frames` sampled frames) or "multi-image" (pairs)
+    frames: int = 16
+    flow_env: tuple[str, ...] = ()  # "NAME=VALUE[,NAME=VALUE]": one more flow phase each
+    profile: bool = False  # record the flow phase with py-spy (--gil) when it is installed
+
+
+# Random-weight checkpoints the bench builds (recipe -> builder and its shapes).
+CHECKPOINTS = {"llava": ("build_tiny_llava", ("tiny", "7b")), "qwen2_vl": ("build_tiny_qwen2_vl", ("tiny", "2b"))}
+GROUP_SIZE = 2
 
 
 def make_bench_images(folder: Path, count: int, width: int, height: int) -> Path:
@@ -64,23 +77,89 @@ def make_bench_images(folder: Path, count: int, width: int, height: int) -> Path
     return folder
 
 
+def make_bench_videos(folder: Path, count: int, width: int, height: int, frames: int) -> Path:
+    """`count` distinct MP4 clips of `frames * 2` frames at 8 fps (MPEG-4 part 2: every OpenCV
+    build writes it)."""
+    import cv2
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ramp = np.arange(width, dtype=np.int64)[None, :]
+    for i in range(count):
+        path = folder / f"clip-{i:06d}.mp4"
+        if path.exists():
+            continue
+        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 8, (width, height))
+        for t in range(frames * 2):
+            frame = np.zeros((height, width, 3), np.uint8)
+            frame[:, :, 0] = (ramp * 3 + t * 9 + i * 37) % 256
+            frame[:, :, 2] = (i * 53 + t * 5) % 256
+            writer.write(frame)
+        writer.release()
+    return folder
+
+
+def make_bench_media(cfg: BenchConfig, work: Path) -> Path:
+    """Images, clips or groups (one folder of GROUP_SIZE images each) for `cfg`."""
+    folder = work / f"{cfg.modality}-{cfg.width}x{cfg.height}-{cfg.images}"
+    if cfg.modality == "video":
+        return make_bench_videos(folder, cfg.images, cfg.width, cfg.height, cfg.frames)
+    if cfg.modality == "image":
+        return make_bench_images(folder, cfg.images, cfg.width, cfg.height)
+    flat = make_bench_images(work / f"images-{cfg.width}x{cfg.height}-{cfg.images * GROUP_SIZE}",
+                             cfg.images * GROUP_SIZE, cfg.width, cfg.height)
+    for i, path in enumerate(sorted(flat.glob("*.jpg"))):
+        group = folder / f"group-{i // GROUP_SIZE:06d}"
+        group.mkdir(parents=True, exist_ok=True)
+        if not (group / path.name).exists():
+            (group / path.name).symlink_to(path)
+    return folder
+
+
+def bench_items(cfg: BenchConfig, folder: Path) -> list[list[Path]]:
+    """The bench's items, as the flow lists them: one file each, or one folder's files."""
+    if cfg.modality == "multi-image":
+        return [sorted(group.glob("*.jpg")) for group in sorted(folder.iterdir()) if group.is_dir()]
+    return [[path] for path in sorted(folder.glob("*.mp4" if cfg.modality == "video" else "*.jpg"))]
+
+
 # ---- phases (each in its own process) ----------------------------------------------------------
-def phase_raw(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
+def example_media(cfg: BenchConfig, paths: list[Path], needs_metadata: bool):
+    """One item decoded as the examples do it, in the caller: PIL images, or sampled frames."""
     from PIL import Image
+
+    if cfg.modality == "video":
+        from tasks.media.video import VideoLimits, decode_video
+
+        video = decode_video(paths[0].read_bytes(), num_frames=cfg.frames,
+                             limits=VideoLimits(max_seconds=1e9, max_frame_pixels=1 << 40))
+        return video.for_request(needs_metadata)
+    images = [Image.open(p).convert("RGB") for p in paths]
+    return images if cfg.modality == "multi-image" else images[0]
+
+
+def phase_raw(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
     from recipes import get_recipe
+    from recipes.base import MEDIA_KIND
+    from recipes.requests import prompt_text
     from tasks.engine.arguments import EngineSpec, engine_args
 
     started = time.perf_counter()
     recipe = get_recipe(cfg.recipe)
-    llm = LLM(**engine_args(EngineSpec.build(cfg.recipe, model=model), recipe, on_cpu=current_platform.is_cpu()))
+    items = bench_items(cfg, folder)
+    count = GROUP_SIZE if cfg.modality == "multi-image" else 1
+    spec = EngineSpec.build(cfg.recipe, modality=cfg.modality, model=model, images=count)
+    llm = LLM(**engine_args(spec, recipe, on_cpu=current_platform.is_cpu()))
     engine_s = time.perf_counter() - started
-    prompt = recipe.prompting("image").text("Describe the content of this image in detail.", 1)
+    kind = MEDIA_KIND[cfg.modality]
+    prompt = prompt_text(recipe.prompting(cfg.modality), llm.get_tokenizer(),
+                         f"Describe the content of this {kind} in detail.", count, kind)
     decode_started = time.perf_counter()
-    inputs = [{"prompt": prompt, "multi_modal_data": {"image": Image.open(p).convert("RGB")}}
-              for p in sorted(folder.glob("*.jpg"))]
+    inputs = [{"prompt": prompt, "multi_modal_data": {kind: example_media(cfg, paths, recipe.needs_video_metadata)}}
+              for paths in items]
     decode_s = time.perf_counter() - decode_started
     generate_started = time.time()
     outputs = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True),
@@ -105,6 +184,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
     if cfg.source == "s3":
         source, output = _s3_copy(folder)
     job = CaptionJob(source=source, output=output, recipe=cfg.recipe, model=model, shard_size=cfg.shard_size,
+                     modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE,
                      sampling={"max_tokens": cfg.max_tokens, "ignore_eos": True})
     summary = vlm_caption(job)
     from tasks.sources.storage import open_storage, split_parent
@@ -141,8 +221,8 @@ def _s3_copy(folder: Path) -> tuple[str, str]:
     get_settings.cache_clear()
     client = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
     client.create_bucket(Bucket="bench")
-    for path in sorted(folder.glob("*.jpg")):
-        client.put_object(Bucket="bench", Key=f"images/{path.name}", Body=path.read_bytes())
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        client.put_object(Bucket="bench", Key=f"images/{path.relative_to(folder)}", Body=path.read_bytes())
     return "s3://bench/images/", "s3://bench/out/"
 
 
@@ -187,9 +267,14 @@ class GpuSampler:
         return round(sum(window) / len(window), 1) if window else None
 
 
-def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overrides: str = "",
+              profile: Path | None = None) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           **dict(pair.split("=", 1) for pair in env_overrides.split(",") if pair)}
     command = [sys.executable, "-m", "flows.bench", phase, json.dumps(asdict(cfg)), str(folder), model]
+    if profile is not None:  # what holds the GIL in the flow's process (needs py-spy)
+        command = ["py-spy", "record", "--gil", "--threads", "--rate", "100", "--format", "raw", "--output", str(profile),
+                   "--", *command]
     with GpuSampler() as gpu:
         done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH-RESULT ")]
@@ -200,28 +285,55 @@ def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str) -> dict[st
     return result
 
 
-def build_checkpoint(path: Path, shape: str) -> str:
-    """The random-weight checkpoint, built in a child process: a 7B shape is initialised on the
-    GPU, and memory this process kept would be missing from the engines measured after it."""
-    code = f"from tasks.tiny_checkpoint import build_tiny_llava; build_tiny_llava({str(path)!r}, shape={shape!r})"
+def build_checkpoint(work: Path, recipe: str, shape: str) -> str:
+    """The random-weight checkpoint, built in a child process: a large shape is initialised on
+    the GPU, and memory this process kept would be missing from the engines measured after it."""
+    if recipe not in CHECKPOINTS or shape not in CHECKPOINTS[recipe][1]:
+        known = ", ".join(f"{r} ({'/'.join(shapes)})" for r, (_, shapes) in CHECKPOINTS.items())
+        raise SystemExit(f"the bench builds random-weight checkpoints for {known}; "
+                         f"give --model for recipe {recipe!r} with shape {shape!r}")
+    builder, path = CHECKPOINTS[recipe][0], work / f"{recipe}-{shape}"
+    code = f"from tasks.tiny_checkpoint import {builder}; {builder}({str(path)!r}, shape={shape!r})"
     subprocess.run([sys.executable, "-c", code], check=True)
     return str(path)
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     work = Path(cfg.workdir).resolve()
-    folder = make_bench_images(work / f"images-{cfg.width}x{cfg.height}-{cfg.images}", cfg.images,
-                               cfg.width, cfg.height)
-    model = cfg.model or build_checkpoint(work / f"llava-{cfg.shape}", cfg.shape)
+    folder = make_bench_media(cfg, work)
+    model = cfg.model or build_checkpoint(work, cfg.recipe, cfg.shape)
     raw = run_phase("raw", cfg, folder, model)
-    flow = run_phase("flow", cfg, folder, model)
-    ratio = {m: round(flow[m] / raw[m], 3) for m in METRICS
-             if isinstance(flow.get(m), (int, float)) and isinstance(raw.get(m), (int, float)) and raw[m]}
+    flow = run_phase("flow", cfg, folder, model, profile=work / "flow-profile.txt" if cfg.profile else None)
+    variants = {env: run_phase("flow", cfg, folder, model, env) for env in cfg.flow_env}
     report = {"config": {**asdict(cfg), "model": model}, "device": _device(), "raw": raw, "flow": flow,
-              "ratio_flow_over_raw": ratio}
+              "ratio_flow_over_raw": _ratios(flow, raw),
+              "flow_env": {env: {**result, "ratio_over_raw": _ratios(result, raw)} for env, result in variants.items()}}
+    if cfg.profile:
+        report["flow_profile"] = profile_summary(work / "flow-profile.txt")
     (work / "bench.json").write_text(json.dumps(report, indent=2))
     _print_table(report, work / "bench.json")
     return report
+
+
+def profile_summary(path: Path, top: int = 25) -> dict[str, Any]:
+    """py-spy's collapsed stacks (GIL holders only) as the share of samples per innermost
+    function and per thread: where the flow's process spends the interpreter."""
+    from collections import Counter
+
+    leaves, threads, total = Counter(), Counter(), 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        total += int(count)
+        threads[frames[0]] += int(count)
+        leaves[frames[-1]] += int(count)
+    share = lambda counter: {k: round(100 * v / total, 1) for k, v in counter.most_common(top)}  # noqa: E731
+    return {"samples": total, "by_function_pct": share(leaves), "by_thread_pct": share(threads)}
+
+
+def _ratios(flow: dict[str, Any], raw: dict[str, Any]) -> dict[str, float]:
+    return {m: round(flow[m] / raw[m], 3) for m in METRICS
+            if isinstance(flow.get(m), (int, float)) and isinstance(raw.get(m), (int, float)) and raw[m]}
 
 
 def _device() -> str:
@@ -237,13 +349,16 @@ def _print_table(report: dict[str, Any], path: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"vlm-caption bench · {report['device']} · {report['config']['images']} images "
-                        f"{report['config']['width']}x{report['config']['height']}")
-    for column in ("metric", "raw (example's way)", "flow", "flow / raw"):
+    config = report["config"]
+    table = Table(title=f"vlm-caption bench · {report['device']} · {config['images']} {config['modality']} "
+                        f"items {config['width']}x{config['height']}")
+    variants = report["flow_env"]
+    for column in ("metric", "raw (example's way)", "flow", "flow / raw", *[c for env in variants for c in (env, "/ raw")]):
         table.add_column(column, justify="right" if column != "metric" else "left")
     for metric in METRICS:
         raw, flow = report["raw"].get(metric), report["flow"].get(metric)
-        table.add_row(metric, _fmt(raw), _fmt(flow), _fmt(report["ratio_flow_over_raw"].get(metric)))
+        extra = [_fmt(v) for result in variants.values() for v in (result.get(metric), result["ratio_over_raw"].get(metric))]
+        table.add_row(metric, _fmt(raw), _fmt(flow), _fmt(report["ratio_flow_over_raw"].get(metric)), *extra)
     Console().print(table)
     print(f"written: {path}")
 

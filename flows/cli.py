@@ -89,17 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="the flow against raw vLLM (the example's way) on this machine")
     bench.add_argument("--dir", default="vlm-caption-bench", help="working folder (default: ./vlm-caption-bench)")
-    bench.add_argument("--model", help="model path or id (default: a random-weight LLaVA of --shape)")
-    bench.add_argument("--shape", choices=["tiny", "7b"], default="tiny",
-                       help="without --model: a random-weight LLaVA-1.5 of this shape (default tiny)")
-    bench.add_argument("--recipe", default="llava")
-    bench.add_argument("--images", type=int, default=64, help="distinct JPEGs to caption (default 64)")
-    bench.add_argument("--size", default="640x480", help="image size WxH (default 640x480)")
+    bench.add_argument("--model", help="model path or id (default: a random-weight checkpoint of --shape)")
+    bench.add_argument("--shape", choices=["tiny", "7b", "2b"], default="tiny",
+                       help="without --model: a random-weight checkpoint of this shape: tiny or 7b for llava, "
+                       "tiny or 2b for qwen2_vl (default tiny)")
+    bench.add_argument("--recipe", default="llava", help="llava (default), or qwen2_vl for video")
+    bench.add_argument("--modality", choices=["image", "video", "multi-image"], default="image",
+                       help="JPEGs, MP4 clips, or folders of two JPEGs (default image)")
+    bench.add_argument("--frames", type=int, default=16, help="frames sampled per clip (default 16)")
+    bench.add_argument("--images", type=int, default=64, help="distinct items to caption (default 64)")
+    bench.add_argument("--size", default="640x480", help="image or frame size WxH (default 640x480)")
     bench.add_argument("--shard-size", type=int, default=64)
     bench.add_argument("--source", choices=["folder", "s3"], default="folder",
                        help="serve the images from a folder or an S3 endpoint (VLM_CAPTION_BENCH_S3, "
                        "else a loopback moto server)")
-    bench.add_argument("--max-tokens", type=int, default=64, help="output tokens per image (default 64)")
+    bench.add_argument("--max-tokens", type=int, default=64, help="output tokens per item (default 64)")
+    bench.add_argument("--flow-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                       help="run the flow once more with these settings, e.g. VLM_CAPTION_RENDER_PROCESSES=0")
+    bench.add_argument("--profile", action="store_true",
+                       help="record what holds the GIL in the flow's process (py-spy must be installed)")
 
     recipes = sub.add_parser("recipes", help="list or inspect recipes")
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
@@ -176,7 +184,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     width, _, height = args.size.partition("x")
     run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images,
                           width=int(width), height=int(height), shard_size=args.shard_size,
-                          source=args.source, max_tokens=args.max_tokens, shape=args.shape))
+                          source=args.source, max_tokens=args.max_tokens, shape=args.shape,
+                          modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
+                          profile=args.profile))
     return 0
 
 

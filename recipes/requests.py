@@ -64,6 +64,14 @@ def load_local_tokenizer(model: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
+def prompt_text(prompting, tokenizer, question: str, count: int, media_kind: str) -> str:
+    """The exact prompt for one request: the recipe's template, or its chat messages rendered
+    with the tokenizer's (or the recipe's) chat template."""
+    if prompting.chat is None:
+        return prompting.text(question, count)
+    return render_chat(tokenizer, prompting.messages(question, count, media_kind), prompting.chat_template)
+
+
 def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None) -> str:
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template

@@ -152,3 +152,64 @@ def to_hub_layout(path: Path) -> None:
 
 def is_tiny_checkpoint(path: str | Path) -> bool:
     return (Path(path) / "TINY_RANDOM_WEIGHTS").exists()
+
+
+QWEN2_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                     "<|image_pad|>", "<|video_pad|>"]
+# Qwen's ChatML with vision parts, as Qwen2-VL's processor ships it (the multi-image recipe renders it).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Random-weight Qwen2-VL shapes: "tiny" (at most 16 merged tokens per image: fast on CPU, for
+# tests) and "2b" (Qwen2-VL-2B's sizes and its processor's default pixel limits, for GPU benches).
+QWEN2_VL_SHAPES = {
+    "tiny": {"text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=2, mrope_section=[8, 12, 12]),
+             "vision": dict(depth=2, embed_dim=64, hidden_size=128, num_heads=1),
+             "max_pixels": 28 * 28 * 16, "dtype": "float32"},
+    "2b": {"text": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                        num_key_value_heads=2, mrope_section=[16, 24, 24]),
+           "vision": dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16),
+           "max_pixels": 12845056, "dtype": "bfloat16"},
+}
+
+
+def build_tiny_qwen2_vl(out: str | Path, seed: int = 0, shape: str = "tiny") -> Path:
+    """Write a random-weight Qwen2-VL checkpoint (images, groups and video) to `out`."""
+    out = Path(out)
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
+                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+
+    sizes = QWEN2_VL_SHAPES[shape]
+    text = dict(sizes["text"])
+    mrope = text.pop("mrope_section")
+    torch.manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    fast = save_fast_tokenizer(train_tokenizer(QWEN2_VL_SPECIALS), out, eos="<|im_end|>", pad="<|endoftext|>",
+                               extra={"chat_template": QWEN2_VL_CHAT_TEMPLATE})
+    ids = {t: fast.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIALS}
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(fast), max_position_embeddings=4096 if shape == "tiny" else 32768,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], **text),
+        vision_config=dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, **sizes["vision"]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    device = "cuda" if shape != "tiny" and torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen2VLForConditionalGeneration(config).to(getattr(torch, sizes["dtype"])).eval()
+    model.save_pretrained(out, max_shard_size="100GB")
+    del model
+    pixels = {"min_pixels": 28 * 28, "max_pixels": sizes["max_pixels"]}
+    Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
+                     tokenizer=fast, chat_template=QWEN2_VL_CHAT_TEMPLATE).save_pretrained(out)
+    (out / "TINY_RANDOM_WEIGHTS").write_text("Random weights: outputs are noise.\n")
+    return out

@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tasks.tiny_checkpoint import build_tiny_llava
+from tasks.tiny_checkpoint import build_tiny_llava, build_tiny_qwen2_vl
 from tests.tiny_gemma3 import build_tiny_gemma3
 from tests.tiny_idefics3 import build_tiny_idefics3
 from tests.tiny_llava_next import build_tiny_llava_next
 from tests.tiny_paligemma import build_tiny_paligemma
-from tests.tiny_qwen2_vl import build_tiny_qwen2_vl
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llava": build_tiny_llava,

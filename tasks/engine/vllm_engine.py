@@ -17,7 +17,7 @@ from typing import Any
 
 from recipes import RecipeError, get_recipe
 from recipes.base import MEDIA_KIND
-from recipes.requests import render_chat, resolve_stop_ids
+from recipes.requests import prompt_text, resolve_stop_ids
 from tasks.engine.arguments import EngineSpec, engine_args
 from tasks.engine.feed import EngineDied, EngineFeed
 from tasks.engine.render import RenderJob, RenderPool
@@ -102,10 +102,7 @@ class CaptionEngine:
 
     def prompt_for(self, question: str, count: int = 1) -> str:
         """The exact prompt text for one item (the chat template rendered if needed)."""
-        if self.prompting.chat is None:
-            return self.prompting.text(question, count)
-        messages = self.prompting.messages(question, count, MEDIA_KIND[self.spec.modality])
-        return render_chat(self.tokenizer, messages, self.prompting.chat_template)
+        return prompt_text(self.prompting, self.tokenizer, question, count, MEDIA_KIND[self.spec.modality])
 
     def sampling_params(self, sampling: Sampling):
         from vllm import SamplingParams
