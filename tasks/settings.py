@@ -26,10 +26,13 @@ class Settings(BaseSettings):
     # 35.3, raw vLLM 36.3); each holds its decoded media in memory. None: 6 for images (shrunk
     # to the model's size), 2 for videos and groups (their frames are large).
     feed_depth: int | None = None
-    # vLLM's request rendering (the model's HF processor) in a pool of processes beside the
-    # engine; None: a quarter of the cores (at most 4) beside a GPU, 0 on CPU; 0: in the engine's
-    # process. Turns vLLM's multimodal processor cache off (see tasks/engine/render.py).
-    render_processes: int | None = None
+    # vLLM's request rendering (the model's HF processor) in this many processes beside the
+    # engine; 0: in the engine's process, as vLLM does. Turns vLLM's multimodal processor cache
+    # off (see tasks/engine/render.py). Off by default: on an H100 with the tiny LLaVA at
+    # 1920x1080 (images already shrunk by the decode pool), 512 images went 66 img/s with 4
+    # render processes and 90 img/s without, because starting the workers competes with a short
+    # run; at 1024 images the pool gave 1.09x raw. Try it for long runs of heavy processors.
+    render_processes: int = 0
     # Media
     decode_processes: int | None = None  # image decode pool; None: one per core, 0: no pool
     max_image_pixels: int = 64_000_000  # refuse decompression bombs beyond this

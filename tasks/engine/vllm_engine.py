@@ -65,7 +65,7 @@ class CaptionEngine:
         self.prompting = self.recipe.prompting(spec.modality)
         self.args = engine_args(spec, self.recipe, on_cpu=current_platform.is_cpu())
         self.model = self.args["model"]
-        renderers = render_processes(on_cpu=current_platform.is_cpu())
+        renderers = render_processes()
         if "mm_processor_cache_gb" in spec.overrides():
             renderers = 0  # the user asked for vLLM's cache, which needs one renderer
         elif renderers:
@@ -192,13 +192,9 @@ def _output(request_output) -> GenerationOutput:
     )
 
 
-def render_processes(*, on_cpu: bool) -> int:
-    """Render workers for an engine: `VLM_CAPTION_RENDER_PROCESSES`, else a quarter of the cores
-    (at most 4) beside a GPU, and none beside vLLM's CPU backend, whose engine is the bottleneck."""
-    configured = get_settings().render_processes
-    if configured is not None:
-        return max(0, configured)
-    return 0 if on_cpu else min(4, max(1, (os.cpu_count() or 1) // 4))
+def render_processes() -> int:
+    """Render workers for an engine (`VLM_CAPTION_RENDER_PROCESSES`; 0, the default: none)."""
+    return max(0, get_settings().render_processes)
 
 
 _ENGINES: dict[EngineSpec, CaptionEngine] = {}
