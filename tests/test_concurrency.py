@@ -45,3 +45,53 @@ def test_two_runs_of_one_job_started_together(prefect_api, tiny_llava, tmp_path,
                 vlm_caption(job)
     finally:
         get_settings.cache_clear()
+
+
+_HOLD_AND_DIE = """
+import os, signal, sys
+from tasks.concurrency import one_run_per_job
+with one_run_per_job("deadbeef", "/out"):
+    children = [p.name for p in __import__("pathlib").Path("/proc").iterdir() if p.name.isdigit()
+                and open(f"/proc/{p.name}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+    open(sys.argv[1], "w").write(" ".join(children))  # the embedded server, to stop it afterwards
+    os.kill(os.getpid(), signal.SIGKILL)  # killed while holding the job's slot
+"""
+
+_TAKE = """
+import time
+from tasks.concurrency import one_run_per_job
+started = time.time()
+with one_run_per_job("deadbeef", "/out"):
+    print(f"TOOK-SLOT {time.time() - started:.1f}")
+"""
+
+
+def test_a_run_killed_on_the_embedded_server_does_not_keep_the_job_forever(tmp_path):
+    """Without PREFECT_API_URL each process runs its own embedded server: no service expires the
+    dead run's lease, so the next run frees the slot of a process that is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "home"), VLM_CAPTION_JOB_WAIT_S="120", PYTHONUNBUFFERED="1")
+    root = Path(__file__).resolve().parents[1]
+    children = tmp_path / "children"
+    first = subprocess.run([sys.executable, "-c", _HOLD_AND_DIE, str(children)], env=env, cwd=root,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    for pid in children.read_text().split():  # the dead run's orphaned embedded server
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert first.returncode == -signal.SIGKILL
+    assert list((tmp_path / "home" / "vlm-caption-slots").glob("*.pid"))  # it died holding the slot
+    second = subprocess.run([sys.executable, "-c", _TAKE], env=env, cwd=root, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    waited = float(second.stdout.split("TOOK-SLOT")[1].split()[0])
+    assert waited < 30  # not the 120 s wait, let alone forever
+    assert "the run that held it is gone" in second.stdout + second.stderr
+    assert not list((tmp_path / "home" / "vlm-caption-slots").glob("*.pid"))  # released on exit
