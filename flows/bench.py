@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from flows.bench_media import GROUP_SIZE, bench_items, make_bench_media
+
 METRICS = ("generate_items_per_s", "items_per_s", "wall_s", "first_result_s", "output_tokens_per_s",
            "peak_rss_mb", "gpu_busy_pct")
 
@@ -56,71 +58,6 @@ class BenchConfig:
 
 # Random-weight checkpoints the bench builds (recipe -> builder and its shapes).
 CHECKPOINTS = {"llava": ("build_tiny_llava", ("tiny", "7b")), "qwen2_vl": ("build_tiny_qwen2_vl", ("tiny", "2b"))}
-GROUP_SIZE = 2
-
-
-def make_bench_images(folder: Path, count: int, width: int, height: int) -> Path:
-    """`count` distinct photo-like JPEGs (noise over gradients: no two decode alike)."""
-    import numpy as np
-    from PIL import Image
-
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    ramp = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
-    for i in range(count):
-        path = folder / f"img-{i:06d}.jpg"
-        if path.exists():
-            continue
-        noise = rng.normal(0, 40, (height, width, 3)).astype(np.float32)
-        pixels = np.clip(ramp * ((i % 7) + 1) / 7 + noise + (i * 37 % 255), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(path, quality=90)
-    return folder
-
-
-def make_bench_videos(folder: Path, count: int, width: int, height: int, frames: int) -> Path:
-    """`count` distinct MP4 clips of `frames * 2` frames at 8 fps (MPEG-4 part 2: every OpenCV
-    build writes it)."""
-    import cv2
-    import numpy as np
-
-    folder.mkdir(parents=True, exist_ok=True)
-    ramp = np.arange(width, dtype=np.int64)[None, :]
-    for i in range(count):
-        path = folder / f"clip-{i:06d}.mp4"
-        if path.exists():
-            continue
-        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 8, (width, height))
-        for t in range(frames * 2):
-            frame = np.zeros((height, width, 3), np.uint8)
-            frame[:, :, 0] = (ramp * 3 + t * 9 + i * 37) % 256
-            frame[:, :, 2] = (i * 53 + t * 5) % 256
-            writer.write(frame)
-        writer.release()
-    return folder
-
-
-def make_bench_media(cfg: BenchConfig, work: Path) -> Path:
-    """Images, clips or groups (one folder of GROUP_SIZE images each) for `cfg`."""
-    folder = work / f"{cfg.modality}-{cfg.width}x{cfg.height}-{cfg.images}"
-    if cfg.modality == "video":
-        return make_bench_videos(folder, cfg.images, cfg.width, cfg.height, cfg.frames)
-    if cfg.modality == "image":
-        return make_bench_images(folder, cfg.images, cfg.width, cfg.height)
-    flat = make_bench_images(work / f"images-{cfg.width}x{cfg.height}-{cfg.images * GROUP_SIZE}",
-                             cfg.images * GROUP_SIZE, cfg.width, cfg.height)
-    for i, path in enumerate(sorted(flat.glob("*.jpg"))):
-        group = folder / f"group-{i // GROUP_SIZE:06d}"
-        group.mkdir(parents=True, exist_ok=True)
-        if not (group / path.name).exists():
-            (group / path.name).symlink_to(path)
-    return folder
-
-
-def bench_items(cfg: BenchConfig, folder: Path) -> list[list[Path]]:
-    """The bench's items, as the flow lists them: one file each, or one folder's files."""
-    if cfg.modality == "multi-image":
-        return [sorted(group.glob("*.jpg")) for group in sorted(folder.iterdir()) if group.is_dir()]
-    return [[path] for path in sorted(folder.glob("*.mp4" if cfg.modality == "video" else "*.jpg"))]
 
 
 # ---- phases (each in its own process) ----------------------------------------------------------
