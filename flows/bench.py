@@ -239,17 +239,28 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     work = Path(cfg.workdir).resolve()
     folder = make_bench_media(cfg, work)
     model = cfg.model or build_checkpoint(work, cfg.recipe, cfg.shape)
-    raw = run_phase("raw", cfg, folder, model)
-    flow = run_phase("flow", cfg, folder, model, profile=work / "flow-profile.txt" if cfg.profile else None)
-    variants = {env: run_phase("flow", cfg, folder, model, env) for env in cfg.flow_env}
-    report = {"config": {**asdict(cfg), "model": model}, "device": _device(), "raw": raw, "flow": flow,
-              "ratio_flow_over_raw": _ratios(flow, raw),
-              "flow_env": {env: {**result, "ratio_over_raw": _ratios(result, raw)} for env, result in variants.items()}}
-    if cfg.profile:
-        report["flow_profile"] = profile_summary(work / "flow-profile.txt")
-    (work / "bench.json").write_text(json.dumps(report, indent=2))
-    _print_table(report, work / "bench.json")
+    profiles = [work / f"flow-profile-{i}.txt" if cfg.profile else None for i in range(len(cfg.flow_env) + 1)]
+    report: dict[str, Any] = {"config": {**asdict(cfg), "model": model}, "device": _device(), "flow_env": {}}
+    # Each phase's figures are written as it ends: a run cut off (a lent GPU's time limit) keeps them.
+    report["raw"] = raw = run_phase("raw", cfg, folder, model)
+    _write(report, work)
+    report["flow"] = run_phase("flow", cfg, folder, model, profile=profiles[0])
+    report["ratio_flow_over_raw"] = _ratios(report["flow"], raw)
+    _write(report, work)
+    for i, env in enumerate(cfg.flow_env, start=1):
+        result = run_phase("flow", cfg, folder, model, env, profiles[i])
+        report["flow_env"][env] = {**result, "ratio_over_raw": _ratios(result, raw)}
+        _write(report, work)
+    if cfg.profile:  # one per flow phase: the default first, then each --flow-env
+        report["flow_profiles"] = [profile_summary(path) for path in profiles]
+    _print_table(report, _write(report, work))
     return report
+
+
+def _write(report: dict[str, Any], work: Path) -> Path:
+    path = work / "bench.json"
+    path.write_text(json.dumps(report, indent=2))
+    return path
 
 
 def profile_summary(path: Path, top: int = 25) -> dict[str, Any]:

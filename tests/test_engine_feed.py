@@ -148,3 +148,27 @@ def test_a_render_worker_that_dies_fails_its_requests_as_an_engine_failure():
     # Video frames stay in the engine's process (pooled=False): rendered by the feed itself.
     assert feed.submit(RenderJob(prompt={"prompt": "ok-video"}), params=None, pooled=False).result(timeout=10)
     feed.close()
+
+
+def test_the_feed_depth_keeps_the_engines_batch_of_images_in_flight(monkeypatch):
+    """Shards in the engine at once, sized in items: small shards get more of them (H100: 6 shards
+    of 16 starved a 7B engine's batch), never fewer than 6; videos and groups 2; the setting wins."""
+    from flows.caption import FEED_ITEMS, feed_depth
+    from flows.params import CaptionJob
+    from tasks.settings import get_settings
+
+    monkeypatch.delenv("VLM_CAPTION_FEED_DEPTH", raising=False)
+    get_settings.cache_clear()
+    engine = SimpleNamespace(sizing=lambda: {"max_num_seqs": 1024})
+    small = SimpleNamespace(sizing=lambda: {"max_num_seqs": 8})
+    job = lambda **kw: CaptionJob(source="/tmp/x", output="/tmp/y", **kw)  # noqa: E731
+    assert feed_depth(job(shard_size=16), engine) == FEED_ITEMS // 16 == 32
+    assert feed_depth(job(shard_size=64), engine) == 8
+    assert feed_depth(job(shard_size=16, questions=["a", "b"]), engine) == 16  # two requests per item
+    assert feed_depth(job(shard_size=1024), engine) == feed_depth(job(shard_size=16), small) == 6
+    assert feed_depth(job(shard_size=16), None) == 6  # before the engine is up
+    assert feed_depth(job(shard_size=16, modality="video", recipe="qwen2_vl"), engine) == 2
+    monkeypatch.setenv("VLM_CAPTION_FEED_DEPTH", "3")
+    get_settings.cache_clear()
+    assert feed_depth(job(shard_size=16), engine) == 3
+    get_settings.cache_clear()

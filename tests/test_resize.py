@@ -13,8 +13,9 @@ def test_targets_come_from_the_checkpoint_processor(tmp_path):
     llava.mkdir()
     (llava / "config.json").write_text(json.dumps({"model_type": "llava"}))
     (llava / "processor_config.json").write_text(json.dumps({"image_processor": {
-        "image_processor_type": "CLIPImageProcessor", "do_center_crop": True, "size": {"shortest_edge": 336}}}))
-    assert resize_target(str(llava)) == ResizeTarget(shortest_edge=336)
+        "image_processor_type": "CLIPImageProcessor", "do_center_crop": True, "size": {"shortest_edge": 336},
+        "crop_size": {"height": 336, "width": 336}}}))
+    assert resize_target(str(llava)) == ResizeTarget(shortest_edge=336, crop=(336, 336))
 
     qwen = tmp_path / "qwen"
     qwen.mkdir()
@@ -39,6 +40,9 @@ def test_shrinks_keep_aspect_and_never_enlarge(monkeypatch):
     big, small = image_bytes(size=(1920, 1080)), image_bytes(size=(200, 100))
     shrunk, untouched = decode_images([big, small], 10**8, ResizeTarget(shortest_edge=336))
     assert shrunk.size == (597, 336) and untouched.size == (200, 100)
+    cropped, tall, small = decode_images([big, image_bytes(size=(400, 900)), image_bytes(size=(200, 100))], 10**8,
+                                         ResizeTarget(shortest_edge=336, crop=(336, 336)))
+    assert cropped.size == tall.size == (336, 336) and small.size == (200, 100)  # a small one HF pads: left as is
     (capped,) = decode_images([big], 10**8, ResizeTarget(max_pixels=640 * 480))
     assert capped.size[0] * capped.size[1] <= 640 * 480 * 1.01 and abs(capped.size[0] / capped.size[1] - 16 / 9) < 0.01
     get_settings.cache_clear()
@@ -52,3 +56,22 @@ def test_the_pool_returns_every_image_in_order(monkeypatch):
     images = decode_images([image_bytes(size=(64 + i, 48)) for i in range(4)], 10**6, None)
     assert [im.size for im in images] == [(64 + i, 48) for i in range(4)]
     get_settings.cache_clear()
+
+
+def test_the_processor_sees_the_pixels_it_would_have_made_itself():
+    """CLIP's processor over the shrunk and cropped image gives the pixel values it gives over
+    the original: same size, same crop offsets (one pixel of rounding would shift the grid)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import CLIPImageProcessor
+
+    processor = CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    target = ResizeTarget(shortest_edge=336, crop=(336, 336))
+    rng = np.random.default_rng(0)
+    for width, height in ((1920, 1080), (1080, 1920), (641, 479), (1001, 997)):
+        noise = rng.normal(128, 50, (height, width, 3))  # noise: any shift of the grid shows
+        image = Image.fromarray(np.clip(noise, 0, 255).astype(np.uint8))
+        shrunk = target.apply(image)
+        assert shrunk.size == (336, 336)
+        original, ours = (np.asarray(processor(im, return_tensors="np")["pixel_values"]) for im in (image, shrunk))
+        assert original.shape == ours.shape and float(np.abs(original - ours).mean()) < 1e-3, (width, height)

@@ -19,6 +19,7 @@ from typing import Any
 @dataclass(frozen=True)
 class ResizeTarget:
     shortest_edge: int | None = None  # CLIP-style: resize the shortest edge, then centre-crop
+    crop: tuple[int, int] | None = None  # CLIP-style centre crop (width, height) after that resize
     max_pixels: int | None = None  # Qwen-VL-style: at most this many pixels
 
     def apply(self, image):
@@ -30,10 +31,27 @@ class ResizeTarget:
             scale = min(scale, self.shortest_edge / min(width, height))
         if self.max_pixels:
             scale = min(scale, math.sqrt(self.max_pixels / (width * height)))
-        if scale >= 1.0:
+        if scale < 1.0:
+            image = image.resize(self._size(width, height, scale), Image.Resampling.BICUBIC)
+        return self._centre_crop(image)
+
+    def _size(self, width: int, height: int, scale: float) -> tuple[int, int]:
+        if self.shortest_edge and scale == self.shortest_edge / min(width, height):
+            # HF's own rounding (the long edge truncated): one pixel off shifts the centre crop's
+            # grid, and the model would see visibly different pixels than vLLM alone gives it.
+            long = int(self.shortest_edge * max(width, height) / min(width, height))
+            return (self.shortest_edge, long) if width <= height else (long, self.shortest_edge)
+        return max(1, round(width * scale)), max(1, round(height * scale))
+
+    def _centre_crop(self, image):
+        """The processor's own centre crop (HF's offsets), done here so the pixels pickled back
+        from the pool and rendered by vLLM are the 336x336 the model sees, not a 597x336 strip.
+        Only an image at least the crop's size is cropped: a smaller one HF pads, so it is left."""
+        width, height = image.size
+        if not self.crop or (width, height) == self.crop or width < self.crop[0] or height < self.crop[1]:
             return image
-        size = (max(1, round(width * scale)), max(1, round(height * scale)))
-        return image.resize(size, Image.Resampling.BICUBIC)
+        left, top = (width - self.crop[0]) // 2, (height - self.crop[1]) // 2
+        return image.crop((left, top, left + self.crop[0], top + self.crop[1]))
 
 
 def _read_local_json(model: str, name: str) -> dict[str, Any] | None:
@@ -73,7 +91,9 @@ def resize_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None)
     size = processor.get("size") or {}
     if (kind.startswith("CLIPImageProcessor") and config.get("model_type") == "llava"
             and processor.get("do_center_crop") and "shortest_edge" in size):
-        return ResizeTarget(shortest_edge=int(size["shortest_edge"]))
+        crop = processor.get("crop_size") or {}
+        return ResizeTarget(shortest_edge=int(size["shortest_edge"]),
+                            crop=(int(crop["width"]), int(crop["height"])) if "width" in crop and "height" in crop else None)
     if kind.startswith(("Qwen2VLImageProcessor", "Qwen2_5_VLImageProcessor")):
         limit = (mm_processor_kwargs or {}).get("max_pixels") or processor.get("max_pixels") or size.get("longest_edge")
         return ResizeTarget(max_pixels=int(limit)) if limit else None
