@@ -229,7 +229,7 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
         if prepared.items:
             if engine is None:
                 engine = starting.result() if starting else start_engine(options.spec)
-                depth = feed_depth(job, engine)
+                depth = feed_depth(job, engine["sizing"])
             generate_started = generate_started or time.perf_counter()
             generating = generate_shard.submit(prepared, options, fingerprint, parts_id)
         in_flight.append((shard, prepared, generating))
@@ -252,17 +252,17 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
 FEED_ITEMS = 512
 
 
-def feed_depth(job: CaptionJob, engine) -> int:
+def feed_depth(job: CaptionJob, sizing: dict | None) -> int:
     """Shards whose requests are in the engine at once (`VLM_CAPTION_FEED_DEPTH` wins). Counted
     in shards but sized in items: on an H100 (7B, 1920x1080) 6 shards of 64 kept the batch full
     (1.06x raw vLLM) while 6 shards of 16 starved it (0.92x). So images get at least 6 shards and
     at least the engine's batch (`max_num_seqs`, at most FEED_ITEMS) of items; videos and groups
-    get 2 shards, their frames being large. Before the engine exists: the shard minimum."""
+    get 2 shards, their frames being large. `sizing`: the engine's (None before it is up)."""
     if get_settings().feed_depth:
         return max(1, get_settings().feed_depth)
     if job.modality != "image":
         return 2
-    batch = min(FEED_ITEMS, engine.sizing().get("max_num_seqs") or 0) if engine is not None else 0
+    batch = min(FEED_ITEMS, (sizing or {}).get("max_num_seqs") or 0)
     per_shard = job.shard_size * max(1, len(job.questions_to_ask))
     return max(6, -(-batch // per_shard))
 

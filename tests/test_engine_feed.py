@@ -159,8 +159,7 @@ def test_the_feed_depth_keeps_the_engines_batch_of_images_in_flight(monkeypatch)
 
     monkeypatch.delenv("VLM_CAPTION_FEED_DEPTH", raising=False)
     get_settings.cache_clear()
-    engine = SimpleNamespace(sizing=lambda: {"max_num_seqs": 1024})
-    small = SimpleNamespace(sizing=lambda: {"max_num_seqs": 8})
+    engine, small = {"max_num_seqs": 1024}, {"max_num_seqs": 8}  # start_engine's "sizing"
     job = lambda **kw: CaptionJob(source="/tmp/x", output="/tmp/y", **kw)  # noqa: E731
     assert feed_depth(job(shard_size=16), engine) == FEED_ITEMS // 16 == 32
     assert feed_depth(job(shard_size=64), engine) == 8
