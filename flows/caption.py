@@ -33,7 +33,7 @@ from tasks.concurrency import one_run_per_job
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
 from tasks.engine.arguments import (EngineSpec, check_engine_overrides, check_remote_code,
                                      image_resize_target)
-from tasks.engine.vllm_engine import Sampling
+from tasks.engine.vllm_engine import Sampling, ensure_vllm_imported
 from tasks.fanout import CALLED_OFF, FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary
@@ -97,6 +97,7 @@ def vlm_caption(job: CaptionJob) -> dict:
     """Caption every item under `job.source` (or of `job.manifest`) and write JSON Lines
     results to `job.output`: one record per (item, question)."""
     configure_logging()
+    ensure_vllm_imported()  # before any thread of this flow imports a part of it
     recipe = get_recipe(job.recipe)
     check_remote_code(recipe, job.trust_remote_code)  # refuse before touching storage or GPU
     check_engine_overrides(job.engine_overrides)

@@ -165,8 +165,10 @@ def cmd_recipes_show(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.caption import vlm_caption
     from flows.params import CaptionJob
+    from tasks.engine.vllm_engine import import_vllm_in_background
 
     job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **_job_fields(args))
+    import_vllm_in_background()  # while Prefect's embedded server starts
     summary = vlm_caption(job)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
     return 0

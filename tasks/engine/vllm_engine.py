@@ -29,6 +29,41 @@ from tasks.settings import get_settings
 # flow. With this, vLLM's warnings still reach the root logger that Prefect configures.
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
+
+def import_vllm_in_background() -> None:
+    """Start importing vLLM (torch, CUDA, transformers, its kernels: 8 s on a laptop CPU, more
+    on a GPU host) on a thread, for a caller about to wait on something else first:
+    `vlm-caption run` waits for Prefect's embedded server, which starts in a process of its own.
+    The flow's first step joins it (`ensure_vllm_imported`). The process also joins it before it
+    exits, so an early error never tears down an interpreter mid-import."""
+    import atexit
+
+    global _IMPORTING
+    _IMPORTING = threading.Thread(target=_import_vllm, name="vllm-import", daemon=True)
+    _IMPORTING.start()
+    atexit.register(_IMPORTING.join)
+
+
+def ensure_vllm_imported() -> None:
+    """vLLM imported before the flow's threads start: the engine's start, the fetch threads (the
+    video loader) and the render pool all import parts of it, and transformers' lazy modules
+    fail ("cannot import name 'AutoTokenizer'") when two threads import them at once. Joins
+    `import_vllm_in_background` when it was started, imports here otherwise."""
+    if _IMPORTING is None:
+        _import_vllm()
+    else:
+        _IMPORTING.join()
+
+
+_IMPORTING: threading.Thread | None = None
+
+
+def _import_vllm() -> None:
+    with contextlib.suppress(Exception):  # the engine's own import reports any failure
+        import vllm.engine.arg_utils  # noqa: F401
+        import vllm.multimodal.video  # noqa: F401
+        from vllm import LLM  # noqa: F401
+
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_MAX_TOKENS = 256
 
