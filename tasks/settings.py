@@ -22,9 +22,9 @@ class Settings(BaseSettings):
     max_bytes_in_flight: int = 1024**3
     max_object_bytes: int = 2 * 1024**3  # one object (a video) over this is an error record
     # Engine feed: shards whose requests are in the engine at once. More keeps a large GPU's
-    # batch full between shards (H100, 7B, 1920x1080, shard 64: 2 shards 31.9 img/s, 6 shards
-    # 35.3, raw vLLM 36.3); each holds its decoded media in memory. None: 6 for images (shrunk
-    # to the model's size), 2 for videos and groups (their frames are large).
+    # batch full between shards; each holds its decoded media in memory. None: sized in items
+    # by `flows.caption.feed_depth` (images: at least 6 shards and the engine's batch, at most
+    # 512 images; videos and groups: 2 shards, their frames are large).
     feed_depth: int | None = None
     # vLLM's request rendering (the model's HF processor) in this many processes beside the
     # engine; 0: in the engine's process, as vLLM does. Turns vLLM's multimodal processor cache
