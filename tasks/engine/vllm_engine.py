@@ -64,6 +64,7 @@ def _import_vllm() -> None:
         import vllm.multimodal.video  # noqa: F401
         from vllm import LLM  # noqa: F401
 
+
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_MAX_TOKENS = 256
 
