@@ -13,9 +13,9 @@ matching example runs it (`vision_language.py` image and video, `vision_language
 
 Both generate exactly `--max-tokens` per image (ignore_eos). It prints a table and writes JSON:
 items/s while generating, items/s including decode, wall from the phase's process start
-(imports and engine start included), time to the first result, items/s once the engine is up (decode, listing and Prefect included), output
-tokens/s, peak RSS, GPU busy % (NVML) between the first request and the
-last result, and the ratio flow/raw of each. On a CPU-only machine the same comparison runs with
+(imports and engine start included), time to the first result, items/s once the engine is up
+(decode, listing and Prefect included), output tokens/s, peak RSS, GPU busy % (NVML) between
+the first request and the last result, and the ratio flow/raw of each. On a CPU-only machine the same comparison runs with
 the tiny random-weight checkpoint (a smoke run: its figures say nothing about a GPU).
 """
 
@@ -33,9 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.bench_media import GROUP_SIZE, bench_items, make_bench_media
-
-METRICS = ("generate_items_per_s", "items_per_s", "wall_s", "first_result_s", "output_tokens_per_s",
-           "peak_rss_mb", "gpu_busy_pct")
+from flows.bench_report import print_table, profile_summary, ratios, write_report
 
 
 @dataclass(frozen=True)
@@ -253,45 +251,18 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     report: dict[str, Any] = {"config": {**asdict(cfg), "model": model}, "device": _device(), "flow_env": {}}
     # Each phase's figures are written as it ends: a run cut off (a lent GPU's time limit) keeps them.
     report["raw"] = raw = run_phase("raw", cfg, folder, model)
-    _write(report, work)
+    write_report(report, work)
     report["flow"] = run_phase("flow", cfg, folder, model, profile=profiles[0])
-    report["ratio_flow_over_raw"] = _ratios(report["flow"], raw)
-    _write(report, work)
+    report["ratio_flow_over_raw"] = ratios(report["flow"], raw)
+    write_report(report, work)
     for i, env in enumerate(cfg.flow_env, start=1):
         result = run_phase("flow", cfg, folder, model, env, profiles[i])
-        report["flow_env"][env] = {**result, "ratio_over_raw": _ratios(result, raw)}
-        _write(report, work)
+        report["flow_env"][env] = {**result, "ratio_over_raw": ratios(result, raw)}
+        write_report(report, work)
     if cfg.profile:  # one per flow phase: the default first, then each --flow-env
         report["flow_profiles"] = [profile_summary(path) for path in profiles]
-    _print_table(report, _write(report, work))
+    print_table(report, write_report(report, work))
     return report
-
-
-def _write(report: dict[str, Any], work: Path) -> Path:
-    path = work / "bench.json"
-    path.write_text(json.dumps(report, indent=2))
-    return path
-
-
-def profile_summary(path: Path, top: int = 25) -> dict[str, Any]:
-    """py-spy's collapsed stacks (GIL holders only) as the share of samples per innermost
-    function and per thread: where the flow's process spends the interpreter."""
-    from collections import Counter
-
-    leaves, threads, total = Counter(), Counter(), 0
-    for line in path.read_text().splitlines() if path.exists() else []:
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        total += int(count)
-        threads[frames[0]] += int(count)
-        leaves[frames[-1]] += int(count)
-    share = lambda counter: {k: round(100 * v / total, 1) for k, v in counter.most_common(top)}  # noqa: E731
-    return {"samples": total, "by_function_pct": share(leaves), "by_thread_pct": share(threads)}
-
-
-def _ratios(flow: dict[str, Any], raw: dict[str, Any]) -> dict[str, float]:
-    return {m: round(flow[m] / raw[m], 3) for m in METRICS
-            if isinstance(flow.get(m), (int, float)) and isinstance(raw.get(m), (int, float)) and raw[m]}
 
 
 def _device() -> str:
@@ -301,28 +272,6 @@ def _device() -> str:
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     except Exception:  # noqa: BLE001
         return "unknown"
-
-
-def _print_table(report: dict[str, Any], path: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    config = report["config"]
-    table = Table(title=f"vlm-caption bench · {report['device']} · {config['images']} {config['modality']} "
-                        f"items {config['width']}x{config['height']}")
-    variants = report["flow_env"]
-    for column in ("metric", "raw (example's way)", "flow", "flow / raw", *[c for env in variants for c in (env, "/ raw")]):
-        table.add_column(column, justify="right" if column != "metric" else "left")
-    for metric in METRICS:
-        raw, flow = report["raw"].get(metric), report["flow"].get(metric)
-        extra = [_fmt(v) for result in variants.values() for v in (result.get(metric), result["ratio_over_raw"].get(metric))]
-        table.add_row(metric, _fmt(raw), _fmt(flow), _fmt(report["ratio_flow_over_raw"].get(metric)), *extra)
-    Console().print(table)
-    print(f"written: {path}")
-
-
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:,.2f}" if isinstance(value, float) else str(value)
 
 
 if __name__ == "__main__":

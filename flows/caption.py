@@ -15,6 +15,7 @@ the rest and merges their reports into the one manifest.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -30,6 +31,7 @@ from prefect.runtime import flow_run
 from flows.params import CaptionJob, Partition
 from recipes import Recipe, get_recipe
 from tasks.concurrency import one_run_per_job
+from tasks.engine.feed import feed_depth
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
 from tasks.engine.arguments import (EngineSpec, check_engine_overrides, check_remote_code,
                                      image_resize_target)
@@ -41,7 +43,6 @@ from tasks.results.done_index import DoneIndex, load_done_index
 from tasks.results.records import job_fingerprint
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report, write_shard
-from tasks.settings import get_settings
 from tasks.sources.items import Shard
 from tasks.sources.listing import ShardStream, SourceSpec
 from tasks.sources.preflight import check_output, check_source
@@ -186,7 +187,8 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
     """The pipeline over the shards: prepare one ahead, keep `feed_depth` shards in the engine,
     write each shard's part as soon as it is done."""
     job, fingerprint, parts_id, source, log = run.job, run.fingerprint, run.parts_id, run.source, run.log
-    depth = feed_depth(job, None)
+    depth_for = functools.partial(feed_depth, job.modality, job.shard_size, len(job.questions_to_ask))
+    depth = depth_for(None)  # until the engine's sizing is known
     stats = RunStats()
     media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
     options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
@@ -230,7 +232,7 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
         if prepared.items:
             if engine is None:
                 engine = starting.result() if starting else start_engine(options.spec)
-                depth = feed_depth(job, engine["sizing"])
+                depth = depth_for(engine["sizing"])
             generate_started = generate_started or time.perf_counter()
             generating = generate_shard.submit(prepared, options, fingerprint, parts_id)
         in_flight.append((shard, prepared, generating))
@@ -246,26 +248,6 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
     stats.parts += [w.result() for w in writes]
     stats.parts = [part for part in stats.parts if part]
     return stats, engine
-
-
-# Images in the engine at once, at most: enough to keep the running batch full between shards,
-# few enough that the decoded and rendered images waiting there stay small (~1.4 MB each).
-FEED_ITEMS = 512
-
-
-def feed_depth(job: CaptionJob, sizing: dict | None) -> int:
-    """Shards whose requests are in the engine at once (`VLM_CAPTION_FEED_DEPTH` wins). Counted
-    in shards but sized in items: on an H100 (7B, 1920x1080) 6 shards of 64 kept the batch full
-    (1.06x raw vLLM) while 6 shards of 16 starved it (0.92x). So images get at least 6 shards and
-    at least the engine's batch (`max_num_seqs`, at most FEED_ITEMS) of items; videos and groups
-    get 2 shards, their frames being large. `sizing`: the engine's (None before it is up)."""
-    if get_settings().feed_depth:
-        return max(1, get_settings().feed_depth)
-    if job.modality != "image":
-        return 2
-    batch = min(FEED_ITEMS, (sizing or {}).get("max_num_seqs") or 0)
-    per_shard = job.shard_size * max(1, len(job.questions_to_ask))
-    return max(6, -(-batch // per_shard))
 
 
 def engine_spec(job: CaptionJob, shards: list[Shard]) -> EngineSpec:

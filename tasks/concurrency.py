@@ -71,10 +71,7 @@ def free_slot_of_a_dead_run(name: str, log) -> bool:
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 
     path = holder_file(name)
-    try:
-        pid = int(path.read_text().split()[0]) if path is not None else None
-    except (OSError, ValueError, IndexError):
-        return False
+    pid = _recorded_pid(path) if path is not None else None
     if pid is None or _alive(pid):
         return False
     with get_client(sync_client=True) as client:
@@ -95,9 +92,16 @@ def _holding(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(path.read_text().split()[0]) == os.getpid():
+        if _recorded_pid(path) == os.getpid():  # a later run may have freed and taken the slot
+            with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def _recorded_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ class Settings(BaseSettings):
     max_object_bytes: int = 2 * 1024**3  # one object (a video) over this is an error record
     # Engine feed: shards whose requests are in the engine at once. More keeps a large GPU's
     # batch full between shards; each holds its decoded media in memory. None: sized in items
-    # by `flows.caption.feed_depth` (images: at least 6 shards and the engine's batch, at most
+    # by `tasks.engine.feed.feed_depth` (images: at least 6 shards and the engine's batch, at most
     # 512 images; videos and groups: 2 shards, their frames are large).
     feed_depth: int | None = None
     # vLLM's request rendering (the model's HF processor) in this many processes beside the

@@ -151,23 +151,22 @@ def test_a_render_worker_that_dies_fails_its_requests_as_an_engine_failure():
 
 
 def test_the_feed_depth_keeps_the_engines_batch_of_images_in_flight(monkeypatch):
-    """Shards in the engine at once, sized in items: small shards get more of them (H100: 6 shards
-    of 16 starved a 7B engine's batch), never fewer than 6; videos and groups 2; the setting wins."""
-    from flows.caption import FEED_ITEMS, feed_depth
-    from flows.params import CaptionJob
+    """Shards in the engine at once, sized in requests: small shards get more of them (H100: 6
+    shards of 16 starved a 7B engine's batch), never fewer than 6; videos and groups 2; the
+    setting wins."""
+    from tasks.engine.feed import FEED_ITEMS, feed_depth
     from tasks.settings import get_settings
 
     monkeypatch.delenv("VLM_CAPTION_FEED_DEPTH", raising=False)
     get_settings.cache_clear()
     engine, small = {"max_num_seqs": 1024}, {"max_num_seqs": 8}  # start_engine's "sizing"
-    job = lambda **kw: CaptionJob(source="/tmp/x", output="/tmp/y", **kw)  # noqa: E731
-    assert feed_depth(job(shard_size=16), engine) == FEED_ITEMS // 16 == 32
-    assert feed_depth(job(shard_size=64), engine) == 8
-    assert feed_depth(job(shard_size=16, questions=["a", "b"]), engine) == 16  # two requests per item
-    assert feed_depth(job(shard_size=1024), engine) == feed_depth(job(shard_size=16), small) == 6
-    assert feed_depth(job(shard_size=16), None) == 6  # before the engine is up
-    assert feed_depth(job(shard_size=16, modality="video", recipe="qwen2_vl"), engine) == 2
+    assert feed_depth("image", 16, 1, engine) == FEED_ITEMS // 16 == 32
+    assert feed_depth("image", 64, 1, engine) == 8
+    assert feed_depth("image", 16, 2, engine) == 16  # two questions: two requests per item
+    assert feed_depth("image", 1024, 1, engine) == feed_depth("image", 16, 1, small) == 6
+    assert feed_depth("image", 16, 1, None) == 6  # before the engine is up
+    assert feed_depth("video", 16, 1, engine) == feed_depth("multi-image", 16, 1, engine) == 2
     monkeypatch.setenv("VLM_CAPTION_FEED_DEPTH", "3")
     get_settings.cache_clear()
-    assert feed_depth(job(shard_size=16), engine) == 3
+    assert feed_depth("image", 16, 1, engine) == 3
     get_settings.cache_clear()

@@ -55,8 +55,6 @@ def image_resize_target(spec: EngineSpec):
 
 def check_engine_overrides(overrides: dict[str, Any]) -> None:
     """Unknown vLLM engine arguments fail the job before anything starts, with close matches."""
-    if not overrides:
-        return  # nothing to check: vLLM's import (seconds) is left to the engine's start
     import dataclasses
     import difflib
 
