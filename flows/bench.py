@@ -24,10 +24,12 @@ from __future__ import annotations
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,9 @@ class BenchConfig:
     frames: int = 16
     flow_env: tuple[str, ...] = ()  # "NAME=VALUE[,NAME=VALUE]": one more flow phase each
     profile: bool = False  # record the flow phase with py-spy (--gil) when it is installed
+    # "embedded": each flow phase starts Prefect's embedded server, as `vlm-caption run` does;
+    # "server": one `prefect server start` for all phases, as a deployment's run sees its server.
+    prefect: str = "embedded"
 
 
 # Random-weight checkpoints the bench builds (recipe -> builder and its shapes).
@@ -136,6 +141,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
             "output_tokens_per_s": summary["output_tokens_per_s"],
             "first_result_s": (summary["first_result_s"] or 0.0) + (wall - summary["wall_s"]),
             "wall_s": wall, "flow_wall_s": summary["wall_s"],
+            "prefect_api": os.environ.get("PREFECT_API_URL") or "embedded",
             "window": [time.time() - generate_s, time.time()]}
 
 
@@ -212,14 +218,53 @@ class GpuSampler:
         return round(sum(window) / len(window), 1) if window else None
 
 
+@contextmanager
+def prefect_api(cfg: BenchConfig, work: Path):
+    """The environment that points the flow phases at their Prefect API: nothing (each starts
+    the embedded server) or a `prefect server start` of its own, up before the first phase and
+    stopped after the last, so its start is not in any phase's wall."""
+    if cfg.prefect != "server":
+        yield {}
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    api = f"http://127.0.0.1:{port}/api"
+    log = open(work / "prefect-server.log", "wb")
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect-server"), "PREFECT_UI_ENABLED": "false",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                               "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while not _healthy(api):
+            if server.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"prefect server did not start; see {work / 'prefect-server.log'}")
+            time.sleep(1)
+        yield {"PREFECT_API_URL": api}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def _healthy(api: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overrides: str = "",
-              profile: Path | None = None) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+              profile: Path | None = None, api_env: dict[str, str] | None = None) -> dict[str, Any]:
+    env = {**os.environ, **(api_env or {}), "PYTHONUNBUFFERED": "1",
            **dict(pair.split("=", 1) for pair in env_overrides.split(",") if pair)}
     command = [sys.executable, "-m", "flows.bench", phase, json.dumps(asdict(cfg)), str(folder), model]
-    if profile is not None:  # what holds the GIL in the flow's process (needs py-spy)
-        command = ["py-spy", "record", "--gil", "--threads", "--rate", "100", "--format", "raw", "--output", str(profile),
-                   "--", *command]
+    if profile is not None:  # what holds the GIL in the flow's process and its children (needs py-spy)
+        command = ["py-spy", "record", "--gil", "--threads", "--subprocesses", "--rate", "100", "--format", "raw",
+                   "--output", str(profile), "--", *command]
     with GpuSampler() as gpu:
         done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH-RESULT ")]
@@ -252,13 +297,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     # Each phase's figures are written as it ends: a run cut off (a lent GPU's time limit) keeps them.
     report["raw"] = raw = run_phase("raw", cfg, folder, model)
     write_report(report, work)
-    report["flow"] = run_phase("flow", cfg, folder, model, profile=profiles[0])
-    report["ratio_flow_over_raw"] = ratios(report["flow"], raw)
-    write_report(report, work)
-    for i, env in enumerate(cfg.flow_env, start=1):
-        result = run_phase("flow", cfg, folder, model, env, profiles[i])
-        report["flow_env"][env] = {**result, "ratio_over_raw": ratios(result, raw)}
+    with prefect_api(cfg, work) as api_env:
+        report["flow"] = run_phase("flow", cfg, folder, model, profile=profiles[0], api_env=api_env)
+        report["ratio_flow_over_raw"] = ratios(report["flow"], raw)
         write_report(report, work)
+        for i, env in enumerate(cfg.flow_env, start=1):
+            result = run_phase("flow", cfg, folder, model, env, profiles[i], api_env)
+            report["flow_env"][env] = {**result, "ratio_over_raw": ratios(result, raw)}
+            write_report(report, work)
     if cfg.profile:  # one per flow phase: the default first, then each --flow-env
         report["flow_profiles"] = [profile_summary(path) for path in profiles]
     print_table(report, write_report(report, work))

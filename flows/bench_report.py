@@ -17,20 +17,61 @@ def write_report(report: dict[str, Any], work: Path) -> Path:
     return path
 
 
-def profile_summary(path: Path, top: int = 25) -> dict[str, Any]:
-    """py-spy's collapsed stacks (GIL holders only) as the share of samples per innermost
-    function and per thread: where the flow's process spends the interpreter."""
-    from collections import Counter
+# What a process is, told by a function only it runs (py-spy names spawned children by their
+# command line, which is the same for every multiprocessing child).
+PROCESS_ROLES = (("phase_flow", "flow"), ("phase_raw", "raw"), ("run_engine_core", "vllm engine core"),
+                 ("decode_job", "decode pool"), ("_start_worker", "render pool"))
 
-    leaves, threads, total = Counter(), Counter(), 0
-    for line in path.read_text().splitlines() if path.exists() else []:
+
+def profile_summary(path: Path, top: int = 12) -> dict[str, Any]:
+    """py-spy's collapsed stacks (GIL holders only, this process and its children) as the share
+    of samples per process, and within each per thread and per innermost function (imports
+    apart): where the interpreters of the flow, the engine core and the pools spend their time."""
+    from collections import Counter, defaultdict
+
+    stacks: dict[str, list[tuple[list[str], int]]] = defaultdict(list)
+    for line in _sample_lines(path):
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        total += int(count)
-        threads[frames[0]] += int(count)
-        leaves[frames[-1]] += int(count)
-    share = lambda counter: {k: round(100 * v / total, 1) for k, v in counter.most_common(top)}  # noqa: E731
-    return {"samples": total, "by_function_pct": share(leaves), "by_thread_pct": share(threads)}
+        depth = max((i for i, f in enumerate(frames) if f.startswith("process ")), default=-1)
+        process = frames[depth].split(":", 1)[0] if depth >= 0 else "process"
+        stacks[process].append((frames[depth + 1:], int(count)))
+    total = sum(count for rows in stacks.values() for _, count in rows)
+    processes = []
+    for process, rows in stacks.items():
+        leaves, threads, importing = Counter(), Counter(), 0
+        for frames, count in rows:
+            threads[frames[0]] += count
+            if any("importlib._bootstrap" in frame for frame in frames):
+                importing += count  # start-up: kept out of the functions, so the steady state shows
+            else:
+                leaves[frames[-1]] += count
+        samples = sum(count for _, count in rows)
+        share = lambda counter: {k: round(100 * v / samples, 1) for k, v in counter.most_common(top)}  # noqa: E731
+        processes.append({"process": process, "role": _role(rows), "samples": samples,
+                          "share_of_all_pct": round(100 * samples / total, 1),
+                          "importing_pct": round(100 * importing / samples, 1),
+                          "by_function_pct": share(leaves), "by_thread_pct": share(threads)})
+    return {"samples": total, "processes": sorted(processes, key=lambda p: -p["samples"])}
+
+
+def _sample_lines(path: Path):
+    """One line per stack and its count; a child's command line can hold newlines (`python -c`
+    of several lines), so a line without a trailing count goes on into the next."""
+    pending = ""
+    for line in path.read_text().splitlines() if path.exists() else []:
+        pending += line
+        head, _, count = pending.rpartition(" ")
+        if head and count.isdigit():
+            yield pending
+            pending = ""
+        else:
+            pending += "\\n"
+
+
+def _role(rows: list[tuple[list[str], int]]) -> str:
+    text = ";".join(f for frames, _ in rows for f in frames)
+    return next((role for marker, role in PROCESS_ROLES if marker in text), "other")
 
 
 def ratios(flow: dict[str, Any], raw: dict[str, Any]) -> dict[str, float]:

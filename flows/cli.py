@@ -107,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--flow-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                        help="run the flow once more with these settings, e.g. VLM_CAPTION_RENDER_PROCESSES=0")
     bench.add_argument("--profile", action="store_true",
-                       help="record what holds the GIL in the flow's process (py-spy must be installed)")
+                       help="record what holds the GIL in the flow's process and its children: the engine "
+                       "core, the pools (py-spy must be installed)")
+    bench.add_argument("--prefect", choices=["embedded", "server"], default="embedded",
+                       help="embedded: each flow phase starts Prefect's embedded server, as `vlm-caption run` "
+                       "does (default); server: one `prefect server start` for all, as a deployment run sees it")
 
     recipes = sub.add_parser("recipes", help="list or inspect recipes")
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
@@ -188,7 +192,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
-                          profile=args.profile))
+                          profile=args.profile, prefect=args.prefect))
     return 0
 
 

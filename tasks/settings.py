@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     render_processes: int = 0
     # Media
     decode_processes: int | None = None  # image decode pool; None: one per core, 0: no pool
+    # How much lower the decode workers' CPU priority is than the flow's (Unix `nice`): with one
+    # worker per core they would otherwise take cores from vLLM's engine-core scheduler and from
+    # the feed, and the GPU waits on a busy CPU. 0: the same priority.
+    decode_niceness: int = 10
     max_image_pixels: int = 64_000_000  # refuse decompression bombs beyond this
     max_video_seconds: float = 3 * 3600.0
     max_video_frame_pixels: int = 3840 * 2160

@@ -33,7 +33,7 @@ def test_bench_runs_videos_and_image_groups_as_their_examples_do(tmp_path):
     exe = Path(sys.executable).with_name("vlm-caption")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
     for modality, extra in (("video", ["--frames", "4", "--flow-env", "VLM_CAPTION_FEED_DEPTH=1"]),
-                            ("multi-image", [])):
+                            ("multi-image", ["--prefect", "server"])):
         work = tmp_path / modality
         done = subprocess.run([str(exe), "bench", "--dir", str(work), "--recipe", "qwen2_vl", "--modality", modality,
                                "--images", "4", "--size", "96x64", "--shard-size", "2", "--max-tokens", "3", *extra],
@@ -46,5 +46,31 @@ def test_bench_runs_videos_and_image_groups_as_their_examples_do(tmp_path):
         if modality == "video":
             (variant,) = report["flow_env"].values()
             assert variant["items"] == 4 and variant["ratio_over_raw"]["generate_items_per_s"] > 0
-        else:  # a group is one item of two images
+            assert report["flow"]["prefect_api"] == "embedded"
+        else:  # a group is one item of two images; the flow ran against the bench's own server
             assert len(list((work / "multi-image-96x64-4").iterdir())) == 4
+            assert report["flow"]["prefect_api"].startswith("http://127.0.0.1:")
+
+
+def test_the_profile_is_told_apart_by_process(tmp_path):
+    """py-spy's raw output with --subprocesses: each child's stacks under its own process, told
+    apart by what it runs (the engine core, the decode pool) and summarized on its own."""
+    from flows.bench_report import profile_summary
+
+    flow = 'process 10:"python -m flows.bench flow"'
+    core = f'{flow};process 11:"python -c from multiprocessing.spawn import spawn_main"'
+    (tmp_path / "p.txt").write_text("\n".join([
+        f"{flow};thread (10): MainThread;<module> (bench.py:1);phase_flow (bench.py:2);wait (threading.py:3) 30",
+        f"{flow};thread (12): feed;step (feed.py:9);add_request (llm_engine.py:5) 5",
+        f"{flow};thread (12): feed;step (feed.py:9);_find_and_load (<frozen importlib._bootstrap>:1) 5",
+        f"{core};thread (11): MainThread;run_engine_core (core.py:1);schedule (scheduler.py:7) 60",
+    ]))
+    summary = profile_summary(tmp_path / "p.txt")
+    assert summary["samples"] == 100
+    core_row, flow_row = summary["processes"]
+    assert (core_row["role"], core_row["samples"], core_row["share_of_all_pct"]) == ("vllm engine core", 60, 60.0)
+    assert core_row["by_function_pct"] == {"schedule (scheduler.py:7)": 100.0}
+    assert flow_row["importing_pct"] == 12.5 and flow_row["by_function_pct"] == {
+        "wait (threading.py:3)": 75.0, "add_request (llm_engine.py:5)": 12.5}
+    assert flow_row["role"] == "flow" and flow_row["by_thread_pct"] == {"thread (10): MainThread": 75.0,
+                                                                         "thread (12): feed": 25.0}

@@ -2,8 +2,9 @@
 processors whose first step is a plain downscale; never enlarged; others are left alone."""
 
 import json
+import os
 
-from tasks.media.pool import decode_images
+from tasks.media.pool import decode_images, decode_pool
 from tasks.media.resize import ResizeTarget, resize_target
 from tests.images import image_bytes
 
@@ -55,6 +56,8 @@ def test_the_pool_returns_every_image_in_order(monkeypatch):
     get_settings.cache_clear()
     images = decode_images([image_bytes(size=(64 + i, 48)) for i in range(4)], 10**6, None)
     assert [im.size for im in images] == [(64 + i, 48) for i in range(4)]
+    # The workers yield the CPU to the engine's scheduler and the feed (nice 10 below this process).
+    assert decode_pool().submit(os.nice, 0).result() == min(os.nice(0) + 10, 19)
     get_settings.cache_clear()
 
 

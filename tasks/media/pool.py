@@ -27,6 +27,13 @@ def decode_job(data: bytes, max_pixels: int, target: ResizeTarget | None):
     return (target.apply(image) if target else image), None
 
 
+def _lower_priority(niceness: int) -> None:
+    """Pool initializer: decoding is work ahead of the engine; it yields the CPU to the engine's
+    scheduler and the feed rather than competing with them for cores."""
+    if niceness > 0 and hasattr(os, "nice"):
+        os.nice(niceness)
+
+
 def decode_processes() -> int:
     configured = get_settings().decode_processes
     return os.cpu_count() or 1 if configured is None else configured
@@ -41,7 +48,9 @@ def decode_pool() -> Executor | None:
         if _POOL is None:
             # spawn: the flow process holds threads (Prefect, vLLM's client); forking them is unsafe.
             _POOL = ProcessPoolExecutor(max_workers=decode_processes(),
-                                        mp_context=multiprocessing.get_context("spawn"))
+                                        mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_lower_priority,
+                                        initargs=(get_settings().decode_niceness,))
             atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
         return _POOL
 
