@@ -37,7 +37,8 @@ class Settings(BaseSettings):
     decode_processes: int | None = None  # image decode pool; None: one per core, 0: no pool
     # How much lower the decode workers' CPU priority is than the flow's (Unix `nice`): with one
     # worker per core they would otherwise take cores from vLLM's engine-core scheduler and from
-    # the feed, and the GPU waits on a busy CPU. 0: the same priority.
+    # the feed, and the GPU waits on a busy CPU (H100, tiny LLaVA, 512 photos at 1920x1080:
+    # 79.75 img/s at nice 10, 58.45 at 0, same run). 0: the same priority.
     decode_niceness: int = 10
     max_image_pixels: int = 64_000_000  # refuse decompression bombs beyond this
     max_video_seconds: float = 3 * 3600.0
