@@ -6,7 +6,9 @@ gone before the second starts:
 
 - raw: the example's way: decode every item serially, then one `LLM.generate` over all prompts;
 - flow: the `vlm-caption` flow over the same items, from a folder or an S3 endpoint; then, for
-  each `--flow-env`, the flow again with those settings (e.g. VLM_CAPTION_RENDER_PROCESSES=0).
+  each `--flow-env`, the flow again with those settings (e.g. VLM_CAPTION_RENDER_PROCESSES=0),
+  each starting Prefect's embedded server, or with `--prefect server` against one server the
+  bench starts before them (how a deployment's run finds its server).
 
 `--modality` picks images, videos (MP4 clips) or image groups (folders of two), each as the
 matching example runs it (`vision_language.py` image and video, `vision_language_multi_image.py`).
@@ -53,7 +55,7 @@ class BenchConfig:
     modality: str = "image"  # or "video" (clips of `frames` sampled frames) or "multi-image" (pairs)
     frames: int = 16
     flow_env: tuple[str, ...] = ()  # "NAME=VALUE[,NAME=VALUE]": one more flow phase each
-    profile: bool = False  # record the flow phase with py-spy (--gil) when it is installed
+    profile: bool = False  # record each flow phase and its children with py-spy (--gil), if installed
     # "embedded": each flow phase starts Prefect's embedded server, as `vlm-caption run` does;
     # "server": one `prefect server start` for all phases, as a deployment's run sees its server.
     prefect: str = "embedded"
