@@ -23,10 +23,26 @@ PROCESS_ROLES = (("phase_flow", "flow"), ("phase_raw", "raw"), ("run_engine_core
                  ("decode_job", "decode pool"), ("_start_worker", "render pool"))
 
 
+# Stacks that are start-up, not the steady state: imports, and the construction of an engine (in
+# the engine core that is the model load, the memory profile and the CUDA-graph capture). They are
+# counted apart so that the functions show what holds each process back while it generates.
+IMPORTING = "importlib._bootstrap"
+ENGINE_CONSTRUCTION = ("vllm/v1/engine/core.py:", "vllm/entrypoints/llm.py:")
+
+
+def _phase_of(frames: list[str]) -> str:
+    if any(IMPORTING in frame for frame in frames):
+        return "importing"
+    if any(frame.startswith("__init__ (") and any(m in frame for m in ENGINE_CONSTRUCTION) for frame in frames):
+        return "starting"
+    return "steady"
+
+
 def profile_summary(path: Path, top: int = 12) -> dict[str, Any]:
     """py-spy's collapsed stacks (GIL holders only, this process and its children) as the share
-    of samples per process, and within each per thread and per innermost function (imports
-    apart): where the interpreters of the flow, the engine core and the pools spend their time."""
+    of samples per process, and within each per thread and per innermost function (imports and
+    engine start-up apart): where the interpreters of the flow, the engine core and the pools
+    spend their time while items are generated."""
     from collections import Counter, defaultdict
 
     stacks: dict[str, list[tuple[list[str], int]]] = defaultdict(list)
@@ -39,18 +55,19 @@ def profile_summary(path: Path, top: int = 12) -> dict[str, Any]:
     total = sum(count for rows in stacks.values() for _, count in rows)
     processes = []
     for process, rows in stacks.items():
-        leaves, threads, importing = Counter(), Counter(), 0
+        leaves, threads, phases = Counter(), Counter(), Counter()
         for frames, count in rows:
             threads[frames[0]] += count
-            if any("importlib._bootstrap" in frame for frame in frames):
-                importing += count  # start-up: kept out of the functions, so the steady state shows
-            else:
+            phase = _phase_of(frames)
+            phases[phase] += count
+            if phase == "steady":
                 leaves[frames[-1]] += count
         samples = sum(count for _, count in rows)
         share = lambda counter: {k: round(100 * v / samples, 1) for k, v in counter.most_common(top)}  # noqa: E731
         processes.append({"process": process, "role": _role(rows), "samples": samples,
                           "share_of_all_pct": round(100 * samples / total, 1),
-                          "importing_pct": round(100 * importing / samples, 1),
+                          "importing_pct": round(100 * phases["importing"] / samples, 1),
+                          "starting_pct": round(100 * phases["starting"] / samples, 1),
                           "by_function_pct": share(leaves), "by_thread_pct": share(threads)})
     return {"samples": total, "processes": sorted(processes, key=lambda p: -p["samples"])}
 

@@ -63,13 +63,16 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
         f"{flow};thread (10): MainThread;<module> (bench.py:1);phase_flow (bench.py:2);wait (threading.py:3) 30",
         f"{flow};thread (12): feed;step (feed.py:9);add_request (llm_engine.py:5) 5",
         f"{flow};thread (12): feed;step (feed.py:9);_find_and_load (<frozen importlib._bootstrap>:1) 5",
-        f"{core};thread (11): MainThread;run_engine_core (core.py:1);schedule (scheduler.py:7) 60",
+        f"{core};thread (11): MainThread;run_engine_core (vllm/v1/engine/core.py:1);schedule (scheduler.py:7) 60",
+        f"{core};thread (11): MainThread;run_engine_core (vllm/v1/engine/core.py:1);"
+        f"__init__ (vllm/v1/engine/core.py:90);capture_model (gpu_model_runner.py:4) 20",
     ]))
     summary = profile_summary(tmp_path / "p.txt")
-    assert summary["samples"] == 100
+    assert summary["samples"] == 120
     core_row, flow_row = summary["processes"]
-    assert (core_row["role"], core_row["samples"], core_row["share_of_all_pct"]) == ("vllm engine core", 60, 60.0)
-    assert core_row["by_function_pct"] == {"schedule (scheduler.py:7)": 100.0}
+    assert (core_row["role"], core_row["samples"], core_row["share_of_all_pct"]) == ("vllm engine core", 80, 66.7)
+    assert core_row["starting_pct"] == 25.0  # the engine's construction (CUDA-graph capture) is start-up
+    assert core_row["by_function_pct"] == {"schedule (scheduler.py:7)": 75.0}
     assert flow_row["importing_pct"] == 12.5 and flow_row["by_function_pct"] == {
         "wait (threading.py:3)": 75.0, "add_request (llm_engine.py:5)": 12.5}
     assert flow_row["role"] == "flow" and flow_row["by_thread_pct"] == {"thread (10): MainThread": 75.0,
