@@ -23,17 +23,18 @@ PROCESS_ROLES = (("phase_flow", "flow"), ("phase_raw", "raw"), ("run_engine_core
                  ("decode_job", "decode pool"), ("_start_worker", "render pool"))
 
 
-# Stacks that are start-up, not the steady state: imports, and the construction of an engine (in
-# the engine core that is the model load, the memory profile and the CUDA-graph capture). They are
-# counted apart so that the functions show what holds each process back while it generates.
+# Stacks that are start-up, not the steady state: imports, and the engine core's construction (the
+# model load, the memory profile, the KV-cache blocks, the CUDA-graph capture). They are counted
+# apart so that the functions show what holds each process back while it generates. (A forked
+# engine core's stacks begin with its parent's `LLM.__init__`, so only the core's own frames tell.)
 IMPORTING = "importlib._bootstrap"
-ENGINE_CONSTRUCTION = ("vllm/v1/engine/core.py:", "vllm/entrypoints/llm.py:")
+ENGINE_CORE_FILE = "vllm/v1/engine/core.py:"
 
 
 def _phase_of(frames: list[str]) -> str:
     if any(IMPORTING in frame for frame in frames):
         return "importing"
-    if any(frame.startswith("__init__ (") and any(m in frame for m in ENGINE_CONSTRUCTION) for frame in frames):
+    if any(ENGINE_CORE_FILE in frame and frame.split(" (", 1)[0].endswith("__init__") for frame in frames):
         return "starting"
     return "steady"
 

@@ -43,6 +43,7 @@ from tasks.results.done_index import DoneIndex, load_done_index
 from tasks.results.records import job_fingerprint
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report, write_shard
+from tasks.settings import get_settings
 from tasks.sources.items import Shard
 from tasks.sources.listing import ShardStream, SourceSpec
 from tasks.sources.preflight import check_output, check_source
@@ -184,7 +185,7 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None]:
 
 def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
                 spec: EngineSpec) -> tuple[RunStats, dict | None]:
-    """The pipeline over the shards: prepare one ahead, keep `feed_depth` shards in the engine,
+    """The pipeline over the shards: prepare ahead, keep `feed_depth` shards in the engine,
     write each shard's part as soon as it is done."""
     job, fingerprint, parts_id, source, log = run.job, run.fingerprint, run.parts_id, run.source, run.log
     depth_for = functools.partial(feed_depth, job.modality, job.shard_size, len(job.questions_to_ask))
@@ -222,12 +223,21 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
             starting = start_engine.submit(options.spec)
         return shard, prepare_shard.submit(source, shard, done, job.questions_to_ask, media)
 
-    listed = iter(shards)
-    upcoming = take(first) if (first := next(listed, None)) is not None else None
-    while upcoming is not None:
-        shard, preparing = upcoming
+    listed, ahead, lookahead = iter(shards), deque(), max(1, get_settings().prepare_ahead)
+
+    def prepare_ahead() -> None:
+        """While the engine starts (or after it ran dry) a whole feed's worth of shards is
+        fetched and decoded at once, so the engine is full the moment it is up; once it runs,
+        `prepare_ahead` shards are (VLM_CAPTION_PREPARE_AHEAD)."""
+        while ((len(ahead) < lookahead or len(ahead) + len(in_flight) <= depth)
+               and (following := next(listed, None)) is not None):
+            ahead.append(take(following))
+
+    prepare_ahead()
+    while ahead:
+        shard, preparing = ahead.popleft()
         prepared = preparing.result()
-        upcoming = take(following) if (following := next(listed, None)) is not None else None
+        prepare_ahead()
         generating = None
         if prepared.items:
             if engine is None:

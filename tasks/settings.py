@@ -17,8 +17,8 @@ class Settings(BaseSettings):
     fetch_concurrency: int = 16
     s3_read_timeout_s: float = 60.0  # a stalled connection is dropped and retried after this
     s3_max_attempts: int = 8  # boto3's retries (throttling, 5xx, resets), adaptive mode
-    # Bytes of fetched-but-not-yet-decoded media held at once by one prepare step (videos are
-    # large: the bound is on bytes, not on a count of objects).
+    # Bytes of fetched-but-not-yet-decoded media held at once by this process, over every shard
+    # being prepared (videos are large: the bound is on bytes, not on a count of objects).
     max_bytes_in_flight: int = 1024**3
     max_object_bytes: int = 2 * 1024**3  # one object (a video) over this is an error record
     # Engine feed: shards whose requests are in the engine at once. More keeps a large GPU's
@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     # by `tasks.engine.feed.feed_depth` (images: at least 6 shards and the engine's batch, at most
     # 512 images; videos and groups: 2 shards, their frames are large).
     feed_depth: int | None = None
+    # Shards fetched and decoded at once ahead of the engine once it is running (while it starts,
+    # as many as its feed will hold). One shard at a time is a shard's latency (its task run, its
+    # fetches) per shard, which a small model outruns.
+    prepare_ahead: int = 2
     # vLLM's request rendering (the model's HF processor) in this many processes beside the
     # engine; 0: in the engine's process, as vLLM does. Turns vLLM's multimodal processor cache
     # off (see tasks/engine/render.py). Off by default: on an H100 with the tiny LLaVA at

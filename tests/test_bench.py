@@ -65,7 +65,7 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
         f"{flow};thread (12): feed;step (feed.py:9);_find_and_load (<frozen importlib._bootstrap>:1) 5",
         f"{core};thread (11): MainThread;run_engine_core (vllm/v1/engine/core.py:1);schedule (scheduler.py:7) 60",
         f"{core};thread (11): MainThread;run_engine_core (vllm/v1/engine/core.py:1);"
-        f"__init__ (vllm/v1/engine/core.py:90);capture_model (gpu_model_runner.py:4) 20",
+        f"EngineCore.__init__ (vllm/v1/engine/core.py:90);capture_model (gpu_model_runner.py:4) 20",
     ]))
     summary = profile_summary(tmp_path / "p.txt")
     assert summary["samples"] == 120

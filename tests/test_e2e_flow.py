@@ -38,7 +38,8 @@ def _records(s3_client, prefix: str) -> list[dict]:
 
 def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client, tiny_llava):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId,
+                                                LogFilter, LogFilterFlowRunId)
     from prefect.logging.handlers import APILogHandler
 
     objects = _upload_images(s3_client)
@@ -96,6 +97,12 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
         assert "vlm-caption-samples" in by_key
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
         assert any('"event": "shard done"' in log.message for log in logs)
+        # Every shard (4, fewer than the feed holds) was being fetched and decoded while the
+        # engine started, not one at a time after it was up.
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        engine_up = next(t.end_time for t in task_runs if t.name.startswith("start-engine"))
+        prepares = [t.start_time for t in task_runs if t.name.startswith("prepare-shard")]
+        assert len(prepares) == 4 and all(started < engine_up for started in prepares)
 
     # Same parameters again: everything is already done; nothing recomputed or duplicated.
     again = vlm_caption(job)

@@ -36,7 +36,7 @@ def start_engine(spec: EngineSpec) -> dict:
     sizing = engine.sizing()
     get_logger(recipe=spec.recipe).info("engine ready", model=engine.model,
                                         startup_s=round(engine.startup_s, 1), **sizing)
-    return {"model": engine.model, "startup_s": engine.startup_s, "sizing": sizing,
+    return {"model": engine.model, "startup_s": engine.startup_s, "ready_at": engine.ready_at, "sizing": sizing,
             "engine_args": {k: v if _jsonable(v) else repr(v) for k, v in engine.args.items()}}
 
 

@@ -109,6 +109,7 @@ class CaptionEngine:
         started = time.perf_counter()
         self.llm = LLM(**self.args)
         self.startup_s = time.perf_counter() - started
+        self.ready_at = time.time()  # when it could take requests (epoch seconds; the bench measures from it)
         self.tokenizer = self.llm.get_tokenizer()
         self.stop_token_ids = resolve_stop_ids(self.tokenizer, self.recipe, spec.modality)
         self.lora_request = self._lora_request()

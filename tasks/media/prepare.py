@@ -3,6 +3,7 @@ is already done, and decode it for its modality. Every item comes out with media
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +88,19 @@ def _fetch_error(exc: Exception) -> ItemError:
     return ItemError("fetch", f"{type(exc).__name__}{retry}: {exc}", retryable=True)
 
 
+@functools.cache
+def shared_budget(limit: int) -> ByteBudget:
+    """One byte budget per process: several shards are prepared at once while the engine starts."""
+    return ByteBudget(limit)
+
+
+@functools.cache
+def fetch_slots(count: int) -> threading.BoundedSemaphore:
+    """Fetches in flight in this process, whichever shard they are for (an S3 client's
+    connection pool is sized for about this many)."""
+    return threading.BoundedSemaphore(count)
+
+
 class ItemPreparer:
     """Fetch, hash, skip and decode one item at a time; shared by one shard's fetch threads."""
 
@@ -94,7 +108,8 @@ class ItemPreparer:
                  options: MediaOptions):
         settings = get_settings()
         self.fetcher, self.done, self.questions, self.options = fetcher, done, questions, options
-        self.budget = ByteBudget(settings.max_bytes_in_flight)
+        self.budget = shared_budget(settings.max_bytes_in_flight)
+        self.slots = fetch_slots(max(1, settings.fetch_concurrency))
         self.max_object_bytes = settings.max_object_bytes
         self.max_image_pixels = settings.max_image_pixels
         self.video_limits = VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels)
@@ -135,7 +150,8 @@ class ItemPreparer:
                                   f"{self.max_object_bytes} (VLM_CAPTION_MAX_OBJECT_BYTES)")
             else:
                 try:
-                    data = self.fetcher.read(ref)
+                    with self.slots:
+                        data = self.fetcher.read(ref)
                 except Exception as exc:  # noqa: BLE001 - recorded; retryable ones are retried next run
                     error = _fetch_error(exc)
             prepared.members.append(Member(key=ref.key, size=len(data) if data is not None else ref.size,
