@@ -136,9 +136,10 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
     engine = json.loads(open_storage(folder_uri).read(name)).get("engine") or {}
     generate_s = summary["succeeded"] / summary["generate_items_per_s"] if summary["generate_items_per_s"] else 0
     wall = time.perf_counter() - started
-    # The engine starts in the background once the listing shows work, so it is ready this long
-    # after the process started (raw's engine_start_s counts from the process start too).
-    ready_s = engine.get("ready_at", time.time()) - (time.time() - (time.perf_counter() - started))
+    # The engine starts in the background once the listing shows work; it was ready this long
+    # after the process started (raw's engine_ready_s counts from the process start too).
+    process_started_at = time.time() - (time.perf_counter() - started)
+    ready_s = engine.get("ready_at", time.time()) - process_started_at
     return {"items": summary["processed"], "engine_start_s": round(engine.get("startup_s", 0.0), 2),
             "engine_ready_s": round(ready_s, 2),
             "generate_s": round(generate_s, 2), "generate_items_per_s": summary["generate_items_per_s"],
