@@ -5,10 +5,15 @@ after the other on the same GPU, each in a fresh child process so the first one'
 gone before the second starts:
 
 - raw: the example's way: decode every item serially, then one `LLM.generate` over all prompts;
-- flow: the `vlm-caption` flow over the same items, from a folder or an S3 endpoint; then, for
+- flow: the `vlm-caption` flow over the same items, from a folder or an S3 endpoint (a real
+  one, or a loopback moto server in a process of its own, filled before any phase); then, for
   each `--flow-env`, the flow again with those settings (e.g. VLM_CAPTION_RENDER_PROCESSES=0),
   each starting Prefect's embedded server, or with `--prefect server` against one server the
-  bench starts before them (how a deployment's run finds its server).
+  bench starts before them (how a deployment's run finds its server);
+- with `--gpus N`: the flow fanned out over N GPUs of this host (`fan_out=N`: the run on GPU 0,
+  one process worker per other GPU running the partition deployment), reported over the flow
+  on one GPU, as the GPUs' items/s together and each GPU's own, summed. `--skip-raw` leaves
+  raw out.
 
 `--modality` picks images, videos (MP4 clips) or image groups (folders of two), each as the
 matching example runs it (`vision_language.py` image and video, `vision_language_multi_image.py`).
@@ -23,6 +28,7 @@ the tiny random-weight checkpoint (a smoke run: its figures say nothing about a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -33,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from flows.bench_harness import GpuSampler, prefect_api
+from flows.bench_harness import GpuSampler, partition_workers, prefect_api, s3_source
 from flows.bench_media import GROUP_SIZE, bench_items, make_bench_media
 from flows.bench_report import print_table, profile_summary, ratios, write_report
 
@@ -57,6 +63,10 @@ class BenchConfig:
     # "embedded": each flow phase starts Prefect's embedded server, as `vlm-caption run` does;
     # "server": one `prefect server start` for all phases, as a deployment's run sees its server.
     prefect: str = "embedded"
+    # >1: the flow once more, fanned out over this many GPUs of this host (fan_out=N: the run on
+    # GPU 0, one process worker per other GPU running the partition deployment); needs a server.
+    gpus: int = 1
+    skip_raw: bool = False  # leave raw out (a fan-out's ratio is over the flow on one GPU)
 
 
 # Random-weight checkpoints the bench builds (recipe -> builder and its shapes).
@@ -116,63 +126,54 @@ def phase_raw(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
             "window": [generate_started, generate_started + generate_s]}
 
 
-def phase_flow(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
+def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> dict[str, Any]:
     started = _process_started()
     from flows.caption import vlm_caption
     from flows.params import CaptionJob
     from tasks.engine.vllm_engine import import_vllm_in_background
 
     source, output = str(folder), str(Path(cfg.workdir) / f"out-{int(time.time())}")
-    if cfg.source == "s3":
-        source, output = _s3_copy(folder)
+    if cfg.source == "s3":  # uploaded by the driver (flows/bench_harness.py, s3_source)
+        base = os.environ["VLM_CAPTION_BENCH_S3"].rstrip("/")
+        source, output = f"{base}/images/", f"{base}/out-{int(time.time())}/"
     job = CaptionJob(source=source, output=output, recipe=cfg.recipe, model=model, shard_size=cfg.shard_size,
                      modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE,
-                     sampling={"max_tokens": cfg.max_tokens, "ignore_eos": True})
+                     sampling={"max_tokens": cfg.max_tokens, "ignore_eos": True}, fan_out=fan_out)
     import_vllm_in_background()  # as `vlm-caption run` does
     summary = vlm_caption(job)
     from tasks.sources.storage import open_storage, split_parent
 
     folder_uri, name = split_parent(summary["manifest"])
-    engine = json.loads(open_storage(folder_uri).read(name)).get("engine") or {}
-    generate_s = summary["succeeded"] / summary["generate_items_per_s"] if summary["generate_items_per_s"] else 0
+    manifest = json.loads(open_storage(folder_uri).read(name))
+    engine, window = manifest.get("engine") or {}, manifest["generate_window"] or [0.0, 0.0]
     wall = time.perf_counter() - started
     # The engine starts in the background once the listing shows work; it was ready this long
     # after the process started (raw's engine_ready_s counts from the process start too).
     process_started_at = time.time() - (time.perf_counter() - started)
     ready_s = engine.get("ready_at", time.time()) - process_started_at
+    partitions = [_partition_figures(p, process_started_at) for p in manifest["partitions"]]
     return {"items": summary["processed"], "engine_start_s": round(engine.get("startup_s", 0.0), 2),
             "engine_ready_s": round(ready_s, 2),
-            "generate_s": round(generate_s, 2), "generate_items_per_s": summary["generate_items_per_s"],
+            "generate_s": round(window[1] - window[0], 2), "generate_items_per_s": summary["generate_items_per_s"],
+            # Each GPU's items/s while it generated, summed: what the GPUs sustain together, apart
+            # from when each partition's run started (a worker's poll, its process, its engine).
+            "summed_gpu_items_per_s": (sum(p["generate_items_per_s"] for p in partitions) if partitions
+                                       else summary["generate_items_per_s"]),
             "items_per_s": summary["processed"] / max(wall - ready_s, 1e-9),
             "output_tokens_per_s": summary["output_tokens_per_s"],
             "first_result_s": (summary["first_result_s"] or 0.0) + (wall - summary["wall_s"]),
             "wall_s": wall, "flow_wall_s": summary["wall_s"],
             "prefect_api": os.environ.get("PREFECT_API_URL") or "embedded",
-            "window": [time.time() - generate_s, time.time()]}
+            "partitions": partitions, "window": window}
 
 
-def _s3_copy(folder: Path) -> tuple[str, str]:
-    """The images in a bucket of a loopback moto server (what CI and a GPU host without a real
-    endpoint can run); `VLM_CAPTION_BENCH_S3` names a real prefix instead."""
-    if os.environ.get("VLM_CAPTION_BENCH_S3"):
-        base = os.environ["VLM_CAPTION_BENCH_S3"].rstrip("/")
-        return f"{base}/images/", f"{base}/out-{int(time.time())}/"
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1", "VLM_CAPTION_S3_ENDPOINT_URL": f"http://{host}:{port}"})
-    from tasks.settings import get_settings
-
-    get_settings.cache_clear()
-    client = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
-    client.create_bucket(Bucket="bench")
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        client.put_object(Bucket="bench", Key=f"images/{path.relative_to(folder)}", Body=path.read_bytes())
-    return "s3://bench/images/", "s3://bench/out/"
+def _partition_figures(brief: dict[str, Any], process_started_at: float) -> dict[str, Any]:
+    """One partition of a fanned-out run as the manifest lists it, its times from the parent's
+    process start: when its engine was ready, when it generated."""
+    since = lambda at: round(at - process_started_at, 2) if at else None  # noqa: E731
+    return {**{k: brief.get(k) for k in ("index", "worker", "devices", "processed", "generate_items_per_s")},
+            "engine_ready_s": since(brief.get("engine_ready_at")),
+            "generate_window_s": [since(brief.get("generate_from")), since(brief.get("generate_to"))]}
 
 
 def _process_started() -> float:
@@ -185,21 +186,27 @@ def _process_started() -> float:
 
 def child_main(phase: str, config_json: str, folder: str, model: str) -> None:
     cfg = BenchConfig(**json.loads(config_json))
-    result = (phase_raw if phase == "raw" else phase_flow)(cfg, Path(folder), model)
+    if phase == "raw":
+        result = phase_raw(cfg, Path(folder), model)
+    else:
+        result = phase_flow(cfg, Path(folder), model, fan_out=cfg.gpus if phase == "fan-out" else 1)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("BENCH-RESULT " + json.dumps(result), flush=True)
 
 
 # ---- the driver ---------------------------------------------------------------------------------
 def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overrides: str = "",
-              profile: Path | None = None, api_env: dict[str, str] | None = None) -> dict[str, Any]:
-    env = {**os.environ, **(api_env or {}), "PYTHONUNBUFFERED": "1",
+              profile: Path | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One phase in a child process; `env`: where its Prefect API and its S3 endpoint are."""
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
            **dict(pair.split("=", 1) for pair in env_overrides.split(",") if pair)}
+    if cfg.gpus > 1:  # every phase's own engine on GPU 0; a fan-out's workers have the others
+        env["CUDA_VISIBLE_DEVICES"] = "0"
     command = [sys.executable, "-m", "flows.bench", phase, json.dumps(asdict(cfg)), str(folder), model]
     if profile is not None:  # what holds the GIL in the flow's process and its children (needs py-spy)
         command = ["py-spy", "record", "--gil", "--threads", "--subprocesses", "--rate", "100", "--format", "raw",
                    "--output", str(profile), "--", *command]
-    with GpuSampler() as gpu:
+    with GpuSampler(devices=cfg.gpus if phase == "fan-out" else 1) as gpu:
         done = subprocess.run(command, capture_output=True, text=True, env=env)
     log = Path(cfg.workdir) / f"{phase}-{time.strftime('%H%M%S')}.log"  # the phase's own output, to look into
     log.write_text(done.stdout + done.stderr)
@@ -225,21 +232,35 @@ def build_checkpoint(work: Path, recipe: str, shape: str) -> str:
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    if cfg.gpus > 1 and cfg.source != "folder":
+        raise SystemExit("--gpus reads the items from a folder: the partition deployment's runs take "
+                         "their S3 credentials from the vlm-caption-s3 block, which the bench does not make")
     work = Path(cfg.workdir).resolve()
     folder = make_bench_media(cfg, work)
     model = cfg.model or build_checkpoint(work, cfg.recipe, cfg.shape)
     profiles = [work / f"flow-profile-{i}.txt" if cfg.profile else None for i in range(len(cfg.flow_env) + 1)]
-    report: dict[str, Any] = {"config": {**asdict(cfg), "model": model}, "device": _device(), "flow_env": {}}
+    report: dict[str, Any] = {"config": {**asdict(cfg), "model": model}, "device": _device(), "flow_env": {},
+                              "raw": {}}
     # Each phase's figures are written as it ends: a run cut off (a lent GPU's time limit) keeps them.
-    report["raw"] = raw = run_phase("raw", cfg, folder, model)
-    write_report(report, work)
-    with prefect_api(cfg.prefect, work) as api_env:
-        report["flow"] = run_phase("flow", cfg, folder, model, profile=profiles[0], api_env=api_env)
+    if not cfg.skip_raw:
+        report["raw"] = run_phase("raw", cfg, folder, model)
+        write_report(report, work)
+    raw = report["raw"]
+    with contextlib.ExitStack() as serving:
+        phase_env = serving.enter_context(prefect_api("server" if cfg.gpus > 1 else cfg.prefect, work))
+        if cfg.source == "s3":
+            phase_env = {**phase_env, **serving.enter_context(s3_source(folder, work))}
+        report["flow"] = run_phase("flow", cfg, folder, model, profile=profiles[0], env=phase_env)
         report["ratio_flow_over_raw"] = ratios(report["flow"], raw)
         write_report(report, work)
-        for i, env in enumerate(cfg.flow_env, start=1):
-            result = run_phase("flow", cfg, folder, model, env, profiles[i], api_env)
-            report["flow_env"][env] = {**result, "ratio_over_raw": ratios(result, raw)}
+        for i, overrides in enumerate(cfg.flow_env, start=1):
+            result = run_phase("flow", cfg, folder, model, overrides, profiles[i], phase_env)
+            report["flow_env"][overrides] = {**result, "ratio_over_raw": ratios(result, raw)}
+            write_report(report, work)
+        if cfg.gpus > 1:
+            with partition_workers(cfg.gpus, work, phase_env):
+                result = run_phase("fan-out", cfg, folder, model, env=phase_env)
+            report["fan_out"] = {**result, "gpus": cfg.gpus, "ratio_over_flow": ratios(result, report["flow"])}
             write_report(report, work)
     if cfg.profile:  # one per flow phase: the default first, then each --flow-env
         report["flow_profiles"] = [profile_summary(path) for path in profiles]

@@ -1,9 +1,11 @@
 """What surrounds the bench's phases: GPU utilization sampled through NVML while a phase runs,
-and the Prefect API the flow phases talk to (the embedded server, or one `prefect server
-start` of the bench's own)."""
+the Prefect API the flow phases talk to (the embedded server, or one `prefect server start` of
+the bench's own), the S3 endpoint the items are served from, and the workers a fanned-out
+phase's partitions run on."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -13,20 +15,23 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 class GpuSampler:
-    """GPU utilization through NVML every 0.2 s (nothing on a machine without NVIDIA GPUs)."""
+    """GPU utilization through NVML every 0.2 s, the mean over the first `devices` GPUs (nothing
+    on a machine without NVIDIA GPUs)."""
 
-    def __init__(self):
-        self.samples: list[tuple[float, int]] = []
+    def __init__(self, devices: int = 1):
+        self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(devices)]
             self._nvml = pynvml
-        except Exception:  # noqa: BLE001 - no NVIDIA driver: no figure
+        except Exception:  # noqa: BLE001 - no NVIDIA driver (or fewer GPUs): no figure
             self._nvml = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -40,7 +45,8 @@ class GpuSampler:
 
     def _run(self):
         while self._nvml and not self._stop.wait(0.2):
-            self.samples.append((time.time(), self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+            busy = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+            self.samples.append((time.time(), sum(busy) / len(busy)))
 
     def busy_pct(self, start: float, end: float) -> float | None:
         window = [u for t, u in self.samples if start <= t <= end]
@@ -55,9 +61,7 @@ def prefect_api(mode: str, work: Path):
     if mode != "server":
         yield {}
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     log = open(work / "prefect-server.log", "wb")
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect-server"), "PREFECT_UI_ENABLED": "false",
@@ -65,11 +69,7 @@ def prefect_api(mode: str, work: Path):
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 300
-        while not _healthy(api):
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"prefect server did not start; see {work / 'prefect-server.log'}")
-            time.sleep(1)
+        _wait_until(lambda: _healthy(api), server, f"prefect server did not start; see {work / 'prefect-server.log'}")
         yield {"PREFECT_API_URL": api}
     finally:
         server.terminate()
@@ -77,10 +77,120 @@ def prefect_api(mode: str, work: Path):
         log.close()
 
 
-def _healthy(api: str) -> bool:
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def s3_source(folder: Path, work: Path):
+    """The bench's items in S3 under `VLM_CAPTION_BENCH_S3` (a real endpoint: credentials and
+    `VLM_CAPTION_S3_ENDPOINT_URL` from the environment), else in a loopback moto server. Either
+    way the endpoint is a process of its own, as a real one is (moto's threads in the flow's
+    process took its GIL from the feed: 0.71x at 1920x1080, measured), and the items are
+    uploaded once, before any phase. Yields the environment that points a phase at them."""
+    server, env = None, {}
+    base = os.environ.get("VLM_CAPTION_BENCH_S3", "").rstrip("/")
+    if not base:
+        port = _free_port()
+        env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+               "VLM_CAPTION_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "VLM_CAPTION_BENCH_S3": "s3://bench"}
+        log = open(work / "moto-server.log", "wb")
+        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                  stdout=log, stderr=subprocess.STDOUT)
+        _wait_until(lambda: _healthy(env["VLM_CAPTION_S3_ENDPOINT_URL"], path="/moto-api/"), server,
+                    f"the moto S3 server did not start; see {work / 'moto-server.log'}")
+        base = "s3://bench"
+        import boto3
+
+        boto3.client("s3", endpoint_url=env["VLM_CAPTION_S3_ENDPOINT_URL"], region_name="us-east-1",
+                     aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench")
+    try:
+        _upload(folder, f"{base}/images/", {**os.environ, **env})
+        yield env
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+            log.close()
+
+
+def _upload(folder: Path, prefix: str, env: dict[str, str]) -> None:
+    """Every file under `folder` to `prefix`, through the flow's own storage code, in a child
+    process that sees the phases' environment."""
+    code = ("import sys; from pathlib import Path; from tasks.sources.storage import open_storage\n"
+            "folder, store = Path(sys.argv[1]), open_storage(sys.argv[2], create=True)\n"
+            "for path in sorted(p for p in folder.rglob('*') if p.is_file()):\n"
+            "    store.write(str(path.relative_to(folder)), path.read_bytes())")
+    subprocess.run([sys.executable, "-c", code, str(folder), prefix], env=env, cwd=REPO, check=True)
+
+
+def _wait_until(ready, proc: subprocess.Popen, message: str, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not ready():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(message)
+        time.sleep(1)
+
+
+def _healthy(api: str, path: str = "/health") -> bool:
     import httpx
 
     try:
-        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+        return httpx.get(f"{api}{path}", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+BENCH_POOL = "vlm-caption-gpu"  # the pool deployments/prefect.yaml names
+
+
+@contextmanager
+def partition_workers(gpus: int, work: Path, api_env: dict[str, str]):
+    """What a fanned-out run needs besides its server, set up as the README's "Operate it" says:
+    the work pool, the partition deployment from deployments/prefect.yaml, and one process worker
+    per GPU 1..N-1 (the run itself captions its partition on GPU 0). Stopped afterwards, each
+    with what it started."""
+    env = {**os.environ, **api_env, "VLM_CAPTION_HOME": str(REPO), "PREFECT_CLI_PROMPT": "false",
+           "PREFECT_WORKER_QUERY_SECONDS": "2"}  # a child run starts within 2 s of being created
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    for args in (["work-pool", "create", BENCH_POOL, "--type", "process", "--overwrite",
+                  "--base-job-template", "deployments/base-job-templates/process-gpu.json"],
+                 ["deploy", "--prefect-file", "deployments/prefect.yaml", "--name", "partition"]):
+        done = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"prefect {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    workers = []
+    for gpu in range(1, gpus):
+        log = open(work / f"worker-gpu{gpu}.log", "wb")
+        workers.append((subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", BENCH_POOL, "--limit", "1",
+             "--name", f"bench-gpu{gpu}", "--type", "process"], cwd=REPO, env={**env, "CUDA_VISIBLE_DEVICES": str(gpu)},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
+    try:
+        yield
+    finally:
+        for worker, log in workers:
+            _stop_tree(worker)
+            log.close()
+
+
+def _stop_tree(proc: subprocess.Popen) -> None:
+    """Stop a worker with everything under it (its flow run, that run's engine): SIGTERM, then
+    SIGKILL for what is left after 30 s."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    for member in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    proc.wait(timeout=10)

@@ -4,11 +4,12 @@ the py-spy profile (what held the GIL in the flow's process)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-METRICS = ("generate_items_per_s", "items_per_s", "wall_s", "first_result_s", "output_tokens_per_s",
-           "peak_rss_mb", "gpu_busy_pct")
+METRICS = ("generate_items_per_s", "summed_gpu_items_per_s", "items_per_s", "wall_s", "first_result_s",
+           "output_tokens_per_s", "peak_rss_mb", "gpu_busy_pct")
 
 
 def write_report(report: dict[str, Any], work: Path) -> Path:
@@ -98,20 +99,37 @@ def ratios(flow: dict[str, Any], raw: dict[str, Any]) -> dict[str, float]:
 
 
 def print_table(report: dict[str, Any], path: Path) -> None:
+    """A column per phase, each followed by its ratio: the flow's and each --flow-env's over raw,
+    the fan-out's over the flow on one GPU."""
     from rich.console import Console
     from rich.table import Table
 
     config = report["config"]
     table = Table(title=f"vlm-caption bench · {report['device']} · {config['images']} {config['modality']} "
                         f"items {config['width']}x{config['height']}")
-    variants = report["flow_env"]
-    for column in ("metric", "raw (example's way)", "flow", "flow / raw", *[c for env in variants for c in (env, "/ raw")]):
-        table.add_column(column, justify="right" if column != "metric" else "left")
+    columns = [("raw (example's way)", report["raw"], None),
+               ("flow", report["flow"], ("flow / raw", report["ratio_flow_over_raw"]))]
+    columns += [(env, result, ("/ raw", result["ratio_over_raw"])) for env, result in report["flow_env"].items()]
+    if "fan_out" in report:
+        fan_out = report["fan_out"]
+        columns.append((f"flow on {fan_out['gpus']} GPUs", fan_out, ("/ flow", fan_out["ratio_over_flow"])))
+    table.add_column("metric")
+    for name, _, ratio in columns:
+        table.add_column(name, justify="right")
+        if ratio:
+            table.add_column(ratio[0], justify="right")
     for metric in METRICS:
-        raw, flow = report["raw"].get(metric), report["flow"].get(metric)
-        extra = [_fmt(v) for result in variants.values() for v in (result.get(metric), result["ratio_over_raw"].get(metric))]
-        table.add_row(metric, _fmt(raw), _fmt(flow), _fmt(report["ratio_flow_over_raw"].get(metric)), *extra)
-    Console().print(table)
+        cells = []
+        for _, result, ratio in columns:
+            cells += [_fmt(result.get(metric))] + ([_fmt(ratio[1].get(metric))] if ratio else [])
+        table.add_row(metric, *cells)
+    # Not a terminal (a log, CI): wide enough that metric names and headers are not cut.
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    for part in report.get("fan_out", {}).get("partitions", []):
+        start, end = part["generate_window_s"]
+        print(f"partition {part['index']} on GPU {part['devices']} ({part['worker'] or 'the run itself'}): "
+              f"{part['processed']} items, engine ready at {_fmt(part['engine_ready_s'])} s, generated from "
+              f"{_fmt(start)} s to {_fmt(end)} s at {_fmt(part['generate_items_per_s'])} items/s")
     print(f"written: {path}")
 
 

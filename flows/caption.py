@@ -204,7 +204,7 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
         writes.append(write_shard.submit(job.output, fingerprint, parts_id, shard.index, records))
         while len(writes) > depth:  # keep only the writes still in flight
             stats.parts.append(writes.popleft().result())
-        stats.add(len(shard.items), prepared.skipped, records, 0.0)
+        stats.add(len(shard.items), prepared.skipped, records)
         failed = sum(1 for r in records if r.error)
         percent = progress.advance(len(shard.items), failed)
         emit("shard.failed" if failed else "shard.completed", run.run_id, shard=shard.index,
@@ -243,7 +243,7 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
             if engine is None:
                 engine = starting.result() if starting else start_engine(options.spec)
                 depth = depth_for(engine["sizing"])
-            generate_started = generate_started or time.perf_counter()
+            generate_started = generate_started or time.time()
             generating = generate_shard.submit(prepared, options, fingerprint, parts_id)
         in_flight.append((shard, prepared, generating))
         while len(in_flight) > depth:
@@ -254,7 +254,7 @@ def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
     if engine is None and starting is not None:
         engine = starting.result()  # started for items that turned out done by content
     if generate_started is not None:
-        stats.generate_s = time.perf_counter() - generate_started  # first request to last result
+        stats.mark_generating(generate_started, time.time())  # first request to last result
     stats.parts += [w.result() for w in writes]
     stats.parts = [part for part in stats.parts if part]
     return stats, engine

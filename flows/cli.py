@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefect", choices=["embedded", "server"], default="embedded",
                        help="embedded: each flow phase starts Prefect's embedded server, as `vlm-caption run` "
                        "does (default); server: one `prefect server start` for all, as a deployment run sees it")
+    bench.add_argument("--gpus", type=int, default=1,
+                       help="N > 1: then the flow fanned out over N GPUs of this host (fan_out=N, the run on "
+                       "GPU 0, a process worker per other GPU, the partition deployment; implies --prefect "
+                       "server and a folder source), reported over the flow on one GPU")
+    bench.add_argument("--skip-raw", action="store_true",
+                       help="leave out the raw phase (e.g. when --gpus is what is measured)")
 
     recipes = sub.add_parser("recipes", help="list or inspect recipes")
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
@@ -192,7 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
-                          profile=args.profile, prefect=args.prefect))
+                          profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw))
     return 0
 
 

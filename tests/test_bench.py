@@ -9,10 +9,11 @@ from pathlib import Path
 
 
 def test_bench_compares_the_flow_with_raw_vllm_and_writes_json(tmp_path):
+    """Raw vLLM, then the flow reading from the bench's loopback S3 server (a process of its own)."""
     exe = Path(sys.executable).with_name("vlm-caption")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
     done = subprocess.run([str(exe), "bench", "--dir", str(tmp_path / "bench"), "--images", "6", "--size", "160x120",
-                           "--shard-size", "2", "--max-tokens", "3"],
+                           "--shard-size", "2", "--max-tokens", "3", "--source", "s3"],
                           capture_output=True, text=True, timeout=1200, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "flow / raw" in done.stdout
@@ -50,6 +51,32 @@ def test_bench_runs_videos_and_image_groups_as_their_examples_do(tmp_path):
         else:  # a group is one item of two images; the flow ran against the bench's own server
             assert len(list((work / "multi-image-96x64-4").iterdir())) == 4
             assert report["flow"]["prefect_api"].startswith("http://127.0.0.1:")
+
+
+def test_bench_fans_out_over_two_gpus_and_reports_over_one(tmp_path):
+    """`--gpus 2 --skip-raw`: the flow on one device, then fanned out over two (the run on device
+    0, a worker for device 1 running the partition deployment): every item once, each partition
+    on its own device, its figures next to the one-device flow's, and the worker stopped."""
+    import psutil
+
+    exe = Path(sys.executable).with_name("vlm-caption")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
+    done = subprocess.run([str(exe), "bench", "--dir", str(tmp_path / "bench"), "--images", "8", "--size", "96x64",
+                           "--shard-size", "2", "--max-tokens", "3", "--gpus", "2", "--skip-raw"],
+                          capture_output=True, text=True, timeout=1500, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "flow on 2 GPUs" in done.stdout
+    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert report["raw"] == {} and report["flow"]["items"] == report["fan_out"]["items"] == 8
+    fan_out = report["fan_out"]
+    assert [(p["index"], p["devices"], p["worker"]) for p in fan_out["partitions"]] == [
+        (0, "0", None), (1, "1", "bench-gpu1")]  # partition 1 ran on the worker, not taken over
+    assert sum(p["processed"] for p in fan_out["partitions"]) == 8
+    assert fan_out["summed_gpu_items_per_s"] == sum(p["generate_items_per_s"] for p in fan_out["partitions"])
+    assert fan_out["ratio_over_flow"]["summed_gpu_items_per_s"] == round(
+        fan_out["summed_gpu_items_per_s"] / report["flow"]["summed_gpu_items_per_s"], 3)
+    workers = [p for p in psutil.process_iter(["cmdline"]) if "bench-gpu1" in " ".join(p.info["cmdline"] or [])]
+    assert workers == []
 
 
 def test_the_profile_is_told_apart_by_process(tmp_path):

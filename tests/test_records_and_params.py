@@ -147,3 +147,19 @@ def test_parent_absorbs_child_partition_reports():
                                  failures_by_kind={"decode": 2}, failures=[{"key": "x"}, {"key": "y"}]))
     assert (stats.listed, stats.processed, stats.succeeded, stats.skipped) == (12, 11, 10, 1)
     assert stats.failed == 3 and stats.parts == ["a", "b"] and len(stats.failures) == 2
+
+
+def test_a_fanned_out_run_generates_over_the_span_of_its_partitions():
+    """Two partitions generating 10 s each, side by side (one started 5 s later): the run's
+    items/s while generating is theirs together over the 15 s they span, not over 20 GPU-seconds."""
+    from tasks.results.report import PartitionReport, RunStats
+
+    stats = RunStats(processed=100, succeeded=100)
+    stats.mark_generating(1000.0, 1010.0)
+    child = PartitionReport(index=1, processed=100, succeeded=100)
+    child.mark_generating(1005.0, 1015.0)
+    stats.absorb(child)
+    assert (stats.generate_from, stats.generate_to, stats.generate_s) == (1000.0, 1015.0, 15.0)
+    assert stats.summary()["generate_items_per_s"] == round(200 / 15, 3)
+    assert child.brief()["generate_items_per_s"] == 10.0
+    assert stats.manifest(run_id="r", parameters={}, fingerprint="f", engine=None)["generate_window"] == [1000.0, 1015.0]

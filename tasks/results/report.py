@@ -23,11 +23,26 @@ class Tally(BaseModel):
     succeeded: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    generate_s: float = 0.0
+    # Epoch seconds of the first request and the last result. A fanned-out run's window spans its
+    # partitions' windows, so its items/s while generating is what the GPUs did together.
+    generate_from: float | None = None
+    generate_to: float | None = None
     failures_by_kind: dict[str, int] = Field(default_factory=dict)
     failures: list[dict[str, Any]] = Field(default_factory=list)
     samples: list[dict[str, str]] = Field(default_factory=list)
     parts: list[str] = Field(default_factory=list)
+
+    @property
+    def generate_s(self) -> float:
+        return self.generate_to - self.generate_from if self.generate_from is not None else 0.0
+
+    def generate_items_per_s(self) -> float:
+        return round(self.succeeded / self.generate_s, 3) if self.generate_s > 0 else 0.0
+
+    def mark_generating(self, started: float, ended: float) -> None:
+        """Widen the generating window to [started, ended] (epoch seconds)."""
+        self.generate_from = started if self.generate_from is None else min(self.generate_from, started)
+        self.generate_to = ended if self.generate_to is None else max(self.generate_to, ended)
 
 
 class PartitionReport(Tally):
@@ -43,8 +58,10 @@ class PartitionReport(Tally):
 
     def brief(self) -> dict[str, Any]:
         return {**self.model_dump(include={"index", "state", "flow_run_id", "worker", "host", "devices",
-                                           "listed", "processed", "succeeded"}),
-                "failed": sum(self.failures_by_kind.values())}
+                                           "listed", "processed", "succeeded", "generate_from", "generate_to"}),
+                "failed": sum(self.failures_by_kind.values()),
+                "generate_items_per_s": self.generate_items_per_s(),
+                "engine_ready_at": (self.engine or {}).get("ready_at")}
 
 
 class RunStats(Tally):
@@ -59,12 +76,11 @@ class RunStats(Tally):
     def failed(self) -> int:
         return sum(self.failures_by_kind.values())
 
-    def add(self, listed: int, skipped: int, records: list[ResultRecord], generate_s: float) -> None:
+    def add(self, listed: int, skipped: int, records: list[ResultRecord]) -> None:
         """One shard: `listed` items, `skipped` of them already done, a record per result."""
         self.listed += listed
         self.skipped += skipped
         self.processed += len(records)
-        self.generate_s += generate_s
         for record in records:
             self.prompt_tokens += record.prompt_tokens
             self.output_tokens += record.output_tokens
@@ -85,9 +101,10 @@ class RunStats(Tally):
 
     def absorb(self, report: PartitionReport) -> None:
         """Add a child partition's counts to this (the parent's) run."""
-        for name in ("listed", "skipped", "processed", "succeeded", "prompt_tokens", "output_tokens",
-                     "generate_s"):
+        for name in ("listed", "skipped", "processed", "succeeded", "prompt_tokens", "output_tokens"):
             setattr(self, name, getattr(self, name) + getattr(report, name))
+        if report.generate_from is not None:
+            self.mark_generating(report.generate_from, report.generate_to)
         for kind, count in report.failures_by_kind.items():
             self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + count
         self.failures.extend(report.failures[: max(MAX_FAILURES_LISTED - len(self.failures), 0)])
@@ -96,7 +113,6 @@ class RunStats(Tally):
 
     def summary(self) -> dict[str, Any]:
         wall = max(time.time() - self.started, 1e-9)
-        gen = max(self.generate_s, 1e-9)
         return {
             "listed": self.listed,
             "skipped_already_done": self.skipped,
@@ -106,8 +122,8 @@ class RunStats(Tally):
             "wall_s": round(wall, 2),
             "items_per_s": round(self.processed / wall, 3),
             "output_tokens": self.output_tokens,
-            "output_tokens_per_s": round(self.output_tokens / gen, 1) if self.generate_s else 0.0,
-            "generate_items_per_s": round(self.succeeded / gen, 3) if self.generate_s else 0.0,
+            "output_tokens_per_s": round(self.output_tokens / self.generate_s, 1) if self.generate_s > 0 else 0.0,
+            "generate_items_per_s": self.generate_items_per_s(),
             "first_result_s": self.first_result_s,
         }
 
@@ -125,6 +141,8 @@ class RunStats(Tally):
                 "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
             },
             "throughput": self.summary(),
+            # epoch seconds of the first request and the last result (over every partition)
+            "generate_window": [self.generate_from, self.generate_to] if self.generate_from is not None else None,
             "failures": self.failures,
             "parts": self.parts,
             "partitions": partitions or [],
