@@ -22,8 +22,9 @@ Both generate exactly `--max-tokens` per image (ignore_eos). It prints a table a
 items/s while generating, items/s including decode, wall from the phase's process start
 (imports and engine start included), time to the first result, items/s once the engine is up
 (decode, listing and Prefect included), output tokens/s, peak RSS, GPU busy % (NVML) between
-the first request and the last result, and the ratio flow/raw of each. On a CPU-only machine the same comparison runs with
-the tiny random-weight checkpoint (a smoke run: its figures say nothing about a GPU).
+the first request and the last result, and the ratio flow/raw of each. On a CPU-only machine
+the same comparison runs with the tiny random-weight checkpoint (a smoke run: its figures say
+nothing about a GPU).
 """
 
 from __future__ import annotations

@@ -178,86 +178,104 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None]:
             shards, spec = stream, engine_spec(job, [])
         run.log.info("run started", source=job.location, output=job.output, modality=job.modality,
                      questions=len(job.questions_to_ask), already_done=len(done), partition=run.parts_id)
-        return feed_shards(run, shards, done, spec)
+        return ShardPipeline(run, done, spec).run(shards)
     finally:
         stream.close()
 
 
-def feed_shards(run: PartitionRun, shards: Iterable[Shard], done: DoneIndex,
-                spec: EngineSpec) -> tuple[RunStats, dict | None]:
-    """The pipeline over the shards: prepare ahead, keep `feed_depth` shards in the engine,
-    write each shard's part as soon as it is done."""
-    job, fingerprint, parts_id, source, log = run.job, run.fingerprint, run.parts_id, run.source, run.log
-    depth_for = functools.partial(feed_depth, job.modality, job.shard_size, len(job.questions_to_ask))
-    depth = depth_for(None)  # until the engine's sizing is known
-    stats = RunStats()
-    media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
-    options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
-    progress = Progress(f"Captioning {job.location} with {run.recipe.name}")
-    engine, starting, generate_started = None, None, None
-    writes, in_flight = deque(), deque()
+class ShardPipeline:
+    """The pipeline over one partition's shards: prepare ahead, keep `depth` shards in the
+    engine, write each shard's part as soon as it is done.
 
-    def finish(shard: Shard, prepared, generating) -> None:
-        records = generating.result() if generating is not None else []
-        if records:
-            stats.mark_result()
-        writes.append(write_shard.submit(job.output, fingerprint, parts_id, shard.index, records))
-        while len(writes) > depth:  # keep only the writes still in flight
-            stats.parts.append(writes.popleft().result())
-        stats.add(len(shard.items), prepared.skipped, records)
-        failed = sum(1 for r in records if r.error)
-        percent = progress.advance(len(shard.items), failed)
-        emit("shard.failed" if failed else "shard.completed", run.run_id, shard=shard.index,
-             partition=run.partition.index if run.partition else 0, objects=len(shard.items),
-             skipped=prepared.skipped, failed=failed)
-        log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
-                 skipped=prepared.skipped, failed=failed, progress=percent)
+    A shard moves from the listing to `ahead` (its fetch and decode submitted), then to
+    `in_flight` (its requests in the engine), then out (its part being written, in `writes`)."""
 
-    def take(shard: Shard):
-        """A shard from the listing: counted, its fetch and decode started, and the engine
-        started in the background at the first item not already done."""
-        nonlocal starting
-        progress.grow(len(shard.items))
-        if starting is None and any(done.pending_by_listing(item, item.questions or job.questions_to_ask)
-                                    for item in shard.items):
-            starting = start_engine.submit(options.spec)
-        return shard, prepare_shard.submit(source, shard, done, job.questions_to_ask, media)
+    def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec):
+        job = run.job
+        self.partition_run, self.job, self.done = run, job, done
+        self.depth_for = functools.partial(feed_depth, job.modality, job.shard_size, len(job.questions_to_ask))
+        self.depth = self.depth_for(None)  # until the engine's sizing is known
+        self.lookahead = max(1, get_settings().prepare_ahead)
+        self.stats = RunStats()
+        self.media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
+        self.options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
+        self.progress = Progress(f"Captioning {job.location} with {run.recipe.name}")
+        self.engine: dict | None = None
+        self.starting = None  # the engine's start, submitted at the first item not done
+        self.generate_started: float | None = None
+        self.ahead, self.in_flight, self.writes = deque(), deque(), deque()
 
-    listed, ahead, lookahead = iter(shards), deque(), max(1, get_settings().prepare_ahead)
+    def run(self, shards: Iterable[Shard]) -> tuple[RunStats, dict | None]:
+        listed = iter(shards)
+        self.prepare_ahead(listed)
+        while self.ahead:
+            shard, preparing = self.ahead.popleft()
+            prepared = preparing.result()
+            self.prepare_ahead(listed)
+            self.in_flight.append((shard, prepared, self.generate(prepared)))
+            while len(self.in_flight) > self.depth:
+                self.finish(*self.in_flight.popleft())
+        while self.in_flight:
+            self.finish(*self.in_flight.popleft())
+        return self.close()
 
-    def prepare_ahead() -> None:
+    def prepare_ahead(self, listed) -> None:
         """While the engine starts (or after it ran dry) a whole feed's worth of shards is
         fetched and decoded at once, so the engine is full the moment it is up; once it runs,
         `prepare_ahead` shards are (VLM_CAPTION_PREPARE_AHEAD)."""
-        while ((len(ahead) < lookahead or len(ahead) + len(in_flight) <= depth)
+        while ((len(self.ahead) < self.lookahead or len(self.ahead) + len(self.in_flight) <= self.depth)
                and (following := next(listed, None)) is not None):
-            ahead.append(take(following))
+            self.ahead.append((following, self.take(following)))
 
-    prepare_ahead()
-    while ahead:
-        shard, preparing = ahead.popleft()
-        prepared = preparing.result()
-        prepare_ahead()
-        generating = None
-        if prepared.items:
-            if engine is None:
-                engine = starting.result() if starting else start_engine(options.spec)
-                depth = depth_for(engine["sizing"])
-            generate_started = generate_started or time.time()
-            generating = generate_shard.submit(prepared, options, fingerprint, parts_id)
-        in_flight.append((shard, prepared, generating))
-        while len(in_flight) > depth:
-            finish(*in_flight.popleft())
-    while in_flight:
-        finish(*in_flight.popleft())
-    progress.close()
-    if engine is None and starting is not None:
-        engine = starting.result()  # started for items that turned out done by content
-    if generate_started is not None:
-        stats.mark_generating(generate_started, time.time())  # first request to last result
-    stats.parts += [w.result() for w in writes]
-    stats.parts = [part for part in stats.parts if part]
-    return stats, engine
+    def take(self, shard: Shard):
+        """A shard from the listing: counted, its fetch and decode submitted, and the engine
+        started in the background at the first item not already done."""
+        job = self.job
+        self.progress.grow(len(shard.items))
+        if self.starting is None and any(self.done.pending_by_listing(item, item.questions or job.questions_to_ask)
+                                         for item in shard.items):
+            self.starting = start_engine.submit(self.options.spec)
+        return prepare_shard.submit(self.partition_run.source, shard, self.done, job.questions_to_ask, self.media)
+
+    def generate(self, prepared):
+        """The shard's requests handed to the engine (started here if it is not yet)."""
+        if not prepared.items:
+            return None
+        if self.engine is None:
+            self.engine = self.starting.result() if self.starting else start_engine(self.options.spec)
+            self.depth = self.depth_for(self.engine["sizing"])
+        self.generate_started = self.generate_started or time.time()
+        run = self.partition_run
+        return generate_shard.submit(prepared, self.options, run.fingerprint, run.parts_id)
+
+    def finish(self, shard: Shard, prepared, generating) -> None:
+        """The shard's records written as its part, counted, reported."""
+        run, stats = self.partition_run, self.stats
+        records = generating.result() if generating is not None else []
+        if records:
+            stats.mark_result()
+        self.writes.append(write_shard.submit(self.job.output, run.fingerprint, run.parts_id, shard.index, records))
+        while len(self.writes) > self.depth:  # keep only the writes still in flight
+            stats.parts.append(self.writes.popleft().result())
+        stats.add(len(shard.items), prepared.skipped, records)
+        failed = sum(1 for r in records if r.error)
+        percent = self.progress.advance(len(shard.items), failed)
+        emit("shard.failed" if failed else "shard.completed", run.run_id, shard=shard.index,
+             partition=run.partition.index if run.partition else 0, objects=len(shard.items),
+             skipped=prepared.skipped, failed=failed)
+        run.log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
+                     skipped=prepared.skipped, failed=failed, progress=percent)
+
+    def close(self) -> tuple[RunStats, dict | None]:
+        stats = self.stats
+        self.progress.close()
+        if self.engine is None and self.starting is not None:
+            self.engine = self.starting.result()  # started for items that turned out done by content
+        if self.generate_started is not None:
+            stats.mark_generating(self.generate_started, time.time())  # first request to last result
+        stats.parts += [w.result() for w in self.writes]
+        stats.parts = [part for part in stats.parts if part]
+        return stats, self.engine
 
 
 def engine_spec(job: CaptionJob, shards: list[Shard]) -> EngineSpec:
