@@ -107,15 +107,20 @@ def vlm_caption(job: CaptionJob) -> dict:
     check_output(job.output)
     run_id = job.partition.run_id if job.partition else _run_id()
     model = recipe.model_for(job.modality, job.model)
-    fingerprint = job_fingerprint(
-        source=job.location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
-        media={"num_frames": job.num_frames} if job.modality == "video" else {},
-        sampling=job.sampling.fingerprint_dict())
+    fingerprint = fingerprint_of(job, recipe, model)
     log = get_logger(run_id=run_id, recipe=recipe.name, fingerprint=fingerprint)
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
     lease = one_run_per_job(fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
     with lease:
         return caption_job(job, recipe, run_id, model, fingerprint, log)
+
+
+def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str) -> str:
+    """The results this job's are interchangeable with (see `job_fingerprint`)."""
+    return job_fingerprint(
+        source=job.location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
+        media={"num_frames": job.num_frames} if job.modality == "video" else {},
+        sampling=job.sampling.fingerprint_dict())
 
 
 def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, fingerprint: str, log) -> dict:
