@@ -7,68 +7,35 @@ of a job manifest) in, one result record per (item, question) out.
         several shards in the engine at once ─────┘
     ... all shards ──> manifest ──> summary artifacts
 
-With `fan_out=N` the run also starts N-1 child runs (tasks/fanout.py), captions partition 0
-itself, captions any child partition no worker has started by then (work stealing), waits for
-the rest and merges their reports into the one manifest.
+A partition's shards go through `flows/pipeline.py`. With `fan_out=N` the run also starts N-1
+child runs (tasks/fanout.py), captions partition 0 itself, captions any child partition no
+worker has started by then (work stealing), waits for the rest and merges their reports into
+the one manifest.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import socket
 import time
 import uuid
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.params import CaptionJob, Partition
+from flows.pipeline import PartitionRun, caption_shards
 from recipes import Recipe, get_recipe
 from tasks.concurrency import one_run_per_job
-from tasks.engine.feed import feed_depth
-from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
-from tasks.engine.arguments import (EngineSpec, check_engine_overrides, check_remote_code,
-                                     image_resize_target)
-from tasks.engine.vllm_engine import Sampling, ensure_vllm_imported
+from tasks.engine.arguments import check_engine_overrides, check_remote_code
+from tasks.engine.vllm_engine import ensure_vllm_imported
 from tasks.fanout import CALLED_OFF, FanOutError, start_children, wait_for_children, wait_for_orphans
-from tasks.media.prepare import MediaOptions, prepare_shard
-from tasks.observability import Progress, configure_logging, emit, get_logger, publish_summary
-from tasks.results.done_index import DoneIndex, load_done_index
+from tasks.observability import configure_logging, emit, get_logger, publish_summary
 from tasks.results.records import job_fingerprint
 from tasks.results.report import PartitionReport, RunStats
-from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report, write_shard
-from tasks.settings import get_settings
-from tasks.sources.items import Shard
-from tasks.sources.listing import ShardStream, SourceSpec
+from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
 from tasks.sources.preflight import check_output, check_source
-
-
-@dataclass(frozen=True)
-class PartitionRun:
-    """One partition of a job being captioned in this process (the whole job when not fanned out)."""
-
-    job: CaptionJob
-    recipe: Recipe
-    fingerprint: str
-    run_id: str
-    partition: Partition | None
-    log: Any
-
-    @property
-    def parts_id(self) -> str:
-        """Names this partition's result parts (`part-<parts_id>-<shard>.jsonl`)."""
-        return f"{self.run_id}-p{self.partition.index}" if self.partition else self.run_id
-
-    @property
-    def source(self) -> SourceSpec:
-        job = self.job
-        return SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
 
 
 def run_label(job: dict) -> str:
@@ -164,135 +131,6 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
                           "Run the deployment again: objects already done are skipped.")
     return {**summary, "run_id": run_id, "manifest": manifest_uri, "fingerprint": fingerprint,
             "failures": stats.failures}
-
-
-def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None]:
-    """Caption this run's items (one partition of them when fanned out) shard by shard as the
-    listing streams them in, fetching the next shard while the current ones are on the GPU."""
-    job, partition = run.job, run.partition
-    done = load_done_index(job.output, run.fingerprint)
-    stream = ShardStream(run.source, job.shard_size, job.limit,
-                         (partition.index, partition.count) if partition else None).start()
-    try:
-        # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
-        # listing is read whole first; image and video start on the first shard listed.
-        if job.modality == "multi-image":
-            shards: Iterable[Shard] = list(stream)
-            spec = engine_spec(job, shards)
-        else:
-            shards, spec = stream, engine_spec(job, [])
-        run.log.info("run started", source=job.location, output=job.output, modality=job.modality,
-                     questions=len(job.questions_to_ask), already_done=len(done), partition=run.parts_id)
-        return ShardPipeline(run, done, spec).run(shards)
-    finally:
-        stream.close()
-
-
-class ShardPipeline:
-    """The pipeline over one partition's shards: prepare ahead, keep `depth` shards in the
-    engine, write each shard's part as soon as it is done.
-
-    A shard moves from the listing to `ahead` (its fetch and decode submitted), then to
-    `in_flight` (its requests in the engine), then out (its part being written, in `writes`)."""
-
-    def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec):
-        job = run.job
-        self.partition_run, self.job, self.done = run, job, done
-        self.depth_for = functools.partial(feed_depth, job.modality, job.shard_size, len(job.questions_to_ask))
-        self.depth = self.depth_for(None)  # until the engine's sizing is known
-        self.lookahead = max(1, get_settings().prepare_ahead)
-        self.stats = RunStats()
-        self.media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
-        self.options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
-        self.progress = Progress(f"Captioning {job.location} with {run.recipe.name}")
-        self.engine: dict | None = None
-        self.starting = None  # the engine's start, submitted at the first item not done
-        self.generate_started: float | None = None
-        self.ahead, self.in_flight, self.writes = deque(), deque(), deque()
-
-    def run(self, shards: Iterable[Shard]) -> tuple[RunStats, dict | None]:
-        listed = iter(shards)
-        self.prepare_ahead(listed)
-        while self.ahead:
-            shard, preparing = self.ahead.popleft()
-            prepared = preparing.result()
-            self.prepare_ahead(listed)
-            self.in_flight.append((shard, prepared, self.generate(prepared)))
-            while len(self.in_flight) > self.depth:
-                self.finish(*self.in_flight.popleft())
-        while self.in_flight:
-            self.finish(*self.in_flight.popleft())
-        return self.close()
-
-    def prepare_ahead(self, listed) -> None:
-        """While the engine starts (or after it ran dry) a whole feed's worth of shards is
-        fetched and decoded at once, so the engine is full the moment it is up; once it runs,
-        `prepare_ahead` shards are (VLM_CAPTION_PREPARE_AHEAD)."""
-        while ((len(self.ahead) < self.lookahead or len(self.ahead) + len(self.in_flight) <= self.depth)
-               and (following := next(listed, None)) is not None):
-            self.ahead.append((following, self.take(following)))
-
-    def take(self, shard: Shard):
-        """A shard from the listing: counted, its fetch and decode submitted, and the engine
-        started in the background at the first item not already done."""
-        job = self.job
-        self.progress.grow(len(shard.items))
-        if self.starting is None and any(self.done.pending_by_listing(item, item.questions or job.questions_to_ask)
-                                         for item in shard.items):
-            self.starting = start_engine.submit(self.options.spec)
-        return prepare_shard.submit(self.partition_run.source, shard, self.done, job.questions_to_ask, self.media)
-
-    def generate(self, prepared):
-        """The shard's requests handed to the engine (started here if it is not yet)."""
-        if not prepared.items:
-            return None
-        if self.engine is None:
-            self.engine = self.starting.result() if self.starting else start_engine(self.options.spec)
-            self.depth = self.depth_for(self.engine["sizing"])
-        self.generate_started = self.generate_started or time.time()
-        run = self.partition_run
-        return generate_shard.submit(prepared, self.options, run.fingerprint, run.parts_id)
-
-    def finish(self, shard: Shard, prepared, generating) -> None:
-        """The shard's records written as its part, counted, reported."""
-        run, stats = self.partition_run, self.stats
-        records = generating.result() if generating is not None else []
-        if records:
-            stats.mark_result()
-        self.writes.append(write_shard.submit(self.job.output, run.fingerprint, run.parts_id, shard.index, records))
-        while len(self.writes) > self.depth:  # keep only the writes still in flight
-            stats.parts.append(self.writes.popleft().result())
-        stats.add(len(shard.items), prepared.skipped, records)
-        failed = sum(1 for r in records if r.error)
-        percent = self.progress.advance(len(shard.items), failed)
-        emit("shard.failed" if failed else "shard.completed", run.run_id, shard=shard.index,
-             partition=run.partition.index if run.partition else 0, objects=len(shard.items),
-             skipped=prepared.skipped, failed=failed)
-        run.log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
-                     skipped=prepared.skipped, failed=failed, progress=percent)
-
-    def close(self) -> tuple[RunStats, dict | None]:
-        stats = self.stats
-        self.progress.close()
-        if self.engine is None and self.starting is not None:
-            self.engine = self.starting.result()  # started for items that turned out done by content
-        if self.generate_started is not None:
-            stats.mark_generating(self.generate_started, time.time())  # first request to last result
-        stats.parts += [w.result() for w in self.writes]
-        stats.parts = [part for part in stats.parts if part]
-        return stats, self.engine
-
-
-def engine_spec(job: CaptionJob, shards: list[Shard]) -> EngineSpec:
-    """The engine for this job. For multi-image, vLLM's per-prompt image limit comes from the
-    largest group listed (as the example sets it from its image count), capped by the job's."""
-    images = 1
-    if job.modality == "multi-image":
-        largest = max((len(item.members) for shard in shards for item in shard.items), default=1)
-        images = max(1, min(largest, job.image_limit))
-    return EngineSpec.build(job.recipe, modality=job.modality, model=job.model,
-                            engine_overrides=job.engine_overrides,
-                            trust_remote_code=job.trust_remote_code, images=images)
 
 
 def merge_children(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str, children,
