@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 import flows.caption
+import flows.pipeline
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
 from recipes import RecipeError
@@ -19,8 +20,8 @@ def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an engine was started for a job that should have been refused")
 
-    monkeypatch.setattr(flows.caption, "start_engine", refuse)
-    monkeypatch.setattr(flows.caption, "ShardStream", refuse)
+    monkeypatch.setattr(flows.pipeline, "start_engine", refuse)  # where the shard pipeline finds them
+    monkeypatch.setattr(flows.pipeline, "ShardStream", refuse)
 
 
 def run(**fields):
