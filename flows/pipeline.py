@@ -16,7 +16,7 @@ from typing import Any
 from flows.params import CaptionJob, Partition
 from recipes import Recipe
 from tasks.engine.arguments import EngineSpec, image_resize_target
-from tasks.engine.feed import feed_depth
+from tasks.engine.feed import FEED_ITEMS, feed_depth
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
 from tasks.engine.vllm_engine import Sampling
 from tasks.media.prepare import MediaOptions, prepare_shard
@@ -85,7 +85,10 @@ class ShardPipeline:
         self.partition_run, self.job, self.done = run, job, done
         self.depth_for = functools.partial(feed_depth, job.modality, job.shard_size, len(job.questions_to_ask))
         self.depth = self.depth_for(None)  # until the engine's sizing is known
+        self.sizing: dict | None = None
+        self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
         self.lookahead = max(1, get_settings().prepare_ahead)
+        self.filling = max(self.lookahead, -(-FEED_ITEMS // max(1, job.shard_size * len(job.questions_to_ask))))
         self.stats = RunStats()
         self.media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
         self.options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
@@ -101,6 +104,7 @@ class ShardPipeline:
         while self.ahead:
             shard, preparing = self.ahead.popleft()
             prepared = preparing.result()
+            self.size_feed(prepared)
             self.prepare_ahead(listed)
             self.in_flight.append((shard, prepared, self.generate(prepared)))
             while len(self.in_flight) > self.depth:
@@ -112,10 +116,23 @@ class ShardPipeline:
     def prepare_ahead(self, listed) -> None:
         """While the engine starts (or after it ran dry) a whole feed's worth of shards is
         fetched and decoded at once, so the engine is full the moment it is up; once it runs,
-        `prepare_ahead` shards are (VLM_CAPTION_PREPARE_AHEAD)."""
-        while ((len(self.ahead) < self.lookahead or len(self.ahead) + len(self.in_flight) <= self.depth)
+        `prepare_ahead` shards are (VLM_CAPTION_PREPARE_AHEAD). Filling, at most FEED_ITEMS
+        items are being prepared at once (each shard being prepared has its own fetch threads)."""
+        while ((len(self.ahead) < self.lookahead
+                or (len(self.ahead) + len(self.in_flight) <= self.depth and len(self.ahead) < self.filling))
                and (following := next(listed, None)) is not None):
             self.ahead.append((following, self.take(following)))
+
+    @property
+    def mean_shard_bytes(self) -> float | None:
+        return self.media_bytes / self.prepared_shards if self.prepared_shards else None
+
+    def size_feed(self, prepared) -> None:
+        """The feed's depth from the engine's batch and the decoded bytes of shards so far."""
+        if prepared.items:
+            self.media_bytes += prepared.media_bytes
+            self.prepared_shards += 1
+            self.depth = self.depth_for(self.sizing, self.mean_shard_bytes)
 
     def take(self, shard: Shard):
         """A shard from the listing: counted, its fetch and decode submitted, and the engine
@@ -133,7 +150,8 @@ class ShardPipeline:
             return None
         if self.engine is None:
             self.engine = self.starting.result() if self.starting else start_engine(self.options.spec)
-            self.depth = self.depth_for(self.engine["sizing"])
+            self.sizing = self.engine["sizing"]
+            self.depth = self.depth_for(self.sizing, self.mean_shard_bytes)
         self.generate_started = self.generate_started or time.time()
         run = self.partition_run
         return generate_shard.submit(prepared, self.options, run.fingerprint, run.parts_id)

@@ -22,10 +22,11 @@ class Settings(BaseSettings):
     max_bytes_in_flight: int = 1024**3
     max_object_bytes: int = 2 * 1024**3  # one object (a video) over this is an error record
     # Engine feed: shards whose requests are in the engine at once. More keeps a large GPU's
-    # batch full between shards; each holds its decoded media in memory. None: sized in items
-    # by `tasks.engine.feed.feed_depth` (images: at least 6 shards and the engine's batch, at most
-    # 512 images; videos and groups: 2 shards, their frames are large).
+    # batch full between shards; each holds its decoded media in memory. None: sized by
+    # `tasks.engine.feed.feed_depth` (images: at least 6 shards and twice the engine's batch, at
+    # most 2,048 requests and `feed_media_bytes` of decoded media; videos and groups: 2 shards).
     feed_depth: int | None = None
+    feed_media_bytes: int = 2 * 1024**3  # decoded images held by the shards in the engine
     # Shards fetched and decoded at once ahead of the engine once it is running (while it starts,
     # as many as its feed will hold). One shard at a time is a shard's latency (its task run, its
     # fetches) per shard, which a small model outruns.

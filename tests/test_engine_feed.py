@@ -150,23 +150,33 @@ def test_a_render_worker_that_dies_fails_its_requests_as_an_engine_failure():
     feed.close()
 
 
-def test_the_feed_depth_keeps_the_engines_batch_of_images_in_flight(monkeypatch):
-    """Shards in the engine at once, sized in requests: small shards get more of them (H100: 6
-    shards of 16 starved a 7B engine's batch), never fewer than 6; videos and groups 2; the
-    setting wins."""
-    from tasks.engine.feed import FEED_ITEMS, feed_depth
+def test_the_feed_depth_keeps_twice_the_engines_batch_of_images_in_flight(monkeypatch):
+    """Shards in the engine at once, sized in requests: twice the engine's batch (H100, tiny
+    LLaVA: 512 in flight against a batch of 1024 ran at 0.72x raw vLLM), so small shards get
+    more of them, never fewer than 6 -- unless their decoded media would pass
+    `feed_media_bytes`, and then never fewer than 2; videos and groups 2; the setting wins."""
+    from tasks.engine.feed import FEED_ITEMS, FEED_REQUESTS, feed_depth
     from tasks.settings import get_settings
 
     monkeypatch.delenv("VLM_CAPTION_FEED_DEPTH", raising=False)
+    monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(2 * 1024**3))
     get_settings.cache_clear()
-    engine, small = {"max_num_seqs": 1024}, {"max_num_seqs": 8}  # start_engine's "sizing"
-    assert feed_depth("image", 16, 1, engine) == FEED_ITEMS // 16 == 32
-    assert feed_depth("image", 64, 1, engine) == 8
-    assert feed_depth("image", 16, 2, engine) == 16  # two questions: two requests per item
+    engine, mid, small = {"max_num_seqs": 1024}, {"max_num_seqs": 256}, {"max_num_seqs": 8}  # start_engine's "sizing"
+    assert feed_depth("image", 16, 1, engine) == FEED_REQUESTS // 16 == 128
+    assert feed_depth("image", 64, 1, engine) == 32
+    assert feed_depth("image", 16, 2, engine) == 64  # two questions: two requests per item
+    assert feed_depth("image", 64, 1, mid) == 2 * 256 // 64 == 8
     assert feed_depth("image", 1024, 1, engine) == feed_depth("image", 16, 1, small) == 6
-    assert feed_depth("image", 16, 1, None) == 6  # before the engine is up
+    assert feed_depth("image", 16, 1, None) == FEED_ITEMS // 16 == 32  # before the engine is up
+    # Decoded media bound it: 64 crops of 336x336 fit 32 times over; 64 photos of 1920x1080 not.
+    crops, photos = 64 * 336 * 336 * 3, 64 * 1920 * 1080 * 3
+    assert feed_depth("image", 64, 1, engine, crops) == 32
+    assert feed_depth("image", 64, 1, engine, photos) == 2 * 1024**3 // photos == 5
+    assert feed_depth("image", 1024, 1, engine, 16 * photos) == 2  # never so few that the engine drains
     assert feed_depth("video", 16, 1, engine) == feed_depth("multi-image", 16, 1, engine) == 2
     monkeypatch.setenv("VLM_CAPTION_FEED_DEPTH", "3")
+    get_settings.cache_clear()
+    assert feed_depth("image", 16, 1, engine, photos) == 3
     get_settings.cache_clear()
     assert feed_depth("image", 16, 1, engine) == 3
     get_settings.cache_clear()

@@ -39,3 +39,24 @@ def test_pixel_guard_refuses_huge_images_without_decoding_them():
     with pytest.raises(MediaError) as info:
         decode_image(image_bytes("PNG", size=(200, 100)), max_pixels=10_000)
     assert info.value.error.kind == "too_large" and "VLM_CAPTION_MAX_IMAGE_PIXELS" in str(info.value)
+
+
+def test_a_prepared_shard_counts_the_bytes_of_its_decoded_media():
+    """The engine feed is bounded by these bytes (`feed_media_bytes`): RGB pixels of an image,
+    of every image of a group, every frame of a video; an item that failed holds none."""
+    import numpy as np
+    from PIL import Image
+
+    from tasks.media.prepare import PreparedItem, PreparedShard
+    from tasks.media.video import DecodedVideo
+    from tasks.results.records import ItemError
+    from tasks.sources.items import ObjectRef, Shard, WorkItem
+
+    item = WorkItem(id="a", members=[ObjectRef(key="a", size=1)])
+    image = PreparedItem(item, ("q",), media=Image.new("RGB", (40, 30)))
+    group = PreparedItem(item, ("q",), media=[Image.new("RGB", (10, 10)), Image.new("RGB", (20, 10))])
+    video = PreparedItem(item, ("q",), media=DecodedVideo(np.zeros((4, 8, 16, 3), np.uint8), {}))
+    failed = PreparedItem(item, ("q",), error=ItemError("decode", "corrupt image"))
+    assert [p.media_bytes for p in (image, group, video, failed)] == [3600, 900, 1536, 0]
+    shard = PreparedShard(Shard(index=0, items=[item]), items=[image, group, video, failed])
+    assert shard.media_bytes == 3600 + 900 + 1536

@@ -25,24 +25,36 @@ from typing import Any
 from tasks.engine.render import RenderJob, render
 from tasks.settings import get_settings
 
-# Images in the engine at once, at most: enough to keep the running batch full between shards,
-# few enough that the decoded and rendered images waiting there stay small (~1.4 MB each).
+# Requests in the engine at once, at most: twice the engine's batch, so that when a wave of
+# requests finishes together the next wave is already waiting (H100, tiny LLaVA, 10,240 images
+# at 640x480, shard size 64: 512 in flight against a batch of 1024 gave 118 img/s, 0.72x raw
+# vLLM; shard size 512, 3,072 in flight, 162 img/s).
+FEED_REQUESTS = 2048
+# Before the engine is up (its batch unknown), and the least any image feed aims at.
 FEED_ITEMS = 512
 
 
-def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | None) -> int:
+def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | None,
+               shard_media_bytes: float | None = None) -> int:
     """Shards whose requests are in the engine at once (`VLM_CAPTION_FEED_DEPTH` wins). Counted
-    in shards but sized in requests: on an H100 (7B, 1920x1080) 6 shards of 64 kept the batch
-    full (1.06x raw vLLM) while 6 shards of 16 starved it (0.92x). So images get at least 6
-    shards and at least the engine's batch (`max_num_seqs`, at most FEED_ITEMS) of requests (one
-    per item and question); videos and groups get 2 shards, their frames being large. `sizing`:
-    the engine's (None before it is up)."""
-    if get_settings().feed_depth:
-        return max(1, get_settings().feed_depth)
+    in shards but sized in requests and bytes: on an H100 (7B, 1920x1080) 6 shards of 64 kept
+    the batch full (1.06x raw vLLM) while 6 shards of 16 starved it (0.92x). So images get at
+    least 6 shards and twice the engine's batch (`max_num_seqs`) of requests, between FEED_ITEMS
+    and FEED_REQUESTS (one per item and question), as far as their decoded media fit in
+    `feed_media_bytes` (`shard_media_bytes`: a prepared shard's, on average; never fewer than
+    2 shards, or the engine would drain between them); videos and groups get 2 shards, their
+    frames being large. `sizing`: the engine's (None before it is up)."""
+    settings = get_settings()
+    if settings.feed_depth:
+        return max(1, settings.feed_depth)
     if modality != "image":
         return 2
-    batch = min(FEED_ITEMS, (sizing or {}).get("max_num_seqs") or 0)
-    return max(6, -(-batch // max(1, shard_size * questions)))
+    seqs = (sizing or {}).get("max_num_seqs") or 0
+    requests = max(min(FEED_ITEMS, seqs), min(FEED_REQUESTS, 2 * seqs)) if sizing else FEED_ITEMS
+    depth = max(6, -(-requests // max(1, shard_size * questions)))
+    if shard_media_bytes:
+        depth = min(depth, int(settings.feed_media_bytes // shard_media_bytes))
+    return max(2, depth)
 
 
 @dataclass

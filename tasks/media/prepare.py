@@ -50,6 +50,12 @@ class PreparedItem:
     decode_s: float = 0.0
 
     @property
+    def media_bytes(self) -> int:
+        """Bytes of decoded media this item holds (RGB pixels, video frames)."""
+        media = self.media if isinstance(self.media, list) else [self.media]
+        return sum(_decoded_bytes(m) for m in media if m is not None)
+
+    @property
     def video_info(self) -> dict[str, Any] | None:
         return self.media.info() if isinstance(self.media, DecodedVideo) else None
 
@@ -59,6 +65,17 @@ class PreparedShard:
     shard: Shard
     items: list[PreparedItem] = field(default_factory=list)
     skipped: int = 0  # items already done by an earlier run with the same fingerprint
+
+    @property
+    def media_bytes(self) -> int:
+        return sum(item.media_bytes for item in self.items)
+
+
+def _decoded_bytes(media: Any) -> int:
+    if isinstance(media, DecodedVideo):
+        return int(media.frames.nbytes)
+    width, height = media.size  # a PIL image
+    return width * height * len(media.getbands())
 
 
 class ByteBudget:
