@@ -1,6 +1,8 @@
 """Measure the done-index at scale (not a test): `python -m tests.done_index_scale 1000000 [DIR]`
 writes that many results in parts of 64 (with sidecars) to a folder, then loads them in a
-fresh process and prints seconds and peak RSS."""
+fresh process and prints seconds and peak RSS. With `--s3` the folder is uploaded to a loopback
+moto S3 server (a process of its own, as the bench runs it) and loaded from there, twice: the
+first load reads every sidecar and writes the compacted index, the second reads that."""
 
 from __future__ import annotations
 
@@ -23,14 +25,34 @@ def load(out: str) -> None:
                       "rss_before_load_mb": before // 1024, "index_mb": round(done.nbytes / 2**20, 1)}))
 
 
-def main(total: int, out: str) -> None:
+def main(total: int, out: str, s3: bool = False) -> None:
     from tests.test_done_index import _record
     from tasks.results.writers import write_shard
 
     for shard, start in enumerate(range(0, total, 64)):
         write_shard.fn(out, "f" * 16, "scale", shard, [_record(i) for i in range(start, min(start + 64, total))])
-    subprocess.run([sys.executable, "-c", f"from tests.done_index_scale import load; load({out!r})"], check=True)
+    loads = [(out, {})]
+    if s3:
+        from pathlib import Path
+
+        from flows.bench_harness import s3_source
+
+        with s3_source(Path(out), Path(tempfile.mkdtemp())) as env:
+            loads = [("s3://bench/images/", env)] * 2
+            for uri, extra in loads:
+                _load_in_child(uri, extra)
+        return
+    for uri, extra in loads:
+        _load_in_child(uri, extra)
+
+
+def _load_in_child(uri: str, env: dict[str, str]) -> None:
+    import os
+
+    subprocess.run([sys.executable, "-c", f"from tests.done_index_scale import load; load({uri!r})"],
+                   check=True, env={**os.environ, **env})
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp())
+    args = [a for a in sys.argv[1:] if a != "--s3"]
+    main(int(args[0]), args[1] if len(args) > 1 else tempfile.mkdtemp(), s3="--s3" in sys.argv)

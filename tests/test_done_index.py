@@ -73,3 +73,62 @@ def test_an_empty_index_has_everything_pending():
     done = DoneIndex()
     assert len(done) == 0 and done.pending_by_listing(_item(1), ("q",)) == ("q",)
     assert done.pending_by_content("x", "abc", ("q",)) == ("q",)
+
+
+class CountingStorage:
+    """The output storage, counting the objects read (on an object store, one GET each)."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def read(self, key: str) -> bytes:
+        self.reads.append(key)
+        return self.inner.read(key)
+
+
+def _load_counting(out, monkeypatch) -> tuple[DoneIndex, list[str]]:
+    import tasks.results.done_index as done_index
+    from tasks.sources.storage import open_storage
+
+    storage = CountingStorage(open_storage(str(out), create=True))
+    monkeypatch.setattr(done_index, "open_storage", lambda uri, create=False: storage)
+    return load_done_index.fn(str(out), FP), storage.reads
+
+
+def test_a_long_history_is_compacted_into_one_object_and_stays_exact(tmp_path, prefect_api, monkeypatch):
+    from tasks.results.done_index import COMPACT_AFTER
+
+    out = tmp_path / "out"
+    for shard in range(COMPACT_AFTER + 6):
+        write_shard.fn(str(out), FP, "old", shard, [_record(2 * shard), _record(2 * shard + 1)])
+    total = 2 * (COMPACT_AFTER + 6)
+    done, reads = _load_counting(out, monkeypatch)  # every sidecar read, then compacted
+    assert len(done) == total and len(reads) == COMPACT_AFTER + 6
+    compacted = sorted((out / "results" / FP).glob("*.vidx"))
+    assert len(compacted) == 1
+
+    done, reads = _load_counting(out, monkeypatch)  # one object for the whole history
+    assert len(done) == total and reads == [f"results/{FP}/{compacted[0].name}"]
+
+    # Parts written since are read beside it; a part cut short is parsed, and one deleted no
+    # longer counts, though the compacted index still lists their rows.
+    write_shard.fn(str(out), FP, "new", 0, [_record(total)])
+    part0 = out / part_key(FP, "old", 0)
+    part0.write_bytes(part0.read_bytes().split(b"\n", 1)[0] + b"\n")  # keeps record 0, loses 1
+    (out / part_key(FP, "old", 1)).unlink()  # records 2 and 3
+    done, reads = _load_counting(out, monkeypatch)
+    assert len(reads) == 4  # the compacted index, the new part's sidecar, part 0's (stale) and part 0
+    assert len(done) == total + 1 - 3
+    assert [done.pending_by_listing(_item(i), ("q",)) for i in (0, 1, 2, 4, total)] == [(), ("q",), ("q",), (), ()]
+
+    # A damaged compacted index is passed over (the sidecars answer), then replaced.
+    compacted[0].write_bytes(b"garbage")
+    done, reads = _load_counting(out, monkeypatch)
+    assert len(done) == total + 1 - 3 and len(reads) > COMPACT_AFTER
+    assert [p.name for p in (out / "results" / FP).glob("*.vidx")] != [compacted[0].name]
+    assert len(list((out / "results" / FP).glob("*.vidx"))) == 1
+    done, reads = _load_counting(out, monkeypatch)
+    assert len(done) == total + 1 - 3 and len(reads) == 1

@@ -9,11 +9,20 @@ The index is compact so that a bucket's whole history loads fast: 24 bytes per f
 sorted numpy array. Each results part has a small sidecar (`part-....idx`, written just after the
 part) holding those rows, so loading reads a few bytes per part instead of parsing JSON; a part
 without a sidecar, or whose size no longer matches the one its sidecar was made from, is parsed.
+
+A long history has many parts, and on an object store each sidecar is a request of its own
+(1M results in parts of 64: 15,625 GETs). So once a load reads COMPACT_AFTER or more parts one
+by one, it writes what it loaded as one compacted index (`index-<stamp>.vidx`: the parts it
+covers, with their sizes, and their rows), and the next load reads that one object plus the
+parts written since. A compacted index counts a part's rows only while that part is still there
+with the same size, so deleting or rewriting a part is seen as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import struct
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +33,7 @@ from prefect.cache_policies import NONE
 from pydantic import ValidationError
 
 from tasks.observability import get_logger
-from tasks.results.layout import results_prefix
+from tasks.results.layout import compacted_index_key, results_prefix
 from tasks.results.records import ResultRecord
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.storage import Storage, open_storage
@@ -33,6 +42,9 @@ ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])
 SIDECAR_MAGIC = b"VLMIDX1\0"
 SIDECAR_HEADER = struct.Struct("<8sQ")  # magic, byte size of the part it indexes
 READERS = 16  # parallel sidecar reads (object stores answer many small GETs at once well)
+COMPACT_MAGIC = b"VLMCIDX1"
+COMPACT_HEADER = struct.Struct("<8sQ")  # magic, byte length of the JSON list of parts that follows
+COMPACT_AFTER = 64  # parts read one by one that make a load write a new compacted index
 
 Signature = tuple[tuple[str, int], ...]  # (etag, size) of each member, in order
 
@@ -131,9 +143,63 @@ def load_done_index(output_uri: str, fingerprint: str) -> DoneIndex:
     objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
     parts = [ref for key, ref in objects.items() if key.endswith(".jsonl")]
     log = get_logger(fingerprint=fingerprint)
+    compacted = sorted(key for key in objects if key.endswith(".vidx"))
+    by_part = _read_compacted(out, compacted[-1], objects, log) if compacted else {}
+    rest = [part for part in parts if part.key not in by_part]
     with ThreadPoolExecutor(READERS) as pool:
-        tables = list(pool.map(lambda part: _part_rows(out, part, sidecar_key(part.key) in objects, log), parts))
-    return DoneIndex(tables)
+        read = list(pool.map(lambda part: _part_rows(out, part, sidecar_key(part.key) in objects, log), rest))
+    by_part.update((part.key, rows) for part, rows in zip(rest, read))
+    if len(rest) >= COMPACT_AFTER:
+        _compact(out, fingerprint, {key: (objects[key].size, rows) for key, rows in by_part.items()}, compacted, log)
+    return DoneIndex(by_part.values())
+
+
+def _read_compacted(out: Storage, key: str, objects: dict[str, ObjectRef], log) -> dict[str, np.ndarray]:
+    """The rows of each part the compacted index covers that is still listed with the size it
+    had; nothing when the index is gone (a concurrent load replaced it) or damaged."""
+    try:
+        data = out.read(key)
+        magic, length = COMPACT_HEADER.unpack_from(data)
+        if magic != COMPACT_MAGIC:
+            raise ValueError("not a compacted done-index")
+        covered = json.loads(data[COMPACT_HEADER.size:COMPACT_HEADER.size + length])
+        table = np.frombuffer(data, ROW, offset=COMPACT_HEADER.size + length)
+        if sum(count for _, _, count in covered) != len(table):
+            raise ValueError("rows do not match the parts listed")
+    except Exception as exc:  # noqa: BLE001 - any failure (gone, damaged, denied): the sidecars stand in
+        log.warning("compacted done-index unreadable; reading the parts' sidecars", index=out.describe(key),
+                    error=str(exc))
+        return {}
+    by_part, start = {}, 0
+    for part, size, count in covered:
+        listed = objects.get(part)
+        if listed is not None and listed.size == size:
+            by_part[part] = table[start:start + count]
+        start += count
+    return by_part
+
+
+def compacted_bytes(parts: dict[str, tuple[int, np.ndarray]]) -> bytes:
+    """One object holding every part's rows: (part key, its size, row count) as JSON, then rows."""
+    covered = json.dumps([[key, size, len(rows)] for key, (size, rows) in parts.items()]).encode()
+    rows = np.concatenate([rows.astype(ROW) for _, rows in parts.values()]) if parts else np.empty(0, ROW)
+    return COMPACT_HEADER.pack(COMPACT_MAGIC, len(covered)) + covered + rows.tobytes()
+
+
+def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndarray]],
+             older: list[str], log) -> None:
+    """Write the compacted index, then remove the ones it replaces. Best effort: the parts and
+    their sidecars stay the truth, so a failure here costs the next load time, never results."""
+    key = compacted_index_key(fingerprint)
+    try:
+        out.write(key, compacted_bytes(parts))
+    except Exception as exc:  # noqa: BLE001 - an optimisation: a failed write must not fail the run
+        log.warning("could not write the compacted done-index", index=out.describe(key), error=str(exc))
+        return
+    for stale in older:  # a load running beside this one may have removed it already
+        with contextlib.suppress(Exception):
+            out.delete(stale)
+    log.info("done-index compacted", index=out.describe(key), parts=len(parts), replaced=len(older))
 
 
 def _part_rows(out: Storage, part: ObjectRef, has_sidecar: bool, log) -> np.ndarray:
