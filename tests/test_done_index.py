@@ -105,13 +105,17 @@ def test_a_long_history_is_compacted_into_one_object_and_stays_exact(tmp_path, p
     for shard in range(COMPACT_AFTER + 6):
         write_shard.fn(str(out), FP, "old", shard, [_record(2 * shard), _record(2 * shard + 1)])
     total = 2 * (COMPACT_AFTER + 6)
+    broken = out / part_key(FP, "broken", 0)
+    broken.write_bytes(b"\xff\xfe not text")  # unreadable, and no sidecar
     done, reads = _load_counting(out, monkeypatch)  # every sidecar read, then compacted
-    assert len(done) == total and len(reads) == COMPACT_AFTER + 6
+    assert len(done) == total and len(reads) == COMPACT_AFTER + 6 + 1
     compacted = sorted((out / "results" / FP).glob("*.vidx"))
     assert len(compacted) == 1
 
-    done, reads = _load_counting(out, monkeypatch)  # one object for the whole history
-    assert len(done) == total and reads == [f"results/{FP}/{compacted[0].name}"]
+    # One object for the whole history; the part that could not be read is tried again.
+    done, reads = _load_counting(out, monkeypatch)
+    assert len(done) == total and reads == [f"results/{FP}/{compacted[0].name}", part_key(FP, "broken", 0)]
+    broken.unlink()
 
     # Parts written since are read beside it; a part cut short is parsed, and one deleted no
     # longer counts, though the compacted index still lists their rows.

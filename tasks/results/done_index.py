@@ -148,7 +148,8 @@ def load_done_index(output_uri: str, fingerprint: str) -> DoneIndex:
     rest = [part for part in parts if part.key not in by_part]
     with ThreadPoolExecutor(READERS) as pool:
         read = list(pool.map(lambda part: _part_rows(out, part, sidecar_key(part.key) in objects, log), rest))
-    by_part.update((part.key, rows) for part, rows in zip(rest, read))
+    # A part that could not be read stays out of the compacted index: the next load tries it again.
+    by_part.update((part.key, rows) for part, rows in zip(rest, read) if rows is not None)
     if len(rest) >= COMPACT_AFTER:
         _compact(out, fingerprint, {key: (objects[key].size, rows) for key, rows in by_part.items()}, compacted, log)
     return DoneIndex(by_part.values())
@@ -202,7 +203,7 @@ def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndar
     log.info("done-index compacted", index=out.describe(key), parts=len(parts), replaced=len(older))
 
 
-def _part_rows(out: Storage, part: ObjectRef, has_sidecar: bool, log) -> np.ndarray:
+def _part_rows(out: Storage, part: ObjectRef, has_sidecar: bool, log) -> np.ndarray | None:
     if has_sidecar:
         rows = _read_sidecar(out, sidecar_key(part.key), part.size)
         if rows is not None:
@@ -224,12 +225,12 @@ def _read_sidecar(out: Storage, key: str, part_size: int) -> np.ndarray | None:
     return np.frombuffer(data, ROW, offset=SIDECAR_HEADER.size).copy()
 
 
-def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray:
+def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
     try:
         lines = out.read(part.key).decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         log.warning("unreadable results part skipped", part=out.describe(part.key), error=str(exc))
-        return np.empty(0, ROW)
+        return None
     records, bad = [], 0
     for line in lines:
         if not line.strip():
