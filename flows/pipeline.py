@@ -85,7 +85,6 @@ class ShardPipeline:
         self.partition_run, self.job, self.done = run, job, done
         self.depth_for = functools.partial(feed_depth, job.modality, job.shard_size, len(job.questions_to_ask))
         self.depth = self.depth_for(None)  # until the engine's sizing is known
-        self.sizing: dict | None = None
         self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
         self.lookahead = max(1, get_settings().prepare_ahead)
         self.filling = max(self.lookahead, -(-FEED_ITEMS // max(1, job.shard_size * len(job.questions_to_ask))))
@@ -124,6 +123,11 @@ class ShardPipeline:
             self.ahead.append((following, self.take(following)))
 
     @property
+    def sizing(self) -> dict | None:
+        """How vLLM sized the engine (None until it is up)."""
+        return self.engine["sizing"] if self.engine else None
+
+    @property
     def mean_shard_bytes(self) -> float | None:
         return self.media_bytes / self.prepared_shards if self.prepared_shards else None
 
@@ -150,7 +154,6 @@ class ShardPipeline:
             return None
         if self.engine is None:
             self.engine = self.starting.result() if self.starting else start_engine(self.options.spec)
-            self.sizing = self.engine["sizing"]
             self.depth = self.depth_for(self.sizing, self.mean_shard_bytes)
         self.generate_started = self.generate_started or time.time()
         run = self.partition_run

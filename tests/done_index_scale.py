@@ -31,19 +31,18 @@ def main(total: int, out: str, s3: bool = False) -> None:
 
     for shard, start in enumerate(range(0, total, 64)):
         write_shard.fn(out, "f" * 16, "scale", shard, [_record(i) for i in range(start, min(start + 64, total))])
-    loads = [(out, {})]
-    if s3:
-        from pathlib import Path
-
-        from flows.bench_harness import s3_source
-
-        with s3_source(Path(out), Path(tempfile.mkdtemp())) as env:
-            loads = [("s3://bench/images/", env)] * 2
-            for uri, extra in loads:
-                _load_in_child(uri, extra)
+    if not s3:
+        _load_in_child(out, {})
         return
-    for uri, extra in loads:
-        _load_in_child(uri, extra)
+    import os
+    from pathlib import Path
+
+    from flows.bench_harness import s3_source
+
+    with s3_source(Path(out), Path(tempfile.mkdtemp())) as env:
+        uri = {**os.environ, **env}["VLM_CAPTION_BENCH_S3"].rstrip("/") + "/images/"  # where it uploaded
+        for _ in range(2):  # every sidecar, then the compacted index
+            _load_in_child(uri, env)
 
 
 def _load_in_child(uri: str, env: dict[str, str]) -> None:
