@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 import structlog
@@ -138,8 +139,6 @@ class TerminalProgress:
     line per shard otherwise (CI logs, `| tee`, a worker's output)."""
 
     def __init__(self, total_items: int, description: str):
-        import time
-
         from rich.console import Console
 
         self.total, self.done, self.errors = total_items, 0, 0
@@ -164,8 +163,6 @@ class TerminalProgress:
             self.bar.update(self.task, total=self.total)
 
     def advance(self, items: int, errors: int) -> None:
-        import time
-
         self.done += items
         self.errors += errors
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -187,6 +184,10 @@ class Progress:
     """A Prefect progress artifact and the terminal's progress, counted in items. The total
     grows as the streamed listing hands over shards."""
 
+    # The artifact is updated at most this often (each update is a request to the API, made
+    # by the pipeline's loop between shards), and always at the end.
+    ARTIFACT_INTERVAL_S = 1.0
+
     def __init__(self, description: str):
         from prefect.artifacts import create_progress_artifact
 
@@ -195,6 +196,7 @@ class Progress:
         self.artifact_id = create_progress_artifact(
             progress=0.0, key="vlm-caption-progress", description=description
         )
+        self.published = (0.0, time.monotonic())  # the artifact's percent, and when it was set
         self.terminal = TerminalProgress(0, description)
 
     def grow(self, items: int) -> None:
@@ -202,16 +204,24 @@ class Progress:
         self.terminal.grow(items)
 
     def advance(self, items: int = 0, errors: int = 0) -> float:
-        from prefect.artifacts import update_progress_artifact
-
         self.done += items
         percent = round(100.0 * self.done / max(self.listed, 1), 1)
-        update_progress_artifact(artifact_id=self.artifact_id, progress=percent)
+        if time.monotonic() - self.published[1] >= self.ARTIFACT_INTERVAL_S:
+            self._publish(percent)
         self.terminal.advance(items, errors)
         return percent
 
     def close(self) -> None:
+        percent = round(100.0 * self.done / max(self.listed, 1), 1)
+        if percent != self.published[0]:
+            self._publish(percent)
         self.terminal.close()
+
+    def _publish(self, percent: float) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        update_progress_artifact(artifact_id=self.artifact_id, progress=percent)
+        self.published = (percent, time.monotonic())
 
 
 def publish_summary(summary: dict[str, Any], samples: list[dict[str, str]]) -> None:

@@ -104,6 +104,14 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
         first_generate = min(t.start_time for t in task_runs if t.name.startswith("generate-shard"))
         prepares = [t.start_time for t in task_runs if t.name.startswith("prepare-shard")]
         assert len(prepares) == 4 and all(started < first_generate for started in prepares)
+        # Shard-sized inputs are passed opaque (not walked), yet the runs stay linked in the
+        # UI's graph: each shard's prepare -> generate -> write.
+        kind = {t.id: t.name.rsplit("-", 1)[0] for t in task_runs}
+        for run_ in task_runs:
+            if kind[run_.id] == "generate-shard":
+                assert [kind[i.id] for i in run_.task_inputs["prepared"]] == ["prepare-shard"]
+            if kind[run_.id] == "write-shard":
+                assert [kind[i.id] for i in run_.task_inputs["records"]] == ["generate-shard"]
 
     # Same parameters again: everything is already done; nothing recomputed or duplicated.
     again = vlm_caption(job)

@@ -1,6 +1,6 @@
 """The terminal progress of `vlm-caption run`: a live bar on a terminal, plain lines elsewhere."""
 
-from tasks.observability import TerminalProgress
+from tasks.observability import Progress, TerminalProgress
 
 
 def test_progress_is_plain_lines_when_not_a_terminal(capsys):
@@ -26,3 +26,30 @@ def test_progress_is_a_live_bar_on_a_terminal(monkeypatch):
     task = progress.bar.tasks[0]
     assert (task.completed, task.total, task.fields["errors"]) == (5, 5, 2)
     progress.close()
+
+
+def test_the_progress_artifact_is_updated_at_most_once_a_second_and_at_the_end(monkeypatch):
+    import prefect.artifacts
+
+    import tasks.observability as observability
+
+    clock = [100.0]
+    updates = []
+    monkeypatch.setattr(observability.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", lambda **kwargs: "artifact-1")
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact",
+                        lambda artifact_id, progress: updates.append((artifact_id, progress)))
+    progress = Progress("Captioning")
+    progress.grow(100)
+    for shard in range(10):  # ten shards finish within 0.9 s: one update, when 1 s has passed
+        clock[0] += 0.09 if shard < 9 else 0.2
+        assert progress.advance(10) == 10.0 * (shard + 1)
+    assert updates == [("artifact-1", 100.0)]
+    progress.close()  # already published: nothing more
+    assert updates == [("artifact-1", 100.0)]
+
+    progress = Progress("Captioning")
+    progress.grow(4)
+    progress.advance(3)  # too soon to publish
+    progress.close()  # the last value is always published
+    assert updates[-1] == ("artifact-1", 75.0) and len(updates) == 2
