@@ -6,7 +6,6 @@ its own partition and for any child partition it takes over.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -89,8 +88,6 @@ class ShardPipeline:
     def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec):
         job = run.job
         self.partition_run, self.job, self.done = run, job, done
-        self.depth_for = functools.partial(feed_depth, job.modality, job.shard_size, len(job.questions_to_ask))
-        self.depth = self.depth_for(None)  # until the engine's sizing is known
         self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
         self.lookahead = max(1, get_settings().prepare_ahead)
         self.filling = max(self.lookahead, -(-FEED_ITEMS // max(1, job.shard_size * len(job.questions_to_ask))))
@@ -137,12 +134,18 @@ class ShardPipeline:
     def mean_shard_bytes(self) -> float | None:
         return self.media_bytes / self.prepared_shards if self.prepared_shards else None
 
+    @property
+    def depth(self) -> int:
+        """Shards in the engine at once: from the engine's batch (once it is up) and the decoded
+        bytes of the shards prepared so far."""
+        job = self.job
+        return feed_depth(job.modality, job.shard_size, len(job.questions_to_ask), self.sizing, self.mean_shard_bytes)
+
     def size_feed(self, prepared) -> None:
-        """The feed's depth from the engine's batch and the decoded bytes of shards so far."""
+        """Count a prepared shard's decoded media, which bounds the feed's depth."""
         if prepared.items:
             self.media_bytes += prepared.media_bytes
             self.prepared_shards += 1
-            self.depth = self.depth_for(self.sizing, self.mean_shard_bytes)
 
     def take(self, shard: Shard):
         """A shard from the listing: counted, its fetch and decode submitted, and the engine
@@ -161,7 +164,6 @@ class ShardPipeline:
             return None
         if self.engine is None:
             self.engine = self.starting.result() if self.starting else start_engine(self.options.spec)
-            self.depth = self.depth_for(self.sizing, self.mean_shard_bytes)
         self.generate_started = self.generate_started or time.time()
         run = self.partition_run
         return generate_shard.submit(opaque(prepared), self.options, run.fingerprint, run.parts_id)

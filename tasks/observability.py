@@ -196,32 +196,34 @@ class Progress:
         self.artifact_id = create_progress_artifact(
             progress=0.0, key="vlm-caption-progress", description=description
         )
-        self.published = (0.0, time.monotonic())  # the artifact's percent, and when it was set
+        self.published_percent, self.published_at = 0.0, time.monotonic()
         self.terminal = TerminalProgress(0, description)
 
     def grow(self, items: int) -> None:
         self.listed += items
         self.terminal.grow(items)
 
+    @property
+    def percent(self) -> float:
+        return round(100.0 * self.done / max(self.listed, 1), 1)
+
     def advance(self, items: int = 0, errors: int = 0) -> float:
         self.done += items
-        percent = round(100.0 * self.done / max(self.listed, 1), 1)
-        if time.monotonic() - self.published[1] >= self.ARTIFACT_INTERVAL_S:
-            self._publish(percent)
+        if time.monotonic() - self.published_at >= self.ARTIFACT_INTERVAL_S:
+            self._publish()
         self.terminal.advance(items, errors)
-        return percent
+        return self.percent
 
     def close(self) -> None:
-        percent = round(100.0 * self.done / max(self.listed, 1), 1)
-        if percent != self.published[0]:
-            self._publish(percent)
+        if self.percent != self.published_percent:
+            self._publish()
         self.terminal.close()
 
-    def _publish(self, percent: float) -> None:
+    def _publish(self) -> None:
         from prefect.artifacts import update_progress_artifact
 
-        update_progress_artifact(artifact_id=self.artifact_id, progress=percent)
-        self.published = (percent, time.monotonic())
+        update_progress_artifact(artifact_id=self.artifact_id, progress=self.percent)
+        self.published_percent, self.published_at = self.percent, time.monotonic()
 
 
 def publish_summary(summary: dict[str, Any], samples: list[dict[str, str]]) -> None:
