@@ -17,7 +17,7 @@ from prefect.utilities.annotations import opaque
 from flows.params import CaptionJob, Partition
 from recipes import Recipe
 from tasks.engine.arguments import EngineSpec, image_resize_target
-from tasks.engine.feed import FEED_ITEMS, feed_depth
+from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
 from tasks.engine.vllm_engine import Sampling
 from tasks.media.prepare import MediaOptions, prepare_shard
@@ -90,7 +90,7 @@ class ShardPipeline:
         self.partition_run, self.job, self.done = run, job, done
         self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
         self.lookahead = max(1, get_settings().prepare_ahead)
-        self.filling = max(self.lookahead, -(-FEED_ITEMS // max(1, job.shard_size * len(job.questions_to_ask))))
+        self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, job.shard_size, len(job.questions_to_ask)))
         self.stats = RunStats()
         self.media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
         self.options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)

@@ -19,6 +19,10 @@ from concurrent.futures.process import BrokenProcessPool
 from tasks.engine.feed import EngineDied, EngineFeed
 from tasks.engine.render import RenderJob, render
 
+# `render` imports vLLM's prompt parsing on its first call, in the feed's thread: 15-30 s on a
+# busy 2-core machine, which the first test's 30 s wait for a result would otherwise include.
+import vllm.renderers.inputs.preprocess  # noqa: E402,F401
+
 
 class StandInRenderer:
     """vLLM's renderer as `render()` calls it: rejects a prompt that is too long."""
@@ -38,7 +42,11 @@ class StandInRenderer:
 
 
 class StandInLLM:
-    def __init__(self, die_after_steps: int | None = None):
+    def __init__(self, die_after_steps: int | None = None, first_step_waits_for=None):
+        # `first_step_waits_for`: a condition the first forward pass waits on (10 s at most), so
+        # that a test sees other shards' requests arrive while one is in the engine however
+        # slowly the machine schedules its threads.
+        self.first_step_waits_for = first_step_waits_for
         self.pending: list[str] = []
         self.steps = 0
         self.max_in_engine = 0
@@ -61,6 +69,10 @@ class StandInLLM:
         self.owner.add(threading.current_thread().name)
         self.steps += 1
         time.sleep(0.002)  # a forward pass takes time; shards hand in requests meanwhile
+        deadline = time.monotonic() + 10
+        while self.steps == 1 and self.first_step_waits_for and not self.first_step_waits_for() \
+                and time.monotonic() < deadline:
+            time.sleep(0.001)
         if self.die_after_steps is not None and self.steps > self.die_after_steps:
             raise RuntimeError("EngineCore died")
         self.rng.shuffle(self.pending)
@@ -88,7 +100,9 @@ class StandInRenderPool:
 @pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize("shard_size", [1, 7, 64])
 def test_every_request_resolves_once_across_concurrent_shards(shard_size, pooled):
-    llm = StandInLLM()
+    # The first forward pass lasts until three requests are in the engine or waiting in the
+    # feed's queue (with shards of 1: one from each of the three shards running at once).
+    llm = StandInLLM(first_step_waits_for=lambda: len(llm.pending) + feed._inbox.qsize() >= 3)
     pool_renderer = StandInRenderer()
     feed = EngineFeed(llm, StandInRenderPool(pool_renderer) if pooled else None)
     prompts = [f"{'bad' if i % 11 == 5 else 'ok'}-{i}" for i in range(150)]

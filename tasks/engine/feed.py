@@ -34,6 +34,11 @@ FEED_REQUESTS = 2048
 FEED_ITEMS = 512
 
 
+def shards_holding(requests: int, shard_size: int, questions: int) -> int:
+    """How many shards it takes to hold `requests` requests (one per item and question)."""
+    return -(-requests // max(1, shard_size * questions))
+
+
 def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | None,
                shard_media_bytes: float | None = None) -> int:
     """Shards whose requests are in the engine at once (`VLM_CAPTION_FEED_DEPTH` wins). Counted
@@ -51,7 +56,7 @@ def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | No
         return 2
     seqs = (sizing or {}).get("max_num_seqs") or 0
     requests = max(min(FEED_ITEMS, seqs), min(FEED_REQUESTS, 2 * seqs)) if sizing else FEED_ITEMS
-    depth = max(6, -(-requests // max(1, shard_size * questions)))
+    depth = max(6, shards_holding(requests, shard_size, questions))
     if shard_media_bytes:
         depth = min(depth, int(settings.feed_media_bytes // shard_media_bytes))
     return max(2, depth)
