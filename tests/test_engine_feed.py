@@ -21,7 +21,7 @@ from tasks.engine.render import RenderJob, render
 
 # `render` imports vLLM's prompt parsing on its first call, in the feed's thread: 15-30 s on a
 # busy 2-core machine, which the first test's 30 s wait for a result would otherwise include.
-import vllm.renderers.inputs.preprocess  # noqa: E402,F401
+import vllm.renderers.inputs.preprocess  # noqa: F401
 
 
 class StandInRenderer:
@@ -69,10 +69,10 @@ class StandInLLM:
         self.owner.add(threading.current_thread().name)
         self.steps += 1
         time.sleep(0.002)  # a forward pass takes time; shards hand in requests meanwhile
-        deadline = time.monotonic() + 10
-        while self.steps == 1 and self.first_step_waits_for and not self.first_step_waits_for() \
-                and time.monotonic() < deadline:
-            time.sleep(0.001)
+        if self.steps == 1 and self.first_step_waits_for:
+            deadline = time.monotonic() + 10
+            while not self.first_step_waits_for() and time.monotonic() < deadline:
+                time.sleep(0.001)
         if self.die_after_steps is not None and self.steps > self.die_after_steps:
             raise RuntimeError("EngineCore died")
         self.rng.shuffle(self.pending)
