@@ -215,7 +215,9 @@ def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overri
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"bench phase {phase} failed:\n{done.stderr[-4000:]}")
     result = json.loads(lines[-1].removeprefix("BENCH-RESULT "))
-    result["gpu_busy_pct"] = gpu.busy_pct(*result.pop("window"))
+    window = result.pop("window")
+    result["gpu_busy_pct"] = gpu.busy_pct(*window)
+    result["gpu_busy_by_tenth"] = gpu.busy_by_tenth(*window)
     return result
 
 

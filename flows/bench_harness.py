@@ -52,6 +52,12 @@ class GpuSampler:
         window = [u for t, u in self.samples if start <= t <= end]
         return round(sum(window) / len(window), 1) if window else None
 
+    def busy_by_tenth(self, start: float, end: float) -> list[float | None]:
+        """The busy figure over each tenth of the window: where a miss sits (the ramp while the
+        first requests render, the steady state, the tail as the last requests drain)."""
+        step = (end - start) / 10
+        return [self.busy_pct(start + i * step, start + (i + 1) * step) for i in range(10)]
+
 
 @contextmanager
 def prefect_api(mode: str, work: Path):

@@ -142,7 +142,9 @@ class TerminalProgress:
         from rich.console import Console
 
         self.total, self.done, self.errors = total_items, 0, 0
-        self.started = time.monotonic()
+        # The rate counts from the first result: before it come the listing and the engine's
+        # start (a minute on a GPU), which would make the first ETAs several times too long.
+        self.first: tuple[float, int] | None = None  # when, and how many items were done then
         self.console = Console(stderr=True)
         self.bar = None
         if self.console.is_terminal:
@@ -165,15 +167,28 @@ class TerminalProgress:
     def advance(self, items: int, errors: int) -> None:
         self.done += items
         self.errors += errors
-        elapsed = max(time.monotonic() - self.started, 1e-9)
-        rate = self.done / elapsed
+        rate = self.rate()
+        shown = "-" if rate is None else f"{rate:.2f}"
         if self.bar is not None:
-            self.bar.update(self.task, advance=items, rate=f"{rate:.2f}", errors=self.errors)
+            self.bar.update(self.task, advance=items, rate=shown, errors=self.errors)
             return
-        left = (self.total - self.done) / rate if rate > 0 else 0.0
-        self.console.print(f"vlm-caption: {self.done}/{self.total} items · {rate:.2f} items/s · "
-                           f"ETA {int(left // 60)}:{int(left % 60):02d} · {self.errors} errors",
-                           highlight=False, soft_wrap=True)
+        left = self.total - self.done
+        eta = "0:00" if left == 0 else "-" if not rate else f"{int(left / rate // 60)}:{int(left / rate % 60):02d}"
+        self.console.print(f"vlm-caption: {self.done}/{self.total} items · {shown} items/s · "
+                           f"ETA {eta} · {self.errors} errors", highlight=False, soft_wrap=True)
+
+    # Shards in the engine together finish together: a rate over less than this is noise.
+    RATE_WINDOW_S = 2.0
+
+    def rate(self) -> float | None:
+        """Items/s since the first result; None until it spans RATE_WINDOW_S."""
+        now = time.monotonic()
+        if self.first is None:
+            if self.done:
+                self.first = (now, self.done)
+            return None
+        since, done_then = self.first
+        return (self.done - done_then) / (now - since) if now - since >= self.RATE_WINDOW_S else None
 
     def close(self) -> None:
         if self.bar is not None:

@@ -21,6 +21,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def release_engines_at_the_end():
+    """The flows run in this process leave its engine up; it is shut down while the test
+    session's output is still open (the exit hook would log into closed streams)."""
+    yield
+    if "tasks.engine.vllm_engine" in sys.modules:
+        sys.modules["tasks.engine.vllm_engine"].release_engines()
+
+
 @pytest.fixture(scope="session")
 def checkpoints_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")

@@ -26,6 +26,7 @@ def test_bench_compares_the_flow_with_raw_vllm_and_writes_json(tmp_path):
     assert ratio["generate_items_per_s"] == round(report["flow"]["generate_items_per_s"]
                                                   / report["raw"]["generate_items_per_s"], 3)
     assert report["raw"]["gpu_busy_pct"] is None  # no NVIDIA GPU here: no figure, not a made-up one
+    assert report["flow"]["gpu_busy_by_tenth"] == [None] * 10
 
 
 def test_bench_runs_videos_and_image_groups_as_their_examples_do(tmp_path):
@@ -104,3 +105,15 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
         "wait (threading.py:3)": 75.0, "add_request (llm_engine.py:5)": 12.5}
     assert flow_row["role"] == "flow" and flow_row["by_thread_pct"] == {"thread (10): MainThread": 75.0,
                                                                          "thread (12): feed": 25.0}
+
+
+def test_gpu_busy_is_reported_over_the_window_and_each_tenth_of_it():
+    """A ramp and a drained tail show in the first and last tenths, not only as a lower mean."""
+    from flows.bench_harness import GpuSampler
+
+    sampler = GpuSampler()
+    # 0.2 s samples over 10 s: 50% in the first second, 100% after, 0% in the last second.
+    sampler.samples = [(t / 5, 50.0 if t < 5 else 0.0 if t >= 45 else 100.0) for t in range(50)]
+    assert sampler.busy_pct(0.0, 9.99) == 85.0
+    assert sampler.busy_by_tenth(0.0, 9.99) == [50.0, *[100.0] * 8, 0.0]
+    assert sampler.busy_pct(20.0, 30.0) is None  # no samples there: no figure

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from concurrent.futures.process import BrokenProcessPool
 
-from tasks.engine.feed import EngineDied, EngineFeed
+from tasks.engine.feed import ENGINE_STOP_S, EngineDied, EngineFeed
 from tasks.engine.render import RenderJob, render
 
 # `render` imports vLLM's prompt parsing on its first call, in the feed's thread: 15-30 s on a
@@ -147,6 +147,36 @@ def test_a_dead_engine_fails_every_waiting_request_and_later_ones():
             outcomes.append("died")
             assert "EngineCore died" in str(exc)
     assert "died" in outcomes  # nothing hangs
+    with pytest.raises(EngineDied):
+        feed.submit(RenderJob(prompt={"prompt": "ok-late"}), params=None).result(timeout=5)
+
+
+def test_closing_the_feed_fails_what_is_in_flight_and_shuts_the_engine_down_from_its_thread():
+    """Releasing an engine (exit, another model) stops vLLM's engine process cleanly, from the
+    thread that owns the engine; requests still in it fail as an engine failure, none hangs."""
+    closing = threading.Event()
+    llm = StandInLLM(first_step_waits_for=closing.is_set)  # requests are in the engine at close
+    shutdowns = []
+    llm.llm_engine.engine_core = SimpleNamespace(
+        shutdown=lambda timeout: shutdowns.append((threading.current_thread().name, timeout)))
+    feed = EngineFeed(llm)
+    futures = [feed.submit(RenderJob(prompt={"prompt": f"ok-{i}"}), params=None) for i in range(6)]
+    deadline = time.monotonic() + 30
+    while llm.steps == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    closing.set()
+    feed.close()
+    assert shutdowns == [("vllm-feed", ENGINE_STOP_S)]
+    finished, released = 0, 0
+    for future in futures:  # every one resolved by the time close() returned
+        try:
+            future.result(timeout=0)
+            finished += 1
+        except EngineDied as exc:
+            assert "released" in str(exc)
+            released += 1
+    # One step ran (it finishes three at most); the rest were in flight or queued at close.
+    assert finished + released == 6 and released >= 3
     with pytest.raises(EngineDied):
         feed.submit(RenderJob(prompt={"prompt": "ok-late"}), params=None).result(timeout=5)
 

@@ -3,17 +3,31 @@
 from tasks.observability import Progress, TerminalProgress
 
 
-def test_progress_is_plain_lines_when_not_a_terminal(capsys):
+def test_progress_is_plain_lines_when_not_a_terminal(capsys, monkeypatch):
+    import tasks.observability as observability
+
+    clock = [100.0]
+    monkeypatch.setattr(observability.time, "monotonic", lambda: clock[0])
     progress = TerminalProgress(10, "Captioning s3://b/ with llava")
     assert progress.bar is None  # pytest captures stderr: not a terminal
+    clock[0] = 190.0  # the engine took 90 s to start: the first shard's results come now
     progress.advance(4, 1)
-    progress.advance(6, 0)
+    clock[0] = 190.5  # a shard that was in the engine with the first one: too soon for a rate
+    progress.advance(1, 0)
+    clock[0] = 200.0
+    progress.advance(1, 0)
+    clock[0] = 220.0
+    progress.advance(4, 0)
     progress.close()
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2
-    assert lines[0].startswith("vlm-caption: 4/10 items · ") and lines[0].endswith("· 1 errors")
-    assert lines[1].startswith("vlm-caption: 10/10 items · ") and "ETA 0:00" in lines[1]
-    assert "items/s" in lines[1]
+    assert lines == [
+        # The rate counts from the first result, not the start, once 2 s have passed since
+        # it: 2 items in 10 s, 4 left at 0.2 items/s.
+        "vlm-caption: 4/10 items · - items/s · ETA - · 1 errors",
+        "vlm-caption: 5/10 items · - items/s · ETA - · 1 errors",
+        "vlm-caption: 6/10 items · 0.20 items/s · ETA 0:20 · 1 errors",
+        "vlm-caption: 10/10 items · 0.20 items/s · ETA 0:00 · 1 errors",
+    ]
 
 
 def test_progress_is_a_live_bar_on_a_terminal(monkeypatch):

@@ -14,6 +14,7 @@ Each request is rendered first (tokens, and the HF processor over its media): by
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -24,6 +25,10 @@ from typing import Any
 
 from tasks.engine.render import RenderJob, render
 from tasks.settings import get_settings
+
+# How long closing the feed waits for vLLM's engine process to stop before vLLM kills it (vLLM's
+# own default, 5 s, was too short for the CPU build on a busy 2-core machine).
+ENGINE_STOP_S = 20.0
 
 # Requests in the engine at once, at most: twice the engine's batch, so that when a wave of
 # requests finishes together the next wave is already waiting (H100, tiny LLaVA, 10,240 images
@@ -124,8 +129,11 @@ class EngineFeed:
         submission.future.set_exception(EngineDied(f"the engine is gone: {self._dead}"))
 
     def close(self) -> None:
+        """Stop feeding and shut vLLM's engine process down, from the feed thread (the only one
+        that touches the engine); requests still in the engine fail with `EngineDied`."""
         self._closed.set()
         self._inbox.put(None)
+        self._thread.join(ENGINE_STOP_S + 10)
 
     def _watch(self) -> None:
         """Wake the feed if the engine process dies under it.
@@ -155,6 +163,7 @@ class EngineFeed:
                     except queue.Empty:
                         break
                     if item is None:
+                        self._fail_all(EngineDied("the engine was released"))
                         return
                     self._add(item)
                     block = False
@@ -162,6 +171,17 @@ class EngineFeed:
                     self._step()
         except BaseException as exc:  # noqa: BLE001 - every waiting shard must hear of it
             self._fail_all(exc)
+        finally:
+            self._stop_engine()
+
+    def _stop_engine(self) -> None:
+        """Shut the engine process down the way vLLM does. Left to the interpreter's exit,
+        multiprocessing terminates it before vLLM's own clean-up runs, and vLLM then logs
+        "engine core exited unexpectedly" (or "force killing") after every clean run."""
+        core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            with contextlib.suppress(Exception):  # already dead: nothing left to stop
+                core.shutdown(timeout=ENGINE_STOP_S)
 
     def _add(self, item: _Submission) -> None:
         request_id = f"vc-{next(self._ids)}"  # outputs carry this id (vLLM suffixes its own copy)

@@ -7,6 +7,7 @@ overrides, and reused by every shard this worker process handles.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -36,8 +37,6 @@ def import_vllm_in_background() -> None:
     `vlm-caption run` waits for Prefect's embedded server, which starts in a process of its own.
     The flow's first step joins it (`ensure_vllm_imported`). The process also joins it before it
     exits, so an early error never tears down an interpreter mid-import."""
-    import atexit
-
     global _IMPORTING
     _IMPORTING = threading.Thread(target=_import_vllm, name="vllm-import", daemon=True)
     _IMPORTING.start()
@@ -200,6 +199,7 @@ class CaptionEngine:
                 f"(recipe {self.spec.recipe!r} gives none either); use method 'generate'")
 
     def release(self) -> None:
+        """Stop the feed, which shuts vLLM's engine process down, and the render pool."""
         self._feed.close()
         if self._render_pool is not None:
             self._render_pool.close()
@@ -249,6 +249,10 @@ def get_engine(spec: EngineSpec) -> CaptionEngine:
         if engine is None or engine.dead:
             _release_all()
             engine = _ENGINES[spec] = CaptionEngine(spec)
+            # Registered after multiprocessing's own exit hook, so it runs first: the engine
+            # process is shut down cleanly before multiprocessing would terminate it.
+            atexit.unregister(release_engines)
+            atexit.register(release_engines)
         return engine
 
 
