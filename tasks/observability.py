@@ -138,6 +138,9 @@ class TerminalProgress:
     """Items, items/s, ETA and errors in the terminal: a live rich bar on a terminal, one plain
     line per shard otherwise (CI logs, `| tee`, a worker's output)."""
 
+    # Shards in the engine together finish together: a rate over less than this is noise.
+    RATE_WINDOW_S = 2.0
+
     def __init__(self, total_items: int, description: str):
         from rich.console import Console
 
@@ -167,28 +170,32 @@ class TerminalProgress:
     def advance(self, items: int, errors: int) -> None:
         self.done += items
         self.errors += errors
-        rate = self.rate()
+        now = time.monotonic()
+        if self.first is None and self.done:
+            self.first = (now, self.done)
+        rate = self.rate(now)
         shown = "-" if rate is None else f"{rate:.2f}"
         if self.bar is not None:
             self.bar.update(self.task, advance=items, rate=shown, errors=self.errors)
             return
-        left = self.total - self.done
-        eta = "0:00" if left == 0 else "-" if not rate else f"{int(left / rate // 60)}:{int(left / rate % 60):02d}"
         self.console.print(f"vlm-caption: {self.done}/{self.total} items · {shown} items/s · "
-                           f"ETA {eta} · {self.errors} errors", highlight=False, soft_wrap=True)
+                           f"ETA {self._eta(rate)} · {self.errors} errors", highlight=False, soft_wrap=True)
 
-    # Shards in the engine together finish together: a rate over less than this is noise.
-    RATE_WINDOW_S = 2.0
-
-    def rate(self) -> float | None:
-        """Items/s since the first result; None until it spans RATE_WINDOW_S."""
-        now = time.monotonic()
-        if self.first is None:
-            if self.done:
-                self.first = (now, self.done)
+    def rate(self, now: float) -> float | None:
+        """Items/s since the first result; None until that spans RATE_WINDOW_S."""
+        if self.first is None or now - self.first[0] < self.RATE_WINDOW_S:
             return None
         since, done_then = self.first
-        return (self.done - done_then) / (now - since) if now - since >= self.RATE_WINDOW_S else None
+        return (self.done - done_then) / (now - since)
+
+    def _eta(self, rate: float | None) -> str:
+        left = self.total - self.done
+        if left == 0:
+            return "0:00"
+        if not rate:
+            return "-"
+        seconds = int(left / rate)
+        return f"{seconds // 60}:{seconds % 60:02d}"
 
     def close(self) -> None:
         if self.bar is not None:
