@@ -135,6 +135,10 @@ class EngineFeed:
         self._inbox.put(None)
         self._thread.join(ENGINE_STOP_S + 10)
 
+    def _engine_core(self):
+        """vLLM's client for the engine process (None for an engine without one)."""
+        return getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+
     def _watch(self) -> None:
         """Wake the feed if the engine process dies under it.
 
@@ -142,7 +146,7 @@ class EngineFeed:
         shuts the client down) but a `step()` already waiting for outputs is never woken: it
         would wait forever. This puts an error where that wait reads, so the waiting shards
         fail and are retried on a new engine."""
-        core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        core = self._engine_core()
         resources, outputs = getattr(core, "resources", None), getattr(core, "outputs_queue", None)
         if resources is None or outputs is None:
             return
@@ -178,7 +182,7 @@ class EngineFeed:
         """Shut the engine process down the way vLLM does. Left to the interpreter's exit,
         multiprocessing terminates it before vLLM's own clean-up runs, and vLLM then logs
         "engine core exited unexpectedly" (or "force killing") after every clean run."""
-        core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        core = self._engine_core()
         if core is not None:
             with contextlib.suppress(Exception):  # already dead: nothing left to stop
                 core.shutdown(timeout=ENGINE_STOP_S)
