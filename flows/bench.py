@@ -218,6 +218,9 @@ def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overri
     window = result.pop("window")
     result["gpu_busy_pct"] = gpu.busy_pct(*window)
     result["gpu_busy_by_tenth"] = gpu.busy_by_tenth(*window)
+    # Every sample, in seconds from the first request: where the GPU waited, to the second.
+    log.with_suffix(".gpu.json").write_text(json.dumps(
+        [[round(at - window[0], 2), busy] for at, busy in gpu.samples]))
     return result
 
 

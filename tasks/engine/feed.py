@@ -35,7 +35,8 @@ ENGINE_STOP_S = 20.0
 # at 640x480, shard size 64: 512 in flight against a batch of 1024 gave 118 img/s, 0.72x raw
 # vLLM; shard size 512, 3,072 in flight, 162 img/s).
 FEED_REQUESTS = 2048
-# Before the engine is up (its batch unknown), and the least any image feed aims at.
+# The least any image feed aims at, and before the engine is up, until a prepared shard tells
+# how many bytes a shard's decoded images hold.
 FEED_ITEMS = 512
 
 
@@ -60,7 +61,10 @@ def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | No
     if modality != "image":
         return 2
     seqs = (sizing or {}).get("max_num_seqs") or 0
-    requests = max(min(FEED_ITEMS, seqs), min(FEED_REQUESTS, 2 * seqs)) if sizing else FEED_ITEMS
+    if sizing:
+        requests = max(min(FEED_ITEMS, seqs), min(FEED_REQUESTS, 2 * seqs))
+    else:  # before the engine is up: the most it could take, once a shard's bytes bound it
+        requests = FEED_REQUESTS if shard_media_bytes else FEED_ITEMS
     depth = max(6, shards_holding(requests, shard_size, questions))
     if shard_media_bytes:
         depth = min(depth, int(settings.feed_media_bytes // shard_media_bytes))

@@ -1,0 +1,143 @@
+"""How the shard pipeline schedules its work around the engine's start, with stand-in tasks
+(no engine, no Prefect API): while the engine starts, the feed's whole depth of shards is
+prepared, a few shards at a time and no more than their decoded bytes allow."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+from PIL import Image
+
+import flows.pipeline as pipeline
+from flows.params import CaptionJob
+from flows.pipeline import PartitionRun, ShardPipeline, engine_spec
+from recipes import get_recipe
+from tasks.engine.feed import FEED_REQUESTS
+from tasks.media.prepare import PreparedItem, PreparedShard
+from tasks.results.done_index import DoneIndex
+from tasks.settings import get_settings
+from tasks.sources.items import ObjectRef, Shard, WorkItem
+
+SHARD_SIZE = 64
+CROP = Image.new("RGB", (336, 336))  # 338,688 bytes decoded: 64 of them are 21.7 MB
+
+
+def _unwrap(value):
+    return value.unwrap() if hasattr(value, "unwrap") else value
+
+
+class StandInTask:
+    """`task.submit(...)` on a thread pool, the arguments unwrapped as Prefect would."""
+
+    def __init__(self, pool: ThreadPoolExecutor, fn):
+        self.pool, self.fn = pool, fn
+
+    def submit(self, *args, **kwargs) -> Future:
+        return self.pool.submit(self.fn, *map(_unwrap, args), **kwargs)
+
+
+class Schedule:
+    """What the stand-in tasks saw: shards prepared at once, and how many were prepared by
+    the time the engine came up."""
+
+    def __init__(self, engine_start_s: float):
+        self.engine_start_s = engine_start_s
+        self.lock = threading.Lock()
+        self.preparing = self.most_at_once = self.prepared = 0
+        self.prepared_when_up: int | None = None
+        self.generated: list[int] = []
+
+    def prepare(self, source, shard: Shard, done, questions, options) -> PreparedShard:
+        with self.lock:
+            self.preparing += 1
+            self.most_at_once = max(self.most_at_once, self.preparing)
+        time.sleep(0.01)
+        with self.lock:
+            self.preparing -= 1
+            self.prepared += 1
+        return PreparedShard(shard, [PreparedItem(item, questions, media=CROP) for item in shard.items])
+
+    def start_engine(self, spec) -> dict:
+        time.sleep(self.engine_start_s)
+        with self.lock:
+            self.prepared_when_up = self.prepared
+        return {"sizing": {"max_num_seqs": 1024}, "ready_at": time.time(), "startup_s": self.engine_start_s}
+
+    def generate(self, prepared: PreparedShard, options, fingerprint, parts_id) -> list:
+        self.generated.append(prepared.shard.index)
+        return []
+
+
+class SilentProgress:
+    def __init__(self, description):
+        pass
+
+    def grow(self, items):
+        pass
+
+    def advance(self, items=0, errors=0):
+        return 0.0
+
+    def close(self):
+        pass
+
+
+class SilentLog:
+    def info(self, *args, **kwargs):
+        pass
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    def install(engine_start_s: float) -> Schedule:
+        schedule = Schedule(engine_start_s)
+        pool = ThreadPoolExecutor(max_workers=64)
+        monkeypatch.setattr(pipeline, "prepare_shard", StandInTask(pool, schedule.prepare))
+        monkeypatch.setattr(pipeline, "start_engine", StandInTask(pool, schedule.start_engine))
+        monkeypatch.setattr(pipeline, "generate_shard", StandInTask(pool, schedule.generate))
+        monkeypatch.setattr(pipeline, "write_shard", StandInTask(pool, lambda *args: None))
+        monkeypatch.setattr(pipeline, "emit", lambda *args, **kwargs: None)
+        monkeypatch.setattr(pipeline, "Progress", SilentProgress)
+        monkeypatch.setattr(pipeline, "image_resize_target", lambda spec: None)
+        return schedule
+
+    monkeypatch.delenv("VLM_CAPTION_FEED_DEPTH", raising=False)
+    monkeypatch.delenv("VLM_CAPTION_PREPARE_AHEAD", raising=False)
+    yield install
+    get_settings.cache_clear()
+
+
+def _run(shards: int) -> None:
+    job = CaptionJob(source="/nowhere", output="/nowhere-out", recipe="llava", shard_size=SHARD_SIZE)
+    run = PartitionRun(job, get_recipe("llava"), "fingerprint", "run", None, SilentLog())
+    listing = [Shard(i, tuple(WorkItem(f"{i}/{n}.jpg", (ObjectRef(f"{i}/{n}.jpg", 1, ""),))
+                              for n in range(SHARD_SIZE))) for i in range(shards)]
+    stats, _ = ShardPipeline(run, DoneIndex(), engine_spec(job, [])).run(listing)
+    assert stats.listed == shards * SHARD_SIZE
+
+
+def test_the_feeds_whole_depth_is_prepared_while_the_engine_starts(stand_ins, monkeypatch):
+    monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(2 * 1024**3))
+    get_settings.cache_clear()
+    schedule = stand_ins(engine_start_s=1.5)
+    _run(shards=48)
+    depth = FEED_REQUESTS // SHARD_SIZE  # 32 shards: 2,048 requests of 21.7 MB crops fit in 2 GiB
+    # All of it by the time the engine is up (before: 8 shards, FEED_ITEMS), not the whole listing.
+    assert depth <= schedule.prepared_when_up <= depth + 2 < 48
+    assert schedule.most_at_once <= 512 // SHARD_SIZE  # a few shards at a time (FEED_ITEMS)
+    assert schedule.generated == list(range(48))  # every shard, in order, once
+
+
+def test_what_is_prepared_while_the_engine_starts_is_bounded_by_decoded_bytes(stand_ins, monkeypatch):
+    shard_bytes = SHARD_SIZE * 336 * 336 * 3
+    monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(12 * shard_bytes))
+    get_settings.cache_clear()
+    schedule = stand_ins(engine_start_s=1.0)
+    _run(shards=20)
+    # The first 8 shards (FEED_ITEMS) go out before any shard's bytes are known; then the depth
+    # the bytes allow, 12, not 32.
+    assert 12 <= schedule.prepared_when_up <= 12 + 2
+    assert schedule.generated == list(range(20))
