@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     # run; at 1024 images the pool gave 1.09x raw. Try it for long runs of heavy processors.
     render_processes: int = 0
     # Media
-    decode_processes: int | None = None  # image decode pool; None: one per core, 0: no pool
+    decode_processes: int | None = None  # image decode pool; None: one per usable core, 0: no pool
     # How much lower the decode workers' CPU priority is than the flow's (Unix `nice`): with one
     # worker per core they would otherwise take cores from vLLM's engine-core scheduler and from
     # the feed, and the GPU waits on a busy CPU (H100, tiny LLaVA, 512 photos at 1920x1080:

@@ -60,3 +60,21 @@ def test_a_prepared_shard_counts_the_bytes_of_its_decoded_media():
     assert [p.media_bytes for p in (image, group, video, failed)] == [3600, 900, 1536, 0]
     shard = PreparedShard(Shard(index=0, items=[item]), items=[image, group, video, failed])
     assert shard.media_bytes == 3600 + 900 + 1536
+
+
+def test_the_decode_pool_has_one_process_per_core_this_process_may_use(monkeypatch):
+    """A container's cpuset (or `taskset`) limits the cores, not the host's count."""
+    import os
+
+    from tasks.media.pool import decode_processes
+    from tasks.settings import get_settings
+
+    monkeypatch.delenv("VLM_CAPTION_DECODE_PROCESSES", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5, 7}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    get_settings.cache_clear()
+    assert decode_processes() == 3
+    monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "5")
+    get_settings.cache_clear()
+    assert decode_processes() == 5
+    get_settings.cache_clear()

@@ -36,7 +36,15 @@ def _lower_priority(niceness: int) -> None:
 
 def decode_processes() -> int:
     configured = get_settings().decode_processes
-    return os.cpu_count() or 1 if configured is None else configured
+    return usable_cores() if configured is None else configured
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's cpuset, `taskset`), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
 
 
 def decode_pool() -> Executor | None:
