@@ -27,6 +27,9 @@ def test_bench_compares_the_flow_with_raw_vllm_and_writes_json(tmp_path):
                                                   / report["raw"]["generate_items_per_s"], 3)
     assert report["raw"]["gpu_busy_pct"] is None  # no NVIDIA GPU here: no figure, not a made-up one
     assert report["flow"]["gpu_busy_by_tenth"] == [None] * 10
+    for phase in ("raw", "flow"):  # each phase's output, and its GPU samples (none here)
+        (log,) = (tmp_path / "bench").glob(f"{phase}-*.log")
+        assert json.loads(log.with_suffix(".gpu.json").read_text()) == []
 
 
 def test_bench_runs_videos_and_image_groups_as_their_examples_do(tmp_path):
