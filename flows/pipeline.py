@@ -100,7 +100,6 @@ class ShardPipeline:
         self.progress = Progress(f"Captioning {job.location} with {run.recipe.name}")
         self.engine: dict | None = None
         self.starting = None  # the engine's start, submitted at the first item not done
-        self.engine_started = threading.Event()
         self.changed = threading.Event()  # a shard was prepared, or the engine came up
         self.listed = iter(())
         self.generate_started: float | None = None
@@ -187,12 +186,14 @@ class ShardPipeline:
         (FEED_REQUESTS, bounded by decoded bytes). Before, only FEED_ITEMS were prepared while
         the engine started, and the rest were decoded beside the first minute of generation
         (H100, 7B, 1920x1080: the first tenth of the run was the least busy)."""
+        up = threading.Event()
+
         def started(_) -> None:
-            self.engine_started.set()
+            up.set()
             self.changed.set()
 
         self.starting.add_done_callback(started)
-        while not self.engine_started.is_set():
+        while not up.is_set():
             self.changed.wait(1.0)
             self.changed.clear()
             self.prepare_ahead()
