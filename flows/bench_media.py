@@ -3,7 +3,6 @@ made once per working folder and listed the way the flow lists them."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,9 +17,11 @@ def make_bench_images(folder: Path, count: int, width: int, height: int) -> Path
     every core: 1024 at 1920x1080 take minutes in one process, and on a GPU host that is lent time."""
     from concurrent.futures import ProcessPoolExecutor
 
+    from tasks.media.pool import usable_cores
+
     folder.mkdir(parents=True, exist_ok=True)
     missing = [i for i in range(count) if not (folder / f"img-{i:06d}.jpg").exists()]
-    with ProcessPoolExecutor(max_workers=min(len(missing), os.cpu_count() or 1) or 1) as pool:
+    with ProcessPoolExecutor(max_workers=min(len(missing), usable_cores()) or 1) as pool:
         list(pool.map(_make_image, [(folder, i, width, height) for i in missing], chunksize=8))
     return folder
 
