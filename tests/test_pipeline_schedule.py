@@ -122,7 +122,7 @@ def _run(shards: int) -> None:
 def test_the_feeds_whole_depth_is_prepared_while_the_engine_starts(stand_ins, monkeypatch):
     monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(2 * 1024**3))
     get_settings.cache_clear()
-    schedule = stand_ins(engine_start_s=1.5)
+    schedule = stand_ins(engine_start_s=3.0)  # ample for 32 quick prepares on a busy machine
     _run(shards=48)
     depth = FEED_REQUESTS // SHARD_SIZE  # 32 shards: 2,048 requests of 21.7 MB crops fit in 2 GiB
     # All of it by the time the engine is up (before: 8 shards, FEED_ITEMS), not the whole listing.
@@ -135,7 +135,7 @@ def test_what_is_prepared_while_the_engine_starts_is_bounded_by_decoded_bytes(st
     shard_bytes = SHARD_SIZE * 336 * 336 * 3
     monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(12 * shard_bytes))
     get_settings.cache_clear()
-    schedule = stand_ins(engine_start_s=1.0)
+    schedule = stand_ins(engine_start_s=2.0)
     _run(shards=20)
     # The first 8 shards (FEED_ITEMS) go out before any shard's bytes are known; then the depth
     # the bytes allow, 12, not 32.
