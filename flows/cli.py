@@ -202,6 +202,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def validation_message(exc) -> str:
+    """A pydantic ValidationError as the user's mistakes, one per line: the field and what to do,
+    without pydantic's echo of every job field and its documentation link."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error.get("loc", ()))
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {message}" if where else message)
+    return "\n  ".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench}
@@ -217,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         from recipes import RecipeError
         from tasks.sources.storage import StorageError
 
-        if isinstance(exc, (RecipeError, StorageError, ValidationError)):
+        if isinstance(exc, ValidationError):
+            print(f"vlm-caption: error: {validation_message(exc)}", file=sys.stderr)
+            return 2
+        if isinstance(exc, (RecipeError, StorageError)):
             print(f"vlm-caption: error: {exc}", file=sys.stderr)
             return 2
         if isinstance(exc, RuntimeError) and "ephemeral Prefect API server" in str(exc):

@@ -62,3 +62,15 @@ def test_the_embedded_server_gets_a_generous_start_up_timeout_unless_the_user_se
     mine = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           env={**env, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "45"})
     assert mine.stdout.strip() == "45"
+
+
+def test_a_bad_job_is_one_line_per_mistake_without_pydantic_noise(capsys, tmp_path):
+    code = cli.main(["run", str(tmp_path), "--out", str(tmp_path / "out"), "--recipe", "lava"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'lava'" in err and "Did you mean: llava" in err
+    # pydantic's echo of every job field and its documentation link say nothing to the user
+    assert "input_value" not in err and "errors.pydantic.dev" not in err and "Value error," not in err
+    code = cli.main(["run", str(tmp_path), "--out", str(tmp_path / "out"), "--modality", "video"])
+    assert code == 2
+    assert "recipe 'llava' does not support modality 'video'; it supports: image, multi-image" in capsys.readouterr().err
