@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 METRICS = ("generate_items_per_s", "summed_gpu_items_per_s", "items_per_s", "wall_s", "first_result_s",
-           "output_tokens_per_s", "peak_rss_mb", "gpu_busy_pct")
+           "output_tokens_per_s", "peak_rss_mb", "gpu_busy_pct", "processor_gpu_peak_mb")
+# Shown in the table, not divided.
+FACTS = ("processor_device",)
 
 
 def write_report(report: dict[str, Any], work: Path) -> Path:
@@ -107,21 +109,26 @@ def print_table(report: dict[str, Any], path: Path) -> None:
     config = report["config"]
     table = Table(title=f"vlm-caption bench · {report['device']} · {config['images']} {config['modality']} "
                         f"items {config['width']}x{config['height']}")
-    columns = [("raw (example's way)", report["raw"], None),
-               ("flow", report["flow"], ("flow / raw", report["ratio_flow_over_raw"]))]
-    columns += [(env, result, ("/ raw", result["ratio_over_raw"])) for env, result in report["flow_env"].items()]
+    columns = [("raw (example's way)", report["raw"], [])]
+    if "raw_same" in report:  # raw again with the flow's processor device
+        columns.append(("raw, same processor", report["raw_same"], []))
+    flow_ratios = [("flow / raw", report["ratio_flow_over_raw"])]
+    if "ratio_flow_over_raw_same" in report:
+        flow_ratios.append(("flow / raw same", report["ratio_flow_over_raw_same"]))
+    columns.append(("flow", report["flow"], flow_ratios))
+    columns += [(env, result, [("/ raw", result["ratio_over_raw"])]) for env, result in report["flow_env"].items()]
     if "fan_out" in report:
         fan_out = report["fan_out"]
-        columns.append((f"flow on {fan_out['gpus']} GPUs", fan_out, ("/ flow", fan_out["ratio_over_flow"])))
+        columns.append((f"flow on {fan_out['gpus']} GPUs", fan_out, [("/ flow", fan_out["ratio_over_flow"])]))
     table.add_column("metric")
-    for name, _, ratio in columns:
+    for name, _, ratio_columns in columns:
         table.add_column(name, justify="right")
-        if ratio:
-            table.add_column(ratio[0], justify="right")
-    for metric in METRICS:
+        for ratio_name, _ in ratio_columns:
+            table.add_column(ratio_name, justify="right")
+    for metric in METRICS + FACTS:
         cells = []
-        for _, result, ratio in columns:
-            cells += [_fmt(result.get(metric))] + ([_fmt(ratio[1].get(metric))] if ratio else [])
+        for _, result, ratio_columns in columns:
+            cells += [_fmt(result.get(metric))] + [_fmt(values.get(metric)) for _, values in ratio_columns]
         table.add_row(metric, *cells)
     # Not a terminal (a log, CI): wide enough that metric names and headers are not cut.
     Console(width=None if sys.stdout.isatty() else 200).print(table)

@@ -29,6 +29,7 @@ from flows.pipeline import PartitionRun, caption_shards
 from recipes import Recipe, get_recipe
 from tasks.concurrency import one_run_per_job
 from tasks.engine.arguments import check_engine_overrides, check_remote_code
+from tasks.engine.model_check import check_job_model
 from tasks.engine.vllm_engine import ensure_vllm_imported
 from tasks.fanout import CALLED_OFF, FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
@@ -72,6 +73,7 @@ def vlm_caption(job: CaptionJob) -> dict:
     check_engine_overrides(job.engine_overrides)
     check_source(job.location, is_manifest=job.manifest is not None)
     check_output(job.output)
+    check_job_model(job)  # loads, and fits the recipe (the hub asked at most once per process)
     run_id = job.partition.run_id if job.partition else _run_id()
     model = recipe.model_for(job.modality, job.model)
     fingerprint = fingerprint_of(job, recipe, model)

@@ -44,6 +44,9 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-frames", type=int, help="frames sampled from each video (default 16)")
     parser.add_argument("--max-images", type=int, help="largest image group accepted (default 8)")
     parser.add_argument("--model", help="model id or local path instead of the recipe's")
+    parser.add_argument("--skip-model-check", action="store_true",
+                        help="start without checking the model first (that it loads, and that its model_type "
+                        "is one the recipe is for)")
     parser.add_argument("--shard-size", type=int, default=None, help="items per task run (default 64)")
     parser.add_argument("--limit", type=int, help="stop after this many items")
     parser.add_argument("--glob", help="only keys matching this glob, e.g. '*.jpg'")
@@ -52,14 +55,19 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
                         metavar="KEY=VALUE", help="vLLM engine argument override (repeatable)")
+    parser.add_argument("--processor-device", choices=["auto", "cuda", "cpu"],
+                        help="where the model's processor runs (default auto: the GPU where the recipe's "
+                             "processor is checked there)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow recipes that run the model repository's own code")
 
 
 def _job_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {"recipe": args.recipe, "trust_remote_code": args.trust_remote_code}
+    if args.skip_model_check:
+        fields["skip_model_check"] = True
     for name in ("questions", "model", "shard_size", "limit", "glob", "modality", "method", "num_frames",
-                 "max_images"):
+                 "max_images", "processor_device"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     sampling = {k: getattr(args, k) for k in ("temperature", "max_tokens", "seed")
@@ -93,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shape", choices=["tiny", "7b", "2b"], default="tiny",
                        help="without --model: a random-weight checkpoint of this shape: tiny or 7b for llava, "
                        "tiny or 2b for qwen2_vl (default tiny)")
-    bench.add_argument("--recipe", default="llava", help="llava (default), or qwen2_vl for video")
+    bench.add_argument("--recipe", default="llava",
+                       help="llava (default), qwen2_vl or qwen2_5_vl (these two for video too)")
     bench.add_argument("--modality", choices=["image", "video", "multi-image"], default="image",
                        help="JPEGs, MP4 clips, or folders of two JPEGs (default image)")
     bench.add_argument("--frames", type=int, default=16, help="frames sampled per clip (default 16)")
@@ -116,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="N > 1: then the flow fanned out over N GPUs of this host (fan_out=N, the run on "
                        "GPU 0, a process worker per other GPU, the partition deployment; implies --prefect "
                        "server and a folder source), reported over the flow on one GPU")
+    bench.add_argument("--processor-device", choices=["auto", "cuda", "cpu"], default="auto",
+                       help="where the flow's model processor runs (default auto); raw runs it on the CPU "
+                            "as the example does, and once more on the GPU when the flow's is there")
     bench.add_argument("--skip-raw", action="store_true",
                        help="leave out the raw phase (e.g. when --gpus is what is measured)")
 
@@ -173,11 +185,14 @@ def cmd_recipes_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.caption import vlm_caption
     from flows.params import CaptionJob
-    from tasks.engine.vllm_engine import import_vllm_in_background
+    from tasks.engine.model_check import check_job_model
 
     job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **_job_fields(args))
+    check_job_model(job)  # before Prefect is imported or its server starts; the flow's check reuses it
+    from flows.caption import vlm_caption
+    from tasks.engine.vllm_engine import import_vllm_in_background
+
     import_vllm_in_background()  # while Prefect's embedded server starts
     summary = vlm_caption(job)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
@@ -198,7 +213,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
-                          profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw))
+                          profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw,
+                          processor_device=args.processor_device))
     return 0
 
 

@@ -81,12 +81,19 @@ class CaptionJob(BaseModel):
     limit: int | None = Field(None, ge=1, description="Stop after this many listed objects.")
     glob: str | None = Field(None, description="Only keys matching this glob, e.g. '*.jpg'.")
     model: str | None = Field(None, description="Model id or local path instead of the recipe's.")
+    skip_model_check: bool = Field(
+        False, description="Start without checking the model first (that it can be loaded, and that its "
+        "model_type is one the recipe is for): for a model that takes the recipe's prompts under another type.")
     engine_overrides: dict[str, Any] = Field(
         default_factory=dict, description="vLLM engine arguments that win over the recipe's."
     )
     trust_remote_code: bool = Field(
         False, description="Allow recipes whose model runs its repository's own Python code."
     )
+    processor_device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Where the model's HF processor (resize, normalise, patchify) runs: `auto` "
+        "puts it on the GPU for recipes with a fast processor checked there (Qwen2-VL, Qwen2.5-VL), "
+        "on the CPU otherwise. The manifest's engine section records the choice and why.")
     fan_out: int = Field(
         1, ge=1, le=1024,
         description="Split the listing into this many partitions: this run captions one and starts "

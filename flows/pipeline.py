@@ -17,7 +17,7 @@ from prefect.utilities.annotations import opaque
 
 from flows.params import CaptionJob, Partition
 from recipes import Recipe
-from tasks.engine.arguments import EngineSpec, image_resize_target
+from tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
 from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
 from tasks.engine.vllm_engine import Sampling
@@ -95,7 +95,8 @@ class ShardPipeline:
         self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, job.shard_size, len(job.questions_to_ask)))
         self.preparing: set = set()  # prepare futures not yet done
         self.stats = RunStats()
-        self.media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec))
+        self.media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec),
+                                  frame_resize=frame_resize_target(spec))
         self.options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
         self.progress = Progress(f"Captioning {job.location} with {run.recipe.name}")
         self.engine: dict | None = None
@@ -239,4 +240,5 @@ def engine_spec(job: CaptionJob, shards: list[Shard]) -> EngineSpec:
         images = max(1, min(largest, job.image_limit))
     return EngineSpec.build(job.recipe, modality=job.modality, model=job.model,
                             engine_overrides=job.engine_overrides,
-                            trust_remote_code=job.trust_remote_code, images=images)
+                            trust_remote_code=job.trust_remote_code, images=images,
+                            processor_device=job.processor_device)

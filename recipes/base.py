@@ -84,6 +84,9 @@ class Recipe(Frozen):
     model: str
     family: str
     aliases: tuple[str, ...] = ()
+    # The checkpoint `model_type`s (config.json) this recipe's prompts are for; a job whose model
+    # is of another type is refused before the engine starts. Empty: not checked.
+    model_types: tuple[str, ...] = ()
     # Engine arguments that belong to the model (not to the GPU it runs on).
     engine_args: dict[str, Any] = Field(default_factory=dict)
     # The context length the example runs the model with. It bounds KV-cache memory for the
@@ -99,6 +102,9 @@ class Recipe(Frozen):
     sampling: dict[str, Any] = Field(default_factory=dict)
     lora: LoraSpec | None = None
     needs_video_metadata: bool = False
+    # The model's HF processor is a fast (torch) one that takes `device`, and its GPU output was
+    # checked against its CPU output (tests/gpu_processor_check.py): on a GPU it runs there.
+    processor_on_gpu: bool = False
     method: Literal["generate", "chat"] = "generate"
     notes: str = ""
 

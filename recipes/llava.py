@@ -9,6 +9,7 @@ RECIPES = (
     Recipe(
         name="llava",
         family="llava",
+        model_types=("llava",),
         aliases=("llava-1.5",),
         model="llava-hf/llava-1.5-7b-hf",
         max_model_len=4096,
@@ -20,6 +21,7 @@ RECIPES = (
     Recipe(
         name="llava-next",
         family="llava",
+        model_types=("llava_next",),
         model="llava-hf/llava-v1.6-mistral-7b-hf",
         max_model_len=8192,
         image=Prompting(template="[INST] {media}\n{question} [/INST]", media="<image>"),
@@ -27,6 +29,7 @@ RECIPES = (
     Recipe(
         name="llava-next-video",
         family="llava",
+        model_types=("llava_next_video",),
         model="llava-hf/LLaVA-NeXT-Video-7B-hf",
         max_model_len=8192,
         video=Prompting(template="USER: {media}\n{question} ASSISTANT:", media="<video>"),
@@ -34,6 +37,7 @@ RECIPES = (
     Recipe(
         name="llava-onevision",
         family="llava",
+        model_types=("llava_onevision",),
         model="llava-hf/llava-onevision-qwen2-7b-ov-hf",
         max_model_len=16384,
         image=Prompting(template=_ONEVISION_TEMPLATE, media="<image>"),

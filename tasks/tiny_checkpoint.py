@@ -49,6 +49,14 @@ def save_fast_tokenizer(tok, out: Path, *, eos: str, bos: str | None = None, pad
     return fast
 
 
+# LLaVA-1.5's chat template as llava-hf ships it (images first, then the text; `USER:` /
+# `ASSISTANT:`): the multi-image recipe renders LLaVA through it.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 # Random-weight LLaVA-1.5 shapes: "tiny" (~2 MB, for CPU tests and the demo) and "7b" (the
 # real LLaVA-1.5-7B's CLIP ViT-L/14-336 and Llama-2-7B sizes, ~14 GB in bf16, for GPU benches).
 SHAPES = {
@@ -90,7 +98,7 @@ def build_tiny_llava(out: str | Path, seed: int = 0, shape: str = "tiny") -> Pat
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(["<unk>", "<s>", "</s>", "<image>", "<pad>"])
-    fast = save_fast_tokenizer(tok, out, bos="<s>", eos="</s>")
+    fast = save_fast_tokenizer(tok, out, bos="<s>", eos="</s>", extra={"chat_template": LLAVA_CHAT_TEMPLATE})
     image_token_id = fast.convert_tokens_to_ids("<image>")
 
     config = LlavaConfig(
@@ -122,6 +130,7 @@ def build_tiny_llava(out: str | Path, seed: int = 0, shape: str = "tiny") -> Pat
         vision_feature_select_strategy="default",
         image_token="<image>",
         num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
     (out / "TINY_RANDOM_WEIGHTS").write_text("Random weights: outputs are noise.\n")
@@ -178,16 +187,48 @@ QWEN2_VL_SHAPES = {
 }
 
 
+# Qwen2.5-VL: the same processor and prompt format, a windowed-attention vision tower with its
+# own width (`hidden_size`) projected to the LM's (`out_hidden_size`). "7b": Qwen2.5-VL-7B's sizes.
+QWEN2_5_VL_SHAPES = {
+    "tiny": {"text": QWEN2_VL_SHAPES["tiny"]["text"],
+             "vision": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=1, out_hidden_size=128,
+                            fullatt_block_indexes=[1], window_size=112),
+             "max_pixels": 28 * 28 * 16, "dtype": "float32"},
+    "7b": {"text": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                        num_key_value_heads=4, mrope_section=[16, 24, 24]),
+           "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                          fullatt_block_indexes=[7, 15, 23, 31], window_size=112, tokens_per_second=2),
+           "max_pixels": 12845056, "dtype": "bfloat16"},
+}
+# transformers' classes per Qwen-VL generation: (config, model, processor), and its shapes.
+QWEN_VL_FAMILIES = {
+    "qwen2_vl": (("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"), QWEN2_VL_SHAPES),
+    "qwen2_5_vl": (("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
+                   QWEN2_5_VL_SHAPES),
+}
+
+
 def build_tiny_qwen2_vl(out: str | Path, seed: int = 0, shape: str = "tiny") -> Path:
     """Write a random-weight Qwen2-VL checkpoint (images, groups and video) to `out`."""
+    return build_tiny_qwen_vl(out, "qwen2_vl", seed=seed, shape=shape)
+
+
+def build_tiny_qwen2_5_vl(out: str | Path, seed: int = 0, shape: str = "tiny") -> Path:
+    """Write a random-weight Qwen2.5-VL checkpoint (images, groups and video) to `out`."""
+    return build_tiny_qwen_vl(out, "qwen2_5_vl", seed=seed, shape=shape)
+
+
+def build_tiny_qwen_vl(out: str | Path, family: str, seed: int = 0, shape: str = "tiny") -> Path:
     out = Path(out)
     if (out / "model.safetensors").exists():
         return out
     import torch
-    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
-                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+    import transformers
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    sizes = QWEN2_VL_SHAPES[shape]
+    class_names, shapes = QWEN_VL_FAMILIES[family]
+    config_cls, model_cls, processor_cls = (getattr(transformers, name) for name in class_names)
+    sizes = shapes[shape]
     text = dict(sizes["text"])
     mrope = text.pop("mrope_section")
     torch.manual_seed(seed)
@@ -195,7 +236,7 @@ def build_tiny_qwen2_vl(out: str | Path, seed: int = 0, shape: str = "tiny") -> 
     fast = save_fast_tokenizer(train_tokenizer(QWEN2_VL_SPECIALS), out, eos="<|im_end|>", pad="<|endoftext|>",
                                extra={"chat_template": QWEN2_VL_CHAT_TEMPLATE})
     ids = {t: fast.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIALS}
-    config = Qwen2VLConfig(
+    config = config_cls(
         text_config=dict(vocab_size=len(fast), max_position_embeddings=4096 if shape == "tiny" else 32768,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
                          bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], **text),
@@ -205,11 +246,11 @@ def build_tiny_qwen2_vl(out: str | Path, seed: int = 0, shape: str = "tiny") -> 
     )
     device = "cuda" if shape != "tiny" and torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = Qwen2VLForConditionalGeneration(config).to(getattr(torch, sizes["dtype"])).eval()
+        model = model_cls(config).to(getattr(torch, sizes["dtype"])).eval()
     model.save_pretrained(out, max_shard_size="100GB")
     del model
     pixels = {"min_pixels": 28 * 28, "max_pixels": sizes["max_pixels"]}
-    Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
-                     tokenizer=fast, chat_template=QWEN2_VL_CHAT_TEMPLATE).save_pretrained(out)
+    processor_cls(image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
+                  tokenizer=fast, chat_template=QWEN2_VL_CHAT_TEMPLATE).save_pretrained(out)
     (out / "TINY_RANDOM_WEIGHTS").write_text("Random weights: outputs are noise.\n")
     return out

@@ -23,7 +23,8 @@ def _job(root: Path):
     from flows.params import CaptionJob
 
     return CaptionJob(source=str(root / "images"), output=str(root / "out"), recipe="llava",
-                      model=str(root / "no-model"), questions=[QUESTION], shard_size=64)
+                      model=str(root / "no-model"), skip_model_check=True, questions=[QUESTION],
+                      shard_size=64)
 
 
 def prepare(count: int, root: Path) -> None:

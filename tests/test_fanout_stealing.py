@@ -77,6 +77,7 @@ def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_l
     assert manifest["counts"]["processed"] == len(keys)
     sizing = manifest["engine"]["sizing"]  # how vLLM sized the engine for the device present
     assert sizing["device"] == "cpu" and sizing["max_num_seqs"] > 0 and sizing["kv_cache_tokens"] > 0
+    assert sizing["processor_device"] == "cpu" and sizing["processor_device_reason"] == "no GPU on this machine"
     assert {r["run_id"].rsplit("-", 1)[1] for r in records} <= {"p0", "p1", "p2"}
 
 
@@ -94,7 +95,7 @@ def test_a_parent_that_fails_calls_off_the_children_no_worker_started(idle_parti
     monkeypatch.setattr(flows.caption, "caption_shards", fail)
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "a.png").write_bytes(image_bytes("PNG"))
-    job = CaptionJob(source=str(tmp_path / "img"), output=str(tmp_path / "out"), model="any", fan_out=3,
+    job = CaptionJob(source=str(tmp_path / "img"), output=str(tmp_path / "out"), model="any", skip_model_check=True, fan_out=3,
                      partition_deployment=idle_partition_deployment)
     with pytest.raises(RuntimeError, match="partition 0 broke"):
         vlm_caption(job)

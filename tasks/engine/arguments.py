@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recipes import Recipe, RecipeError, get_recipe
+from tasks.engine.processor import ProcessorPlacement, apply_placement, place_processor
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,14 @@ class EngineSpec:
     engine_overrides: tuple[tuple[str, str], ...] = ()  # (key, JSON value), hashable
     trust_remote_code: bool = False
     images: int = 1  # images per prompt for multi-image
+    processor_device: str = "auto"  # where the model's HF processor runs (tasks/engine/processor.py)
 
     @classmethod
     def build(cls, recipe: str, *, modality: str = "image", model: str | None = None,
               engine_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False,
-              images: int = 1) -> EngineSpec:
+              images: int = 1, processor_device: str = "auto") -> EngineSpec:
         overrides = tuple(sorted((k, json.dumps(v)) for k, v in (engine_overrides or {}).items()))
-        return cls(recipe, modality, model, overrides, trust_remote_code, images)
+        return cls(recipe, modality, model, overrides, trust_remote_code, images, processor_device)
 
     def overrides(self) -> dict[str, Any]:
         return {key: json.loads(value) for key, value in self.engine_overrides}
@@ -41,16 +43,31 @@ def check_remote_code(recipe: Recipe, allowed: bool) -> None:
         )
 
 
+def _model_args(spec: EngineSpec) -> dict[str, Any]:
+    args = get_recipe(spec.recipe).engine_args_for(spec.modality, images=spec.images, model=spec.model)
+    args.update(spec.overrides())
+    return args
+
+
 def image_resize_target(spec: EngineSpec):
     """What the decode pool may shrink images to for this engine's model (None: leave them)."""
     from tasks.media.resize import resize_target
 
     if spec.modality == "video":
         return None
-    recipe = get_recipe(spec.recipe)
-    args = recipe.engine_args_for(spec.modality, images=spec.images, model=spec.model)
-    args.update(spec.overrides())
+    args = _model_args(spec)
     return resize_target(args["model"], args.get("mm_processor_kwargs"))
+
+
+def frame_resize_target(spec: EngineSpec):
+    """What the fetch threads may shrink video frames to: the size the model's video processor
+    resizes them to anyway (None: leave them as decoded)."""
+    from tasks.media.resize import frame_target
+
+    if spec.modality != "video":
+        return None
+    args = _model_args(spec)
+    return frame_target(args["model"], args.get("mm_processor_kwargs"))
 
 
 def check_engine_overrides(overrides: dict[str, Any]) -> None:
@@ -71,6 +88,11 @@ def check_engine_overrides(overrides: dict[str, Any]) -> None:
 
 def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, Any]:
     """Recipe facts + sizing for this hardware + the caller's overrides (which win)."""
+    return engine_plan(spec, recipe, on_cpu=on_cpu)[0]
+
+
+def engine_plan(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> tuple[dict[str, Any], ProcessorPlacement]:
+    """The engine arguments and where the model's processor runs, which they include."""
     check_remote_code(recipe, spec.trust_remote_code)
     args = recipe.engine_args_for(spec.modality, images=spec.images, model=spec.model)
     if spec.trust_remote_code and recipe.needs_remote_code:
@@ -78,13 +100,25 @@ def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, 
     if on_cpu:
         args.setdefault("enforce_eager", True)  # compilation does not pay off for CPU-sized jobs
     args.update(spec.overrides())
+    placement = place_processor(recipe, spec.processor_device, gpu=not on_cpu and _cuda_present(),
+                                user_kwargs=spec.overrides().get("mm_processor_kwargs"))
+    apply_placement(args, placement)
     if on_cpu:
         _size_cpu_kv_cache(args)
     limit = checkpoint_context_limit(args["model"], bool(args.get("trust_remote_code")))
     if limit and args.get("max_model_len") and args["max_model_len"] > limit:
         args["max_model_len"] = limit
     _resolve_logits_processors(args)
-    return args
+    return args, placement
+
+
+def _cuda_present() -> bool:
+    """An NVIDIA (or ROCm) GPU vLLM runs on: where `device="cuda"` means something. vLLM's
+    platform asks NVML, which, unlike `torch.cuda.is_available()`, leaves CUDA uninitialised in
+    this process (vLLM may still fork its engine process)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
 
 
 CPU_KV_CACHE_GIB = 2

@@ -19,7 +19,7 @@ from typing import Any
 from recipes import RecipeError, get_recipe
 from recipes.base import MEDIA_KIND
 from recipes.requests import prompt_text, resolve_stop_ids
-from tasks.engine.arguments import EngineSpec, engine_args
+from tasks.engine.arguments import EngineSpec, engine_plan
 from tasks.engine.feed import EngineDied, EngineFeed
 from tasks.engine.render import RenderJob, RenderPool
 from tasks.results.records import GenerationOutput
@@ -98,10 +98,13 @@ class CaptionEngine:
         self.spec = spec
         self.recipe = get_recipe(spec.recipe)
         self.prompting = self.recipe.prompting(spec.modality)
-        self.args = engine_args(spec, self.recipe, on_cpu=current_platform.is_cpu())
+        self.args, self.processor = engine_plan(spec, self.recipe, on_cpu=current_platform.is_cpu())
         self.model = self.args["model"]
+        _log_processor_placement(self.processor)
         renderers = render_processes()
-        if "mm_processor_cache_gb" in spec.overrides():
+        if self.processor.device == "cuda":
+            renderers = 0  # each render process would hold a CUDA context of its own
+        elif "mm_processor_cache_gb" in spec.overrides():
             renderers = 0  # the user asked for vLLM's cache, which needs one renderer
         elif renderers:
             self.args["mm_processor_cache_gb"] = 0  # see tasks/engine/render.py
@@ -134,7 +137,8 @@ class CaptionEngine:
                 "max_model_len": config.model_config.max_model_len,
                 "gpu_memory_utilization": cache.gpu_memory_utilization,
                 "kv_cache_blocks": blocks, "kv_cache_tokens": blocks * cache.block_size,
-                "render_processes": self._render_pool.processes if self._render_pool else 0}
+                "render_processes": self._render_pool.processes if self._render_pool else 0,
+                **self.processor.manifest()}
 
     def prompt_for(self, question: str, count: int = 1) -> str:
         """The exact prompt text for one item (the chat template rendered if needed)."""
@@ -216,6 +220,14 @@ class CaptionEngine:
 
             root = Path(snapshot_download(self.model))
         return LoRARequest(self.recipe.lora.name, 1, str(root / self.recipe.lora.subdir))
+
+
+def _log_processor_placement(placement) -> None:
+    """Once per engine: where the model's processor runs, and why (a CPU placement on a GPU host
+    is the one an operator wants to know about: it can hold the GPU back)."""
+    from tasks.observability import get_logger
+
+    get_logger().info("model processor placed", device=placement.device, reason=placement.reason)
 
 
 def _output(request_output) -> GenerationOutput:

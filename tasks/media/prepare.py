@@ -15,7 +15,7 @@ from prefect.cache_policies import NONE
 
 from tasks.media.image import MediaError
 from tasks.media.pool import decode_images
-from tasks.media.resize import ResizeTarget
+from tasks.media.resize import FrameTarget, ResizeTarget
 from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits, decode_video
 from tasks.results.done_index import DoneIndex
 from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
@@ -33,6 +33,7 @@ class MediaOptions:
     num_frames: int = DEFAULT_NUM_FRAMES
     max_images: int = 8  # a bigger group becomes an error record naming the limit
     resize: ResizeTarget | None = None  # shrink images to what the model's processor makes of them
+    frame_resize: FrameTarget | None = None  # and video frames, likewise
 
 
 @dataclass
@@ -187,7 +188,7 @@ class ItemPreparer:
         try:
             if self.options.modality == "video":
                 prepared.media = decode_video(blobs[0], num_frames=self.options.num_frames,
-                                              limits=self.video_limits)
+                                              limits=self.video_limits, resize=self.options.frame_resize)
             else:
                 images = decode_images(blobs, self.max_image_pixels, self.options.resize)
                 prepared.media = images if self.options.modality == "multi-image" else images[0]

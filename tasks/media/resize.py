@@ -9,6 +9,7 @@ enlarged; any other processor (any-resolution tiling, image splitting) gets the 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -98,3 +99,58 @@ def resize_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None)
         limit = (mm_processor_kwargs or {}).get("max_pixels") or processor.get("max_pixels") or size.get("longest_edge")
         return ResizeTarget(max_pixels=int(limit)) if limit else None
     return None
+
+
+# ---- video frames -------------------------------------------------------------------------------
+# Video processors whose first step is resizing every frame to one size computed from the frame
+# alone (Qwen2-VL's `smart_resize`: a multiple of patch x merge within min/max pixels). Qwen2.5-VL
+# uses the same one. A processor not listed here gets the frames as decoded.
+FRAME_RESIZING_PROCESSORS = ("Qwen2VLVideoProcessor",)
+
+
+@dataclass(frozen=True)
+class FrameTarget:
+    """Resize decoded frames with the model's own video processor's resize, so the processor,
+    in vLLM, finds them at its size already and leaves them be: the same pixels as resizing them
+    there, computed in the fetch threads instead of vLLM's one front-end process, and 4K frames
+    are never carried through the feed."""
+
+    model: str
+    pixels: tuple[tuple[str, int], ...] = ()  # min_pixels / max_pixels from mm_processor_kwargs
+
+    def apply(self, frames):
+        """(frames, height, width, 3) uint8 -> the same, at the processor's size."""
+        import numpy as np
+        import torch
+
+        processor = _video_processor(self.model, self.pixels)
+        videos = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)[None]
+        factor = processor.patch_size * processor.merge_size
+        resized = processor.resize(videos, size=processor.size, resample=processor.resample, factor=factor)
+        if tuple(resized.shape[-2:]) == tuple(videos.shape[-2:]):
+            return frames
+        return resized[0].permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def frame_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None) -> FrameTarget | None:
+    """The frame resize for this checkpoint's video processor, or None (unknown processor, no
+    local config, a processor that caps pixels by frame count)."""
+    pixels = tuple(sorted((k, int(v)) for k, v in (mm_processor_kwargs or {}).items()
+                          if k in ("min_pixels", "max_pixels") and v is not None))
+    try:
+        processor = _video_processor(model, pixels)
+    except Exception:  # noqa: BLE001 - no local config, or not a video model: frames as decoded
+        return None
+    if (type(processor).__name__ not in FRAME_RESIZING_PROCESSORS or not processor.do_resize
+            or getattr(processor, "cap_pixels_per_frame", None)):
+        return None
+    return FrameTarget(model, pixels)
+
+
+@functools.lru_cache(maxsize=4)
+def _video_processor(model: str, pixels: tuple[tuple[str, int], ...]):
+    """The checkpoint's video processor as vLLM builds it (the recipe's pixel limits passed at
+    construction); from local files only, never a download."""
+    from transformers import AutoVideoProcessor
+
+    return AutoVideoProcessor.from_pretrained(model, local_files_only=True, **dict(pixels))

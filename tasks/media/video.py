@@ -48,8 +48,9 @@ def video_loader():
     return VIDEO_LOADER_REGISTRY.load(os.environ.get("VLLM_VIDEO_LOADER_BACKEND", "opencv"))
 
 
-def decode_video(data: bytes, *, num_frames: int, limits: VideoLimits) -> DecodedVideo:
-    """Bytes -> `num_frames` uniformly sampled RGB frames plus metadata.
+def decode_video(data: bytes, *, num_frames: int, limits: VideoLimits, resize=None) -> DecodedVideo:
+    """Bytes -> `num_frames` uniformly sampled RGB frames plus metadata; `resize` (a
+    `FrameTarget`) shrinks the frames to the size the model's video processor would make them.
 
     Raises MediaError for empty, undecodable, frameless (audio-only) and over-limit videos.
     """
@@ -64,6 +65,8 @@ def decode_video(data: bytes, *, num_frames: int, limits: VideoLimits) -> Decode
     if frames is None or len(frames) == 0:
         raise MediaError(ItemError("decode", "the video has no decodable frames (audio only?)"))
     _check_duration(float(metadata.get("duration") or 0.0), limits)
+    if resize is not None:
+        frames = resize.apply(frames)
     return DecodedVideo(frames, dict(metadata))
 
 

@@ -1,0 +1,95 @@
+"""Where the model's processor runs (GPU present or not, a checked fast processor or not, the
+user's override), what the engine arguments then say, and that frames shrunk in the fetch
+threads give vLLM's processor exactly what it would have made of the full frames."""
+
+import numpy as np
+import pytest
+
+from recipes import RecipeError, get_recipe
+from tasks.engine import arguments
+from tasks.engine.arguments import EngineSpec, engine_plan, frame_resize_target
+from tasks.engine.processor import PROCESSOR_GPU_GIB, place_processor
+from tests.checkpoints import build_checkpoint
+from tests.vllm_processing import process, tensors
+
+
+@pytest.mark.parametrize(("recipe", "requested", "gpu", "device", "why"), [
+    ("qwen2_vl", "auto", True, "cuda", "fast (torch) processor"),
+    ("qwen2_5_vl", "auto", True, "cuda", "fast (torch) processor"),
+    ("qwen2_vl", "auto", False, "cpu", "no GPU"),
+    ("qwen2_vl", "cpu", True, "cpu", "asked for"),
+    ("llava", "auto", True, "cpu", "not checked on the GPU"),
+    ("llava", "cuda", True, "cuda", "asked for"),
+    ("qwen_vl", "auto", True, "cpu", "repository's own code"),
+])
+def test_the_processor_goes_to_the_gpu_only_where_it_is_fast_and_checked(recipe, requested, gpu, device, why):
+    placement = place_processor(get_recipe(recipe), requested, gpu=gpu)
+    assert placement.device == device and why in placement.reason
+
+
+def test_the_engine_argument_wins_and_cuda_without_a_gpu_is_refused():
+    placement = place_processor(get_recipe("qwen2_vl"), "auto", gpu=True, user_kwargs={"device": "cpu"})
+    assert placement.device == "cpu" and "mm_processor_kwargs" in placement.reason
+    with pytest.raises(RecipeError, match="needs an NVIDIA GPU"):
+        place_processor(get_recipe("qwen2_vl"), "cuda", gpu=False)
+
+
+def test_on_a_gpu_the_engine_arguments_carry_the_device_and_the_memory_it_needs(monkeypatch):
+    monkeypatch.setattr(arguments, "_cuda_present", lambda: True)
+    args, placement = engine_plan(EngineSpec.build("qwen2_vl", modality="video", model="/none"),
+                                  get_recipe("qwen2_vl"), on_cpu=False)
+    assert placement.device == "cuda"
+    # the recipe's pixel limits stay; vLLM takes the processor's memory off its KV cache
+    assert args["mm_processor_kwargs"] == {"min_pixels": 784, "max_pixels": 1003520, "device": "cuda"}
+    assert args["mm_ipc_gpu_memory_gb"] == PROCESSOR_GPU_GIB
+    # multi-image leaves the pixel limits at the processor's own: only the device is set
+    args, _ = engine_plan(EngineSpec.build("qwen2_vl", modality="multi-image", model="/none", images=2),
+                          get_recipe("qwen2_vl"), on_cpu=False)
+    assert args["mm_processor_kwargs"] == {"device": "cuda"}
+    args, placement = engine_plan(EngineSpec.build("qwen2_vl", model="/none", processor_device="cpu",
+                                                   engine_overrides={"mm_ipc_gpu_memory_gb": 4}),
+                                  get_recipe("qwen2_vl"), on_cpu=False)
+    assert placement.device == "cpu" and "device" not in args["mm_processor_kwargs"]
+    assert args["mm_ipc_gpu_memory_gb"] == 4  # the caller's own value
+
+
+def test_on_cpu_nothing_changes():
+    args, placement = engine_plan(EngineSpec.build("qwen2_vl", model="/none"), get_recipe("qwen2_vl"), on_cpu=True)
+    assert placement.device == "cpu" and placement.reason == "no GPU on this machine"
+    assert "device" not in args["mm_processor_kwargs"] and "mm_ipc_gpu_memory_gb" not in args
+
+
+def test_a_job_takes_the_processor_device_from_the_command_line():
+    from flows.cli import _job_fields, build_parser
+
+    args = build_parser().parse_args(["run", "/in", "--out", "/out", "--recipe", "qwen2_vl",
+                                      "--processor-device", "cpu"])
+    assert _job_fields(args)["processor_device"] == "cpu"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "/in", "--out", "/out", "--processor-device", "tpu"])
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl"])
+def test_frames_shrunk_in_the_fetch_threads_are_what_vllm_makes_of_the_full_frames(architecture, tmp_path):
+    """The same prompt tokens, grid and pixel values, bit for bit, from 640x480 frames and from
+    those frames shrunk first with the video processor's own resize."""
+    model = str(build_checkpoint(architecture, tmp_path))
+    kwargs = get_recipe(architecture).engine_args_for("video", model=model)["mm_processor_kwargs"]
+    target = frame_resize_target(EngineSpec.build(architecture, modality="video", model=model))
+    assert target is not None
+    frames = np.random.default_rng(0).integers(0, 255, (4, 480, 640, 3), dtype=np.uint8)
+    small = target.apply(frames)
+    assert small.shape[0] == 4 and small.shape[1] * small.shape[2] < 480 * 640 and small.dtype == np.uint8
+    prompt = "<|vision_start|><|video_pad|><|vision_end|>Describe."
+    full, shrunk = process(model, prompt, {"video": frames}, kwargs), process(model, prompt, {"video": small}, kwargs)
+    assert full["prompt_token_ids"] == shrunk["prompt_token_ids"]
+    a, b = tensors(full), tensors(shrunk)
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    assert target.apply(small) is small  # already at its size: left as it is
+
+
+def test_frames_are_left_alone_for_processors_that_are_not_known(tmp_path):
+    llava = str(build_checkpoint("llava", tmp_path))
+    assert frame_resize_target(EngineSpec.build("qwen2_vl", modality="video", model=llava)) is None  # no video processor
+    assert frame_resize_target(EngineSpec.build("qwen2_vl", modality="video", model=str(tmp_path / "no"))) is None
+    assert frame_resize_target(EngineSpec.build("qwen2_vl", modality="image", model=llava)) is None
