@@ -111,6 +111,8 @@ def tokens_on(recipe_name: str, model: str, device: str) -> list[list[int]]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-processor-check.json")
+    parser.add_argument("--recipes", nargs="*", help="only these recipes (default: every processor_on_gpu one)")
+    parser.add_argument("--skip-processing", action="store_true", help="only the greedy-token comparison")
     parser.add_argument("--tokens", nargs=3, metavar=("RECIPE", "MODEL", "DEVICE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tokens:  # a child: one engine's tokens, printed
@@ -121,13 +123,17 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp(prefix="gpu-processor-check-"))
     report = {"processing": [], "tokens": []}
-    for recipe in (r for r in all_recipes() if r.processor_on_gpu):
+    for recipe in (r for r in all_recipes() if r.processor_on_gpu and (not args.recipes or r.name in args.recipes)):
         model = str(build_checkpoint(recipe.name, root))
-        report["processing"] += processing_check(recipe.name, model)
+        if not args.skip_processing:
+            report["processing"] += processing_check(recipe.name, model)
         tokens = {}
         for device in ("cpu", "cuda"):  # each engine in a process of its own: GPU memory comes back
+            started = time.perf_counter()
             done = subprocess.run([sys.executable, "-m", "tests.gpu_processor_check", "--tokens", recipe.name,
-                                   model, device], capture_output=True, text=True)
+                                   model, device], capture_output=True, text=True, timeout=240)
+            print(f"{recipe.name} tokens with the processor on {device}: {time.perf_counter() - started:.0f} s, "
+                  f"rc {done.returncode}", flush=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
             tokens[device] = json.loads(lines[-1][7:]) if lines else done.stderr[-2000:]
         same = [a == b for a, b in zip(tokens["cpu"], tokens["cuda"])] if isinstance(tokens["cpu"], list) else []
@@ -135,6 +141,7 @@ def main() -> int:
                                  "ok": bool(same) and all(same),
                                  "error": None if same else str(tokens)[-2000:]})
         print(json.dumps(report["tokens"][-1]), flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
     Path(args.out).write_text(json.dumps(report, indent=2))
     ok = all(row["ok"] for rows in report.values() for row in rows)
     print(f"{'OK' if ok else 'MISMATCH'}: written {args.out}")
