@@ -1,4 +1,4 @@
-"""`vlm-caption` command line: run, demo, recipes list, recipes show.
+"""`vlm-caption` command line: run, demo, bench, server, recipes list, recipes show.
 
 `recipes ...` import neither torch, vLLM nor Prefect, so they answer at once.
 """
@@ -17,7 +17,7 @@ DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-lang
 EMBEDDED_SERVER_HINT = (
     "Prefect's embedded API server did not start in time (a fresh database on a slow or busy "
     "machine). Run the command again, raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS "
-    "(now {timeout} s), or start a server once with `prefect server start` and point "
+    "(now {timeout} s), or start a server once with `vlm-caption server` and point "
     "PREFECT_API_URL at it (http://127.0.0.1:4200/api)."
 )
 
@@ -30,6 +30,12 @@ def _engine_arg(text: str) -> tuple[str, Any]:
         return key, json.loads(raw)
     except json.JSONDecodeError:
         return key, raw
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port number, 1 to 65535")
+    return int(text)
 
 
 def _add_job_options(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--skip-raw", action="store_true",
                        help="leave out the raw phase (e.g. when --gpus is what is measured)")
 
+    server = sub.add_parser("server", help="start Prefect's server with its UI (in its own environment, "
+                            "via uv), for deployments, workers and runs to report to")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    server.add_argument("--port", type=_port, default=4200, help="port (default 4200)")
+
     recipes = sub.add_parser("recipes", help="list or inspect recipes")
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
     rlist = rsub.add_parser("list", help="all recipes")
@@ -190,6 +201,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **_job_fields(args))
     check_job_model(job)  # before Prefect is imported or its server starts; the flow's check reuses it
+    from flows.server import check_api_reachable
+
+    check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
     from flows.caption import vlm_caption
     from tasks.engine.vllm_engine import import_vllm_in_background
 
@@ -201,7 +215,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from flows.demo import run_demo
+    from flows.server import check_api_reachable
 
+    check_api_reachable()
     return run_demo(args, _job_fields(args))
 
 
@@ -218,6 +234,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_server(args: argparse.Namespace) -> int:
+    from flows.server import serve
+
+    return serve(args.host, args.port)
+
+
 def validation_message(exc) -> str:
     """A pydantic ValidationError as the user's mistakes, one per line: the field and what to do,
     without pydantic's echo of every job field and its documentation link."""
@@ -231,7 +253,7 @@ def validation_message(exc) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench}
+    handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench, "server": cmd_server}
     if args.command == "recipes":
         handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
     else:
@@ -241,15 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # user-facing errors: one clear line, no traceback
         from pydantic import ValidationError
 
+        from flows.server import PrefectAPIUnreachable, ServerError
         from recipes import RecipeError
         from tasks.sources.storage import StorageError
 
         if isinstance(exc, ValidationError):
             print(f"vlm-caption: error: {validation_message(exc)}", file=sys.stderr)
             return 2
-        if isinstance(exc, (RecipeError, StorageError)):
+        if isinstance(exc, (RecipeError, StorageError, ServerError)):
             print(f"vlm-caption: error: {exc}", file=sys.stderr)
             return 2
+        if isinstance(exc, PrefectAPIUnreachable):
+            print(f"vlm-caption: error: {exc}", file=sys.stderr)
+            return 3
         if isinstance(exc, RuntimeError) and "ephemeral Prefect API server" in str(exc):
             timeout = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
             print(f"vlm-caption: error: {EMBEDDED_SERVER_HINT.format(timeout=timeout)}", file=sys.stderr)

@@ -1,12 +1,16 @@
 """Structured logs, Prefect artifacts and events: what an operator sees while a job runs.
 
-structlog is configured once per process: JSON lines in workers, a readable console on a
-terminal. Its lines go through the stdlib logger `vlm_caption`, which carries Prefect's API log
-handler, so they show in the flow run's logs in the Prefect UI.
+structlog is configured once per process. Its lines go through the stdlib logger `vlm_caption`,
+whose two handlers each render the event their way:
+- stderr (a machine sink for a worker's log collector): JSON lines, or a readable console on a
+  terminal (`VLM_CAPTION_LOG_FORMAT`: auto, json or console);
+- Prefect's API log handler, so the lines show in the flow run's logs in the Prefect UI, where a
+  person reads them: always `event key=value key=value` (the UI shows time and level itself).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -54,6 +58,16 @@ def redact(text: str) -> str:
     return text
 
 
+def _redact_values(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {key: _redact_values(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redact_values(item) for item in value)
+    return value
+
+
 def _install_redaction() -> None:
     global _factory_installed
     if _factory_installed:
@@ -62,7 +76,9 @@ def _install_redaction() -> None:
 
     def scrubbing_factory(*args, **kwargs):
         record = original(*args, **kwargs)
-        if record.name.startswith(_SCRUBBED_LOGGERS):
+        if isinstance(record.msg, dict):  # a structlog event, rendered later by each handler
+            record.msg = _redact_values(record.msg)
+        elif isinstance(record.name, str) and record.name.startswith(_SCRUBBED_LOGGERS):  # not in makeLogRecord
             try:
                 message = record.getMessage()
             except Exception:  # noqa: BLE001 - a malformed record is left as it is
@@ -82,22 +98,61 @@ def _in_prefect_run() -> bool:
     return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
+# Context every line of a run carries; shown after the line's own fields, which say what happened.
+_CONTEXT_LAST = ("run_id", "recipe", "fingerprint")
+
+
+def _plain_value(value: Any) -> str:
+    if isinstance(value, str):
+        if value and not any(ch.isspace() or ch in '"=' for ch in value):
+            return value
+        return json.dumps(value, ensure_ascii=False)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def render_for_people(_logger: Any, _name: str, event_dict: dict[str, Any]) -> str:
+    """`event key=value key=value`, for the Prefect UI's log tab: no timestamp or level (the UI
+    shows its own), values quoted only where they need it, a traceback on the lines after."""
+    fields = dict(event_dict)
+    for key in ("timestamp", "level", "logger"):
+        fields.pop(key, None)
+    event = str(fields.pop("event", ""))
+    exception = fields.pop("exception", None)
+    ordered = [key for key in fields if key not in _CONTEXT_LAST] + [k for k in _CONTEXT_LAST if k in fields]
+    text = " ".join([event, *(f"{key}={_plain_value(fields[key])}" for key in ordered)])
+    return f"{text}\n{exception}" if exception else text
+
+
+class _Formatter(structlog.stdlib.ProcessorFormatter):
+    """A structlog event rendered for one handler, with known secrets scrubbed from the text."""
+
+    def __init__(self, renderer: Any):
+        super().__init__(processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer])
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+def stream_renderer() -> Any:
+    """stderr's renderer: JSON lines for machines, a plain console on a terminal."""
+    fmt = get_settings().log_format
+    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    return structlog.dev.ConsoleRenderer(colors=False) if console else structlog.processors.JSONRenderer()
+
+
 def configure_logging() -> None:
     """Idempotent: safe to call from every flow and task."""
     global _configured
     _install_redaction()
     if _configured:
         return
-    fmt = get_settings().log_format
-    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
-    renderer = structlog.dev.ConsoleRenderer(colors=False) if console else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
             structlog.processors.format_exc_info,
-            renderer,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,  # each handler renders
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
@@ -107,11 +162,12 @@ def configure_logging() -> None:
     stdlib.setLevel(logging.INFO)
     stdlib.propagate = False
     stream = logging.StreamHandler(sys.stderr)
-    stream.setFormatter(logging.Formatter("%(message)s"))
+    stream.setFormatter(_Formatter(stream_renderer()))
     stdlib.addHandler(stream)
     from prefect.logging.handlers import APILogHandler
 
     api = APILogHandler()
+    api.setFormatter(_Formatter(render_for_people))
     api.addFilter(lambda record: _in_prefect_run())  # outside a run there is nowhere to send it
     stdlib.addHandler(api)
     _configured = True

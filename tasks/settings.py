@@ -50,7 +50,8 @@ class Settings(BaseSettings):
     max_video_frame_pixels: int = 3840 * 2160
     # A second run of the same job waits this long for the first, then fails with a clear message.
     job_wait_s: float = 6 * 3600.0
-    # Logging: "json", "console", or "auto" (console on a terminal, JSON otherwise)
+    # Logging on stderr (a worker's log collector reads it): "json", "console", or "auto" (console
+    # on a terminal, JSON otherwise). The lines in the Prefect UI read `event key=value` whatever this is.
     log_format: str = "auto"
 
 

@@ -51,7 +51,7 @@ def test_a_slow_embedded_server_gets_a_message_that_says_what_to_do(monkeypatch,
     code = cli.main(["run", str(tmp_path), "--out", str(tmp_path / "out"), "--skip-model-check"])
     assert code == 3
     err = capsys.readouterr().err
-    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in err and "prefect server start" in err
+    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in err and "vlm-caption server" in err
 
 
 def test_the_embedded_server_gets_a_generous_start_up_timeout_unless_the_user_set_one():

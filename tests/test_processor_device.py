@@ -7,7 +7,7 @@ import pytest
 
 from recipes import RecipeError, get_recipe
 from tasks.engine import arguments
-from tasks.engine.arguments import EngineSpec, engine_plan, frame_resize_target
+from tasks.engine.arguments import EngineSpec, engine_plan, frame_resize_target, image_resize_target
 from tasks.engine.processor import PROCESSOR_GPU_GIB, place_processor
 from tests.checkpoints import build_checkpoint
 from tests.vllm_processing import process, tensors
@@ -86,6 +86,30 @@ def test_frames_shrunk_in_the_fetch_threads_are_what_vllm_makes_of_the_full_fram
     a, b = tensors(full), tensors(shrunk)
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
     assert target.apply(small) is small  # already at its size: left as it is
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl"])
+def test_photos_shrunk_in_the_decode_pool_are_what_vllm_makes_of_the_full_photos(architecture, tmp_path):
+    """Photos and pairs: the decode pool resizes with the image processor's own resize, so vLLM's
+    processor (on the GPU too) only rescales and patchifies the very pixels the CPU path has."""
+    from PIL import Image
+
+    model = str(build_checkpoint(architecture, tmp_path))
+    rng = np.random.default_rng(1)
+    photos = [Image.fromarray(rng.integers(0, 255, (480 + 37 * i, 640 + 53 * i, 3), dtype=np.uint8)) for i in range(2)]
+    for modality, prompt, count in (("image", "<|vision_start|><|image_pad|><|vision_end|>Hi", 1),
+                                    ("multi-image", "<|vision_start|><|image_pad|><|vision_end|>" * 2 + "Hi", 2)):
+        spec = EngineSpec.build(architecture, modality=modality, model=model, images=count)
+        target = image_resize_target(spec)
+        kwargs = get_recipe(architecture).engine_args_for(modality, model=model, images=count).get("mm_processor_kwargs")
+        media = photos[:count] if count > 1 else photos[0]
+        small = [target.apply(p) for p in photos[:count]]
+        assert all(s.size[0] * s.size[1] < p.size[0] * p.size[1] for s, p in zip(small, photos))
+        full = process(model, prompt, {"image": media}, kwargs)
+        shrunk = process(model, prompt, {"image": small if count > 1 else small[0]}, kwargs)
+        assert full["prompt_token_ids"] == shrunk["prompt_token_ids"]
+        a, b = tensors(full), tensors(shrunk)
+        assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
 
 
 def test_frames_are_left_alone_for_processors_that_are_not_known(tmp_path):

@@ -5,7 +5,7 @@ import json
 import os
 
 from tasks.media.pool import decode_images, decode_pool
-from tasks.media.resize import ResizeTarget, resize_target
+from tasks.media.resize import ProcessorResize, ResizeTarget, resize_target
 from tests.images import image_bytes
 
 
@@ -22,7 +22,9 @@ def test_targets_come_from_the_checkpoint_processor(tmp_path):
     qwen.mkdir()
     (qwen / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 12845056}))
-    assert resize_target(str(qwen), {"max_pixels": 1003520}) == ResizeTarget(max_pixels=1003520)  # the recipe's
+    # the processor's own resize, with the recipe's limit (tests/test_processor_device.py checks its pixels)
+    assert resize_target(str(qwen), {"max_pixels": 1003520}) == ProcessorResize(str(qwen), (("max_pixels", 1003520),),
+                                                                                "image")
 
     tiles = tmp_path / "next"
     tiles.mkdir()

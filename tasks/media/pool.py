@@ -10,14 +10,14 @@ import threading
 from concurrent.futures import Executor, ProcessPoolExecutor
 
 from tasks.media.image import MediaError, decode_image
-from tasks.media.resize import ResizeTarget
+from tasks.media.resize import ImageResize
 from tasks.settings import get_settings
 
 _POOL: Executor | None = None
 _LOCK = threading.Lock()
 
 
-def decode_job(data: bytes, max_pixels: int, target: ResizeTarget | None):
+def decode_job(data: bytes, max_pixels: int, target: ImageResize | None):
     """Runs in a pool process. Returns (image, None) or (None, error): exceptions with custom
     arguments do not cross a process boundary intact."""
     try:
@@ -63,7 +63,7 @@ def decode_pool() -> Executor | None:
         return _POOL
 
 
-def decode_images(blobs: list[bytes], max_pixels: int, target: ResizeTarget | None):
+def decode_images(blobs: list[bytes], max_pixels: int, target: ImageResize | None):
     """Decode every blob (in the pool when there is one); the first error stops the item."""
     pool = decode_pool()
     if pool is None:

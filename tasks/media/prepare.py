@@ -15,7 +15,7 @@ from prefect.cache_policies import NONE
 
 from tasks.media.image import MediaError
 from tasks.media.pool import decode_images
-from tasks.media.resize import FrameTarget, ResizeTarget
+from tasks.media.resize import ImageResize, ProcessorResize
 from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits, decode_video
 from tasks.results.done_index import DoneIndex
 from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
@@ -32,8 +32,8 @@ class MediaOptions:
     modality: str = "image"
     num_frames: int = DEFAULT_NUM_FRAMES
     max_images: int = 8  # a bigger group becomes an error record naming the limit
-    resize: ResizeTarget | None = None  # shrink images to what the model's processor makes of them
-    frame_resize: FrameTarget | None = None  # and video frames, likewise
+    resize: ImageResize | None = None  # shrink images to what the model's processor makes of them
+    frame_resize: ProcessorResize | None = None  # and video frames, likewise
 
 
 @dataclass

@@ -83,7 +83,7 @@ def image_processor_config(model: str) -> dict[str, Any] | None:
     return nested.get("image_processor")
 
 
-def resize_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None) -> ResizeTarget | None:
+def resize_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None):
     processor = image_processor_config(model)
     config = _read_local_json(model, "config.json") or {}
     if not processor:
@@ -96,61 +96,83 @@ def resize_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None)
         return ResizeTarget(shortest_edge=int(size["shortest_edge"]),
                             crop=(int(crop["width"]), int(crop["height"])) if "width" in crop and "height" in crop else None)
     if kind.startswith(("Qwen2VLImageProcessor", "Qwen2_5_VLImageProcessor")):
+        exact = processor_resize(model, mm_processor_kwargs, "image")
+        if exact is not None:  # the processor's own resize, to the very size it would pick
+            return exact
         limit = (mm_processor_kwargs or {}).get("max_pixels") or processor.get("max_pixels") or size.get("longest_edge")
         return ResizeTarget(max_pixels=int(limit)) if limit else None
     return None
 
 
-# ---- video frames -------------------------------------------------------------------------------
-# Video processors whose first step is resizing every frame to one size computed from the frame
-# alone (Qwen2-VL's `smart_resize`: a multiple of patch x merge within min/max pixels). Qwen2.5-VL
-# uses the same one. A processor not listed here gets the frames as decoded.
-FRAME_RESIZING_PROCESSORS = ("Qwen2VLVideoProcessor",)
+# ---- the model processor's own resize ---------------------------------------------------------
+# Processors whose first step resizes each image or frame to one size computed from it alone
+# (Qwen2-VL's `smart_resize`: a multiple of patch x merge within min/max pixels); Qwen2.5-VL uses
+# the same ones. Others get the media as decoded (images: the plain downscale above, if any).
+RESIZING_PROCESSORS = {"image": ("Qwen2VLImageProcessor",), "video": ("Qwen2VLVideoProcessor",)}
 
 
 @dataclass(frozen=True)
-class FrameTarget:
-    """Resize decoded frames with the model's own video processor's resize, so the processor,
-    in vLLM, finds them at its size already and leaves them be: the same pixels as resizing them
-    there, computed in the fetch threads instead of vLLM's one front-end process, and 4K frames
-    are never carried through the feed."""
+class ProcessorResize:
+    """Resize with the model's own image or video processor, on the CPU of a decode process or
+    fetch thread, so the processor in vLLM finds the media at its size already and leaves it be:
+    the same pixels as resizing there, computed outside vLLM's one front-end process, and 4K
+    frames never carried through the feed. With the processor on the GPU it matters twice: the
+    GPU's bicubic kernel differs from the CPU's by a few 8-bit steps, so resizing here keeps the
+    GPU path's pixels those of the CPU path; the GPU only rescales and patchifies."""
 
     model: str
     pixels: tuple[tuple[str, int], ...] = ()  # min_pixels / max_pixels from mm_processor_kwargs
+    media: str = "video"  # or "image"
 
-    def apply(self, frames):
-        """(frames, height, width, 3) uint8 -> the same, at the processor's size."""
+    def apply(self, media):
+        """A PIL image, or (frames, height, width, 3) uint8 frames -> the same at the processor's size."""
         import numpy as np
         import torch
 
-        processor = _video_processor(self.model, self.pixels)
-        videos = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)[None]
+        if self.media == "image":
+            batch = torch.from_numpy(np.array(media.convert("RGB"))).permute(2, 0, 1)[None]
+        else:
+            batch = torch.from_numpy(np.ascontiguousarray(media)).permute(0, 3, 1, 2)[None]
+        processor = _processor(self.model, self.pixels, self.media)
         factor = processor.patch_size * processor.merge_size
-        resized = processor.resize(videos, size=processor.size, resample=processor.resample, factor=factor)
-        if tuple(resized.shape[-2:]) == tuple(videos.shape[-2:]):
-            return frames
+        resized = processor.resize(batch, size=processor.size, resample=processor.resample, factor=factor)
+        if tuple(resized.shape[-2:]) == tuple(batch.shape[-2:]):
+            return media
+        if self.media == "image":
+            from PIL import Image
+
+            return Image.fromarray(resized[0].permute(1, 2, 0).contiguous().numpy())
         return resized[0].permute(0, 2, 3, 1).contiguous().numpy()
 
 
-def frame_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None) -> FrameTarget | None:
-    """The frame resize for this checkpoint's video processor, or None (unknown processor, no
-    local config, a processor that caps pixels by frame count)."""
+# What the decode pool may do to an image: a plain downscale, or the processor's own resize.
+ImageResize = ResizeTarget | ProcessorResize
+
+
+def processor_resize(model: str, mm_processor_kwargs: dict[str, Any] | None, media: str) -> ProcessorResize | None:
+    """The checkpoint's own resize for `media` ("image" or "video"), or None (a processor not
+    listed, no local config, a processor that caps pixels by frame count)."""
     pixels = tuple(sorted((k, int(v)) for k, v in (mm_processor_kwargs or {}).items()
                           if k in ("min_pixels", "max_pixels") and v is not None))
     try:
-        processor = _video_processor(model, pixels)
-    except Exception:  # noqa: BLE001 - no local config, or not a video model: frames as decoded
+        processor = _processor(model, pixels, media)
+    except Exception:  # noqa: BLE001 - no local config, or no processor for this media: as decoded
         return None
-    if (type(processor).__name__ not in FRAME_RESIZING_PROCESSORS or not processor.do_resize
+    if (type(processor).__name__ not in RESIZING_PROCESSORS[media] or not processor.do_resize
             or getattr(processor, "cap_pixels_per_frame", None)):
         return None
-    return FrameTarget(model, pixels)
+    return ProcessorResize(model, pixels, media)
+
+
+def frame_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessorResize | None:
+    return processor_resize(model, mm_processor_kwargs, "video")
 
 
 @functools.lru_cache(maxsize=4)
-def _video_processor(model: str, pixels: tuple[tuple[str, int], ...]):
-    """The checkpoint's video processor as vLLM builds it (the recipe's pixel limits passed at
-    construction); from local files only, never a download."""
-    from transformers import AutoVideoProcessor
+def _processor(model: str, pixels: tuple[tuple[str, int], ...], media: str):
+    """The checkpoint's image or video processor as vLLM builds it (the recipe's pixel limits
+    passed at construction); from local files only, never a download."""
+    from transformers import AutoImageProcessor, AutoVideoProcessor
 
-    return AutoVideoProcessor.from_pretrained(model, local_files_only=True, **dict(pixels))
+    auto = AutoVideoProcessor if media == "video" else AutoImageProcessor
+    return auto.from_pretrained(model, local_files_only=True, **dict(pixels))

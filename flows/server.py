@@ -1,0 +1,135 @@
+"""`vlm-caption server`: Prefect's server and its UI, started the one documented way; and the
+check that a run's `PREFECT_API_URL` answers before anything heavy starts.
+
+The server runs in its own environment (`uv tool run`), not the project's: vLLM 0.26 holds
+FastAPI below 0.137, where Prefect's UI app cannot be built (`'FastAPI' object has no attribute
+'frontend'`), and the newest FastAPI (0.155 on) removed arguments Prefect 3.8 still passes
+(`Body() got an unexpected keyword argument 'min_items'`). Prefect is pinned to the project's
+exact version, so the server and the project's workers and flow runs speak the same API.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Callable
+from importlib.metadata import version
+
+# Tried with Prefect 3.8.8 (start, the API routes the UI reads, the UI's pages): 0.139.0 to
+# 0.154.0 work; 0.155.0 and later fail at start. The UI needs `FastAPI.frontend`, new in 0.139.
+SERVER_FASTAPI = "fastapi>=0.139,<0.155"
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 4200
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+class ServerError(Exception):
+    """A bad --host/--port, or no uv: one line for the user."""
+
+
+class PrefectAPIUnreachable(Exception):
+    """PREFECT_API_URL is set and nothing answers there."""
+
+
+def browser_host(host: str) -> str:
+    shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"[{shown}]" if ":" in shown else shown
+
+
+def check_port_free(host: str, port: int) -> None:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ServerError(f"cannot listen on host {host!r}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ServerError(f"port {port} on {host} is in use (another Prefect server?): "
+                                  "stop it or pass --port") from None
+            raise ServerError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def uv_tool_run() -> list[str]:
+    uv = shutil.which("uv")
+    if uv:
+        return [uv, "tool", "run"]
+    uvx = shutil.which("uvx")
+    if uvx:
+        return [uvx]
+    raise ServerError("`vlm-caption server` starts Prefect's server in its own environment with uv, "
+                      "which is not on PATH: install it (`pip install uv`, or see "
+                      "https://docs.astral.sh/uv/getting-started/installation/) and run it again")
+
+
+def server_command(host: str, port: int) -> list[str]:
+    """Prefect at the project's exact version, with a FastAPI its server and UI work with, and the
+    project's SQLAlchemy (2.1 breaks Prefect 3.8's scheduler)."""
+    base_python = getattr(sys, "_base_executable", None) or sys.executable
+    return [*uv_tool_run(), "--python", base_python,
+            "--from", f"prefect=={version('prefect')}",
+            "--with", SERVER_FASTAPI, "--with", f"sqlalchemy=={version('sqlalchemy')}",
+            "prefect", "server", "start", "--host", host, "--port", str(port)]
+
+
+def server_environment(host: str, port: int) -> dict[str, str]:
+    """This shell's environment (PREFECT_HOME, the database URL, ...), less a PREFECT_API_URL that
+    may point elsewhere: the UI's browser side talks to this server's own API."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PREFECT_API_URL", "VIRTUAL_ENV")}
+    if not (env.get("PREFECT_UI_API_URL") or env.get("PREFECT_SERVER_UI_API_URL")):
+        env["PREFECT_UI_API_URL"] = f"http://{browser_host(host)}:{port}/api"
+    return env
+
+
+def database_note(env: dict[str, str]) -> str:
+    for name in ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL"):
+        if env.get(name):
+            return f"the database at {name}"
+    home = env.get("PREFECT_HOME") or os.path.expanduser("~/.prefect")
+    return f"SQLite in {home} (PREFECT_HOME)"
+
+
+def serve(host: str, port: int, execute: Callable[[str, list[str], dict[str, str]], object] = os.execvpe) -> int:
+    """Check the port, say where the UI and API are, then become the server (Ctrl-C stops it)."""
+    check_port_free(host, port)
+    command = server_command(host, port)
+    env = server_environment(host, port)
+    url = f"http://{browser_host(host)}:{port}"
+    print(f"vlm-caption server: Prefect {version('prefect')} with its UI, in its own environment "
+          f"(uv tool run, {SERVER_FASTAPI}); {database_note(env)}.\n"
+          f"  UI:  {url}\n"
+          f"  In each shell that deploys, starts workers or runs flows:\n"
+          f"    export PREFECT_API_URL={url}/api\n"
+          f"  (The first start downloads Prefect's wheels. Ctrl-C stops the server.)", flush=True)
+    sys.stderr.flush()
+    execute(command[0], command, env)
+    return 0
+
+
+def check_api_reachable(timeout_s: float = 10.0) -> None:
+    """With PREFECT_API_URL set (environment or profile), fail at once, before any engine starts,
+    when nothing answers there. Any HTTP answer (even 401) counts as reachable. Without it, runs
+    use Prefect's embedded server and there is nothing to check."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.settings import (PREFECT_API_REQUEST_TIMEOUT, PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES,
+                                  temporary_settings)
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    with temporary_settings({PREFECT_API_REQUEST_TIMEOUT: timeout_s, PREFECT_CLIENT_MAX_RETRIES: 1}):
+        with get_client(sync_client=True) as client:
+            problem = client.api_healthcheck()
+    if problem is None or isinstance(problem, httpx.HTTPStatusError):
+        return
+    if isinstance(problem, httpx.TransportError):
+        reason = str(problem).strip() or type(problem).__name__
+        raise PrefectAPIUnreachable(
+            f"cannot reach the Prefect API at {url} (PREFECT_API_URL; {reason}): start the server with "
+            f"`vlm-caption server` (or point PREFECT_API_URL at yours), or unset PREFECT_API_URL to run "
+            f"on Prefect's embedded server")
