@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
     rlist = rsub.add_parser("list", help="all recipes")
     rlist.add_argument("--json", action="store_true")
+    rlist.add_argument("--markdown", action="store_true", help="a Markdown page (docs/recipes.md)")
     show = rsub.add_parser("show", help="what a recipe builds, without loading a model")
     show.add_argument("name")
     show.add_argument("--modality", default="image", choices=["image", "video", "multi-image"])
@@ -159,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_recipes_list(args: argparse.Namespace) -> int:
     from recipes import all_recipes
 
+    if args.markdown:
+        from recipes.table import recipes_markdown
+
+        print(recipes_markdown(), end="")
+        return 0
     rows = [
         {"name": r.name, "model": r.model, "modalities": list(r.modalities),
          "multi_image": r.multi_image is not None, "needs_remote_code": r.needs_remote_code,

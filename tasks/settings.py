@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -11,50 +12,145 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VLM_CAPTION_", extra="ignore")
 
     # Storage
-    s3_endpoint_url: str | None = None  # MinIO, R2, Ceph...; AWS_ENDPOINT_URL works too
-    aws_credentials_block: str | None = None  # name of a prefect-aws AwsCredentials block
-    minio_credentials_block: str | None = None  # name of a prefect-aws MinIOCredentials block
-    fetch_concurrency: int = 16
-    s3_read_timeout_s: float = 60.0  # a stalled connection is dropped and retried after this
-    s3_max_attempts: int = 8  # boto3's retries (throttling, 5xx, resets), adaptive mode
+    s3_endpoint_url: str | None = Field(
+        None, description="Endpoint of an S3-compatible store (MinIO, R2, Ceph); boto3's own `AWS_ENDPOINT_URL` "
+        "works too. Unset: AWS S3.")
+    aws_credentials_block: str | None = Field(
+        None, description="Name of a prefect-aws `AwsCredentials` block to take S3 credentials from. Unset: the "
+        "standard AWS chain (environment, profile, instance role).")
+    minio_credentials_block: str | None = Field(
+        None, description="Name of a prefect-aws `MinIOCredentials` block to take S3 credentials from, instead "
+        "of an `AwsCredentials` block.")
+    fetch_concurrency: int = Field(
+        16, description="Objects fetched at once by this process, over every shard being prepared.")
+    s3_read_timeout_s: float = Field(
+        60.0, description="Seconds after which a stalled S3 read is dropped and retried.")
+    s3_max_attempts: int = Field(
+        8, description="Attempts per S3 call, boto3's adaptive retries (throttling, 5xx, connection resets).")
     # Bytes of fetched-but-not-yet-decoded media held at once by this process, over every shard
     # being prepared (videos are large: the bound is on bytes, not on a count of objects).
-    max_bytes_in_flight: int = 1024**3
-    max_object_bytes: int = 2 * 1024**3  # one object (a video) over this is an error record
-    # Engine feed: shards whose requests are in the engine at once. More keeps a large GPU's
-    # batch full between shards; each holds its decoded media in memory. None: sized by
-    # `tasks.engine.feed.feed_depth` (images: at least 6 shards and twice the engine's batch, at
-    # most 2,048 requests and `feed_media_bytes` of decoded media; videos and groups: 2 shards).
-    feed_depth: int | None = None
-    feed_media_bytes: int = 2 * 1024**3  # decoded images held by the shards in the engine
+    max_bytes_in_flight: int = Field(
+        1024**3, description="Bytes of fetched, not yet decoded media this process holds at once, over every "
+        "shard being prepared.")
+    max_object_bytes: int = Field(
+        2 * 1024**3, description="Largest object fetched; a bigger one (a video) is an error record.")
+    # Engine feed: more shards in the engine keep a large GPU's batch full between shards; each
+    # holds its decoded media in memory.
+    feed_depth: int | None = Field(
+        None, description="Shards whose requests are in the engine at once. Unset: sized by "
+        "`tasks.engine.feed.feed_depth` (images: at least 6 shards and twice the engine's batch, at most 2,048 "
+        "requests and `VLM_CAPTION_FEED_MEDIA_BYTES` of decoded media; videos and groups: 2 shards).")
+    feed_media_bytes: int = Field(
+        2 * 1024**3, description="Decoded images the shards in the engine's feed may hold; bounds the feed's "
+        "depth for images (never under 2 shards).")
     # Shards fetched and decoded at once ahead of the engine once it is running (while it starts,
     # as many as its feed will hold). One shard at a time is a shard's latency (its task run, its
     # fetches) per shard, which a small model outruns.
-    prepare_ahead: int = 2
+    prepare_ahead: int = Field(
+        2, description="Shards fetched and decoded ahead of the engine once it runs (while it starts, as many as "
+        "its feed will hold).")
     # vLLM's request rendering (the model's HF processor) in this many processes beside the
     # engine; 0: in the engine's process, as vLLM does. Turns vLLM's multimodal processor cache
     # off (see tasks/engine/render.py). Off by default: on an H100 with the tiny LLaVA at
     # 1920x1080 (images already shrunk by the decode pool), 512 images went 66 img/s with 4
     # render processes and 90 img/s without, because starting the workers competes with a short
     # run; at 1024 images the pool gave 1.09x raw. Try it for long runs of heavy processors.
-    render_processes: int = 0
+    render_processes: int = Field(
+        0, description="Processes that render requests (the model's HF processor) beside the engine; 0: in the "
+        "engine's process, as vLLM does. Turns vLLM's multimodal processor cache off. For long runs of heavy "
+        "processors.")
     # Media
-    decode_processes: int | None = None  # image decode pool; None: one per usable core, 0: no pool
+    decode_processes: int | None = Field(
+        None, description="Processes of the image decode pool. Unset: one per core this process may use (cpuset, "
+        "taskset); 0: decode in the fetch threads.")
     # How much lower the decode workers' CPU priority is than the flow's (Unix `nice`): with one
     # worker per core they would otherwise take cores from vLLM's engine-core scheduler and from
     # the feed, and the GPU waits on a busy CPU (H100, tiny LLaVA, 512 photos at 1920x1080:
     # 79.75 img/s at nice 10, 58.45 at 0, same run). 0: the same priority.
-    decode_niceness: int = 10
-    max_image_pixels: int = 64_000_000  # refuse decompression bombs beyond this
-    max_video_seconds: float = 3 * 3600.0
-    max_video_frame_pixels: int = 3840 * 2160
-    # A second run of the same job waits this long for the first, then fails with a clear message.
-    job_wait_s: float = 6 * 3600.0
-    # Logging on stderr (a worker's log collector reads it): "json", "console", or "auto" (console
-    # on a terminal, JSON otherwise). The lines in the Prefect UI read `event key=value` whatever this is.
-    log_format: str = "auto"
+    decode_niceness: int = Field(
+        10, description="How much lower the decode workers' CPU priority is than the flow's (Unix `nice`), so "
+        "they never take a core from vLLM's scheduler or the feed; 0: the same.")
+    max_image_pixels: int = Field(
+        64_000_000, description="Largest image decoded (decompression bombs); a bigger one is an error record.")
+    max_video_seconds: float = Field(
+        3 * 3600.0, description="Longest video decoded; a longer one is an error record.")
+    max_video_frame_pixels: int = Field(
+        3840 * 2160, description="Largest video frame (width x height); a bigger video is an error record.")
+    job_wait_s: float = Field(
+        6 * 3600.0, description="Seconds a second run of the same job waits for the first (one run per job), "
+        "then fails with a clear message.")
+    # Logging (on stderr, where a worker's log collector reads it)
+    log_format: str = Field(
+        "auto", description="Log lines on stderr: `json`, `console`, or `auto` (console on a terminal, JSON "
+        "otherwise). The Prefect UI shows `event key=value` whatever this is.")
 
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()
+
+
+# Variables read outside the class above, each where it is used; listed so that
+# docs/configuration.md names every `VLM_CAPTION_*` variable (tests/test_docs.py checks the code).
+OTHER_VARIABLES: dict[str, tuple[str, str]] = {
+    "VLM_CAPTION_HOME": (
+        "unset", "Where a process worker's flow runs find the checked-out code (the pull step of "
+        "`deployments/prefect.yaml`; the same path on every GPU host). The Docker image and the Kubernetes "
+        "template set `/opt/vlm-caption`."),
+    "VLM_CAPTION_HUB_TIMEOUT_S": (
+        "`10`", "Seconds the model check (`tasks/engine/model_check.py`) waits for the Hugging Face hub."),
+    "VLM_CAPTION_BENCH_S3": (
+        "unset", "`vlm-caption bench --source s3`: an `s3://bucket/prefix` on a real endpoint to serve the "
+        "bench's items from (credentials and `VLM_CAPTION_S3_ENDPOINT_URL` from the environment). Unset: a "
+        "loopback moto server in a process of its own."),
+    "VLM_CAPTION_TEST_SERVER_START_S": (
+        "`300`", "Tests only: how long `tests/test_prefect_ui.py` waits for `vlm-caption server` to answer."),
+}
+
+REGENERATE = "uv run python -m tasks.settings > docs/configuration.md"
+
+
+def _default_text(name: str, value: object) -> str:
+    """A default as the page shows it: byte sizes also in GiB, durations also in hours."""
+    if value is None:
+        return "unset"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    text = f"`{value}`"
+    if isinstance(value, int) and (name.endswith("_bytes") or name == "max_bytes_in_flight"):
+        return f"{text} ({value / 1024**3:g} GiB)" if value >= 1024**3 else text
+    if isinstance(value, int) and name.endswith("_s") and value >= 3600:
+        return f"{text} ({value / 3600:g} h)"
+    return text
+
+
+def settings_markdown() -> str:
+    """docs/configuration.md: every setting of `Settings`, its variable, default and description
+    (from the fields, so the page cannot drift from the code), then the variables read elsewhere."""
+    env_prefix = Settings.model_config["env_prefix"]
+    lines = [
+        "# Configuration",
+        "",
+        f"<!-- Generated from tasks/settings.py; do not edit. Regenerate: {REGENERATE} -->",
+        "",
+        "Process-wide settings, read from the environment once per process (`tasks/settings.py`). Set them",
+        "where the flow runs: the shell of `vlm-caption run`, a worker's environment (its flow runs inherit it),",
+        "or a deployment's `job_variables.env` in `deployments/prefect.yaml`. What one job does (recipe, model,",
+        "questions, shard size, sampling, `processor_device`, ...) is a job field instead: `vlm-caption run",
+        "--help`, or the flow's parameter form in the Prefect UI.",
+        "",
+        "| variable | default | what it does |",
+        "| --- | --- | --- |",
+    ]
+    for name, field in Settings.model_fields.items():
+        description = (field.description or "").replace("|", "\\|")
+        lines.append(f"| `{env_prefix}{name.upper()}` | {_default_text(name, field.default)} | {description} |")
+    lines += ["", "## Read elsewhere", "", "| variable | default | what it does |", "| --- | --- | --- |"]
+    lines += [f"| `{name}` | {default} | {text} |" for name, (default, text) in OTHER_VARIABLES.items()]
+    lines += ["", "vLLM's, Prefect's, boto3's and Hugging Face's own variables apply as usual (`VLLM_*`,",
+              "`PREFECT_*`, `AWS_*`, `HF_*`); see [operations](operations.md) for the ones a deployment sets."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(settings_markdown(), end="")

@@ -8,74 +8,56 @@ import sys
 from pathlib import Path
 
 
-def test_bench_compares_the_flow_with_raw_vllm_and_writes_json(tmp_path):
-    """Raw vLLM, then the flow reading from the bench's loopback S3 server (a process of its own)."""
+def _bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     exe = Path(sys.executable).with_name("vlm-caption")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
-    done = subprocess.run([str(exe), "bench", "--dir", str(tmp_path / "bench"), "--images", "6", "--size", "160x120",
-                           "--shard-size", "2", "--max-tokens", "3", "--source", "s3"],
-                          capture_output=True, text=True, timeout=1200, env=env)
+    done = subprocess.run([str(exe), "bench", "--dir", str(tmp_path / "bench"), "--size", "96x64", "--shard-size", "2",
+                           "--max-tokens", "3", *args], capture_output=True, text=True, timeout=1500, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done, json.loads((tmp_path / "bench" / "bench.json").read_text())
+
+
+def test_bench_compares_the_flow_with_raw_vllm_on_videos_from_s3(tmp_path):
+    """Raw vLLM as the video example runs it (Qwen2-VL clips), then the flow reading them from the
+    bench's loopback S3 server (a process of its own), then one more flow phase from `--flow-env`:
+    every item captioned by each, the ratios and the JSON written, no made-up GPU figure."""
+    done, report = _bench(tmp_path, "--recipe", "qwen2_vl", "--modality", "video", "--frames", "4", "--images", "4",
+                          "--source", "s3", "--flow-env", "VLM_CAPTION_FEED_DEPTH=1")
     assert "flow / raw" in done.stdout
-    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
-    for phase in ("raw", "flow"):
-        assert report[phase]["items"] == 6
-        assert report[phase]["generate_items_per_s"] > 0 and report[phase]["wall_s"] > 0
-        assert report[phase]["output_tokens_per_s"] > 0 and report[phase]["peak_rss_mb"] > 0
+    assert report["config"]["modality"] == "video"
+    (variant,) = report["flow_env"].values()
+    for phase in (report["raw"], report["flow"], variant):
+        assert phase["items"] == 4
+        assert phase["generate_items_per_s"] > 0 and phase["wall_s"] > 0
+        assert phase["output_tokens_per_s"] > 0 and phase["peak_rss_mb"] > 0
     ratio = report["ratio_flow_over_raw"]
     assert ratio["generate_items_per_s"] == round(report["flow"]["generate_items_per_s"]
                                                   / report["raw"]["generate_items_per_s"], 3)
+    assert variant["ratio_over_raw"]["generate_items_per_s"] > 0
+    assert report["flow"]["prefect_api"] == "embedded"
+    # no GPU: the processor stays on the CPU in both, and raw runs once
+    assert report["raw"]["processor_device"] == report["flow"]["processor_device"] == "cpu"
+    assert "raw_same" not in report
     assert report["raw"]["gpu_busy_pct"] is None  # no NVIDIA GPU here: no figure, not a made-up one
     assert report["flow"]["gpu_busy_by_tenth"] == [None] * 10
     for phase in ("raw", "flow"):  # each phase's output, and its GPU samples (none here)
-        (log,) = (tmp_path / "bench").glob(f"{phase}-*.log")
+        log = sorted((tmp_path / "bench").glob(f"{phase}-*.log"))[0]
         assert json.loads(log.with_suffix(".gpu.json").read_text()) == []
 
 
-def test_bench_runs_videos_and_image_groups_as_their_examples_do(tmp_path):
-    """`--modality video` (clips, Qwen2-VL) and `--modality multi-image` (folders of two, the
-    default recipe llava, rendered through its chat template), with one extra flow phase from
-    `--flow-env`: every item captioned by both sides."""
-    exe = Path(sys.executable).with_name("vlm-caption")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
-    for modality, extra in (("video", ["--recipe", "qwen2_vl", "--frames", "4", "--flow-env", "VLM_CAPTION_FEED_DEPTH=1"]),
-                            ("multi-image", ["--prefect", "server"])):
-        work = tmp_path / modality
-        done = subprocess.run([str(exe), "bench", "--dir", str(work), "--modality", modality,
-                               "--images", "4", "--size", "96x64", "--shard-size", "2", "--max-tokens", "3", *extra],
-                              capture_output=True, text=True, timeout=1200, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        report = json.loads((work / "bench.json").read_text())
-        assert report["config"]["modality"] == modality
-        assert report["raw"]["items"] == report["flow"]["items"] == 4
-        assert report["flow"]["output_tokens_per_s"] > 0
-        # no GPU: the processor stays on the CPU in both, and raw runs once
-        assert report["raw"]["processor_device"] == report["flow"]["processor_device"] == "cpu"
-        assert "raw_same" not in report
-        if modality == "video":
-            (variant,) = report["flow_env"].values()
-            assert variant["items"] == 4 and variant["ratio_over_raw"]["generate_items_per_s"] > 0
-            assert report["flow"]["prefect_api"] == "embedded"
-        else:  # a group is one item of two images; the flow ran against the bench's own server
-            assert len(list((work / "multi-image-96x64-4").iterdir())) == 4
-            assert report["flow"]["prefect_api"].startswith("http://127.0.0.1:")
-
-
-def test_bench_fans_out_over_two_gpus_and_reports_over_one(tmp_path):
-    """`--gpus 2 --skip-raw`: the flow on one device, then fanned out over two (the run on device
-    0, a worker for device 1 running the partition deployment): every item once, each partition
-    on its own device, its figures next to the one-device flow's, and the worker stopped."""
+def test_bench_runs_image_groups_and_fans_out_over_two_gpus(tmp_path):
+    """`--modality multi-image` (folders of two, the default recipe llava rendered through its chat
+    template) as the multi-image example runs it, then the flow against the bench's own Prefect
+    server, then with `--gpus 2` fanned out over two devices (the run on device 0, a worker for
+    device 1 running the partition deployment): every group once, each partition on its own
+    device, its figures next to the one-device flow's, and the worker stopped."""
     import psutil
 
-    exe = Path(sys.executable).with_name("vlm-caption")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
-    done = subprocess.run([str(exe), "bench", "--dir", str(tmp_path / "bench"), "--images", "8", "--size", "96x64",
-                           "--shard-size", "2", "--max-tokens", "3", "--gpus", "2", "--skip-raw"],
-                          capture_output=True, text=True, timeout=1500, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done, report = _bench(tmp_path, "--modality", "multi-image", "--images", "8", "--gpus", "2")
     assert "flow on 2 GPUs" in done.stdout
-    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
-    assert report["raw"] == {} and report["flow"]["items"] == report["fan_out"]["items"] == 8
+    assert len(list((tmp_path / "bench" / "multi-image-96x64-8").iterdir())) == 8  # a group: a folder of two
+    assert report["raw"]["items"] == report["flow"]["items"] == report["fan_out"]["items"] == 8
+    assert report["flow"]["prefect_api"].startswith("http://127.0.0.1:")
     fan_out = report["fan_out"]
     assert [(p["index"], p["devices"], p["worker"]) for p in fan_out["partitions"]] == [
         (0, "0", None), (1, "1", "bench-gpu1")]  # partition 1 ran on the worker, not taken over
@@ -90,9 +72,9 @@ def test_bench_fans_out_over_two_gpus_and_reports_over_one(tmp_path):
 def test_the_profile_is_told_apart_by_process(tmp_path):
     """py-spy's raw output with --subprocesses: each child's stacks under its own process, told
     apart by what it runs (the engine core, the decode pool) and summarized on its own."""
-    from flows.bench_report import profile_summary
+    from flows.bench.report import profile_summary
 
-    flow = 'process 10:"python -m flows.bench flow"'
+    flow = 'process 10:"python -m flows.bench.driver flow"'
     core = f'{flow};process 11:"python -c from multiprocessing.spawn import spawn_main"'
     (tmp_path / "p.txt").write_text("\n".join([
         f"{flow};thread (10): MainThread;<module> (bench.py:1);phase_flow (bench.py:2);wait (threading.py:3) 30",
@@ -116,7 +98,7 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
 
 def test_gpu_busy_is_reported_over_the_window_and_each_tenth_of_it():
     """A ramp and a drained tail show in the first and last tenths, not only as a lower mean."""
-    from flows.bench_harness import GpuSampler
+    from flows.bench.harness import GpuSampler
 
     sampler = GpuSampler()
     # 0.2 s samples over 10 s: 50% in the first second, 100% after, 0% in the last second.

@@ -36,47 +36,14 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from flows.bench_harness import GpuSampler, partition_workers, prefect_api, s3_source
-from flows.bench_media import GROUP_SIZE, bench_items, make_bench_media
-from flows.bench_report import print_table, profile_summary, ratios, write_report
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    workdir: str
-    model: str | None = None
-    recipe: str = "llava"
-    images: int = 64
-    width: int = 640
-    height: int = 480
-    shard_size: int = 64
-    source: str = "folder"  # or "s3" (a loopback moto server, when moto is installed)
-    max_tokens: int = 64
-    shape: str = "tiny"  # without --model: a random-weight checkpoint of this shape (see CHECKPOINTS)
-    modality: str = "image"  # or "video" (clips of `frames` sampled frames) or "multi-image" (pairs)
-    frames: int = 16
-    flow_env: tuple[str, ...] = ()  # "NAME=VALUE[,NAME=VALUE]": one more flow phase each
-    profile: bool = False  # record each flow phase and its children with py-spy (--gil), if installed
-    # "embedded": each flow phase starts Prefect's embedded server, as `vlm-caption run` does;
-    # "server": one `prefect server start` for all phases, as a deployment's run sees its server.
-    prefect: str = "embedded"
-    # >1: the flow once more, fanned out over this many GPUs of this host (fan_out=N: the run on
-    # GPU 0, one process worker per other GPU running the partition deployment); needs a server.
-    gpus: int = 1
-    skip_raw: bool = False  # leave raw out (a fan-out's ratio is over the flow on one GPU)
-    # Where the flow's model processor runs (the job's processor_device). Raw runs it on the CPU
-    # as the example does; where the flow's lands on the GPU, raw runs once more with it there
-    # too ("raw, same processor"): the best a hand-written script can do.
-    processor_device: str = "auto"
-
-
-# Random-weight checkpoints the bench builds (recipe -> builder and its shapes).
-CHECKPOINTS = {"llava": ("build_tiny_llava", ("tiny", "7b")), "qwen2_vl": ("build_tiny_qwen2_vl", ("tiny", "2b")),
-               "qwen2_5_vl": ("build_tiny_qwen2_5_vl", ("tiny", "7b"))}
+from flows.bench.config import CHECKPOINTS, BenchConfig
+from flows.bench.harness import GpuSampler, partition_workers, prefect_api, s3_source
+from flows.bench.media import GROUP_SIZE, bench_items, make_bench_media
+from flows.bench.report import print_table, profile_summary, ratios, write_report
 
 
 # ---- phases (each in its own process) ----------------------------------------------------------
@@ -141,7 +108,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
     from tasks.engine.vllm_engine import import_vllm_in_background
 
     source, output = str(folder), str(Path(cfg.workdir) / f"out-{int(time.time())}")
-    if cfg.source == "s3":  # uploaded by the driver (flows/bench_harness.py, s3_source)
+    if cfg.source == "s3":  # uploaded by the driver (flows/bench/harness.py, s3_source)
         base = os.environ["VLM_CAPTION_BENCH_S3"].rstrip("/")
         source, output = f"{base}/images/", f"{base}/out-{int(time.time())}/"
     job = CaptionJob(source=source, output=output, recipe=cfg.recipe, model=model, shard_size=cfg.shard_size,
@@ -225,7 +192,7 @@ def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overri
            **dict(pair.split("=", 1) for pair in env_overrides.split(",") if pair)}
     if cfg.gpus > 1:  # every phase's own engine on GPU 0; a fan-out's workers have the others
         env["CUDA_VISIBLE_DEVICES"] = "0"
-    command = [sys.executable, "-m", "flows.bench", phase, json.dumps(asdict(cfg)), str(folder), model]
+    command = [sys.executable, "-m", "flows.bench.driver", phase, json.dumps(asdict(cfg)), str(folder), model]
     if profile is not None:  # what holds the GIL in the flow's process and its children (needs py-spy)
         command = ["py-spy", "record", "--gil", "--threads", "--subprocesses", "--rate", "100", "--format", "raw",
                    "--output", str(profile), "--", *command]

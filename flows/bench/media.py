@@ -4,10 +4,8 @@ made once per working folder and listed the way the flow lists them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from flows.bench import BenchConfig
+from flows.bench.config import BenchConfig
 
 GROUP_SIZE = 2
 

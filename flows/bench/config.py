@@ -1,0 +1,39 @@
+"""What one bench run measures: its configuration, and the random-weight checkpoints it builds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workdir: str
+    model: str | None = None
+    recipe: str = "llava"
+    images: int = 64
+    width: int = 640
+    height: int = 480
+    shard_size: int = 64
+    source: str = "folder"  # or "s3" (a loopback moto server, when moto is installed)
+    max_tokens: int = 64
+    shape: str = "tiny"  # without --model: a random-weight checkpoint of this shape (see CHECKPOINTS)
+    modality: str = "image"  # or "video" (clips of `frames` sampled frames) or "multi-image" (pairs)
+    frames: int = 16
+    flow_env: tuple[str, ...] = ()  # "NAME=VALUE[,NAME=VALUE]": one more flow phase each
+    profile: bool = False  # record each flow phase and its children with py-spy (--gil), if installed
+    # "embedded": each flow phase starts Prefect's embedded server, as `vlm-caption run` does;
+    # "server": one `prefect server start` for all phases, as a deployment's run sees its server.
+    prefect: str = "embedded"
+    # >1: the flow once more, fanned out over this many GPUs of this host (fan_out=N: the run on
+    # GPU 0, one process worker per other GPU running the partition deployment); needs a server.
+    gpus: int = 1
+    skip_raw: bool = False  # leave raw out (a fan-out's ratio is over the flow on one GPU)
+    # Where the flow's model processor runs (the job's processor_device). Raw runs it on the CPU
+    # as the example does; where the flow's lands on the GPU, raw runs once more with it there
+    # too ("raw, same processor"): the best a hand-written script can do.
+    processor_device: str = "auto"
+
+
+# Random-weight checkpoints the bench builds (recipe -> builder and its shapes).
+CHECKPOINTS = {"llava": ("build_tiny_llava", ("tiny", "7b")), "qwen2_vl": ("build_tiny_qwen2_vl", ("tiny", "2b")),
+               "qwen2_5_vl": ("build_tiny_qwen2_5_vl", ("tiny", "7b"))}
