@@ -1,10 +1,13 @@
 """The docs agree with the code: the generated pages are what their generators print now, every
-`VLM_CAPTION_*` variable the code reads is on docs/configuration.md, every `vlm-caption ...` line
-in a fenced code block of README.md and docs/*.md parses as the CLI parses it (and a job it
-describes is a valid job), and every relative link leads to a file. No engine, no Prefect: seconds."""
+`VLM_CAPTION_*` variable the code reads is on docs/configuration.md, every `vlm-caption ...`
+command in a fenced code block of README.md and docs/*.md (and in a table cell of docs/*.md: the
+benchmarks' commands) parses as the CLI parses it, and a job it describes is a valid job, and
+every relative link leads to a file. No engine, no Prefect: seconds."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shlex
@@ -24,7 +27,8 @@ python3 -m pip install uv && uv sync --extra cpu && uv run vlm-caption demo
 # 2. Set up and run the tests (what .ci/run calls)
 python3 -m pip install uv && uv sync --extra cpu && uv run pytest -v
 ```"""
-INVOCATION = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:uv run\s+)?vlm-caption(?:\s|$)")
+ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+MENTION = re.compile(r"(?:^|[\s;&|(])vlm-caption(?:\s|$)")  # not vlm-caption-gpu, vlm-caption.run.*
 VARIABLE = re.compile(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?")
 CODE_DIRS = ("flows", "tasks", "recipes", "deployments", "tests")
 
@@ -46,26 +50,47 @@ def fenced_lines(text: str) -> list[str]:
     return lines
 
 
-def invocations() -> list[tuple[str, str]]:
-    """(page, line) for every `vlm-caption ...` or `uv run vlm-caption ...` command line."""
+def table_commands(text: str) -> list[str]:
+    """Inline `vlm-caption ...` commands with options in the cells of Markdown tables (a bare
+    `vlm-caption run` there names the command, it is not one to run)."""
+    return [span for line in text.splitlines() if line.startswith("|")
+            for span in re.findall(r"`(vlm-caption [^`]+)`", line) if " --" in span]
+
+
+def cli_calls(line: str) -> list[list[str]]:
+    """The arguments after `vlm-caption` of each command on a shell line that runs it (`uv run`
+    and `NAME=value` before it allowed). Variables stand for a value; a command ends at a comment,
+    a pipe, a redirection, `&&` or `;`."""
+    if not MENTION.search(line):
+        return []
+    lexer = shlex.shlex(VARIABLE.sub("1", line.strip().removeprefix("$ ")), posix=True, punctuation_chars=True)
+    lexer.whitespace_split, lexer.commenters = True, "#"
+    calls, segment = [], []
+    for token in [*lexer, ";"]:
+        if not set(token) <= set("|&;<>()"):
+            segment.append(token)
+            continue
+        while segment and ASSIGNMENT.match(segment[0]):
+            segment.pop(0)
+        if segment[:2] == ["uv", "run"]:
+            segment = segment[2:]
+        if segment[:1] == ["vlm-caption"]:
+            calls.append(segment[1:])
+        segment = []
+        if token[0] in "<>":  # what follows a redirection is its target
+            break
+    return calls
+
+
+def invocations() -> list[tuple[str, list[str]]]:
+    """(page, arguments) for every `vlm-caption` call the docs show: in fenced code blocks, and
+    in the table cells of docs/*.md."""
     found = []
     for page in PAGES:
-        for line in fenced_lines(page.read_text()):
-            command = line.strip().removeprefix("$ ")
-            if INVOCATION.match(command):
-                found.append((page.relative_to(REPO).as_posix(), command))
+        text, name = page.read_text(), page.relative_to(REPO).as_posix()
+        lines = fenced_lines(text) + (table_commands(text) if page.parent.name == "docs" else [])
+        found += [(name, args) for line in lines for args in cli_calls(line)]
     return found
-
-
-def cli_args(command: str) -> list[str]:
-    """The arguments after `vlm-caption`: variables stand for a value, and the command ends at a
-    comment, a pipe, a redirection or `&&`."""
-    lexer = shlex.shlex(VARIABLE.sub("1", command), posix=True, punctuation_chars=True)
-    lexer.whitespace_split, lexer.commenters = True, "#"
-    tokens = list(lexer)
-    end = next((i for i, token in enumerate(tokens) if set(token) <= set("|&;<>()")), len(tokens))
-    tokens = tokens[:end]
-    return tokens[tokens.index("vlm-caption") + 1:]
 
 
 def check_invocation(args: list[str]) -> None:
@@ -74,10 +99,12 @@ def check_invocation(args: list[str]) -> None:
     from flows.cli import _job_fields
     from recipes import get_recipe
 
+    errors = io.StringIO()
     try:
-        parsed = build_parser().parse_args(args)
+        with contextlib.redirect_stderr(errors):
+            parsed = build_parser().parse_args(args)
     except SystemExit as exc:
-        assert exc.code == 0, f"argparse refused {args}"  # --help exits 0
+        assert exc.code == 0, errors.getvalue().strip().splitlines()[-1]  # --help exits 0
         return
     if parsed.command == "run":
         from flows.params import CaptionJob
@@ -95,23 +122,26 @@ def test_the_readme_keeps_the_two_commands():
 
 def test_every_documented_command_parses():
     found = invocations()
-    assert len(found) >= 10, f"only {len(found)} vlm-caption command lines found in fenced blocks"
+    assert len(found) >= 30, f"only {len(found)} vlm-caption commands found in the docs"
     failures = []
-    for page, command in found:
+    for page, args in found:
         try:
-            check_invocation(cli_args(command))
+            check_invocation(args)
         except (AssertionError, ValueError, LookupError) as exc:  # pydantic's and recipes' errors are ValueErrors
-            failures.append(f"{page}: {command}\n    {str(exc).splitlines()[0]}")
+            failures.append(f"{page}: vlm-caption {shlex.join(args)}\n    {str(exc).splitlines()[0]}")
     assert not failures, "documented commands the CLI refuses:\n" + "\n".join(failures)
 
 
 def test_the_command_reader_sees_what_a_shell_runs():
     text = "```bash\nuv run vlm-caption run s3://b/ --recipe qwen2_vl \\\n    --modality video --out $OUT  # note\n```"
-    [(command)] = [line.strip() for line in fenced_lines(text)]
-    assert cli_args(command) == ["run", "s3://b/", "--recipe", "qwen2_vl", "--modality", "video", "--out", "1"]
-    assert cli_args("vlm-caption recipes list --markdown > docs/recipes.md") == ["recipes", "list", "--markdown"]
-    assert INVOCATION.match("CUDA_VISIBLE_DEVICES=0 uv run vlm-caption bench --gpus 1")
-    assert not INVOCATION.match("vlm-caption.run.completed")
+    [line] = fenced_lines(text)
+    assert cli_calls(line) == [["run", "s3://b/", "--recipe", "qwen2_vl", "--modality", "video", "--out", "1"]]
+    assert cli_calls("vlm-caption recipes list --markdown > docs/recipes.md") == [["recipes", "list", "--markdown"]]
+    assert cli_calls("pip install uv && uv sync && uv run vlm-caption demo") == [["demo"]]
+    assert cli_calls("CUDA_VISIBLE_DEVICES=0 uv run vlm-caption bench --gpus 1 &") == [["bench", "--gpus", "1"]]
+    assert cli_calls("write-manifest → vlm-caption.run.completed") == []
+    assert table_commands("| a | `vlm-caption bench --images 8` | `vlm-caption run` |\n`vlm-caption run --out x`") == [
+        "vlm-caption bench --images 8"]
     with pytest.raises(AssertionError):
         check_invocation(["run", "./photos", "--out", "./captions", "--modality", "audio"])
     with pytest.raises(ValueError):
