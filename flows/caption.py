@@ -33,6 +33,7 @@ from tasks.engine.model_check import check_job_model
 from tasks.engine.vllm_engine import ensure_vllm_imported
 from tasks.fanout import CALLED_OFF, FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
+from tasks.results.parquet import export_after_run
 from tasks.results.records import job_fingerprint
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
@@ -89,7 +90,7 @@ def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str) -> str:
     return job_fingerprint(
         source=job.location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
         media={"num_frames": job.num_frames} if job.modality == "video" else {},
-        sampling=job.sampling.fingerprint_dict())
+        sampling=job.sampling.fingerprint_dict(), structured=job.structured_output)
 
 
 def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, fingerprint: str, log) -> dict:
@@ -123,6 +124,10 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
                               partitions=[p.brief() for p in partitions])
     manifest_uri = write_manifest(job.output, run_id, manifest)
     summary = stats.summary()
+    # Every final result of the output as one Parquet file; a failure is recorded, not raised.
+    manifest["parquet"] = export_after_run(job.output)
+    write_manifest(job.output, run_id, manifest)
+    summary["parquet"] = manifest["parquet"].get("path")
     publish_summary({**summary, "recipe": recipe.name, "model": engine["model"] if engine else model,
                      "partitions": len(partitions) or 1, "manifest": manifest_uri}, stats.samples)
     emit("run.completed", run_id, **summary)

@@ -1,4 +1,4 @@
-"""`vlm-caption` command line: run, demo, bench, server, recipes list, recipes show.
+"""`vlm-caption` command line: run, demo, bench, server, export, recipes list, recipes show.
 
 `recipes ...` import neither torch, vLLM nor Prefect, so they answer at once.
 """
@@ -38,6 +38,31 @@ def _port(text: str) -> int:
     return int(text)
 
 
+class UsageError(ValueError):
+    """A job option the command line could not turn into a job field."""
+
+
+def _choices(text: str) -> list[str]:
+    choices = [c.strip() for c in text.split(",") if c.strip()]
+    if not choices:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated choices, e.g. cat,dog,other")
+    return choices
+
+
+def _json_schema(value: str | None) -> dict[str, Any] | str | None:
+    """`--json-schema`: a built-in schema's name, or a JSON Schema file (checked by the job)."""
+    from flows.params import BUILTIN_SCHEMAS
+
+    if value is None or value in BUILTIN_SCHEMAS:
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--json-schema {value}: cannot read a JSON Schema from it ({exc}); "
+                          f"give a JSON file or one of: {', '.join(BUILTIN_SCHEMAS)}") from None
+
+
 def _add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="llava", help="recipe name (default: llava)")
     parser.add_argument("--question", action="append", dest="questions", metavar="QUESTION",
@@ -66,6 +91,12 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
                              "processor is checked there)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow recipes that run the model repository's own code")
+    structured = parser.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE|tags",
+                            help="answer JSON matching this JSON Schema file (or `tags`: a built-in "
+                            '{"tags": [...], "caption": ...} schema); records get it parsed in `structured`')
+    structured.add_argument("--regex", help="answer text matching this regular expression")
+    structured.add_argument("--choice", type=_choices, metavar="A,B,C", help="answer one of these strings")
 
 
 def _job_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,6 +113,10 @@ def _job_fields(args: argparse.Namespace) -> dict[str, Any]:
         fields["sampling"] = sampling
     if args.engine_arg:
         fields["engine_overrides"] = dict(args.engine_arg)
+    schema = _json_schema(args.json_schema)
+    for name, value in (("json_schema", schema), ("regex", args.regex), ("choice", args.choice)):
+        if value is not None:
+            fields[name] = value
     return fields
 
 
@@ -142,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--port", type=_port, default=4200, help="port (default 4200)")
 
+    export = sub.add_parser("export", help="write an output's results as one Parquet file (for datasets, "
+                            "pandas), as a run does at its end; exits 1 when a part was cut short or "
+                            "unreadable (the file holds the rest, the report names it)")
+    export.add_argument("output", help="the run's --out: s3://bucket/prefix/ or a local folder")
+    export.add_argument("--to", help="the Parquet file to write, s3:// or local "
+                        "(default: OUTPUT/parquet/results.parquet)")
+
     recipes = sub.add_parser("recipes", help="list or inspect recipes")
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
     rlist = rsub.add_parser("list", help="all recipes")
@@ -186,7 +228,7 @@ def cmd_recipes_list(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes_show(args: argparse.Namespace) -> int:
-    from flows.params import DEFAULT_QUESTION
+    from flows.params import DEFAULT_QUESTIONS
     from recipes import get_recipe
     from recipes.requests import build_requests, load_local_tokenizer
 
@@ -195,7 +237,7 @@ def cmd_recipes_show(args: argparse.Namespace) -> int:
     tokenizer = None
     if model and recipe.uses_chat_template(args.modality):
         tokenizer = load_local_tokenizer(model, trust_remote_code=recipe.needs_remote_code)
-    built = build_requests(recipe, args.modality, args.question or [DEFAULT_QUESTION],
+    built = build_requests(recipe, args.modality, args.question or [DEFAULT_QUESTIONS[args.modality]],
                            images=args.images, model=args.model, tokenizer=tokenizer)
     print(json.dumps(built.to_json_dict(), indent=2, ensure_ascii=False))
     return 0
@@ -246,6 +288,14 @@ def cmd_server(args: argparse.Namespace) -> int:
     return serve(args.host, args.port)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from tasks.results.parquet import export_parquet
+
+    report = export_parquet(args.output, args.to)
+    print(json.dumps(report, indent=2))
+    return 0 if report["complete"] else 1
+
+
 def validation_message(exc) -> str:
     """A pydantic ValidationError as the user's mistakes, one per line: the field and what to do,
     without pydantic's echo of every job field and its documentation link."""
@@ -259,7 +309,7 @@ def validation_message(exc) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench, "server": cmd_server}
+    handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench, "server": cmd_server, "export": cmd_export}
     if args.command == "recipes":
         handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
     else:
@@ -276,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, ValidationError):
             print(f"vlm-caption: error: {validation_message(exc)}", file=sys.stderr)
             return 2
-        if isinstance(exc, (RecipeError, StorageError, ServerError)):
+        if isinstance(exc, (RecipeError, StorageError, ServerError, UsageError)):
             print(f"vlm-caption: error: {exc}", file=sys.stderr)
             return 2
         if isinstance(exc, PrefectAPIUnreachable):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -15,6 +16,15 @@ DEFAULT_QUESTIONS = {
     "multi-image": "Describe the content of these images in detail.",
 }
 DEFAULT_MAX_IMAGES = 8
+
+# `json_schema="tags"`: the common tagging job's schema.
+TAGS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"tags": {"type": "array", "items": {"type": "string"}, "maxItems": 10},
+                   "caption": {"type": "string"}},
+    "required": ["tags"],
+}
+BUILTIN_SCHEMAS = {"tags": TAGS_SCHEMA}
 
 
 class SamplingSettings(BaseModel):
@@ -105,6 +115,11 @@ class CaptionJob(BaseModel):
     partition: Partition | None = Field(
         None, description="Set by a fanned-out parent run; leave empty when starting a job."
     )
+    json_schema: dict[str, Any] | str | None = Field(
+        None, description="Structured output: every answer is JSON matching this JSON Schema (or `tags`: "
+        "a built-in {tags: [...], caption} schema); the record's `structured` holds it parsed.")
+    regex: str | None = Field(None, description="Structured output: every answer matches this regular expression.")
+    choice: list[str] | None = Field(None, description="Structured output: every answer is one of these strings.")
 
     @model_validator(mode="before")
     @classmethod
@@ -164,6 +179,67 @@ class CaptionJob(BaseModel):
     @property
     def questions_to_ask(self) -> tuple[str, ...]:
         return tuple(self.questions) or (DEFAULT_QUESTIONS[self.modality],)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _json_schema(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            if value not in BUILTIN_SCHEMAS:
+                raise ValueError(f"{value!r} is not a built-in schema ({', '.join(BUILTIN_SCHEMAS)}); "
+                                 "give a JSON Schema object")
+            return json.loads(json.dumps(BUILTIN_SCHEMAS[value]))  # a copy
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+
+        try:
+            Draft202012Validator.check_schema(value)
+        except SchemaError as exc:
+            where = "/".join(str(p) for p in exc.path)
+            raise ValueError(f"not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+        return value
+
+    @field_validator("regex")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        import re
+
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+    @field_validator("choice")
+    @classmethod
+    def _choice(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            value = list(dict.fromkeys(value))
+            if not value or any(not c for c in value):
+                raise ValueError("choice needs at least one non-empty string")
+        return value
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> CaptionJob:
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and choice (got {', '.join(given)})")
+        return self
+
+    @property
+    def structured_output(self) -> dict[str, Any] | None:
+        """vLLM's structured-output constraint (`StructuredOutputsParams` fields), or None for prose."""
+        if self.json_schema is not None:
+            # (vLLM 0.26 ignores a request's disable_any_whitespace: compact JSON is the engine
+            # argument structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": true}.)
+            return {"json": self.json_schema}
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.choice is not None:
+            return {"choice": list(self.choice)}
+        return None
 
     @model_validator(mode="after")
     def _one_level_of_fan_out(self) -> CaptionJob:

@@ -97,7 +97,8 @@ class ShardPipeline:
         self.stats = RunStats()
         self.media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec),
                                   frame_resize=frame_resize_target(spec))
-        self.options = GenerateOptions(spec, Sampling(**job.sampling.model_dump()), job.method, job.num_frames)
+        sampling = Sampling(**job.sampling.model_dump(), structured=job.structured_output)
+        self.options = GenerateOptions(spec, sampling, job.method, job.num_frames)
         self.progress = Progress(f"Captioning {job.location} with {run.recipe.name}")
         self.engine: dict | None = None
         self.starting = None  # the engine's start, submitted at the first item not done

@@ -16,7 +16,7 @@ from tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
 from tasks.media.prepare import PreparedItem, PreparedShard
 from tasks.media.video import DecodedVideo
 from tasks.observability import get_logger
-from tasks.results.records import GenerationOutput, ItemError, ResultRecord
+from tasks.results.records import GenerationOutput, ItemError, ResultRecord, structured_answer
 
 
 @dataclass(frozen=True)
@@ -82,24 +82,31 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
             prompt = None if options.method == "chat" or item.error else engine.prompt_for(
                 question, len(item.members))
             records.append(make_record(item, question, output, prompt, engine.model, options.spec.recipe,
-                                       per_request_s, fingerprint, run_id))
+                                       per_request_s, fingerprint, run_id, options.sampling.structured))
         item.media = None  # release the decoded pixels as soon as they are consumed
     return records
 
 
 def make_record(item: PreparedItem, question: str, output: GenerationOutput | None, prompt: str | None,
-                model: str, recipe: str, generate_s: float, fingerprint: str, run_id: str) -> ResultRecord:
+                model: str, recipe: str, generate_s: float, fingerprint: str, run_id: str,
+                structured: dict | None = None) -> ResultRecord:
     error = item.error
     if output is not None and output.error is not None:
         error = ItemError("generate", output.error, retryable=False)
+    answer = None
+    if error is None and output is not None and structured is not None and "json" in structured:
+        answer, error = structured_answer(output.text, output.finish_reason, structured["json"])
+    # A structured answer that does not parse keeps its raw text, to show where it went wrong.
+    keep_text = output is not None and (error is None or error.kind == "structured_output")
     single = len(item.item.members) == 1 and item.item.members[0].key == item.item.id
     return ResultRecord(
         key=item.item.id, size=sum(max(m.size, 0) for m in item.members) if item.members else item.item.size,
         etag=item.members[0].etag if single and item.members else "",
         sha256=item.sha256, recipe=recipe, model=model, question=question,
-        prompt=(output.prompt if output and output.prompt else prompt) if error is None else prompt,
-        text=output.text if output and error is None else None,
-        finish_reason=output.finish_reason if output and error is None else None,
+        prompt=(output.prompt if output and output.prompt else prompt) if keep_text else prompt,
+        text=output.text if keep_text else None,
+        finish_reason=output.finish_reason if keep_text else None,
+        structured=answer,
         prompt_tokens=output.prompt_tokens if output else 0,
         output_tokens=output.output_tokens if output else 0,
         error=asdict(error) if error else None,

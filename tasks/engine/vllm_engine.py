@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,9 @@ class Sampling:
     max_tokens: int | None = None
     seed: int | None = 0
     ignore_eos: bool = False
+    # A structured-output constraint: `StructuredOutputsParams` fields ({"json": schema},
+    # {"regex": ...} or {"choice": [...]}, see `CaptionJob.structured_output`), or None for prose.
+    structured: dict[str, Any] | None = field(default=None, hash=False)
 
 
 @dataclass
@@ -154,6 +157,10 @@ class CaptionEngine:
             params["temperature"] = sampling.temperature
         if sampling.max_tokens is not None:
             params["max_tokens"] = sampling.max_tokens
+        if sampling.structured is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            params["structured_outputs"] = StructuredOutputsParams(**sampling.structured)
         return SamplingParams(seed=sampling.seed, stop_token_ids=self.stop_token_ids,
                               ignore_eos=sampling.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY, **params)
 

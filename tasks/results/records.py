@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 @dataclass(frozen=True)
 class ItemError:
-    kind: str  # fetch | decode | too_large | too_many_images | generate | unsupported
+    kind: str  # fetch | decode | too_large | too_many_images | generate | unsupported | structured_output
     message: str
     # Retryable errors (a network blip) are retried by the next run; the others are final.
     retryable: bool = False
@@ -52,6 +52,7 @@ class ResultRecord(BaseModel):
     prompt: str | None
     text: str | None
     finish_reason: str | None
+    structured: Any = None  # a json_schema job's answer, parsed and validated
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: dict[str, Any] | None = None
@@ -68,19 +69,41 @@ class ResultRecord(BaseModel):
 
 
 def job_fingerprint(*, source: str, recipe: str, model: str, modality: str, method: str,
-                    media: dict[str, Any], sampling: dict[str, Any]) -> str:
+                    media: dict[str, Any], sampling: dict[str, Any],
+                    structured: dict[str, Any] | None = None) -> str:
     """What makes two results interchangeable: same source, recipe, model, modality, method,
     media sampling (frames per video) and sampling parameters.
 
     The question is not part of it: each record carries its question, so adding a question
     later computes only that one. The source is, because record keys are relative to it: two
-    prefixes that both hold `a.jpg` and write to one output must not count as each other's."""
-    payload = json.dumps(
-        {"source": source.rstrip("/"), "recipe": recipe, "model": model, "modality": modality,
-         "method": method, "media": media, "sampling": sampling},
-        sort_keys=True,
-    )
+    prefixes that both hold `a.jpg` and write to one output must not count as each other's.
+    A structured-output constraint (JSON schema, regex, choice) is too; a plain-text job leaves it
+    out, so its fingerprint is what it was before structured outputs existed."""
+    fields = {"source": source.rstrip("/"), "recipe": recipe, "model": model, "modality": modality,
+              "method": method, "media": media, "sampling": sampling}
+    if structured is not None:
+        fields["structured"] = structured
+    payload = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def structured_answer(text: str | None, finish_reason: str | None,
+                      schema: dict[str, Any]) -> tuple[Any, ItemError | None]:
+    """A json_schema job's answer: the text parsed and checked against the schema, or why not
+    (the engine's grammar guarantees the form of a completed answer, not of one cut short)."""
+    from jsonschema import Draft202012Validator
+
+    cut = " (cut at max_tokens: raise sampling.max_tokens)" if finish_reason == "length" else ""
+    try:
+        value = json.loads(text or "")
+    except json.JSONDecodeError as exc:
+        return None, ItemError("structured_output", f"answer is not valid JSON{cut}: {exc}")
+    problem = next(iter(Draft202012Validator(schema).iter_errors(value)), None)
+    if problem is not None:
+        where = "/".join(str(p) for p in problem.absolute_path)
+        return None, ItemError("structured_output", f"answer does not match the JSON schema{cut}: "
+                               f"{problem.message}" + (f" (at {where})" if where else ""))
+    return value, None
 
 
 def sha256_hex(data: bytes) -> str:

@@ -1,0 +1,253 @@
+"""Every final result of an output as one Parquet file, for `datasets`, pandas or DuckDB.
+
+    <output>/parquet/results.parquet      (`vlm-caption export OUTPUT --to PATH` writes it elsewhere)
+
+The JSON Lines parts stay the truth and the unit of atomic, resumable writes; this file is a
+view of them, made again from scratch at the end of each run (or by `vlm-caption export`):
+
+- it holds what the done-index counts (tasks/results/done_index.py): the final records (a
+  caption, or an error a rerun would only repeat) of every readable part, under every
+  fingerprint; a part that cannot be read is left out and named in the export's report;
+- a result computed again by a later run (same fingerprint, item key and question, the
+  done-index's key) appears once: the latest run's (the UTC stamp in the run id), then the
+  later part name;
+- a part cut short (lines that are not records, or a body that no longer matches the size its
+  sidecar was made from) contributes the records it still holds, which the done-index counts as
+  done too, and is named in the report under `damaged_parts` with `complete: false`;
+- it is written part by part in row groups of ROW_GROUP_ROWS (memory: one part and one row
+  group, plus 16 bytes per result for the de-duplication), into a local temporary file, then
+  put in place with one atomic write through the storage interface (a folder or s3://).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NONE
+from pydantic import ValidationError
+
+from tasks.observability import get_logger
+from tasks.results.done_index import _parse_part, _read_sidecar, sidecar_key
+from tasks.results.layout import manifest_key
+from tasks.results.records import ResultRecord
+from tasks.sources.items import ObjectRef
+from tasks.sources.storage import Storage, open_storage, split_parent
+
+PARQUET_KEY = "parquet/results.parquet"
+ROW_GROUP_ROWS = 8192
+TIMING_KEYS = ("fetch_s", "decode_s", "generate_s")
+_STAMP = re.compile(r"(\d{8}T\d{6})")
+
+# Record fields with a column of their own; every other field of ResultRecord (e.g. `structured`)
+# becomes a string column: the value as it is when a string, else as JSON.
+_OWN = {"key", "question", "text", "error", "model", "recipe", "run_id", "timings", "fingerprint", "size",
+        "etag", "sha256", "prompt", "finish_reason", "prompt_tokens", "output_tokens", "members", "video"}
+
+
+def _schema():
+    import pyarrow as pa
+
+    extra = [name for name in ResultRecord.model_fields if name not in _OWN]
+    return pa.schema([
+        ("key", pa.string()), ("source", pa.string()), ("question", pa.string()), ("caption", pa.string()),
+        ("error_kind", pa.string()), ("error_message", pa.string()),
+        ("model", pa.string()), ("recipe", pa.string()), ("run_id", pa.string()), ("fingerprint", pa.string()),
+        ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()),
+        ("timings", pa.struct([(name, pa.float64()) for name in TIMING_KEYS])),
+        ("prompt", pa.string()), ("size", pa.int64()), ("etag", pa.string()), ("sha256", pa.string()),
+        ("members", pa.string()), ("video", pa.string()),  # JSON
+        *[(name, pa.string()) for name in extra],
+    ])
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _row(record: ResultRecord, source: str | None, extra: list[str]) -> dict[str, Any]:
+    error = record.error or {}
+    row = {
+        "key": record.key, "source": source, "question": record.question, "caption": record.text,
+        "error_kind": error.get("kind"), "error_message": error.get("message"),
+        "model": record.model, "recipe": record.recipe, "run_id": record.run_id,
+        "fingerprint": record.fingerprint, "finish_reason": record.finish_reason,
+        "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
+        "timings": {name: record.timings.get(name) for name in TIMING_KEYS},
+        "prompt": record.prompt, "size": record.size, "etag": record.etag, "sha256": record.sha256,
+        "members": _json([m.model_dump() for m in record.members] if record.members else None),
+        "video": _json(record.video),
+    }
+    for name in extra:
+        value = getattr(record, name, None)
+        row[name] = value if value is None or isinstance(value, str) else _json(value)
+    return row
+
+
+def _part_order(part: ObjectRef) -> tuple[str, str]:
+    """Parts sort by their run's UTC stamp (`part-<8 hex>-<stamp>[-pN]-<shard>.jsonl`), then name."""
+    found = _STAMP.search(part.key.rsplit("/", 1)[-1])
+    return (found.group(1) if found else "", part.key)
+
+
+def _list_parts(out: Storage) -> tuple[dict[str, list[ObjectRef]], set[str]]:
+    """The parts of each fingerprint, oldest first, and every key under results/."""
+    keys, by_fingerprint = set(), {}
+    for ref in out.iter_objects(prefix="results/"):
+        keys.add(ref.key)
+        segments = ref.key.split("/")
+        if len(segments) == 3 and segments[2].endswith(".jsonl"):
+            by_fingerprint.setdefault(segments[1], []).append(ref)
+    return {fp: sorted(parts, key=_part_order) for fp, parts in sorted(by_fingerprint.items())}, keys
+
+
+def _final_records(data: bytes) -> tuple[list[ResultRecord], int]:
+    """The final records of a part's body in order (as the done-index counts them), and how
+    many non-empty lines are not records."""
+    records, bad = [], 0
+    for line in data.decode("utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(ResultRecord.model_validate_json(line))
+        except ValidationError:
+            bad += 1
+    return [r for r in records if r.is_final], bad
+
+
+class _Sources:
+    """The source (or manifest) each run read, from its manifest; None where there is none."""
+
+    def __init__(self, out: Storage):
+        self.out, self.known = out, {}
+
+    def __call__(self, run_id: str) -> str | None:
+        if run_id not in self.known:
+            try:
+                parameters = json.loads(self.out.read(manifest_key(run_id))).get("parameters") or {}
+                self.known[run_id] = parameters.get("source") or parameters.get("manifest")
+            except Exception:  # noqa: BLE001 - a run that wrote no manifest (killed): no source column
+                self.known[run_id] = None
+        return self.known[run_id]
+
+
+def _winners(out: Storage, parts: list[ObjectRef], keys: set[str], log, report) -> list[np.ndarray]:
+    """For each part, the ordinals (among its final records) of the results that are the latest.
+
+    Pass one reads the done-index sidecars (a few bytes a part) or, without a valid one, parses
+    the part; the rows are keyed as the done-index keys results, in the part's record order."""
+    keyed, ranks, ordinals = [], [], []
+    for rank, part in enumerate(parts):
+        rows = None
+        if sidecar_key(part.key) in keys:
+            rows = _read_sidecar(out, sidecar_key(part.key), part.size)
+            if rows is None:
+                report["damaged_parts"][out.describe(part.key)] = \
+                    "its done-index sidecar was made from another body (cut short or rewritten)"
+        if rows is None:
+            rows = _parse_part(out, part, log)
+        if rows is None:
+            report["skipped_parts"][out.describe(part.key)] = "unreadable"
+            rows = np.empty(0, dtype=[("key", "<u8")])
+        keyed.append(rows["key"].astype(np.uint64))
+        ranks.append(np.full(len(rows), rank, np.uint32))
+        ordinals.append(np.arange(len(rows), dtype=np.uint32))
+    if not keyed:
+        return []
+    key, rank, ordinal = np.concatenate(keyed), np.concatenate(ranks), np.concatenate(ordinals)
+    order = np.lexsort((ordinal, rank, key))  # by key, then oldest to newest
+    key, rank, ordinal = key[order], rank[order], ordinal[order]
+    last = np.ones(len(key), bool)
+    last[:-1] = key[1:] != key[:-1]
+    rank, ordinal = rank[last], ordinal[last]
+    return [np.sort(ordinal[rank == i]) for i in range(len(parts))]
+
+
+def iter_row_batches(out: Storage, log=None, report: dict | None = None,
+                     rows_per_batch: int = ROW_GROUP_ROWS) -> Iterator[list[dict[str, Any]]]:
+    """The rows of the export in batches of at most rows_per_batch, part by part."""
+    log = log or get_logger()
+    report = report if report is not None else {"damaged_parts": {}, "skipped_parts": {}}
+    extra = [name for name in ResultRecord.model_fields if name not in _OWN]
+    sources = _Sources(out)
+    by_fingerprint, keys = _list_parts(out)
+    batch: list[dict[str, Any]] = []
+    for parts in by_fingerprint.values():
+        for part, wanted in zip(parts, _winners(out, parts, keys, log, report)):
+            if not len(wanted) or out.describe(part.key) in report["skipped_parts"]:
+                continue
+            try:
+                data = out.read(part.key)
+                records, bad = _final_records(data)
+            except (OSError, UnicodeDecodeError) as exc:
+                report["skipped_parts"][out.describe(part.key)] = f"unreadable: {exc}"
+                log.warning("results part unreadable; left out of the Parquet export",
+                            part=out.describe(part.key), error=str(exc))
+                continue
+            if bad or not data.endswith(b"\n"):
+                report["damaged_parts"][out.describe(part.key)] = f"{bad} line(s) are not records (cut short?)"
+            # Rows keyed in pass one come from the same body: each wanted ordinal names a record.
+            for ordinal in wanted:
+                if ordinal < len(records):
+                    record = records[ordinal]
+                    batch.append(_row(record, sources(record.run_id), extra))
+                if len(batch) >= rows_per_batch:
+                    yield batch
+                    batch = []
+    if batch:
+        yield batch
+
+
+def export_parquet(output_uri: str, to: str | None = None, *, row_group_rows: int = ROW_GROUP_ROWS) -> dict:
+    """Write the output's final records as one Parquet file (default <output>/parquet/results.parquet)
+    and return a report: where, rows, row groups, seconds, and any damaged or skipped parts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    started = time.perf_counter()
+    out = open_storage(output_uri)
+    if to:
+        parent, name = split_parent(to)
+        target, target_key = open_storage(parent, create=True), name
+    else:
+        target, target_key = open_storage(output_uri, create=True), PARQUET_KEY
+    log = get_logger()
+    report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
+    schema = _schema()
+    rows = groups = 0
+    with tempfile.TemporaryDirectory(prefix="vlm-caption-parquet-") as tmp:
+        path = Path(tmp) / "results.parquet"
+        with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+            for batch in iter_row_batches(out, log, report, row_group_rows):
+                writer.write_table(pa.Table.from_pylist(batch, schema=schema), row_group_size=row_group_rows)
+                rows, groups = rows + len(batch), groups + 1
+        target.write(target_key, path.read_bytes())  # one atomic write (a PUT, or temp file + rename)
+    complete = not report["damaged_parts"] and not report["skipped_parts"]
+    result = {"path": target.describe(target_key), "rows": rows, "row_groups": groups, "complete": complete,
+              "seconds": round(time.perf_counter() - started, 3),
+              **{k: v for k, v in report.items() if v}}
+    if complete:
+        log.info("results exported as Parquet", path=result["path"], rows=rows)
+    else:
+        log.warning("results exported as Parquet without some parts", path=result["path"], rows=rows,
+                    damaged=list(report["damaged_parts"]), skipped=list(report["skipped_parts"]))
+    return result
+
+
+@task(name="export-parquet", cache_policy=NONE, persist_result=False)
+def export_after_run(output_uri: str) -> dict:
+    """The end-of-run export. A failure is logged and returned as `{"error": ...}`, never raised:
+    the run's captions are in its JSON Lines parts, and `vlm-caption export` makes the file later."""
+    try:
+        return export_parquet(output_uri)
+    except Exception as exc:  # noqa: BLE001 - the parts are written; the export is a convenience
+        get_logger().warning("Parquet export failed; the JSON Lines parts are complete. Run "
+                             f"`vlm-caption export {output_uri}` to try again", error=f"{type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}

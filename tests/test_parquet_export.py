@@ -1,0 +1,193 @@
+"""The Parquet export (tasks/results/parquet.py): parts written with the project's own writer,
+read back with `datasets`, pyarrow and pandas. No engine starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from flows.cli import main
+from tasks.results import parquet
+from tasks.results.done_index import sidecar_key
+from tasks.results.layout import part_key
+from tasks.results.parquet import PARQUET_KEY, export_after_run, export_parquet
+from tasks.results.records import ResultRecord
+from tasks.results.writers import write_manifest, write_shard
+
+FP = "0123456789abcdef"
+RUN1 = "aaaa1111-20260101T000000"
+RUN2 = "0000ffff-20260102T000000"  # later, though its random prefix sorts first
+
+
+def record(key: str, run_id: str, text: str | None = "a cat", error: dict | None = None,
+           question: str | None = None) -> ResultRecord:
+    return ResultRecord(key=key, size=10, etag="e-" + key, sha256="s" * 64, recipe="llava", model="tiny-llava",
+                        question=question, prompt="USER: <image>\nDescribe. ASSISTANT:", text=text,
+                        finish_reason="stop" if text else None, prompt_tokens=5, output_tokens=3, error=error,
+                        timings={"fetch_s": 0.01, "decode_s": 0.02, "generate_s": 0.3},
+                        fingerprint=FP, run_id=run_id)
+
+
+def write_history(output: str) -> None:
+    """Run 1: a, b (a final error), c (a retryable error); run 2 computes a again."""
+    write_shard.fn(output, FP, RUN1, 0, [
+        record("a.jpg", RUN1, "first caption"),
+        record("b.jpg", RUN1, None, {"kind": "decode", "message": "not an image", "retryable": False}),
+        record("c.jpg", RUN1, None, {"kind": "fetch", "message": "timed out", "retryable": True}),
+    ])
+    write_shard.fn(output, FP, RUN1, 1, [record("d.jpg", RUN1, "a dog", question="What animal?")])
+    write_manifest.fn(output, RUN1, {"run_id": RUN1, "parameters": {"source": "s3://media/photos/"}})
+    write_shard.fn(output, FP, RUN2, 0, [record("a.jpg", RUN2, "second caption")])
+
+
+def by_key(rows: list[dict]) -> dict[str, dict]:
+    return {row["key"]: row for row in rows}
+
+
+def check_rows(rows: list[dict]) -> None:
+    rows = by_key(rows)
+    assert sorted(rows) == ["a.jpg", "b.jpg", "d.jpg"]  # c's error is retryable: not final
+    assert rows["a.jpg"]["caption"] == "second caption" and rows["a.jpg"]["run_id"] == RUN2
+    assert rows["b.jpg"]["caption"] is None
+    assert (rows["b.jpg"]["error_kind"], rows["b.jpg"]["error_message"]) == ("decode", "not an image")
+    assert rows["d.jpg"]["question"] == "What animal?" and rows["d.jpg"]["source"] == "s3://media/photos/"
+    assert rows["a.jpg"]["source"] is None  # run 2 wrote no manifest
+    assert rows["d.jpg"]["timings"]["generate_s"] == pytest.approx(0.3)
+    assert {"model", "recipe", "fingerprint", "prompt_tokens", "output_tokens"} <= set(rows["a.jpg"])
+
+
+def test_folder_export_reads_back_with_datasets_pyarrow_and_pandas(tmp_path):
+    from datasets import load_dataset
+
+    output = str(tmp_path / "out")
+    write_history(output)
+    report = export_parquet(output, row_group_rows=2)
+    path = Path(output) / PARQUET_KEY
+    assert report["path"] == str(path) and report["rows"] == 3 and report["complete"]
+    assert pq.ParquetFile(path).metadata.num_row_groups == report["row_groups"] >= 2
+    check_rows(pq.read_table(path).to_pylist())
+    dataset = load_dataset("parquet", data_files=str(path), split="train",
+                           cache_dir=str(tmp_path / "hf-cache"))
+    check_rows(list(dataset))
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.read_parquet(path)
+    assert frame.set_index("key").loc["b.jpg", "error_kind"] == "decode"
+
+
+def test_extra_record_fields_become_string_columns(tmp_path, monkeypatch):
+    """A field another feature adds to the record (e.g. `structured`) is a JSON string column."""
+    from pydantic import create_model
+
+    extended = ResultRecord
+    if "structured" not in ResultRecord.model_fields:
+        extended = create_model("Extended", __base__=ResultRecord, structured=(dict | None, None))
+        monkeypatch.setattr(parquet, "ResultRecord", extended)
+    output = str(tmp_path / "out")
+    fields = {**record("a.jpg", RUN1).model_dump(), "structured": {"animal": "cat", "count": 2}}
+    write_shard.fn(output, FP, RUN1, 0, [extended(**fields)])
+    report = export_parquet(output)
+    rows = pq.read_table(report["path"]).to_pylist()
+    assert json.loads(rows[0]["structured"]) == {"animal": "cat", "count": 2}
+
+
+def test_part_cut_short_or_unreadable_is_not_exported_as_complete(tmp_path):
+    output = tmp_path / "out"
+    write_shard.fn(str(output), FP, RUN1, 0, [record("a.jpg", RUN1), record("b.jpg", RUN1)])
+    write_shard.fn(str(output), FP, RUN1, 1, [record("z.jpg", RUN1)])
+    cut = output / part_key(FP, RUN1, 0)
+    body = cut.read_bytes()
+    cut.write_bytes(body[: len(body.splitlines(keepends=True)[0]) + 20])  # a.jpg whole, b.jpg cut mid-line
+    broken = output / part_key(FP, RUN1, 1)
+    broken.write_bytes(b"\xff\xfe not utf-8")
+    (output / sidecar_key(part_key(FP, RUN1, 1))).unlink()
+
+    report = export_parquet(str(output))
+    assert report["complete"] is False
+    assert str(cut) in report["damaged_parts"] and str(broken) in report["skipped_parts"]
+    assert [row["key"] for row in pq.read_table(report["path"]).to_pylist()] == ["a.jpg"]
+    assert main(["export", str(output)]) == 1  # the CLI says so too
+
+
+def test_s3_export(s3_client, tmp_path):
+    from datasets import load_dataset
+
+    s3_client.create_bucket(Bucket="parquet-out")
+    output = "s3://parquet-out/runs/"
+    write_history(output)
+    report = export_parquet(output)
+    assert report["path"] == f"s3://parquet-out/runs/{PARQUET_KEY}" and report["complete"]
+    body = s3_client.get_object(Bucket="parquet-out", Key=f"runs/{PARQUET_KEY}")["Body"].read()
+    import pyarrow as pa
+
+    check_rows(pq.read_table(pa.BufferReader(body)).to_pylist())
+    report = export_parquet(output, to="s3://parquet-out/elsewhere/r.parquet")
+    body = s3_client.get_object(Bucket="parquet-out", Key="elsewhere/r.parquet")["Body"].read()
+    local = tmp_path / "r.parquet"
+    local.write_bytes(body)
+    check_rows(list(load_dataset("parquet", data_files=str(local), split="train", cache_dir=str(tmp_path / "hf"))))
+
+
+def test_cli_export_to_a_path(tmp_path, capsys):
+    output = str(tmp_path / "out")
+    write_history(output)
+    target = tmp_path / "elsewhere" / "results.parquet"
+    assert main(["export", output, "--to", str(target)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["path"] == str(target) and printed["rows"] == 3
+    check_rows(pq.read_table(target).to_pylist())
+    assert not (Path(output) / PARQUET_KEY).exists()
+
+
+def test_cli_export_of_a_missing_folder_is_a_clear_error(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nothing-here")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+
+
+def test_export_failure_at_run_end_is_recorded_not_raised(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(parquet, "export_parquet", broken)
+    assert export_after_run.fn(str(tmp_path)) == {"error": "OSError: disk full"}
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, fails):
+    """The flow's closing steps (no engine: the shards are written here); a failed export is in
+    the manifest and the summary, and the run still returns."""
+    import flows.caption as caption
+    from flows.params import CaptionJob
+    from recipes import get_recipe
+    from tasks.observability import get_logger
+    from tasks.results.report import RunStats
+
+    output = str(tmp_path / "out")
+    (tmp_path / "src").mkdir()
+    job = CaptionJob(source=str(tmp_path / "src"), output=output, recipe="llava")
+    records = [record("a.jpg", RUN1), record("b.jpg", RUN1, None, {"kind": "decode", "message": "bad"})]
+
+    def shards(run):
+        write_shard.fn(output, FP, RUN1, 0, records)
+        stats = RunStats()
+        stats.add(2, 0, records)
+        return stats, None
+
+    monkeypatch.setattr(caption, "caption_shards", shards)
+    monkeypatch.setattr(caption, "write_manifest", write_manifest.fn)
+    monkeypatch.setattr(caption, "export_after_run", export_after_run.fn)
+    monkeypatch.setattr(caption, "publish_summary", lambda *args: None)
+    monkeypatch.setattr(caption, "emit", lambda *args, **kwargs: None)
+    if fails:
+        monkeypatch.setattr(parquet, "export_parquet", lambda output: 1 / 0)
+    summary = caption.caption_job(job, get_recipe("llava"), RUN1, "tiny-llava", FP, get_logger())
+    manifest = json.loads((Path(output) / "manifests" / f"{RUN1}.json").read_text())
+    assert manifest["counts"]["processed"] == 2 and summary["processed"] == 2
+    if fails:
+        assert summary["parquet"] is None and manifest["parquet"] == {"error": "ZeroDivisionError: division by zero"}
+    else:
+        assert summary["parquet"] == manifest["parquet"]["path"] == str(Path(output) / PARQUET_KEY)
+        assert manifest["parquet"]["rows"] == 2 and manifest["parquet"]["complete"]
+        assert pq.read_table(manifest["parquet"]["path"]).column("error_kind").to_pylist() == [None, "decode"]
