@@ -27,10 +27,12 @@ class VideoLimits:
 class DecodedVideo:
     frames: Any  # numpy array (frames, height, width, 3), uint8 RGB
     metadata: dict[str, Any]  # vLLM's: total_num_frames, fps, duration, frames_indices, ...
+    source_size: tuple[int, int] | None = None  # (height, width) as decoded, before any resize
 
     def info(self) -> dict[str, Any]:
-        """What a record says about the video."""
+        """What a record says about the video (its own frame size, not the model's)."""
         count, height, width = self.frames.shape[:3]
+        height, width = self.source_size or (height, width)
         return {"frames": int(count), "duration_s": round(float(self.metadata.get("duration") or 0.0), 3),
                 "fps": round(float(self.metadata.get("fps") or 0.0), 3), "width": int(width),
                 "height": int(height), "total_frames": int(self.metadata.get("total_num_frames") or 0)}
@@ -65,9 +67,10 @@ def decode_video(data: bytes, *, num_frames: int, limits: VideoLimits, resize=No
     if frames is None or len(frames) == 0:
         raise MediaError(ItemError("decode", "the video has no decodable frames (audio only?)"))
     _check_duration(float(metadata.get("duration") or 0.0), limits)
+    source_size = (int(frames.shape[1]), int(frames.shape[2]))
     if resize is not None:
         frames = resize.apply(frames)
-    return DecodedVideo(frames, dict(metadata))
+    return DecodedVideo(frames, dict(metadata), source_size)
 
 
 def _check_duration(seconds: float, limits: VideoLimits) -> None:
