@@ -225,12 +225,8 @@ def _read_sidecar(out: Storage, key: str, part_size: int) -> np.ndarray | None:
     return np.frombuffer(data, ROW, offset=SIDECAR_HEADER.size).copy()
 
 
-def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
-    try:
-        lines = out.read(part.key).decode("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        log.warning("unreadable results part skipped", part=out.describe(part.key), error=str(exc))
-        return None
+def parse_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
+    """The records among a results part's lines, in order, and how many non-empty lines are not records."""
     records, bad = [], 0
     for line in lines:
         if not line.strip():
@@ -239,6 +235,16 @@ def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
             records.append(ResultRecord.model_validate_json(line))
         except ValidationError:
             bad += 1
+    return records, bad
+
+
+def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
+    try:
+        lines = out.read(part.key).decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("unreadable results part skipped", part=out.describe(part.key), error=str(exc))
+        return None
+    records, bad = parse_records(lines)
     if bad:
         log.warning("results part has lines that are not records; they are ignored",
                     part=out.describe(part.key), bad_lines=bad)

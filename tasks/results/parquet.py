@@ -32,10 +32,9 @@ from typing import Any
 import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
-from pydantic import ValidationError
 
 from tasks.observability import get_logger
-from tasks.results.done_index import _parse_part, _read_sidecar, sidecar_key
+from tasks.results.done_index import _parse_part, _read_sidecar, parse_records, sidecar_key
 from tasks.results.layout import manifest_key
 from tasks.results.records import ResultRecord
 from tasks.sources.items import ObjectRef
@@ -111,14 +110,7 @@ def _list_parts(out: Storage) -> tuple[dict[str, list[ObjectRef]], set[str]]:
 def _final_records(data: bytes) -> tuple[list[ResultRecord], int]:
     """The final records of a part's body in order (as the done-index counts them), and how
     many non-empty lines are not records."""
-    records, bad = [], 0
-    for line in data.decode("utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            records.append(ResultRecord.model_validate_json(line))
-        except ValidationError:
-            bad += 1
+    records, bad = parse_records(data.decode("utf-8").splitlines())
     return [r for r in records if r.is_final], bad
 
 
