@@ -33,11 +33,12 @@ from tasks.engine.model_check import check_job_model
 from tasks.engine.vllm_engine import ensure_vllm_imported
 from tasks.fanout import CALLED_OFF, FanOutError, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
+from tasks.results.gallery import gallery_after_run
 from tasks.results.parquet import export_after_run
 from tasks.results.records import job_fingerprint
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
-from tasks.sources.preflight import check_output, check_source
+from tasks.sources.preflight import check_output, resolve_source
 
 
 def run_label(job: dict) -> str:
@@ -72,7 +73,7 @@ def vlm_caption(job: CaptionJob) -> dict:
     recipe = get_recipe(job.recipe)
     check_remote_code(recipe, job.trust_remote_code)  # refuse before touching storage or GPU
     check_engine_overrides(job.engine_overrides)
-    check_source(job.location, is_manifest=job.manifest is not None)
+    job = resolve_source(job)  # `auto` becomes the format the location holds; Parquet's column is found
     check_output(job.output)
     check_job_model(job)  # loads, and fits the recipe (the hub asked at most once per process)
     run_id = job.partition.run_id if job.partition else _run_id()
@@ -86,10 +87,14 @@ def vlm_caption(job: CaptionJob) -> dict:
 
 
 def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str) -> str:
-    """The results this job's are interchangeable with (see `job_fingerprint`)."""
+    """The results this job's are interchangeable with (see `job_fingerprint`). A Parquet
+    source's column is part of it (another column is other media under the same row ids)."""
+    media = {"num_frames": job.num_frames} if job.modality == "video" else {}
+    if job.source_format == "parquet":
+        media["column"] = job.column
     return job_fingerprint(
         source=job.location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
-        media={"num_frames": job.num_frames} if job.modality == "video" else {},
+        media=media,
         sampling=job.sampling.fingerprint_dict(), structured=job.structured_output)
 
 
@@ -126,8 +131,11 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
     summary = stats.summary()
     # Every final result of the output as one Parquet file; a failure is recorded, not raised.
     manifest["parquet"] = export_after_run(job.output)
+    # A page to look at: a sample of the run's items, thumbnails and captions; next to the manifest.
+    manifest["gallery"] = gallery_after_run(job, run_id, fingerprint, stats.parts)
     write_manifest(job.output, run_id, manifest)
     summary["parquet"] = manifest["parquet"].get("path")
+    summary["gallery"] = manifest["gallery"].get("path")
     publish_summary({**summary, "recipe": recipe.name, "model": engine["model"] if engine else model,
                      "partitions": len(partitions) or 1, "manifest": manifest_uri}, stats.samples)
     emit("run.completed", run_id, **summary)

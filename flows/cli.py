@@ -81,6 +81,13 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, default=None, help="items per task run (default 64)")
     parser.add_argument("--limit", type=int, help="stop after this many items")
     parser.add_argument("--glob", help="only keys matching this glob, e.g. '*.jpg'")
+    parser.add_argument("--source-format", choices=["auto", "files", "webdataset", "parquet"],
+                        help="what the source holds: media files, WebDataset tar shards (a tar, a prefix of tars "
+                        "or a brace pattern like shards/{00000..00099}.tar) or Parquet (default auto: from "
+                        ".tar/.parquet/braces, else from the objects listed first)")
+    parser.add_argument("--column", help="Parquet: the column of image URLs, s3:// URIs, paths or bytes")
+    parser.add_argument("--gallery-items", type=int,
+                        help="items on the run's HTML gallery beside its manifest (default 200; 0: none)")
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--seed", type=int)
@@ -104,7 +111,7 @@ def _job_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.skip_model_check:
         fields["skip_model_check"] = True
     for name in ("questions", "model", "shard_size", "limit", "glob", "modality", "method", "num_frames",
-                 "max_images", "processor_device"):
+                 "max_images", "processor_device", "source_format", "column", "gallery_items"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     sampling = {k: getattr(args, k) for k in ("temperature", "max_tokens", "seed")
@@ -125,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the vlm-caption flow on a bucket or folder")
-    run.add_argument("source", nargs="?", help="s3://bucket/prefix/ or a local folder")
+    run.add_argument("source", nargs="?", help="s3://bucket/prefix/ or a local folder (of media, tar shards or "
+                     "Parquet files), a .tar or .parquet file, or a brace pattern of shards")
     run.add_argument("--manifest", help="instead of a source: a JSON Lines file of items (s3:// or local), "
                      'each line {"id": ..., "media": [...], "question": ...}')
     run.add_argument("--out", required=True, help="s3://bucket/prefix/ or a local folder")
@@ -249,6 +257,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **_job_fields(args))
     check_job_model(job)  # before Prefect is imported or its server starts; the flow's check reuses it
+    from tasks.sources.preflight import resolve_source
+
+    job = resolve_source(job)  # no shards, or a Parquet column not there: one message, before Prefect starts
     from flows.server import check_api_reachable
 
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts

@@ -90,6 +90,16 @@ class CaptionJob(BaseModel):
     shard_size: int = Field(64, ge=1, le=100_000, description="Objects per task run.")
     limit: int | None = Field(None, ge=1, description="Stop after this many listed objects.")
     glob: str | None = Field(None, description="Only keys matching this glob, e.g. '*.jpg'.")
+    source_format: Literal["auto", "files", "webdataset", "parquet"] = Field(
+        "auto", description="What `source` holds: media objects (`files`), WebDataset tar shards (a tar, a "
+        "prefix of tars, or a brace pattern such as shards/{00000..00099}.tar; one item per sample) or "
+        "Parquet (one item per row, media in `column`). `auto`: from `.tar`/`.parquet`/braces in the "
+        "location, else from the objects listed first.")
+    column: str | None = Field(
+        None, description="Parquet: the column holding each row's media (URLs, s3:// URIs, paths or image "
+        "bytes); empty: the first of image, jpg, png, webp, url, URL, uri, path. Other columns are kept.")
+    gallery_items: int = Field(
+        200, ge=0, le=5000, description="Items shown on the run's HTML gallery (a sample; 0: no gallery).")
     model: str | None = Field(None, description="Model id or local path instead of the recipe's.")
     skip_model_check: bool = Field(
         False, description="Start without checking the model first (that it can be loaded, and that its "
@@ -161,6 +171,12 @@ class CaptionJob(BaseModel):
         if (self.source is None) == (self.manifest is None):
             raise ValueError("give exactly one of `source` (a folder or bucket prefix) and `manifest` "
                              "(a JSON Lines file of items)")
+        if self.source_format in ("webdataset", "parquet") and self.manifest is not None:
+            raise ValueError(f"source_format {self.source_format!r} reads `source`, not a manifest")
+        if self.source_format in ("webdataset", "parquet") and self.modality == "multi-image":
+            raise ValueError(f"a {self.source_format} item is one sample or row: use modality image or video")
+        if self.column is not None and self.source_format not in ("auto", "parquet"):
+            raise ValueError("column is for Parquet sources (source_format parquet)")
         if self.method == "chat" and self.modality == "video":
             raise ValueError("method 'chat' sends image parts (the multi-image example's chat method); "
                              "use method 'generate' for video")
@@ -250,7 +266,9 @@ class CaptionJob(BaseModel):
     @model_validator(mode="after")
     def _recipe_supports_job(self) -> CaptionJob:
         try:
-            get_recipe(self.recipe).prompting(self.modality)
+            recipe = get_recipe(self.recipe)
+            recipe.prompting(self.modality)
+            recipe.check_runnable()
         except RecipeError as exc:
             raise ValueError(str(exc)) from None
         return self

@@ -27,6 +27,8 @@ from tasks.results.done_index import DoneIndex, load_done_index
 from tasks.results.report import RunStats
 from tasks.results.writers import write_shard
 from tasks.settings import get_settings
+from tasks.sources.extras import annotate_records
+from tasks.sources.formats import split_location
 from tasks.sources.items import Shard
 from tasks.sources.listing import ShardStream, SourceSpec
 
@@ -50,6 +52,10 @@ class PartitionRun:
     @property
     def source(self) -> SourceSpec:
         job = self.job
+        if job.source_format in ("webdataset", "parquet"):  # resolved by the flow (never `auto` here)
+            base, pattern = split_location(job.location)
+            return SourceSpec(base, job.modality, glob=job.glob, format=job.source_format, pattern=pattern,
+                              column=job.column)
         return SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
 
 
@@ -205,6 +211,7 @@ class ShardPipeline:
         """The shard's records written as its part, counted, reported."""
         run, stats = self.partition_run, self.stats
         records = generating.result() if generating is not None else []
+        records = annotate_records(shard.items, records)  # a sample's metadata, a damaged one's error
         if records:
             stats.mark_result()
         self.writes.append(write_shard.submit(self.job.output, run.fingerprint, run.parts_id, shard.index,

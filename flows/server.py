@@ -76,10 +76,17 @@ def server_command(host: str, port: int) -> list[str]:
             "prefect", "server", "start", "--host", host, "--port", str(port)]
 
 
+LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
+
+
 def server_environment(host: str, port: int) -> dict[str, str]:
     """This shell's environment (PREFECT_HOME, the database URL, ...), less a PREFECT_API_URL that
     may point elsewhere: the UI's browser side talks to this server's own API."""
     env = {key: value for key, value in os.environ.items() if key not in ("PREFECT_API_URL", "VIRTUAL_ENV")}
+    # Concurrency leases (the prod deployment's slot, each job's slot) kept on disk, not in the
+    # server's memory: a restart mid-run otherwise forgets them, their slots are never freed and
+    # the next nightly run waits forever.
+    env.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASES_ON_DISK)
     if not (env.get("PREFECT_UI_API_URL") or env.get("PREFECT_SERVER_UI_API_URL")):
         env["PREFECT_UI_API_URL"] = f"http://{browser_host(host)}:{port}/api"
     return env

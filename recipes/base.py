@@ -107,6 +107,10 @@ class Recipe(Frozen):
     processor_on_gpu: bool = False
     method: Literal["generate", "chat"] = "generate"
     notes: str = ""
+    # Set when the vLLM this project pins no longer implements the model's architecture (vLLM's own
+    # `_PREVIOUSLY_SUPPORTED_MODELS`): a job is refused up front with this text, not by a traceback
+    # from the engine. The recipe stays, with its prompts, for users of an older vLLM.
+    removed_from_vllm: str = ""
 
     # ---- derived facts -------------------------------------------------------------------
     @property
@@ -127,6 +131,10 @@ class Recipe(Frozen):
 
     def prompting_or_none(self, modality: str) -> Prompting | None:
         return {"image": self.image, "video": self.video, "multi-image": self.multi_image}.get(modality)
+
+    def check_runnable(self) -> None:
+        if self.removed_from_vllm:
+            raise RecipeError(f"recipe {self.name!r} cannot run on this vLLM: {self.removed_from_vllm}")
 
     def prompting(self, modality: str) -> Prompting:
         spec = self.prompting_or_none(modality)

@@ -49,11 +49,13 @@ RECIPES = (
         family="llava",
         model="TIGER-Lab/Mantis-8B-siglip-llama3",
         max_model_len=4096,
-        engine_args={"hf_overrides": {"architectures": ["MantisForConditionalGeneration"]}},
+        # vLLM 0.26 dropped MantisForConditionalGeneration (supported until 0.24); the checkpoint
+        # is a plain LLaVA one, so it loads as LlavaForConditionalGeneration, and the prompt
+        # carries the "(image 1: <Image>...</Image>)" wrapping Mantis's own processor added.
         image=Prompting(
             template="<|start_header_id|>user<|end_header_id|>\n\n{question}\n{media}<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\n",
-            media="<image>",
+            media="(image 1: <Image><image></Image>)",
         ),
         stop_token_ids=(128009,),
     ),

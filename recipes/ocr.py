@@ -22,7 +22,8 @@ RECIPES = (
            notes="Transcription model: the question is not used."),
     Recipe(name="hunyuan_vl", family="ocr", aliases=("hunyuan_ocr",), model="tencent/HunyuanOCR",
            max_model_len=8192,
-           image=Prompting(template="<|hy_begin\u2581of\u2581sentence|>{media}{question}<|hy_User|>",
-                           media="<|hy_place\u2581holder\u2581no\u2581100|><|hy_place\u2581holder\u2581no\u2581102|>"
-                                 "<|hy_place\u2581holder\u2581no\u2581101|>")),
+           # HunyuanOCR's tokens use full-width bars (U+FF5C), as its tokenizer and vLLM's example do.
+           image=Prompting(template="<\uff5chy_begin\u2581of\u2581sentence\uff5c>{media}{question}<\uff5chy_User\uff5c>",
+                           media="<\uff5chy_place\u2581holder\u2581no\u2581100\uff5c><\uff5chy_place\u2581holder\u2581no\u2581102\uff5c>"
+                                 "<\uff5chy_place\u2581holder\u2581no\u2581101\uff5c>")),
 )

@@ -17,7 +17,9 @@ RECIPES = (
                                  engine_args={"max_model_len": None, "tokenizer_mode": "slow",
                                               "trust_remote_code": True}),
            stop_token_ids=(93532, 93653, 944, 93421, 1019, 93653, 93519)),
-    Recipe(name="aya_vision", family="cohere", model_types=("aya_vision",), model="CohereForAI/aya-vision-8b", max_model_len=2048,
+    # crop_to_patches makes up to 12 tiles + a thumbnail of 169 tokens each (~2,230 an image):
+    # the example's 2048 cannot hold one image.
+    Recipe(name="aya_vision", family="cohere", model_types=("aya_vision",), model="CohereForAI/aya-vision-8b", max_model_len=4096,
            engine_args={"mm_processor_kwargs": {"crop_to_patches": True}},
            image=Prompting(template=_COHERE, media="<image>")),
     Recipe(name="command_a_vision", family="cohere", model="CohereLabs/command-a-vision-07-2025",
@@ -43,7 +45,8 @@ RECIPES = (
            image=Prompting(template=_ERNIE, media="Picture 1:<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>"),
            video=Prompting(template=_ERNIE, media="Video 1:<|VIDEO_START|><|video@placeholder|><|VIDEO_END|>")),
     Recipe(name="fuyu", family="fuyu", model_types=("fuyu",), model="adept/fuyu-8b", max_model_len=2048,
-           image=Prompting(template="{question}\n")),
+           image=Prompting(template="{question}\n"),
+           removed_from_vllm="vLLM 0.26 no longer implements FuyuForCausalLM (supported until v0.25.0): use vLLM <= 0.25."),
     Recipe(name="hyperclovax_seed_vision", family="hyperclovax",
            model="naver-hyperclovax/HyperCLOVAX-SEED-Vision-Instruct-3B",
            engine_args={"trust_remote_code": True},
@@ -60,7 +63,9 @@ RECIPES = (
            max_model_len=8192, engine_args={"tensor_parallel_size": 8}, image=_PARTS),
     Recipe(name="mllama", family="llama", model_types=("mllama",), model="meta-llama/Llama-3.2-11B-Vision-Instruct",
            max_model_len=4096,
-           multi_image=Prompting(template="{media}<|begin_of_text|>{question}", media="<|image|>")),
+           multi_image=Prompting(template="{media}<|begin_of_text|>{question}", media="<|image|>"),
+           removed_from_vllm="vLLM 0.26 no longer implements MllamaForConditionalGeneration (encoder-decoder "
+                             "models went with the V0 engine; supported until v0.10.2): use vLLM <= 0.10.2."),
     Recipe(name="minimax_vl_01", family="minimax", model="MiniMaxAI/MiniMax-VL-01",
            engine_args={"trust_remote_code": True, "tensor_parallel_size": 8}, image=_PARTS),
     Recipe(name="molmo", family="molmo", model="allenai/Molmo-7B-D-0924",
@@ -76,6 +81,7 @@ RECIPES = (
            video=Prompting(template=_OVIS25, media="<video>")),
     Recipe(name="step3", family="step", model="stepfun-ai/step3-fp8",
            engine_args={"tensor_parallel_size": 8, "reasoning_parser": "step3"},
-           image=Prompting(template="<|begin\u2581of\u2581sentence|> You are a helpful assistant. <|BOT|>user\n "
+           # Full-width bars in the BOS token, as Step3's tokenizer (and vLLM's example) spell it.
+           image=Prompting(template="<\uff5cbegin\u2581of\u2581sentence\uff5c> You are a helpful assistant. <|BOT|>user\n "
                            "{media}{question} <|EOT|><|BOT|>assistant\n<think>\n", media="<im_patch>")),
 )

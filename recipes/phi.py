@@ -24,5 +24,7 @@ RECIPES = (
            max_model_len=5120,
            # The HF-format weights live on the repository's PR #70 revision.
            engine_args={"revision": "refs/pr/70", "mm_processor_kwargs": {"dynamic_hd": 16}},
-           image=Prompting(template=_PHI4, media="<|image|>"), lora=_VISION_LORA),
+           image=Prompting(template=_PHI4, media="<|image|>"), lora=_VISION_LORA,
+           removed_from_vllm="vLLM 0.26 no longer implements the transformers-format Phi4MultimodalForCausalLM "
+                             "(supported until v0.12.0): use the phi4_mm recipe (the original format)."),
 )

@@ -41,7 +41,8 @@ RECIPES = (
            engine_args={"mm_processor_kwargs": {**_PIXELS, "fps": 1}},
            image=_IMAGE, video=_VIDEO, multi_image=_MULTI),
     Recipe(name="qwen2_5_omni", family="qwen", model_types=("qwen2_5_omni",), model="Qwen/Qwen2.5-Omni-7B", max_model_len=4096,
-           engine_args={"mm_processor_kwargs": {**_PIXELS, "fps": [1]}},
+           # A scalar: transformers 5 validates `fps` as int/float (vLLM's example still has `[1]`).
+           engine_args={"mm_processor_kwargs": {**_PIXELS, "fps": 1}},
            image=Prompting(template=f"<|im_start|>system\n{_OMNI_SYSTEM}<|im_end|>\n<|im_start|>user\n"
                            "<|vision_bos|>{media}<|vision_eos|>{question}<|im_end|>\n<|im_start|>assistant\n",
                            media="<|IMAGE|>"),
@@ -56,7 +57,9 @@ RECIPES = (
            image=_IMAGE, video=_VIDEO, needs_video_metadata=True),
     Recipe(name="tarsier2", family="qwen", model="omni-research/Tarsier2-Recap-7b", max_model_len=4096,
            engine_args={"hf_overrides": {"architectures": ["Tarsier2ForConditionalGeneration"]}},
-           image=_IMAGE, video=_VIDEO),
+           image=_IMAGE, video=_VIDEO,
+           removed_from_vllm="vLLM 0.26 no longer implements Tarsier2ForConditionalGeneration (supported until "
+                             "v0.23.0): use vLLM <= 0.23."),
     Recipe(name="keye_vl", family="qwen", model="Kwai-Keye/Keye-VL-8B-Preview", max_model_len=8192,
            engine_args={"trust_remote_code": True},
            image=Prompting(template=_KEYE, media="<|image_pad|>"),

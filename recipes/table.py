@@ -5,22 +5,63 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from recipes import all_recipes
 
 REGENERATE = "uv run vlm-caption recipes list --markdown > docs/recipes.md"
-COLUMNS = ("name", "family", "default model", "modalities", "needs remote code", "processor on GPU", "GPUs")
+COLUMNS = ("name", "family", "default model", "modalities", "needs remote code", "processor on GPU", "GPUs",
+           "processing check", "engine check")
+# What the recipe checks found (tests/recipe_check.py): rows per (recipe, modality), written by
+# `python -m tests.recipe_check processing|engine --out ...` and kept current by tests/test_recipe_checks.py.
+CHECKS_FILE = Path(__file__).with_name("checks.json")
+REMOTE_CODE = "needs the model repository's code (`--trust-remote-code`)"
 
 
-def recipe_row(recipe) -> tuple[str, ...]:
+def load_checks() -> dict:
+    """{"processing": [row, ...], "engine": [row, ...], "engine_run": {...}}; empty lists when absent."""
+    data = json.loads(CHECKS_FILE.read_text()) if CHECKS_FILE.exists() else {}
+    return {"processing": data.get("processing", []), "engine": data.get("engine", []),
+            "engine_run": data.get("engine_run", {}), "unchecked": data.get("unchecked", {})}
+
+
+def check_cell(recipe, rows: list[dict], unchecked: dict[str, str], notes: list[str]) -> str:
+    """'image ok, video ok' from this recipe's rows; a failure's reason goes to the notes below."""
+    if recipe.needs_remote_code:
+        return REMOTE_CODE
+    if recipe.removed_from_vllm:
+        return f"cannot run: {recipe.removed_from_vllm}"
+    mine = {row["modality"]: row for row in rows if row["recipe"] == recipe.name}
+    if not mine:
+        return f"not run: {unchecked.get(recipe.name, 'no tiny checkpoint')}"
+    cells = []
+    for modality in recipe.modalities:
+        row = mine.get(modality)
+        if row is None:
+            cells.append(f"{modality} not run")
+        elif row["ok"]:
+            cells.append(f"{modality} ok")
+        else:
+            notes.append(f"{recipe.name} {modality}: {row['error']}")
+            cells.append(f"{modality} fails [{len(notes)}]")
+    return ", ".join(cells)
+
+
+def recipe_row(recipe, checks: dict, notes: list[str]) -> tuple[str, ...]:
     from tasks.engine.processor import place_processor  # imports only recipes: no torch, no vLLM
 
     on_gpu = place_processor(recipe, "auto", gpu=True).device == "cuda"  # what `auto` picks on a GPU host
     return (f"`{recipe.name}`", recipe.family, f"`{recipe.model}`", ", ".join(recipe.modalities) or "-",
-            "yes" if recipe.needs_remote_code else "-", "yes" if on_gpu else "-", str(recipe.gpus_needed))
+            "yes" if recipe.needs_remote_code else "-", "yes" if on_gpu else "-", str(recipe.gpus_needed),
+            check_cell(recipe, checks["processing"], checks["unchecked"], notes),
+            check_cell(recipe, checks["engine"], checks["unchecked"], notes))
 
 
 def recipes_markdown() -> str:
-    rows = [recipe_row(recipe) for recipe in all_recipes()]
+    checks, notes = load_checks(), []
+    rows = [recipe_row(recipe, checks, notes) for recipe in all_recipes()]
+    run = checks["engine_run"]
     lines = [
         "# Recipes",
         "",
@@ -38,11 +79,20 @@ def recipes_markdown() -> str:
         "  GPU for another recipe.",
         "- **GPUs**: the recipe's tensor-parallel size; give its worker that many GPUs.",
         "",
-        "The processing and engine checks of issue 26 will add a column each (whether a recipe's processor",
-        "and engine were checked on a tiny checkpoint).",
+        "- **processing check**: vLLM's own multimodal processor applied to the prompt this recipe builds,",
+        "  with an image, a group of two images or an 8-frame clip, on a random-weight tiny checkpoint of",
+        "  the recipe's architecture (`tests/checkpoints.py`): ok when every item's placeholders expand.",
+        "  CI runs it for every case (`tests/test_recipe_checks.py`; by hand:",
+        "  `uv run python -m tests.recipe_check processing [NAME ...]`).",
+        "- **engine check**: the flow on a folder of media with a real vLLM engine on that checkpoint, the",
+        "  recipe's engine arguments and stop tokens, 8 tokens out"
+        + (f" ({run['device']}, vLLM {run['vllm']}, {run['date']}: `{run['command']}`)." if run else "."),
+        "  Prompt texts of every recipe equal what vLLM's examples build (`tests/test_recipes.py`).",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "| " + " | ".join("---" for _ in COLUMNS) + " |",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    if notes:
+        lines += ["", "Why a check fails:", ""] + [f"{i}. {note}" for i, note in enumerate(notes, 1)]
     return "\n".join(lines) + "\n"

@@ -297,10 +297,20 @@ class Progress:
             self._publish()
         self.terminal.close()
 
+    # After a failed update (the API away: a server restart) the next try waits this long, so
+    # the pipeline's loop does not sit in the client's retries after every shard.
+    API_AWAY_BACKOFF_S = 30.0
+
     def _publish(self) -> None:
+        """Best effort: a progress bar the API cannot take must not stop the captioning."""
         from prefect.artifacts import update_progress_artifact
 
-        update_progress_artifact(artifact_id=self.artifact_id, progress=self.percent)
+        try:
+            update_progress_artifact(artifact_id=self.artifact_id, progress=self.percent)
+        except Exception as exc:  # noqa: BLE001 - the run's results do not depend on it
+            get_logger().warning("progress artifact not updated; captioning goes on", error=str(exc))
+            self.published_at = time.monotonic() + self.API_AWAY_BACKOFF_S
+            return
         self.published_percent, self.published_at = self.percent, time.monotonic()
 
 

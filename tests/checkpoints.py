@@ -1,30 +1,79 @@
-"""Tiny random-weight checkpoints for tests: one builder per architecture, shared by suites.
+"""Tiny random-weight checkpoints for tests: one builder per architecture, one table.
 
-`build_checkpoint("llava", folder)` writes a checkpoint real vLLM can load. Builders are cached
-per folder, so several suites in one session share the same files.
+`build_checkpoint("llava", folder)` writes a checkpoint real vLLM can load. Builders are named
+`module:function` and imported only when used (each family's module imports its own transformers
+classes); they are idempotent per folder, so suites and checks in one session share the files.
+Adding a model: one builder entry below, one line in RECIPE_CHECKPOINTS.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from pathlib import Path
 
-from tasks.tiny_checkpoint import build_tiny_llava, build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
-from tests.tiny_gemma3 import build_tiny_gemma3
-from tests.tiny_idefics3 import build_tiny_idefics3
-from tests.tiny_llava_next import build_tiny_llava_next
-from tests.tiny_paligemma import build_tiny_paligemma
+# architecture -> "module:function(out: Path) -> Path"
+BUILDERS: dict[str, str] = {
+    # LLaVA and the models built like it (tests/tiny_llava_family.py)
+    "llava": "tasks.tiny_checkpoint:build_tiny_llava",
+    "llava_next": "tests.tiny_llava_next:build_tiny_llava_next",
+    "llava_next_video": "tests.tiny_llava_family:build_tiny_llava_next_video",
+    "llava_onevision": "tests.tiny_llava_family:build_tiny_llava_onevision",
+    "mantis": "tests.tiny_llava_family:build_tiny_mantis",
+    "pixtral_hf": "tests.tiny_llava_family:build_tiny_pixtral_hf",
+    "mistral3": "tests.tiny_llava_family:build_tiny_mistral3",
+    "lightonocr": "tests.tiny_llava_family:build_tiny_lightonocr",
+    "aya_vision": "tests.tiny_llava_family:build_tiny_aya_vision",
+    "cohere2_vision": "tests.tiny_llava_family:build_tiny_cohere2_vision",
+    "rvl": "tests.tiny_llava_family:build_tiny_rvl",
+    # Qwen-VL and GLM-V (tests/tiny_qwen_family.py)
+    "qwen2_vl": "tasks.tiny_checkpoint:build_tiny_qwen2_vl",
+    "qwen2_5_vl": "tasks.tiny_checkpoint:build_tiny_qwen2_5_vl",
+    "qwen3_vl": "tests.tiny_qwen_family:build_tiny_qwen3_vl",
+    "qwen3_vl_moe": "tests.tiny_qwen_family:build_tiny_qwen3_vl_moe",
+    "qwen2_5_omni": "tests.tiny_qwen_family:build_tiny_qwen2_5_omni",
+    "tarsier2": "tests.tiny_qwen_family:build_tiny_tarsier2",
+    "glm4v": "tests.tiny_qwen_family:build_tiny_glm4v",
+    "glm4v_moe": "tests.tiny_qwen_family:build_tiny_glm4v_moe",
+    "glm4v_moe_fp8": "tests.tiny_qwen_family:build_tiny_glm4v_moe_fp8",
+    # Google, Meta, Hugging Face and early VLMs (tests/tiny_misc_family.py)
+    "paligemma": "tests.tiny_paligemma:build_tiny_paligemma",
+    "paligemma2": "tests.tiny_misc_family:build_tiny_paligemma2",
+    "gemma3": "tests.tiny_gemma3:build_tiny_gemma3",
+    "gemma3n": "tests.tiny_misc_family:build_tiny_gemma3n",
+    "idefics3": "tests.tiny_idefics3:build_tiny_idefics3",
+    "smolvlm": "tests.tiny_misc_family:build_tiny_smolvlm",
+    "llama4": "tests.tiny_misc_family:build_tiny_llama4",
+    "mllama": "tests.tiny_misc_family:build_tiny_mllama",
+    "blip2": "tests.tiny_misc_family:build_tiny_blip2",
+    "chameleon": "tests.tiny_misc_family:build_tiny_chameleon",
+    "fuyu": "tests.tiny_misc_family:build_tiny_fuyu",
+    # Models whose config and processor live in vLLM itself (tests/tiny_vllm_family.py)
+    "deepseek_ocr": "tests.tiny_vllm_family:build_tiny_deepseek_ocr",
+    "deepseek_vl_v2": "tests.tiny_vllm_family:build_tiny_deepseek_vl_v2",
+    "step3": "tests.tiny_vllm_family:build_tiny_step3",
+    "hunyuan_vl": "tests.tiny_vllm_family:build_tiny_hunyuan_vl",
+    "phi4_multimodal": "tests.tiny_vllm_family:build_tiny_phi4_multimodal",
+}
 
-BUILDERS: dict[str, Callable[[Path], Path]] = {
-    "llava": build_tiny_llava,
-    "qwen2_vl": build_tiny_qwen2_vl,
-    "qwen2_5_vl": build_tiny_qwen2_5_vl,
-    "paligemma": build_tiny_paligemma,
-    "idefics3": build_tiny_idefics3,
-    "llava_next": build_tiny_llava_next,
-    "gemma3": build_tiny_gemma3,
+# recipe -> the architecture whose tiny checkpoint its checks run on
+RECIPE_CHECKPOINTS: dict[str, str] = {
+    "aya_vision": "aya_vision", "blip-2": "blip2", "chameleon": "chameleon", "command_a_vision": "cohere2_vision",
+    "deepseek_ocr": "deepseek_ocr", "deepseek_vl_v2": "deepseek_vl_v2", "fuyu": "fuyu", "gemma3": "gemma3",
+    "gemma3n": "gemma3n", "glm4_1v": "glm4v", "glm4_5v": "glm4v_moe", "glm4_5v_fp8": "glm4v_moe_fp8",
+    "hunyuan_vl": "hunyuan_vl", "idefics3": "idefics3", "lightonocr": "lightonocr", "llama4": "llama4",
+    "llava": "llava", "llava-next": "llava_next", "llava-next-video": "llava_next_video",
+    "llava-onevision": "llava_onevision", "mantis": "mantis", "mistral3": "mistral3", "mllama": "mllama",
+    "paligemma": "paligemma", "paligemma2": "paligemma2", "phi4_multimodal": "phi4_multimodal",
+    "pixtral_hf": "pixtral_hf", "qwen2_5_omni": "qwen2_5_omni", "qwen2_5_vl": "qwen2_5_vl",
+    "qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl_moe", "rvl": "rvl",
+    "smolvlm": "smolvlm", "step3": "step3", "tarsier2": "tarsier2",
 }
 
 
+def builder(architecture: str):
+    module, function = BUILDERS[architecture].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def build_checkpoint(architecture: str, root: Path) -> Path:
-    return BUILDERS[architecture](root / architecture)
+    return builder(architecture)(Path(root) / architecture)

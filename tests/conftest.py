@@ -14,6 +14,8 @@ os.environ.setdefault("VLM_CAPTION_LOG_FORMAT", "json")
 
 from tests.checkpoints import build_checkpoint  # noqa: E402
 
+pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect server
+
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -38,7 +38,7 @@ EXPECTED = {
     ("glm4_5v", "video"): ("zai-org/GLM-4.5V", GLM41.format(ph="<|begin_of_video|><|video|><|end_of_video|>"), None, None),
     ("glm4_5v_fp8", "image"): ("zai-org/GLM-4.5V-FP8", GLM41.format(ph="<|begin_of_image|><|image|><|end_of_image|>"), None, None),
     ("h2ovl_chat", "image"): ("h2oai/h2ovl-mississippi-800m", ("messages", [{"role": "user", "content": f"<image>\n{Q}"}]), None, [EOS_TOKEN]),
-    ("hunyuan_vl", "image"): ("tencent/HunyuanOCR", "<|hy_begin▁of▁sentence|><|hy_place▁holder▁no▁100|><|hy_place▁holder▁no▁102|><|hy_place▁holder▁no▁101|>" + Q + "<|hy_User|>", None, None),
+    ("hunyuan_vl", "image"): ("tencent/HunyuanOCR", "<｜hy_begin▁of▁sentence｜><｜hy_place▁holder▁no▁100｜><｜hy_place▁holder▁no▁102｜><｜hy_place▁holder▁no▁101｜>" + Q + "<｜hy_User｜>", None, None),
     ("hyperclovax_seed_vision", "image"): ("naver-hyperclovax/HyperCLOVAX-SEED-Vision-Instruct-3B", ("messages", [{"role": "user", "content": [
         {"type": "image", "ocr": "", "lens_keywords": "", "lens_local_keywords": ""}, {"type": "text", "text": Q}]}]), None, None),
     ("hyperclovax_seed_vision", "video"): ("naver-hyperclovax/HyperCLOVAX-SEED-Vision-Instruct-3B", ("messages", [{"role": "user", "content": [
@@ -58,7 +58,9 @@ EXPECTED = {
     ("llava-next-video", "video"): ("llava-hf/LLaVA-NeXT-Video-7B-hf", f"USER: <video>\n{Q} ASSISTANT:", None, None),
     ("llava-onevision", "image"): ("llava-hf/llava-onevision-qwen2-7b-ov-hf", ONEVISION.format(m="image"), None, None),
     ("llava-onevision", "video"): ("llava-hf/llava-onevision-qwen2-7b-ov-hf", ONEVISION.format(m="video"), None, None),
-    ("mantis", "image"): ("TIGER-Lab/Mantis-8B-siglip-llama3", f"<|start_header_id|>user<|end_header_id|>\n\n{Q}\n<image><|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", [128009], None),
+    # The example's MantisForConditionalGeneration is gone from vLLM 0.26: the checkpoint loads as
+    # plain LLaVA, so the prompt carries the wrapping Mantis's processor used to add.
+    ("mantis", "image"): ("TIGER-Lab/Mantis-8B-siglip-llama3", f"<|start_header_id|>user<|end_header_id|>\n\n{Q}\n(image 1: <Image><image></Image>)<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", [128009], None),
     ("minicpmv", "image"): ("openbmb/MiniCPM-V-2_6", ("messages", [{"role": "user", "content": f"(<image>./</image>)\n{Q}"}]), None, ["<|im_end|>", "<|endoftext|>"]),
     ("minicpmo", "video"): ("openbmb/MiniCPM-o-2_6", ("messages", [{"role": "user", "content": f"(<video>./</video>)\n{Q}"}]), None, ["<|im_end|>", "<|endoftext|>"]),
     ("minimax_vl_01", "image"): ("MiniMaxAI/MiniMax-VL-01", ("messages", [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": Q}]}]), None, None),

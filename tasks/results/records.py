@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 @dataclass(frozen=True)
 class ItemError:
-    kind: str  # fetch | decode | too_large | too_many_images | generate | unsupported | structured_output
+    kind: str  # fetch | decode | too_large | too_many_images | generate | unsupported | structured_output | bad_input
     message: str
     # Retryable errors (a network blip) are retried by the next run; the others are final.
     retryable: bool = False
@@ -58,6 +58,7 @@ class ResultRecord(BaseModel):
     error: dict[str, Any] | None = None
     members: list[Member] | None = None  # a group's or a manifest line's objects, in order
     video: dict[str, Any] | None = None  # frames, duration_s, fps, width, height
+    metadata: dict[str, Any] | None = None  # a WebDataset sample's .json/.txt, a Parquet row's other columns
     timings: dict[str, float]
     fingerprint: str
     run_id: str

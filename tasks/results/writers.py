@@ -1,9 +1,17 @@
 """Write results: one atomic JSON Lines part per shard, the run's manifest (last), and a
-fanned-out child's report for its parent."""
+fanned-out child's report for its parent.
+
+A full disk under a folder output is one `DiskFullError` naming the file and the bytes it
+needed, and is not retried (waiting two seconds frees no space); the write that failed left
+nothing behind (LocalStorage writes a temporary file and renames it), so every part on disk is
+whole and a rerun, once there is space, skips them."""
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NONE
@@ -12,10 +20,49 @@ from tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
 from tasks.results.layout import manifest_key, part_key, partition_report_key
 from tasks.results.records import ResultRecord
 from tasks.results.report import PartitionReport
-from tasks.sources.storage import open_storage
+from tasks.sources.storage import Storage, open_storage
 
 
-@task(name="write-shard", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2)
+class DiskFullError(OSError):
+    """The output's disk is full; the message names the file, the bytes needed and what to do."""
+
+
+def _free_bytes(path: str) -> int | None:
+    """Free bytes on the file system holding `path` (its nearest existing folder)."""
+    folder = Path(path).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def write_object(out: Storage, key: str, data: bytes) -> None:
+    """`out.write`, with a full disk turned into one clear DiskFullError."""
+    try:
+        out.write(key, data)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        path, free = out.describe(key), _free_bytes(out.describe(key))
+        error = DiskFullError(
+            f"no space left on the output's disk: {path} needs {len(data)} bytes"
+            + (f" and {free} are free there" if free is not None else "")
+            + ". Free some space there (or choose another output), then run the same job again: the parts "
+            "already written are kept and skipped.")
+        error.errno = errno.ENOSPC
+        raise error from None
+
+
+def _unless_disk_full(task, task_run, state) -> bool:
+    """Retry a failed write, except for a full disk."""
+    data = getattr(state, "data", None)
+    return not isinstance(getattr(data, "result", data), DiskFullError)  # the exception, or its result record
+
+
+@task(name="write-shard", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2,
+      retry_condition_fn=_unless_disk_full)
 def write_shard(output_uri: str, fingerprint: str, parts_id: str, shard_index: int,
                 records: list[ResultRecord]) -> str | None:
     """One JSON Lines file per shard, written atomically, then its done-index sidecar (a part
@@ -25,24 +72,25 @@ def write_shard(output_uri: str, fingerprint: str, parts_id: str, shard_index: i
     out = open_storage(output_uri, create=True)
     key = part_key(fingerprint, parts_id, shard_index)
     body = "".join(record.model_dump_json() + "\n" for record in records).encode()
-    out.write(key, body)
-    out.write(sidecar_key(key), sidecar_bytes(index_rows(records), len(body)))
+    write_object(out, key, body)
+    write_object(out, sidecar_key(key), sidecar_bytes(index_rows(records), len(body)))
     return out.describe(key)
 
 
-@task(name="write-manifest", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2)
+@task(name="write-manifest", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2,
+      retry_condition_fn=_unless_disk_full)
 def write_manifest(output_uri: str, run_id: str, manifest: dict) -> str:
     out = open_storage(output_uri, create=True)
-    out.write(manifest_key(run_id), json.dumps(manifest, indent=2, default=str).encode())
+    write_object(out, manifest_key(run_id), json.dumps(manifest, indent=2, default=str).encode())
     return out.describe(manifest_key(run_id))
 
 
 @task(name="write-partition-report", cache_policy=NONE, persist_result=False, retries=3,
-      retry_delay_seconds=2)
+      retry_delay_seconds=2, retry_condition_fn=_unless_disk_full)
 def write_partition_report(output_uri: str, run_id: str, report: PartitionReport) -> str:
     """A child run's accounting, for the parent's single manifest (flow results are not shared)."""
     out = open_storage(output_uri, create=True)
-    out.write(partition_report_key(run_id, report.index), report.model_dump_json(indent=2).encode())
+    write_object(out, partition_report_key(run_id, report.index), report.model_dump_json(indent=2).encode())
     return out.describe(partition_report_key(run_id, report.index))
 
 

@@ -10,7 +10,9 @@ from urllib.parse import urlparse
 
 from tasks.settings import get_settings
 from tasks.sources.items import ObjectRef
+from tasks.sources.parquet_source import ParquetCellRef, read_cell
 from tasks.sources.storage import Storage, open_storage
+from tasks.sources.webdataset import TarMemberRef, read_member
 
 
 class TooLargeError(ValueError):
@@ -26,6 +28,10 @@ class MediaFetcher:
         self._lock = threading.Lock()
 
     def read(self, ref: ObjectRef) -> bytes:
+        if isinstance(ref, TarMemberRef):  # a WebDataset sample's media: a range of its tar
+            return read_member(self.base, ref)
+        if isinstance(ref, ParquetCellRef):  # a Parquet bytes cell
+            return read_cell(self.base, ref)
         key = ref.key
         scheme = urlparse(key).scheme
         if scheme in ("http", "https"):

@@ -28,6 +28,11 @@ class WorkItem:
     id: str
     members: tuple[ObjectRef, ...]
     questions: tuple[str, ...] = ()
+    # A WebDataset sample's .json/.txt or a Parquet row's other columns, as JSON (kept in the record).
+    metadata: str | None = None
+    # What the listing found wrong with it (a tar cut short, an empty cell): its records are
+    # `bad_input` errors, final, so the item is never silently dropped nor retried for nothing.
+    problem: str | None = None
 
     @property
     def size(self) -> int:

@@ -18,25 +18,41 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from tasks.observability import get_logger
+from tasks.sources.formats import SUFFIX, FileSet
 from tasks.sources.groups import folder_groups
 from tasks.sources.items import Shard, WorkItem, partition_of
 from tasks.sources.manifest import read_manifest
+from tasks.sources.parquet_source import iter_parquet_items
 from tasks.sources.storage import open_storage
+from tasks.sources.webdataset import iter_webdataset_items
 
 
 @dataclass(frozen=True)
 class SourceSpec:
     """Where the items come from and how they are formed."""
 
-    uri: str  # a folder or bucket prefix, or a manifest file
+    uri: str  # a folder or bucket prefix, or a manifest file; for tars and Parquet, their folder
     modality: str = "image"
     is_manifest: bool = False
     glob: str | None = None
+    format: str = "files"  # or webdataset | parquet (tasks/sources/formats.py)
+    pattern: str | None = None  # tars or Parquet files under `uri`: one name or a brace pattern
+    column: str | None = None  # parquet: the media column
+
+    @property
+    def files(self) -> FileSet:
+        return FileSet(self.uri, self.pattern, SUFFIX[self.format])
 
 
 def iter_items(source: SourceSpec) -> Iterator[WorkItem]:
     if source.is_manifest:
         yield from read_manifest(source.uri)
+        return
+    if source.format == "webdataset":
+        yield from iter_webdataset_items(source.files, source.modality, source.glob, get_logger(source=source.uri))
+        return
+    if source.format == "parquet":
+        yield from iter_parquet_items(source.files, source.column, source.glob, get_logger(source=source.uri))
         return
     objects = open_storage(source.uri).iter_objects(source.glob)
     if source.modality == "multi-image":

@@ -44,16 +44,43 @@ def _explain(uri: str, doing: str, exc: Exception) -> str:
     return f"{uri}: failed while {doing}: {name}: {exc}"
 
 
-def check_source(uri: str, *, is_manifest: bool) -> None:
+def check_source(uri: str, *, is_manifest: bool, source_format: str = "files",
+                 column: str | None = None) -> str | None:
+    """`source_format` is resolved (not `auto`); webdataset and parquet need one shard file, and
+    parquet its media column (the message names the columns there are), which is returned."""
+    if source_format in ("webdataset", "parquet"):
+        from tasks.sources.formats import file_set, first_file
+        from tasks.sources.parquet_source import check_parquet_source
+
+        with storage_errors(uri, "listing the source"):
+            files = file_set(uri, source_format)
+            if source_format == "parquet":
+                return check_parquet_source(files, column)
+            if first_file(files) is None:
+                raise StorageError(f"{uri}: no {files.suffix} shard there; give a tar, a folder or prefix of "
+                                   "tars, or a brace pattern such as shards/{00000..00099}.tar")
+        return None
     if is_manifest:
         folder, name = split_parent(uri)
         with storage_errors(uri, "looking for the manifest"):
             if not open_storage(folder).exists(name):
                 raise StorageError(f"{uri}: manifest not found")
-        return
+        return None
     with storage_errors(uri, "listing the source"):
         storage = open_storage(uri)
         next(iter(storage.iter_objects()), None)  # one page is enough to prove access
+    return None
+
+
+def resolve_source(job):
+    """The job (a CaptionJob) with `source_format: auto` resolved and, for Parquet, its media
+    column named, after checking the source: every partition then reads it the same way, and a
+    wrong column is one message naming the columns there are."""
+    from tasks.sources.formats import detect_format
+
+    fmt = detect_format(job.location, job.source_format, job.manifest is not None)
+    column = check_source(job.location, is_manifest=job.manifest is not None, source_format=fmt, column=job.column)
+    return job.model_copy(update={"source_format": fmt, "column": column if fmt == "parquet" else None})
 
 
 def check_output(uri: str) -> None:

@@ -12,6 +12,7 @@ standard AWS chain (environment, profile, instance role). They are never logged.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -178,6 +179,16 @@ def make_s3_client():
     return client
 
 
+@functools.lru_cache(maxsize=8)
+def credentials_block(kind: str, name: str):
+    """A prefect-aws credentials block, loaded from the Prefect API once per process. Every write
+    opens a client; loading the block each time made every write fail while the API was away (a
+    server restart mid-run), and cost a request per results part."""
+    import prefect_aws
+
+    return getattr(prefect_aws, kind).load(name)
+
+
 def _make_s3_client():
     from botocore.config import Config
 
@@ -186,14 +197,10 @@ def _make_s3_client():
                     max_pool_connections=64, read_timeout=settings.s3_read_timeout_s,
                     connect_timeout=min(settings.s3_read_timeout_s, 60))
     if settings.minio_credentials_block:
-        from prefect_aws import MinIOCredentials
-
-        creds = MinIOCredentials.load(settings.minio_credentials_block)
+        creds = credentials_block("MinIOCredentials", settings.minio_credentials_block)
         return creds.get_client("s3")
     if settings.aws_credentials_block:
-        from prefect_aws import AwsCredentials
-
-        creds = AwsCredentials.load(settings.aws_credentials_block)
+        creds = credentials_block("AwsCredentials", settings.aws_credentials_block)
         if settings.s3_endpoint_url:
             return creds.get_boto3_session().client(
                 "s3", endpoint_url=settings.s3_endpoint_url, config=config

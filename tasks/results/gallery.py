@@ -1,0 +1,247 @@
+"""A page to look at a run: one self-contained HTML file (`<out>/manifests/<run_id>.html`, next
+to the manifest) showing a sample of the run's items, each with a small thumbnail embedded as a
+data URI, its questions and captions, structured fields and metadata, errors in red.
+
+Its size is bounded whatever the run's: at most `items` items (a reservoir sample of the run's
+records, errors given up to a quarter of the places so that failures are seen), thumbnails of
+at most THUMB_PIXELS on the long side, texts cut at TEXT_CHARS. Video items show a placeholder
+(their frames are not decoded again for the page).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import itertools
+import json
+import random
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from tasks.results.layout import manifest_key, results_prefix
+from tasks.results.records import ResultRecord
+from tasks.sources.storage import open_storage
+
+THUMB_PIXELS = 160
+THUMB_QUALITY = 70
+TEXT_CHARS = 1200
+THUMB_BYTES = 48 << 10  # a thumbnail over this is left out (a placeholder stands in)
+THUMB_SOURCE_BYTES = 64 << 20  # an item larger than this is not fetched again for its thumbnail
+FETCHERS = 16
+
+
+def gallery_key(run_id: str) -> str:
+    return manifest_key(run_id).removesuffix(".json") + ".html"
+
+
+@dataclass
+class GalleryItem:
+    """One item of the page: its records (one per question) in question order."""
+
+    key: str
+    records: list[ResultRecord] = field(default_factory=list)
+    thumbnail: str | None = None  # a data: URI
+
+    @property
+    def failed(self) -> bool:
+        return any(r.error for r in self.records)
+
+
+def sample_items(records: Iterable[ResultRecord], limit: int, seed: int = 0) -> list[GalleryItem]:
+    """At most `limit` items, a uniform sample of the failed and of the others (failed ones
+    get up to a quarter of the places, more if there are not enough others); memory is the
+    sample's, however many records stream by. An item's records (one per question) come
+    together in a part, and are taken together."""
+    rng = random.Random(seed)
+    failed_cap = max(1, limit // 4) if limit else 0
+    pools: dict[bool, tuple[list[GalleryItem], list[int]]] = {True: ([], [0]), False: ([], [0])}
+    for key, group in itertools.groupby(records, key=lambda r: r.key):
+        item = GalleryItem(key, list(group))
+        chosen, seen = pools[item.failed]
+        seen[0] += 1
+        room = failed_cap if item.failed else limit
+        if len(chosen) < room:
+            chosen.append(item)
+        elif (slot := rng.randrange(seen[0])) < room:
+            chosen[slot] = item
+    failed, good = pools[True][0], pools[False][0]
+    items = failed + good[:max(0, limit - len(failed))]
+    return sorted(items, key=lambda item: (not item.failed, item.key))
+
+
+def thumbnail(data: bytes) -> str | None:
+    """A small JPEG as a data URI, or None when the bytes are not an image PIL opens."""
+    from PIL import Image, ImageOps
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.draft("RGB", (THUMB_PIXELS, THUMB_PIXELS))  # JPEG: decode at a fraction of the size
+            image = ImageOps.exif_transpose(image).convert("RGB")
+            image.thumbnail((THUMB_PIXELS, THUMB_PIXELS))
+            out = io.BytesIO()
+            image.save(out, "JPEG", quality=THUMB_QUALITY)
+    except Exception:  # noqa: BLE001 - a corrupt image is shown as its error, not as a picture
+        return None
+    if out.tell() > THUMB_BYTES:
+        return None
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _cut(text: str, limit: int = TEXT_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more characters)"
+
+
+def _json(value) -> str:
+    return _cut(json.dumps(value, ensure_ascii=False, indent=1, default=str))
+
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:16px;background:#fafafa;color:#222}
+h1{font-size:20px;margin:0 0 4px} .meta{color:#666;margin-bottom:12px}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:12px}
+.item{background:#fff;border:1px solid #ddd;border-radius:6px;padding:8px;overflow:hidden}
+.item.failed{border:2px solid #d33;background:#fff4f4}
+.thumb{width:160px;height:120px;object-fit:contain;background:#eee;display:block;margin-bottom:6px}
+.placeholder{width:160px;height:120px;background:#ddd;display:flex;align-items:center;justify-content:center;
+ color:#555;font-size:12px;margin-bottom:6px;text-align:center}
+.key{font-family:monospace;font-size:12px;word-break:break-all} .q{color:#555;font-style:italic;margin-top:6px}
+.caption{white-space:pre-wrap} .error{color:#b00;font-weight:600;white-space:pre-wrap}
+.label{color:#888;font-size:11px;margin-top:6px} pre{margin:2px 0;background:#f3f3f3;padding:4px;font-size:11px;white-space:pre-wrap;max-height:160px;overflow:auto}
+"""
+
+
+def _item_html(item: GalleryItem) -> str:
+    first = item.records[0]
+    if item.thumbnail:
+        picture = f'<img class="thumb" src="{item.thumbnail}" alt="{html.escape(item.key)}">'
+    else:
+        label = "video" if first.video else ("no preview" if item.failed else "image")
+        frames = f"<br>{first.video.get('frames')} frames" if first.video else ""
+        picture = f'<div class="placeholder">{label}{frames}</div>'
+    parts = [f'<div class="item{" failed" if item.failed else ""}" data-key="{html.escape(item.key)}">', picture,
+             f'<div class="key">{html.escape(item.key)}</div>']
+    for record in item.records:
+        parts.append(f'<div class="q">{html.escape(_cut(record.question or "", 300))}</div>')
+        if record.error:
+            kind, message = record.error.get("kind", "error"), record.error.get("message", "")
+            parts.append(f'<div class="error">error: {html.escape(kind)}: {html.escape(_cut(message, 600))}</div>')
+        if record.text:
+            parts.append(f'<div class="caption">{html.escape(_cut(record.text))}</div>')
+        if record.structured is not None:
+            parts.append(f'<div class="label">structured</div><pre class="structured">'
+                         f'{html.escape(_json(record.structured))}</pre>')
+    if first.metadata:
+        parts.append(f'<div class="label">metadata</div><pre class="metadata">{html.escape(_json(first.metadata))}</pre>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def render_gallery(items: list[GalleryItem], title: str, summary: dict) -> str:
+    """The page: a title, a line of counts, the items (failed ones first)."""
+    line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in summary.items())
+    body = "\n".join(_item_html(item) for item in items)
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+            f'<div class="meta">{line} · shown: {len(items)}</div><div class="grid">\n{body}\n</div></body></html>')
+
+
+def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord], bytes | None] | None,
+                  limit: int, title: str, summary: dict) -> tuple[str, int]:
+    """The page's HTML and the number of items on it; `fetch` gives an item's image bytes."""
+    items = sample_items(records, limit)
+
+    def picture(item: GalleryItem) -> None:
+        first = item.records[0]
+        if fetch is None or first.video or first.size > THUMB_SOURCE_BYTES:
+            return
+        try:
+            data = fetch(first)
+        except Exception:  # noqa: BLE001 - a thumbnail is a nicety; its record says what went wrong
+            data = None
+        item.thumbnail = thumbnail(data) if data else None
+
+    with ThreadPoolExecutor(FETCHERS, thread_name_prefix="gallery") as pool:  # object stores answer in parallel
+        list(pool.map(picture, items))
+    return render_gallery(items, title, summary), len(items)
+
+
+def run_records(output_uri: str, parts: list[str], fingerprint: str) -> Iterator[ResultRecord]:
+    """The records of the run's parts; when the run wrote none (everything was done), those of
+    every part of its result set, so a rerun's page still shows the results."""
+    from tasks.results.done_index import parse_records
+
+    out = open_storage(output_uri, create=True)
+    root = out.describe("")
+    keys = [p[len(root):] if p.startswith(root) else p for p in parts]
+    if not keys:
+        keys = sorted(r.key for r in out.iter_objects(prefix=results_prefix(fingerprint)) if r.key.endswith(".jsonl"))
+    for key in keys:
+        try:
+            lines = out.read(key).decode("utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        yield from parse_records(lines)[0]
+
+
+def media_fetcher(job) -> Callable[[ResultRecord], bytes | None]:
+    """How to read an item's (first) image again for its thumbnail, for the job's kind of source."""
+    from tasks.sources.fetch import MediaFetcher
+    from tasks.sources.formats import split_location
+    from tasks.sources.items import ObjectRef
+    from tasks.sources.manifest import manifest_base
+    from tasks.sources.parquet_source import cell_ref
+    from tasks.sources.webdataset import member_ref
+
+    fmt = job.source_format
+    base = (split_location(job.location)[0] if fmt in ("webdataset", "parquet")
+            else manifest_base(job.manifest) if job.manifest else job.location)
+    storage = open_storage(base)
+    fetcher = MediaFetcher(storage)
+
+    def fetch(record: ResultRecord) -> bytes | None:
+        member = (record.members or [record])[0]
+        if fmt == "webdataset":
+            ref = member_ref(member.key, member.size, member.etag)
+        elif fmt == "parquet" and member.key == record.key:  # a bytes cell (a URL cell's key is the URL)
+            ref = cell_ref(storage, member.key, member.size, member.etag, job.column)
+        else:
+            ref = ObjectRef(member.key, member.size, member.etag)
+        return fetcher.read(ref) if ref is not None else None
+
+    return fetch
+
+
+def gallery_after_run(job, run_id: str, fingerprint: str, parts: list[str]) -> dict:
+    """Write the run's gallery next to its manifest and link it from a Prefect artifact; a
+    failure is reported in the manifest, never raised (the captions are written already)."""
+    if job.gallery_items <= 0:
+        return {"path": None}
+    from tasks.observability import get_logger
+
+    try:
+        out = open_storage(job.output, create=True)
+        page, shown = build_gallery(run_records(job.output, parts, fingerprint), media_fetcher(job),
+                                    job.gallery_items, f"vlm-caption · {job.recipe} · {job.location}",
+                                    {"run": run_id, "fingerprint": fingerprint})
+        out.write(gallery_key(run_id), page.encode())
+        path = out.describe(gallery_key(run_id))
+        _link_artifact(path, shown)
+        return {"path": path, "items": shown, "bytes": len(page)}
+    except Exception as exc:  # noqa: BLE001 - the page is a view; the run's results stand
+        get_logger(run_id=run_id).warning("gallery not written", error=str(exc))
+        return {"path": None, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _link_artifact(path: str, shown: int) -> None:
+    """A markdown artifact with the page's location (a file:// link for a folder output)."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return
+    href = path if "://" in path else f"file://{path}"
+    create_markdown_artifact(key="vlm-caption-gallery", description="The run's gallery: a sample of its items",
+                             markdown=f"**Gallery** ({shown} items): [{path}]({href})\n\nOpen it in a browser "
+                             "(for S3: `aws s3 cp` it, or a presigned URL).")

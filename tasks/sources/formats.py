@@ -1,0 +1,104 @@
+"""Which kind of source a job reads, and where its files are.
+
+`files` is a folder or prefix of media objects (the default). `webdataset` is tar shards: one
+tar, a prefix of tars, or a brace pattern (`shards/{00000..00099}.tar`). `parquet` is a Parquet
+file or prefix with a column of media. `auto` picks from the location (`.tar`, `.parquet`,
+braces) or, for a prefix, from the objects on the first page of its listing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from tasks.sources.braces import check_pattern, expand_braces, has_braces, literal_prefix
+from tasks.sources.items import ObjectRef
+from tasks.sources.storage import StorageError, open_storage
+
+SourceFormat = Literal["auto", "files", "webdataset", "parquet"]
+SUFFIX = {"webdataset": ".tar", "parquet": ".parquet"}
+DETECT_PAGE = 1000  # objects looked at to tell a prefix of tars or Parquet files from media
+
+
+@dataclass(frozen=True)
+class FileSet:
+    """The shard files of a source: `pattern` (a file name or brace pattern) under `base`, or
+    every file with the format's suffix under `base` when `pattern` is None."""
+
+    base: str
+    pattern: str | None
+    suffix: str
+
+
+def split_location(uri: str) -> tuple[str, str | None]:
+    """`s3://b/shards/{000..009}.tar` -> (`s3://b/shards/`, `{000..009}.tar`); a single file
+    likewise; a folder or prefix -> (itself, None)."""
+    path = uri.rstrip("/")
+    head = path.split("{", 1)[0]
+    if has_braces(uri) or path.endswith((".tar", ".parquet")):
+        scheme, _, rest = head.partition("://") if "://" in head else ("", "", head)
+        if "/" not in rest:
+            raise StorageError(f"{uri}: expected the shards inside a bucket or folder")
+        cut = len(head) - len(rest) + rest.rfind("/") + 1
+        return path[:cut], path[cut:]
+    return uri, None
+
+
+def format_of_location(uri: str) -> str | None:
+    """The format a location names by itself (`.tar`, `.parquet`), or None."""
+    name = uri.rstrip("/")
+    for fmt, suffix in SUFFIX.items():
+        if name.endswith(suffix):
+            return fmt
+    return None
+
+
+def detect_format(uri: str, requested: str, is_manifest: bool) -> str:
+    """`requested` unless it is `auto`: then from the location, or from the first listed page."""
+    if requested != "auto":
+        return requested
+    if is_manifest:
+        return "files"
+    named = format_of_location(uri)
+    if named or has_braces(uri):
+        return named or "webdataset"
+    try:
+        names = [ref.key for ref in itertools.islice(open_storage(uri).iter_objects(), DETECT_PAGE)]
+    except Exception:  # noqa: BLE001 - the preflight check says what is wrong with the location
+        return "files"
+    if any(name.endswith(".tar") for name in names):
+        return "webdataset"  # (img2dataset writes .parquet and .json beside its tars)
+    if names and all(name.endswith(".parquet") for name in names):
+        return "parquet"
+    return "files"
+
+
+def file_set(uri: str, fmt: str) -> FileSet:
+    base, pattern = split_location(uri)
+    if pattern is not None and has_braces(pattern):
+        check_pattern(pattern)
+    return FileSet(base, pattern, SUFFIX[fmt])
+
+
+def iter_files(files: FileSet, glob: str | None = None, log=None) -> Iterator[ObjectRef]:
+    """The shard files, in listing order, each with its size and etag."""
+    storage = open_storage(files.base)
+    if files.pattern is None:
+        yield from (ref for ref in storage.iter_objects(glob) if ref.key.endswith(files.suffix))
+        return
+    folder = literal_prefix(files.pattern).rpartition("/")[0]
+    wanted = set(expand_braces(files.pattern))
+    found: set[str] = set()
+    for ref in storage.iter_objects(glob, prefix=f"{folder}/" if folder else ""):
+        if ref.key in wanted:
+            found.add(ref.key)
+            yield ref
+    if len(found) < len(wanted) and log is not None:  # img2dataset leaves gaps where a shard failed
+        log.warning("shards named by the pattern are missing", pattern=files.pattern, found=len(found),
+                    expected=len(wanted), examples=sorted(wanted - found)[:3])
+
+
+def first_file(files: FileSet) -> ObjectRef | None:
+    return next(iter_files(files), None)

@@ -1,0 +1,221 @@
+"""Parquet files as items: one item per row, its media in one column (`column`): URLs,
+`s3://` URIs or paths (fetched as a manifest's media are), or the image bytes themselves. The
+row's other columns are kept as the record's metadata.
+
+Files are read through a seekable file (a local file, or ranged reads of the object) one row
+group at a time, in batches, never whole. A bytes cell is fetched later by reading its row
+group's column again (a few row groups are kept per process for the shards being prepared).
+Item ids are `<file>/<row>`; a bytes cell's etag is the file's etag and its row, so resume works
+by (file, row) from the listing and by content hash after a fetch.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import functools
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tasks.sources.formats import FileSet, first_file, iter_files
+from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.ranged import open_seekable
+from tasks.sources.storage import Storage, StorageError, open_storage
+
+DEFAULT_COLUMNS = ("image", "jpg", "png", "webp", "url", "URL", "uri", "path")  # tried when no column is given
+BATCH_ROWS = 256
+METADATA_BYTES = 16 << 10
+
+
+@dataclass(frozen=True)
+class ParquetCellRef(ObjectRef):
+    """A bytes cell: `key` names it (`<file>/<row>`); `file`, `row_group`, `row` and `column`
+    locate it."""
+
+    file: str = ""
+    row_group: int = 0
+    row: int = 0  # within the row group
+    column: str = ""
+    file_size: int = -1
+
+
+class ColumnError(StorageError):
+    """The media column is not in the file (a pre-flight error: exit 2 from the CLI)."""
+
+
+def _parquet_file(storage: Storage, ref: ObjectRef):
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(open_seekable(storage, ref.key, ref.size))
+
+
+def choose_column(names: list[str], column: str | None, where: str) -> str:
+    """The media column: the one asked for, or the first usual name present."""
+    if column is not None:
+        if column not in names:
+            raise ColumnError(f"{where}: no column {column!r}; the columns are: {', '.join(names)}. "
+                              "Name the one with the images' URLs, paths or bytes with --column.")
+        return column
+    found = next((name for name in DEFAULT_COLUMNS if name in names), None)
+    if found is None:
+        raise ColumnError(f"{where}: which column holds the media? The columns are: {', '.join(names)}. "
+                          "Name it with --column (URLs, s3:// URIs, paths or image bytes).")
+    return found
+
+
+def check_parquet_source(files: FileSet, column: str | None) -> str:
+    """Pre-flight: the first file's schema has the column (read from its footer only)."""
+    first = first_file(files)
+    if first is None:
+        raise StorageError(f"{files.base}{files.pattern or ''}: no {files.suffix} file there")
+    storage = open_storage(files.base)
+    try:
+        schema = _parquet_file(storage, first).schema_arrow
+    except Exception as exc:  # noqa: BLE001 - said as what it is
+        raise StorageError(f"{storage.describe(first.key)}: not a readable Parquet file ({exc})") from exc
+    return choose_column(schema.names, column, storage.describe(first.key))
+
+
+def iter_parquet_items(files: FileSet, column: str | None, glob: str | None = None, log=None) -> Iterator[WorkItem]:
+    storage = open_storage(files.base)
+    for ref in iter_files(files, glob, log):
+        yield from file_items(storage, ref, column)
+
+
+def file_items(storage: Storage, ref: ObjectRef, column: str | None) -> Iterator[WorkItem]:
+    """One item per row, a row group at a time; a file that cannot be read or lacks the column
+    is one item naming the problem."""
+    import pyarrow as pa
+
+    try:
+        parquet = _parquet_file(storage, ref)
+        name = choose_column(parquet.schema_arrow.names, column, storage.describe(ref.key))
+    except Exception as exc:  # noqa: BLE001 - this file's problem, not the run's
+        yield WorkItem(ref.key, (ParquetCellRef(f"{ref.key}/-", 0, f"{ref.etag}:-", file=ref.key),),
+                       problem=str(exc) if isinstance(exc, StorageError) else f"{ref.key}: unreadable ({exc})")
+        return
+    binary = pa.types.is_binary(parquet.schema_arrow.field(name).type) or pa.types.is_large_binary(
+        parquet.schema_arrow.field(name).type)
+    row_index = 0
+    for group in range(parquet.num_row_groups):
+        in_group = 0
+        for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[group]):
+            for row in batch.to_pylist():
+                yield _row_item(ref, row, name, binary, group, in_group, row_index)
+                in_group += 1
+                row_index += 1
+
+
+def _row_item(ref: ObjectRef, row: dict, name: str, binary: bool, group: int, in_group: int,
+              row_index: int) -> WorkItem:
+    item_id = f"{ref.key}/{row_index}"
+    cell = row.pop(name)
+    metadata = _metadata(row)
+    if binary:
+        member = ParquetCellRef(item_id, len(cell or b""), f"{ref.etag}:{row_index}", file=ref.key,
+                                row_group=group, row=in_group, column=name, file_size=ref.size)
+        problem = None if cell else f"{item_id}: column {name!r} is empty in this row"
+        return WorkItem(item_id, (member,), metadata=metadata, problem=problem)
+    if not cell or not isinstance(cell, str):
+        return WorkItem(item_id, (ParquetCellRef(item_id, 0, f"{ref.etag}:{row_index}", file=ref.key),),
+                        metadata=metadata, problem=f"{item_id}: column {name!r} holds no URL or path in this row")
+    return WorkItem(item_id, (ObjectRef(cell),), metadata=metadata)
+
+
+def _jsonable(value):
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>" if len(value) > 64 else base64.b64encode(value).decode()
+    if isinstance(value, (datetime.date, datetime.datetime, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    return str(value)
+
+
+def _metadata(row: dict) -> str | None:
+    if not row:
+        return None
+    text = json.dumps(row, ensure_ascii=False, default=_jsonable)
+    if len(text) > METADATA_BYTES:
+        return json.dumps({"cut": f"the row's other columns are {len(text)} bytes as JSON, over {METADATA_BYTES}"})
+    return text
+
+
+class _RowGroups:
+    """The media columns of the few row groups being fetched from, shared by fetch threads."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._loaded: dict[tuple, tuple[threading.Event, list]] = {}
+
+    def column(self, storage: Storage, ref: ParquetCellRef) -> list:
+        key = (storage.uri, ref.file, ref.etag.rsplit(":", 1)[0], ref.row_group, ref.column)
+        with self._lock:
+            entry = self._loaded.get(key)
+            owner = entry is None
+            if owner:
+                entry = self._loaded[key] = (threading.Event(), [])
+                while len(self._loaded) > self.keep:
+                    self._loaded.pop(next(iter(self._loaded)))
+        ready, holder = entry
+        if owner:
+            try:
+                table = _parquet_file(storage, ObjectRef(ref.file, ref.file_size)).read_row_group(
+                    ref.row_group, columns=[ref.column])
+                holder.append(table.column(0).to_pylist())
+            except Exception as exc:  # noqa: BLE001 - every waiting fetch gets it
+                holder.append(exc)
+                with self._lock:
+                    self._loaded.pop(key, None)
+            finally:
+                ready.set()
+        ready.wait()
+        if isinstance(holder[0], Exception):
+            raise holder[0]
+        return holder[0]
+
+
+_ROW_GROUPS = _RowGroups()
+
+
+def read_cell(storage: Storage, ref: ParquetCellRef) -> bytes:
+    """A bytes cell's value (its row group's column read once for the shards near it)."""
+    if not ref.column:
+        from tasks.sources.webdataset import SourceDefect
+
+        raise SourceDefect(f"{ref.key}: no media in this row")
+    value = _ROW_GROUPS.column(storage, ref)[ref.row]
+    if not value:
+        raise FileNotFoundError(f"{ref.key}: the cell is empty")
+    return bytes(value)
+
+
+def cell_ref(storage: Storage, key: str, size: int, etag: str, column: str | None) -> ParquetCellRef | None:
+    """The bytes cell a record names (`<file>/<row>`), located again from the file's footer."""
+    file, _, row = key.rpartition("/")
+    if not row.isdigit() or not column:
+        return None
+    file_size, group_rows = _layout(storage.uri, file, etag.rpartition(":")[0])  # the file's etag: a new file, a new read
+    start, wanted = 0, int(row)
+    for group, rows in enumerate(group_rows):
+        if wanted < start + rows:
+            return ParquetCellRef(key, size, etag, file=file, row_group=group, row=wanted - start, column=column,
+                                  file_size=file_size)
+        start += rows
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(uri: str, file: str, file_etag: str) -> tuple[int, tuple[int, ...]]:
+    """A file's size and its row groups' row counts (read once per file, not per cell)."""
+    storage = open_storage(uri)
+    folder = file.rpartition("/")[0]
+    listed = next((r for r in storage.iter_objects(prefix=f"{folder}/" if folder else "") if r.key == file), None)
+    if listed is None:
+        raise FileNotFoundError(f"{storage.describe(file)}: no such object")
+    metadata = _parquet_file(storage, listed).metadata
+    return listed.size, tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))

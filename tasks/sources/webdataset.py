@@ -1,0 +1,176 @@
+"""WebDataset tar shards as items: one item per sample (the members sharing a key), its image
+or video member the media, its `.json`/`.txt` members kept as the record's metadata.
+
+The listing reads each tar's headers through a seekable file (a local file, or ranged reads of
+the object: large members are skipped, not read), and each item's media is fetched later by one
+ranged read of its member. Nothing is unpacked to disk. Item ids are `<tar>/<sample key>`; the
+member's etag is the tar's etag and its offset, so resume works as for objects: by (tar, key)
+from the listing, by content hash after a fetch.
+
+A tar cut short, a member past its end or a header that does not parse stops that tar there:
+the samples before it are items as usual, and the damage is one item with a `problem` (an
+error record), never a silent gap.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tasks.sources.formats import FileSet, iter_files
+from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.ranged import open_seekable, read_range
+from tasks.sources.storage import Storage, open_storage
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "mkv", "avi")
+TEXT_EXTENSIONS = ("txt", "text", "caption", "cls", "json")
+METADATA_BYTES = 16 << 10  # a sample's kept text, at most; more is cut (listing memory stays small)
+BLOCK = tarfile.BLOCKSIZE
+
+
+@dataclass(frozen=True)
+class TarMemberRef(ObjectRef):
+    """One member of a tar shard: `key` names it (`<tar>/<member>`), `tar`, `offset` and
+    `size` locate its bytes."""
+
+    tar: str = ""
+    offset: int = 0
+
+
+class SourceDefect(OSError):
+    """The listing found this item damaged; its record carries the listing's own message."""
+
+
+def split_member(name: str) -> tuple[str, str]:
+    """`dir/000123.seg.jpg` -> (`dir/000123`, `seg.jpg`), webdataset's rule (key up to the
+    first dot of the file name)."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+
+
+@dataclass
+class _Sample:
+    key: str
+    members: dict[str, tarfile.TarInfo]
+    metadata: dict
+
+
+def iter_webdataset_items(files: FileSet, modality: str, glob: str | None = None, log=None) -> Iterator[WorkItem]:
+    storage = open_storage(files.base)
+    for tar in iter_files(files, glob, log):
+        yield from tar_items(storage, tar, modality)
+
+
+def tar_items(storage: Storage, tar: ObjectRef, modality: str) -> Iterator[WorkItem]:
+    """The samples of one tar, in order, then (if any) one item naming what is wrong with it."""
+    extensions = VIDEO_EXTENSIONS if modality == "video" else IMAGE_EXTENSIONS
+    sample: _Sample | None = None
+    with open_seekable(storage, tar.key, tar.size) as handle:
+        try:
+            archive = tarfile.open(fileobj=handle, mode="r:")
+        except tarfile.TarError as exc:
+            yield _defect(tar, 0, f"{tar.key}: not a readable tar ({exc})")
+            return
+        while (info := _next(archive)) is not None:
+            archive.members.clear()  # tarfile keeps every header; a shard may hold 100,000
+            if not info.isfile():
+                continue
+            key, ext = split_member(info.name)
+            if sample is not None and key != sample.key:
+                yield _item(tar, sample, extensions)
+                sample = None
+            if info.offset_data + info.size > tar.size:
+                problem = (f"{tar.key}: cut short: member {info.name} needs bytes up to "
+                           f"{info.offset_data + info.size}, the tar has {tar.size}; upload the shard again")
+                yield _defect(tar, info.offset_data, problem, f"{tar.key}/{key}")
+                return
+            sample = sample or _Sample(key, {}, {})
+            sample.members.setdefault(ext, info)
+            if ext in TEXT_EXTENSIONS or ext.endswith((".txt", ".json")):
+                sample.metadata[ext] = _text(handle, info)
+        end = archive.offset
+        handle.seek(end)
+        problem = _end_problem(tar, end, handle.read(BLOCK))
+    if sample is not None:
+        yield _item(tar, sample, extensions)
+    if problem is not None:
+        yield _defect(tar, end, problem)
+
+
+def _next(archive: tarfile.TarFile) -> tarfile.TarInfo | None:
+    try:
+        return archive.next()
+    except tarfile.TarError:
+        return None  # the end check below names the damage
+
+
+def _end_problem(tar: ObjectRef, end: int, block: bytes) -> str | None:
+    """tarfile stops quietly at a header it cannot parse or at the data's end: the block where
+    it stopped says which. A whole tar ends with a zero block."""
+    if len(block) == BLOCK and not block.strip(b"\0"):
+        return None
+    if len(block) < BLOCK:
+        return (f"{tar.key}: cut short at byte {tar.size} (no end-of-archive block after byte {end}); "
+                "samples after it are missing: upload the shard again")
+    return f"{tar.key}: unreadable tar header at byte {end}; the rest of the shard is skipped"
+
+
+def _text(handle, info: tarfile.TarInfo):
+    """A text member, read through the listing's own file (on S3, from the range it holds;
+    tarfile seeks back to its next header itself)."""
+    handle.seek(info.offset_data)
+    data = handle.read(min(info.size, METADATA_BYTES))
+    text = data.decode("utf-8", errors="replace")
+    if info.size > METADATA_BYTES:
+        return text + f"… (cut at {METADATA_BYTES} of {info.size} bytes)"
+    if info.name.endswith(".json"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+    return text
+
+
+def _member_ref(tar: ObjectRef, name: str, offset: int, size: int) -> TarMemberRef:
+    return TarMemberRef(f"{tar.key}/{name}", size, f"{tar.etag}@{offset}", tar=tar.key, offset=offset)
+
+
+def _item(tar: ObjectRef, sample: _Sample, extensions: tuple[str, ...]) -> WorkItem:
+    item_id = f"{tar.key}/{sample.key}"
+    metadata = json.dumps(sample.metadata, ensure_ascii=False) if sample.metadata else None
+    media = next((sample.members[ext] for ext in sample.members if ext in extensions), None)
+    if media is None:
+        first = next(iter(sample.members.values()))
+        kinds = ", ".join(sorted(sample.members))
+        return WorkItem(item_id, (_member_ref(tar, first.name, first.offset_data, 0),), metadata=metadata,
+                        problem=f"{item_id}: no {'/'.join(extensions[:3])}… member (has: {kinds})")
+    return WorkItem(item_id, (_member_ref(tar, media.name, media.offset_data, media.size),), metadata=metadata)
+
+
+def _defect(tar: ObjectRef, offset: int, problem: str, item_id: str | None = None) -> WorkItem:
+    """An item standing for damage the listing found; its record is an error naming it."""
+    return WorkItem(item_id or tar.key, (TarMemberRef(f"{tar.key}@{offset}", 0, f"{tar.etag}@{offset}",
+                                                      tar=tar.key, offset=offset),), problem=problem)
+
+
+def read_member(storage: Storage, ref: TarMemberRef) -> bytes:
+    """A member's bytes, by one ranged read of its tar."""
+    if ref.size <= 0:
+        raise SourceDefect(f"{ref.key}: no media bytes")
+    data = read_range(storage, ref.tar, ref.offset, ref.size)
+    if len(data) != ref.size:
+        raise SourceDefect(f"{ref.key}: got {len(data)} of {ref.size} bytes: the tar changed or was cut short")
+    return data
+
+
+def member_ref(key: str, size: int, etag: str) -> TarMemberRef | None:
+    """The member a record names (its `members[0]`), located again: the inverse of `_member_ref`."""
+    tar, found, _ = key.partition(".tar/")
+    offset = etag.rpartition("@")[2]
+    if not found or not offset.isdigit():
+        return None
+    return TarMemberRef(key, size, etag, tar=tar + ".tar", offset=int(offset))

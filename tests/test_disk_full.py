@@ -1,0 +1,90 @@
+"""A folder output on a small disk that fills up mid-run: the run stops with one clear error
+naming the file and the bytes it needed; every part left on the disk is whole (nothing partial
+is counted); once space is freed, the same job run again completes, each item once.
+
+The disk is a real 1 MiB tmpfs (we are root in CI), mostly taken by a filler file so that a few
+parts fit and the next one does not. Where mounting is not permitted the test is skipped."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from flows.caption import vlm_caption
+from flows.params import CaptionJob
+from tasks.results.done_index import SIDECAR_HEADER, sidecar_key
+from tasks.results.writers import DiskFullError
+from tests.images import image_bytes
+
+COUNT = 24
+ROOM = 48 * 1024  # what the filler leaves free: a few parts (each part and sidecar take a 4 KiB page)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    folder = tmp_path / "small-disk"
+    folder.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("mounting a 1 MiB tmpfs needs root (and a container that permits mount)")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=False)
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    filler = disk / ".filler"  # a dot file: no listing of the output sees it
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    filler.write_bytes(b"\0" * max(0, free - leave))
+    return filler
+
+
+def _parts(out: Path) -> dict[Path, list[dict]]:
+    """Every results part on the disk, each parsed line by line (a cut-off line fails here)."""
+    parts = {}
+    for path in sorted(out.glob("results/*/part-*.jsonl")):
+        data = path.read_bytes()
+        assert data.endswith(b"\n"), f"{path} is cut short"
+        parts[path] = [json.loads(line) for line in data.decode().splitlines()]
+    return parts
+
+
+def test_a_full_disk_stops_the_run_and_a_rerun_completes(prefect_api, tiny_llava, tmp_path, small_disk):
+    source = tmp_path / "images"
+    source.mkdir()
+    hashes = {}
+    for i in range(COUNT):
+        body = image_bytes(size=(40 + i, 32), color=(i * 9 % 255, 60, 120))
+        (source / f"{i:03d}.jpg").write_bytes(body)
+        hashes[f"{i:03d}.jpg"] = hashlib.sha256(body).hexdigest()
+    out = small_disk / "captions"
+    job = CaptionJob(source=str(source), output=str(out), model=str(tiny_llava), shard_size=2,
+                     sampling={"max_tokens": 2})
+    filler = _fill(small_disk, ROOM)
+
+    with pytest.raises(DiskFullError) as stopped:
+        vlm_caption(job)
+    message = str(stopped.value)
+    assert str(out) in message and "bytes" in message and "run the same job again" in message, message
+
+    partial = _parts(out)
+    assert len(partial) < COUNT // 2, "the disk never filled: lower ROOM"
+    assert not [p for p in out.rglob(".*")], "a temporary file was left behind"
+    for part in partial:  # a part's sidecar, when there, indexes that very body
+        side = Path(sidecar_key(str(part)))
+        if side.exists():
+            assert SIDECAR_HEADER.unpack_from(side.read_bytes())[1] == part.stat().st_size
+    done_before = sum(len(records) for records in partial.values())
+
+    filler.unlink()  # space is freed
+    summary = vlm_caption(job)
+    records = [r for records in _parts(out).values() for r in records]
+    assert Counter(r["key"] for r in records) == Counter(list(hashes))  # every item once: none lost, none twice
+    assert all(r["error"] is None and r["sha256"] == hashes[r["key"]] for r in records)
+    assert summary["skipped_already_done"] == done_before and summary["failed"] == 0, summary

@@ -1,0 +1,107 @@
+"""The run's gallery: one self-contained HTML page built from records (no engine here), opened
+in headless Chromium (the DOM and a screenshot) showing the items, their captions, structured
+fields and errors; its size stays bounded for a run of 100,000 items."""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tasks.results.gallery import build_gallery, gallery_key, sample_items
+from tasks.results.records import ResultRecord
+from tests.images import image_bytes
+
+
+def record(key: str, *, text: str | None = "a caption", error: dict | None = None, question: str = "What is it?",
+           structured=None, metadata=None, video=None) -> ResultRecord:
+    return ResultRecord(key=key, size=10, etag="e", sha256="s", recipe="llava", model="m", question=question,
+                        prompt=None, text=None if error else text, finish_reason="stop", error=error,
+                        structured=structured, metadata=metadata, video=video, timings={}, fingerprint="f",
+                        run_id="r")
+
+
+def test_a_gallery_of_100000_items_is_bounded():
+    records = (record(f"img/{i:06d}.jpg", text="words " * 400,
+                      error={"kind": "decode", "message": "bad", "retryable": False} if i % 10 == 0 else None)
+               for i in range(100_000))
+    images = {}
+
+    def fetch(r):  # every image a different real picture, so thumbnails are real JPEGs
+        n = int(r.key[4:10])
+        return images.setdefault(n % 50, image_bytes("JPEG", size=(1024, 768), color=(n % 250, 90, 40)))
+
+    page, shown = build_gallery(records, fetch, 200, "run", {"run": "r"})
+    assert shown == 200
+    assert len(page) < 4_000_000, len(page)  # 200 thumbnails of a few KB, texts cut
+    assert page.count('class="item failed"') == 50  # errors get a quarter of the places
+    assert page.count("data:image/jpeg;base64,") == 200  # each a real thumbnail (a failed one too, if it decodes)
+    assert page.count("more characters)") == 150  # long captions cut
+
+
+def test_sample_keeps_an_items_questions_together():
+    records = [record(f"k{i}", question=q) for i in range(30) for q in ("q1", "q2")]
+    items = sample_items(records, 10)
+    assert len(items) == 10 and all([r.question for r in item.records] == ["q1", "q2"] for item in items)
+    assert gallery_key("abc") == "manifests/abc.html"
+
+
+def chromium() -> str | None:
+    return next((found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))),
+                None)
+
+
+def browse(browser: str, page: Path, profile: Path, screenshot: Path | None = None) -> str:
+    args = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={profile}",
+            "--window-size=1200,900", "--allow-file-access-from-files"]
+    args += [f"--screenshot={screenshot}", page.as_uri()] if screenshot else ["--dump-dom", page.as_uri()]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_gallery_in_headless_chromium(tmp_path: Path):
+    browser = chromium()
+    if browser is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("CI=true but chromium is not installed (.ci/run installs it with apt-get)")
+        pytest.skip("needs chromium (apt-get install chromium)")
+    pictures = {f"shards/00000.tar/{i:06d}": image_bytes("PNG", size=(300, 200), color=(40 * i, 120, 200))
+                for i in range(4)}
+    records = [record(key, text=f"caption number {i} <b>not bold</b>", metadata={"txt": f"alt {i}"},
+                      structured={"tags": ["red", f"t{i}"]} if i == 1 else None)
+               for i, key in enumerate(pictures)]
+    records.append(record("shards/00001.tar", error={"kind": "bad_input", "retryable": False,
+                                                     "message": "shards/00001.tar: cut short at byte 3000"}))
+    records.append(record("clip.mp4", text="a dog runs", video={"frames": 8}))
+    page, shown = build_gallery(records, lambda r: pictures.get(r.key), 50, "vlm-caption · llava · s3://b/shards/",
+                                {"run": "r1"})
+    assert shown == 6
+    path = tmp_path / "r1.html"
+    path.write_text(page)
+
+    dom = browse(browser, path, tmp_path / "profile")
+    text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", re.sub(r"<style>.*?</style>", " ", dom, flags=re.S))))
+    for i in range(4):
+        assert f"caption number {i} <b>not bold</b>" in text  # escaped: shown as text, not markup
+        assert f"shards/00000.tar/{i:06d}" in text and f"alt {i}" in text
+    assert "error: bad_input: shards/00001.tar: cut short at byte 3000" in text
+    assert '"t1"' in text and "a dog runs" in text and "8 frames" in text
+    assert dom.count('class="item failed"') == 1 and dom.count("<img") == 4
+    assert dom.index("shards/00001.tar") < dom.index("shards/00000.tar/000000")  # errors first
+
+    shot = tmp_path / "gallery.png"
+    browse(browser, path, tmp_path / "profile", screenshot=shot)
+    from PIL import Image
+
+    with Image.open(shot) as image:
+        assert image.size == (1200, 900)
+        colors = image.convert("RGB").getcolors(maxcolors=1 << 20) or []
+    assert len(colors) > 50  # thumbnails drawn, not a blank page
+    red = sum(count for count, (r, g, b) in colors if r > 180 and g < 80 and b < 80)
+    assert red > 50  # the failed item's red border and message

@@ -1,0 +1,174 @@
+"""WebDataset sources: tar shards made by the `webdataset` package, one item per sample, read
+from a folder and from the loopback S3 server (brace pattern), end to end through the flow with
+the tiny checkpoint; a tar cut short and a corrupt member are error records, the rest captioned;
+a rerun recomputes nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.sources.braces import BraceError, expand_braces, expansion_count
+from tasks.sources.formats import detect_format, file_set, split_location
+from tasks.sources.items import ObjectRef
+from tasks.sources.storage import open_storage
+from tasks.sources.webdataset import iter_webdataset_items, read_member, split_member, tar_items
+from tests.images import corrupt_jpeg, image_bytes
+
+BUCKET = "wds"
+
+
+def make_shard(path_or_stream, start: int, count: int, corrupt: int | None = None) -> None:
+    import webdataset as wds
+
+    with wds.TarWriter(path_or_stream) as sink:
+        for i in range(start, start + count):
+            jpg = corrupt_jpeg() if i == corrupt else image_bytes("JPEG", size=(80 + i, 60), color=(i * 20 % 256, 90, 30))
+            sink.write({"__key__": f"{i:06d}", "jpg": jpg, "json": {"i": i, "url": f"https://x/{i}.jpg"},
+                        "txt": f"alt text {i}"})
+
+
+def shard_bytes(start: int, count: int, corrupt: int | None = None) -> bytes:
+    stream = io.BytesIO()
+    make_shard(stream, start, count, corrupt)
+    return stream.getvalue()
+
+
+def test_brace_patterns_expand_as_webdataset_users_write_them():
+    assert list(expand_braces("shards/{00000..00002}.tar")) == ["shards/00000.tar", "shards/00001.tar",
+                                                               "shards/00002.tar"]
+    assert list(expand_braces("{train,val}/{0..4..2}.tar")) == ["train/0.tar", "train/2.tar", "train/4.tar",
+                                                               "val/0.tar", "val/2.tar", "val/4.tar"]
+    assert expansion_count("s/{00000..99999}.tar") == 100_000
+    assert split_location("s3://b/ds/shards/{00000..00099}.tar") == ("s3://b/ds/shards/", "{00000..00099}.tar")
+    assert split_location("/data/x/00003.tar") == ("/data/x/", "00003.tar")
+    assert split_location("s3://b/prefix/") == ("s3://b/prefix/", None)
+    assert detect_format("s3://b/{0..3}.tar", "auto", False) == "webdataset"
+    assert detect_format("s3://b/x.parquet", "auto", False) == "parquet"
+    assert split_member("a/b/000123.seg.jpg") == ("a/b/000123", "seg.jpg")
+    with pytest.raises(BraceError, match="neither a list"):
+        list(expand_braces("s/{a..b}.tar"))
+    with pytest.raises(BraceError, match="unbalanced"):
+        list(expand_braces("s/{000..009.tar"))
+
+
+def test_samples_from_a_folder_of_shards_with_metadata_and_damage(tmp_path: Path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    make_shard(str(folder / "00000.tar"), 0, 4)
+    good = shard_bytes(4, 4)
+    (folder / "00001.tar").write_bytes(good[:len(good) // 2])  # cut short mid-way
+    bad = bytearray(shard_bytes(8, 3))
+    second = bad.find(b"000009")  # the second sample's first header: garble its checksum
+    header = second - second % 512
+    bad[header + 148:header + 156] = b"9999999\0"
+    (folder / "00002.tar").write_bytes(bytes(bad))
+    (folder / "notes.json").write_text("{}")  # img2dataset writes stats beside its tars
+
+    assert detect_format(str(folder), "auto", False) == "webdataset"
+    items = list(iter_webdataset_items(file_set(str(folder), "webdataset"), "image"))
+    by_id = {item.id: item for item in items}
+    whole = [f"00000.tar/{i:06d}" for i in range(4)]
+    assert all(by_id[i].problem is None for i in whole)
+    assert json.loads(by_id["00000.tar/000002"].metadata) == {"json": {"i": 2, "url": "https://x/2.jpg"},
+                                                               "txt": "alt text 2"}
+    storage = open_storage(str(folder))
+    member = by_id["00000.tar/000001"].members[0]
+    assert read_member(storage, member) == image_bytes("JPEG", size=(81, 60), color=(20, 90, 30))
+
+    cut = [item for item in items if item.id.startswith("00001.tar")]
+    assert cut and cut[-1].problem and "cut short" in cut[-1].problem  # the damage is an item, not a gap
+    assert all(item.problem is None for item in cut[:-1]) and len(cut) >= 2
+
+    garbled = [item for item in items if item.id.startswith("00002.tar")]
+    assert [i.id for i in garbled] == ["00002.tar/000008", "00002.tar"]
+    assert "unreadable tar header" in garbled[-1].problem
+
+    # A sample without an image is an item naming what it has; a tar that is not one, one item.
+    (tmp_path / "odd").mkdir()
+    import webdataset as wds
+
+    with wds.TarWriter(str(tmp_path / "odd" / "a.tar")) as sink:
+        sink.write({"__key__": "k1", "txt": "only text"})
+    (tmp_path / "odd" / "b.tar").write_bytes(b"not a tar at all" * 40)
+    odd = list(iter_webdataset_items(file_set(str(tmp_path / "odd"), "webdataset"), "image"))
+    assert [(i.id, bool(i.problem)) for i in odd] == [("a.tar/k1", True), ("b.tar", True)]
+    assert "has: txt" in odd[0].problem
+
+
+def test_a_single_tar_streams_without_reading_large_members(tmp_path: Path, monkeypatch):
+    """Headers are read by ranged reads (as on S3); members bigger than the read-ahead are
+    skipped, not read."""
+    import webdataset as wds
+
+    from tasks.sources import ranged, webdataset
+
+    path = tmp_path / "big.tar"
+    with wds.TarWriter(str(path)) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"v{i}", "mp4": bytes(3 << 20), "json": {"i": i}})
+    reads: list[int] = []
+    real = ranged.read_range
+
+    def counted(storage, key, start, length):
+        data = real(storage, key, start, length)
+        reads.append(len(data))
+        return data
+
+    monkeypatch.setattr(ranged, "read_range", counted)
+    monkeypatch.setattr(webdataset, "read_range", counted)
+    monkeypatch.setattr(webdataset, "open_seekable",
+                        lambda storage, key, size: ranged.RangeFile(storage, key, size, read_ahead=64 << 10))
+    size = path.stat().st_size
+    items = list(tar_items(open_storage(str(tmp_path)), ObjectRef("big.tar", size, "e"), "video"))
+    assert [i.id for i in items] == ["big.tar/v0", "big.tar/v1", "big.tar/v2"] and not any(i.problem for i in items)
+    assert json.loads(items[1].metadata) == {"json": {"i": 1}}
+    assert sum(reads) < size / 4, reads
+
+
+def test_bucket_of_shards_by_brace_pattern_end_to_end_and_rerun(prefect_api, s3_client, tiny_llava):
+    from flows.caption import vlm_caption
+    from flows.params import CaptionJob
+
+    s3_client.create_bucket(Bucket=BUCKET)
+    s3_client.put_object(Bucket=BUCKET, Key="ds/00000.tar", Body=shard_bytes(0, 5, corrupt=3))
+    cut = shard_bytes(5, 4)
+    s3_client.put_object(Bucket=BUCKET, Key="ds/00001.tar", Body=cut[:int(len(cut) * 0.6)])
+    s3_client.put_object(Bucket=BUCKET, Key="ds/00009.tar", Body=shard_bytes(20, 2))  # not in the pattern
+    job = CaptionJob(source=f"s3://{BUCKET}/ds/{{00000..00002}}.tar", output=f"s3://{BUCKET}/out/",
+                     model=str(tiny_llava), shard_size=3, sampling={"max_tokens": 4}, gallery_items=50)
+    summary = vlm_caption(job)
+    records = _records(s3_client, "out/results/")
+    by_key = {r["key"]: r for r in records}
+    assert not any(k.startswith("00009.tar") for k in by_key)
+    assert all(f"00000.tar/{i:06d}" in by_key for i in range(5))
+    assert by_key["00000.tar/000003"]["error"]["kind"] == "decode"  # the corrupt member
+    good = [r for r in records if r["error"] is None]
+    assert len(good) >= 5 and all(r["text"] is not None for r in good)
+    first = by_key["00000.tar/000001"]
+    assert first["metadata"] == {"json": {"i": 1, "url": "https://x/1.jpg"}, "txt": "alt text 1"}
+    assert first["members"][0]["key"] == "00000.tar/000001.jpg" and first["sha256"]
+    damaged = [r for r in records if r["error"] and r["error"]["kind"] == "bad_input"]
+    assert len(damaged) == 1 and damaged[0]["key"].startswith("00001.tar") and not damaged[0]["error"]["retryable"]
+    manifest = json.loads(s3_client.get_object(Bucket=BUCKET, Key=f"out/manifests/{summary['run_id']}.json")
+                          ["Body"].read())
+    assert manifest["parameters"]["source_format"] == "webdataset"
+    assert manifest["gallery"]["path"].endswith(f"{summary['run_id']}.html")
+    page = s3_client.get_object(Bucket=BUCKET, Key=f"out/manifests/{summary['run_id']}.html")["Body"].read().decode()
+    assert "00000.tar/000001" in page and "data:image/jpeg;base64," in page and "bad_input" in page
+
+    again = vlm_caption(job)
+    assert again["processed"] == 0 and again["skipped_already_done"] == len(by_key)
+    assert len(_records(s3_client, "out/results/")) == len(records)
+
+
+def _records(s3_client, prefix: str) -> list[dict]:
+    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    records = []
+    for key in sorted(o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".jsonl")):
+        body = s3_client.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+        records += [json.loads(line) for line in body.splitlines() if line]
+    return records

@@ -1,0 +1,119 @@
+"""Write faults: the fault proxy in front of moto fails ~10% of PUTs (and always the first write
+of each kind of object) with 500 InternalError, 503 SlowDown, connection resets, stalls past the
+read timeout and `partial` uploads (half the body stored, then the connection reset). Every kind
+of object the flow writes is hit: results parts, their sidecars, the compacted done-index, the
+manifest and the Parquet export.
+
+One run captions everything, a rerun of the same job (which compacts the done-index) skips it
+all. Expected: 0 lost, 0 duplicated (by content hash), every part whole with a sidecar made from
+that very body, the compacted index and the Parquet file complete."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections import Counter
+
+import boto3
+import pytest
+
+from flows.caption import vlm_caption
+from flows.params import CaptionJob
+from tasks.results import done_index
+from tests.fault_proxy import WRITE_KINDS, FaultProxy
+from tests.images import image_bytes
+from tests.test_storage_faults import _through
+
+BUCKET = "write-faults"
+COUNT = 40
+# Key fragments of every kind of object the flow writes; the first write of each always fails.
+WRITTEN = {"part": ".jsonl", "sidecar": ".idx", "compacted index": ".vidx", "manifest": "/manifests/",
+           "parquet": ".parquet"}
+
+
+def _kind(path: str) -> str:
+    return next((kind for kind, fragment in WRITTEN.items() if fragment in path), "other")
+
+
+def _read(client, key: str) -> bytes:
+    return client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+
+def _keys(client, prefix: str) -> list[str]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+
+
+def _whole_parts(client) -> list[dict]:
+    """Every part's records; each part must parse whole and its sidecar must index that body."""
+    records = []
+    for key in [k for k in _keys(client, "out/results/") if k.endswith(".jsonl")]:
+        body = _read(client, key)
+        assert body.endswith(b"\n"), f"{key} is half-written"
+        lines = [json.loads(line) for line in body.decode().splitlines()]
+        sidecar = _read(client, key.removesuffix(".jsonl") + ".idx")
+        magic, size = done_index.SIDECAR_HEADER.unpack_from(sidecar)
+        rows = (len(sidecar) - done_index.SIDECAR_HEADER.size) // done_index.ROW.itemsize
+        assert (magic, size, rows) == (done_index.SIDECAR_MAGIC, len(body), len(lines)), f"{key}: stale sidecar"
+        records += lines
+    return records
+
+
+@pytest.fixture
+def bucket(s3_endpoint) -> tuple:
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    hashes = {}
+    for i in range(COUNT):
+        body = image_bytes(size=(44 + i % 13, 36), color=(i * 6 % 251, 120, (i * 11) % 251))
+        client.put_object(Bucket=BUCKET, Key=f"in/{i:03d}.jpg", Body=body)
+        hashes[f"{i:03d}.jpg"] = hashlib.sha256(body).hexdigest()
+    return client, hashes
+
+
+def test_write_faults_lose_duplicate_and_half_write_nothing(prefect_api, bucket, s3_endpoint, tiny_llava,
+                                                            monkeypatch):
+    import pyarrow.parquet as pq
+    from tasks.settings import get_settings
+
+    client, hashes = bucket
+    proxy = FaultProxy(s3_endpoint, rate=0.10, stall_s=2.0, seed=29, kinds=WRITE_KINDS, methods={"PUT"},
+                       force_first=tuple(WRITTEN.values()))
+    monkeypatch.setattr(done_index, "COMPACT_AFTER", 10)  # the rerun's load compacts the 20 parts
+    job = CaptionJob(source=f"s3://{BUCKET}/in/", output=f"s3://{BUCKET}/out/", model=str(tiny_llava),
+                     shard_size=2, sampling={"max_tokens": 2})
+    try:
+        _through(proxy, monkeypatch)
+        first, rerun = vlm_caption(job), vlm_caption(job)
+    finally:
+        proxy.close()
+        monkeypatch.setenv("VLM_CAPTION_S3_ENDPOINT_URL", s3_endpoint)  # the checks below read moto directly
+        get_settings.cache_clear()
+
+    records = _whole_parts(client)
+    counts = Counter(r["key"] for r in records)
+    faulted = Counter()
+    for path, times in proxy.faulted_paths.items():
+        faulted[_kind(path)] += times
+    report = {"injected": dict(proxy.injected), "faulted": dict(faulted), "puts": proxy.requests["PUT"],
+              "items": COUNT, "lost": COUNT - len(counts), "duplicated": sum(c - 1 for c in counts.values())}
+    print("FAULT-REPORT " + json.dumps(report))
+    assert set(WRITTEN) <= set(faulted), f"some kind of write was never faulted: {report}"
+    assert report["lost"] == 0 and report["duplicated"] == 0, report
+    assert all(r["error"] is None and r["sha256"] == hashes[r["key"]] for r in records)
+    assert (first["succeeded"], first["failed"]) == (COUNT, 0), first
+    assert (rerun["skipped_already_done"], rerun["processed"]) == (COUNT, 0), rerun
+
+    # The compacted index the rerun wrote covers every part; a load from it finds every result.
+    (compacted,) = [k for k in _keys(client, "out/results/") if k.endswith(".vidx")]
+    data = _read(client, compacted)
+    _, length = done_index.COMPACT_HEADER.unpack_from(data)
+    covered = json.loads(data[done_index.COMPACT_HEADER.size:done_index.COMPACT_HEADER.size + length])
+    assert len(covered) == COUNT // 2
+    assert len(done_index.load_done_index.fn(job.output, rerun["fingerprint"])) == COUNT
+
+    manifests = [json.loads(_read(client, k)) for k in _keys(client, "out/manifests/") if k.endswith(".json")]
+    assert len(manifests) == 2 and all(m["parquet"].get("complete") for m in manifests), manifests
+    table = pq.read_table(io.BytesIO(_read(client, "out/parquet/results.parquet")))
+    assert sorted(table.column("key").to_pylist()) == sorted(hashes)
