@@ -86,7 +86,7 @@ EXPECTED = {
     ("rvl", "image"): ("YannQi/R-4B", ONEVISION.format(m="image"), None, None),
     ("skywork_chat", "image"): ("Skywork/Skywork-R1V-38B", ("messages", [{"role": "user", "content": f"<image>\n{Q}"}]), None, ["<|end▁of▁sentence|>", "<|endoftext|>"]),
     ("smolvlm", "image"): ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", f"<|im_start|>User:<image>{Q}<end_of_utterance>\nAssistant:", None, None),
-    ("step3", "image"): ("stepfun-ai/step3-fp8", f"<|begin▁of▁sentence|> You are a helpful assistant. <|BOT|>user\n <im_patch>{Q} <|EOT|><|BOT|>assistant\n<think>\n", None, None),
+    ("step3", "image"): ("stepfun-ai/step3-fp8", f"<｜begin▁of▁sentence｜> You are a helpful assistant. <|BOT|>user\n <im_patch>{Q} <|EOT|><|BOT|>assistant\n<think>\n", None, None),
     ("tarsier", "image"): ("omni-research/Tarsier-7b", f"USER: <image>\n{Q} ASSISTANT:", None, None),
     ("tarsier2", "video"): ("omni-research/Tarsier2-Recap-7b", QWEN.format(pad="<|video_pad|>"), None, None),
 }
