@@ -53,6 +53,19 @@ def test_on_a_gpu_the_engine_arguments_carry_the_device_and_the_memory_it_needs(
     assert args["mm_ipc_gpu_memory_gb"] == 4  # the caller's own value
 
 
+def test_a_fixed_kv_cache_smaller_than_the_processors_share_is_refused_up_front(monkeypatch):
+    """On the H100 this failed vLLM's start: 'reserves 2.0 GiB ... only 0.25 GiB is available'."""
+    monkeypatch.setattr(arguments, "_cuda_present", lambda: True)
+    small = EngineSpec.build("qwen2_vl", model="/none", engine_overrides={"kv_cache_memory_bytes": 256 * 1024**2})
+    with pytest.raises(RecipeError, match="--processor-device cpu"):
+        engine_plan(small, get_recipe("qwen2_vl"), on_cpu=False)
+    enough = EngineSpec.build("qwen2_vl", model="/none", engine_overrides={"kv_cache_memory_bytes": 3 * 1024**3})
+    assert engine_plan(enough, get_recipe("qwen2_vl"), on_cpu=False)[1].device == "cuda"
+    on_cpu = EngineSpec.build("qwen2_vl", model="/none", processor_device="cpu",
+                              engine_overrides={"kv_cache_memory_bytes": 256 * 1024**2})
+    assert engine_plan(on_cpu, get_recipe("qwen2_vl"), on_cpu=False)[1].device == "cpu"
+
+
 def test_on_cpu_nothing_changes():
     args, placement = engine_plan(EngineSpec.build("qwen2_vl", model="/none"), get_recipe("qwen2_vl"), on_cpu=True)
     assert placement.device == "cpu" and placement.reason == "no GPU on this machine"

@@ -71,3 +71,15 @@ def apply_placement(args: dict[str, Any], placement: ProcessorPlacement) -> None
     kwargs.setdefault("device", "cuda")
     args["mm_processor_kwargs"] = kwargs
     args.setdefault("mm_ipc_gpu_memory_gb", PROCESSOR_GPU_GIB)
+    _check_kv_cache_holds_the_carve_out(args)
+
+
+def _check_kv_cache_holds_the_carve_out(args: dict[str, Any]) -> None:
+    """vLLM takes the processor's share off a fixed `kv_cache_memory_bytes`, and fails its start
+    deep in the engine process when nothing is left; say so before any engine starts."""
+    fixed, carve_out = args.get("kv_cache_memory_bytes"), float(args["mm_ipc_gpu_memory_gb"])
+    if fixed is not None and fixed <= carve_out * 1024**3:
+        raise RecipeError(
+            f"kv_cache_memory_bytes={fixed} ({fixed / 1024**3:.2f} GiB) leaves no KV cache once the model's "
+            f"processor takes its {carve_out:g} GiB on the GPU (mm_ipc_gpu_memory_gb): give more than "
+            f"{carve_out:g} GiB, or run the processor on the CPU (--processor-device cpu)")
