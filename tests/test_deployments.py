@@ -59,7 +59,7 @@ def records_under(s3_client, prefix: str) -> list[dict]:
 def manifests(s3_client) -> dict[str, dict]:
     found = s3_client.list_objects_v2(Bucket=BUCKET, Prefix="captions/manifests/").get("Contents", [])
     return {obj["Key"]: json.loads(s3_client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read())
-            for obj in found}
+            for obj in found if obj["Key"].endswith(".json")}  # the run's gallery (.html) sits beside it
 
 
 def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava):
