@@ -1,6 +1,6 @@
 """Session fixtures: one real PostgreSQL and one `prefect server start` on it, with the
 deployments, the blocks, the automation and two process workers, shared by the deployment
-tests (tests/test_deployments.py) and the API outage test (tests/test_api_outage.py).
+tests (tests/test_deployments.py); an API outage test (a server restart mid-run) is to come.
 
 PostgreSQL is Debian's (`apt-get install postgresql`, which `.ci/run` does), started with plain
 `initdb`/`pg_ctl` in a temporary folder on a free port. PostgreSQL refuses to run as root, so as
