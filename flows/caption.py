@@ -145,7 +145,7 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
         raise FanOutError(f"partitions {incomplete} did not complete; {manifest_uri} counts what was done. "
                           "Run the deployment again: objects already done are skipped.")
     return {**summary, "run_id": run_id, "manifest": manifest_uri, "fingerprint": fingerprint,
-            "failures": stats.failures}
+            "failed_by_kind": dict(stats.failures_by_kind), "failures": stats.failures}
 
 
 def merge_children(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str, children,

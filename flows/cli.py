@@ -98,6 +98,12 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
                              "processor is checked there)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow recipes that run the model repository's own code")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every log line on the terminal as it comes (Prefect's, vLLM's, the flow's) instead "
+                        "of a progress bar, the rest in the run's log file")
+    parser.add_argument("--log-format", choices=["auto", "console", "json"],
+                        help="json: the flow's structured log lines and the final summary as JSON, on the "
+                        "terminal, for machines (implies -v); console or auto: VLM_CAPTION_LOG_FORMAT's choices")
     structured = parser.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="FILE|tags",
                             help="answer JSON matching this JSON Schema file (or `tags`: a built-in "
@@ -251,7 +257,17 @@ def cmd_recipes_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_format(args: argparse.Namespace) -> None:
+    """--log-format before anything reads the settings (structlog's stderr renderer follows it)."""
+    if args.log_format:
+        os.environ["VLM_CAPTION_LOG_FORMAT"] = args.log_format
+        from tasks.settings import get_settings
+
+        get_settings.cache_clear()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    _log_format(args)
     from flows.params import CaptionJob
     from tasks.engine.model_check import check_job_model
 
@@ -265,14 +281,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
     from flows.caption import vlm_caption
     from tasks.engine.vllm_engine import import_vllm_in_background
+    from tasks.terminal import print_summary, run_terminal
 
     import_vllm_in_background()  # while Prefect's embedded server starts
-    summary = vlm_caption(job)
-    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
+    with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
+        summary = vlm_caption(job)
+    if args.log_format == "json":  # for a machine reading stdout
+        print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
+    else:
+        print_summary(summary, job.output, log_path)
     return 0
 
 
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    _log_format(args)
     from flows.demo import run_demo
     from flows.server import check_api_reachable
 

@@ -47,6 +47,7 @@ def make_sample_images(folder: Path, count: int) -> list[Path]:
 def run_demo(args, job_fields: dict[str, Any]) -> int:
     from flows.caption import vlm_caption
     from flows.params import CaptionJob
+    from tasks.terminal import print_summary, run_terminal
     from tasks.tiny_checkpoint import build_tiny_llava
 
     root = Path(args.dir).resolve()
@@ -70,13 +71,16 @@ def run_demo(args, job_fields: dict[str, Any]) -> int:
         job_fields.setdefault("sampling", {}).setdefault("max_tokens", 24)
     job_fields.setdefault("shard_size", 4)
     job = CaptionJob(source=str(images), output=str(results), **job_fields)
-    summary = vlm_caption(job)
+    with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
+        summary = vlm_caption(job)
 
     print()
     print(f"images:   {images}")
     print(f"results:  {results}/results/{summary['fingerprint']}/*.jsonl")
-    print(f"manifest: {summary['manifest']}")
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("failures", "manifest")}, indent=2))
+    if args.log_format == "json":
+        print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
+    else:
+        print_summary(summary, job.output, log_path)
     for part in sorted((results / "results" / summary["fingerprint"]).glob("*.jsonl"))[:1]:
         for line in part.read_text().splitlines()[:3]:
             record = json.loads(line)

@@ -190,74 +190,6 @@ def emit(event: str, run_id: str, **payload: Any) -> None:
     )
 
 
-class TerminalProgress:
-    """Items, items/s, ETA and errors in the terminal: a live rich bar on a terminal, one plain
-    line per shard otherwise (CI logs, `| tee`, a worker's output)."""
-
-    # Shards in the engine together finish together: a rate over less than this is noise.
-    RATE_WINDOW_S = 2.0
-
-    def __init__(self, total_items: int, description: str):
-        from rich.console import Console
-
-        self.total, self.done, self.errors = total_items, 0, 0
-        # The rate counts from the first result: before it come the listing and the engine's
-        # start (a minute on a GPU), which would make the first ETAs several times too long.
-        self.first: tuple[float, int] | None = None  # when, and how many items were done then
-        self.console = Console(stderr=True)
-        self.bar = None
-        if self.console.is_terminal:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeRemainingColumn)
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[rate]} items/s"), TimeRemainingColumn(),
-                                TextColumn("{task.fields[errors]} errors"), console=self.console,
-                                transient=False)
-            self.task = self.bar.add_task(description, total=total_items, rate="-", errors=0)
-            self.bar.start()
-
-    def grow(self, items: int) -> None:
-        """More items listed (the listing is streamed)."""
-        self.total += items
-        if self.bar is not None:
-            self.bar.update(self.task, total=self.total)
-
-    def advance(self, items: int, errors: int) -> None:
-        self.done += items
-        self.errors += errors
-        now = time.monotonic()
-        if self.first is None and self.done:
-            self.first = (now, self.done)
-        rate = self.rate(now)
-        shown = "-" if rate is None else f"{rate:.2f}"
-        if self.bar is not None:
-            self.bar.update(self.task, advance=items, rate=shown, errors=self.errors)
-            return
-        self.console.print(f"vlm-caption: {self.done}/{self.total} items · {shown} items/s · "
-                           f"ETA {self._eta(rate)} · {self.errors} errors", highlight=False, soft_wrap=True)
-
-    def rate(self, now: float) -> float | None:
-        """Items/s since the first result; None until that spans RATE_WINDOW_S."""
-        if self.first is None or now - self.first[0] < self.RATE_WINDOW_S:
-            return None
-        since, done_then = self.first
-        return (self.done - done_then) / (now - since)
-
-    def _eta(self, rate: float | None) -> str:
-        left = self.total - self.done
-        if left == 0:
-            return "0:00"
-        if not rate:
-            return "-"
-        seconds = int(left / rate)
-        return f"{seconds // 60}:{seconds % 60:02d}"
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 class Progress:
     """A Prefect progress artifact and the terminal's progress, counted in items. The total
     grows as the streamed listing hands over shards."""
@@ -275,6 +207,8 @@ class Progress:
             progress=0.0, key="vlm-caption-progress", description=description
         )
         self.published_percent, self.published_at = 0.0, time.monotonic()
+        from tasks.terminal import TerminalProgress
+
         self.terminal = TerminalProgress(0, description)
 
     def grow(self, items: int) -> None:

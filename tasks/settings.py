@@ -83,6 +83,10 @@ class Settings(BaseSettings):
     log_format: str = Field(
         "auto", description="Log lines on stderr: `json`, `console`, or `auto` (console on a terminal, JSON "
         "otherwise). The Prefect UI shows `event key=value` whatever this is.")
+    log_dir: str | None = Field(
+        None, description="Where `vlm-caption run` and `demo` write a run's log file (Prefect's, vLLM's and the "
+        "flow's lines; the terminal shows a progress bar and a summary). Unset: `logs/` in a folder output, "
+        "`./vlm-caption-logs/` for an S3 one.")
 
 
 @lru_cache(maxsize=1)

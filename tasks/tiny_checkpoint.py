@@ -31,6 +31,7 @@ def train_tokenizer(special_tokens: list[str], vocab_size: int = 600):
         vocab_size=vocab_size,
         special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # the demo's terminal shows the run, not a tokenizer's training
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     return tok

@@ -125,8 +125,11 @@ def tokens_on(recipe_name: str, model: str, device: str) -> list[list[int]]:
                             processor_device="cuda" if device == "flow" else device)
     args, placement = engine_plan(spec, recipe, on_cpu=False)
     kwargs = {k: v for k, v in args["mm_processor_kwargs"].items() if k != "device"}
-    # One engine for photos and clips (the video recipe's pixel limits apply to both).
-    llm = LLM(**{**args, "gpu_memory_utilization": 0.3, "enforce_eager": True,
+    # One engine for photos and clips (the video recipe's pixel limits apply to both). One request
+    # at a time: in a batch, a request's numbers depend on which others share its steps, which
+    # depends on when the front end (slower or faster with the processor moved) added them; a
+    # random-weight model's near-tied logits then flip greedy tokens with identical inputs.
+    llm = LLM(**{**args, "gpu_memory_utilization": 0.3, "enforce_eager": True, "max_num_seqs": 1,
                  "limit_mm_per_prompt": {"image": 1, "video": 1}})
     requests = [{"prompt": PROMPTS["image"], "multi_modal_data": {
                     "image": Image.fromarray(rng.integers(0, 255, (720, 1280, 3), dtype=np.uint8))}}

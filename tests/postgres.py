@@ -1,6 +1,7 @@
 """Session fixtures: one real PostgreSQL and one `prefect server start` on it, with the
 deployments, the blocks, the automation and two process workers, shared by the deployment
-tests (tests/test_deployments.py); an API outage test (a server restart mid-run) is to come.
+tests (tests/test_deployments.py) and the API outage test (tests/test_api_outage.py), which runs
+last: it stops the server and starts it again on the same database (`stop_server`, `start_server`).
 
 PostgreSQL is Debian's (`apt-get install postgresql`, which `.ci/run` does), started with plain
 `initdb`/`pg_ctl` in a temporary folder on a free port. PostgreSQL refuses to run as root, so as
@@ -103,9 +104,9 @@ class PrefectStack:
             "PREFECT_API_URL": self.api, "PREFECT_HOME": str(root / "prefect-home"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
             "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_CLI_PROMPT": "false",
-            # Clients (CLI, workers, flow runs) give up on an unreachable API after ~15 s, not ~60 s,
-            # so the API outage test outlasts their retries with a 40 s outage, well inside the
-            # zombie automation's 90 s.
+            # Clients (CLI, workers, flow runs) give up on an unreachable API after ~15 s (2+4+8 s
+            # between tries), not ~60 s, so the API outage test outlasts their retries with a 20 s
+            # outage, well inside the zombie automation's 90 s.
             "PREFECT_CLIENT_MAX_RETRIES": "3",
             "VLM_CAPTION_HOME": str(REPO), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
         })

@@ -59,7 +59,8 @@ def flow_command(recipe: str, modality: str, checkpoint: Path, media: Path, out:
     if gpu_share:  # on a GPU the KV cache must also hold the processor's 2 GiB (tasks/engine/processor.py)
         engine_args.update(gpu_memory_utilization=gpu_share, kv_cache_memory_bytes=GPU_KV_CACHE_BYTES)
     command = [sys.executable, "-m", "flows.cli", "run", str(media), "--recipe", recipe, "--modality", modality,
-               "--model", str(checkpoint), "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--temperature", "0"]
+               "--model", str(checkpoint), "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
+               "-v"]  # every engine line in the output read below (startup_s, the error)
     for key, value in engine_args.items():
         command += ["--engine-arg", f"{key}={json.dumps(value)}"]
     return command

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from flows import cli
+from tests.terminal_io import assert_quiet_terminal
 
 # Two processes that spin for at most 15 minutes: the 2-core machine is busy while the
 # embedded Prefect server creates its fresh database (which took over Prefect's 20 s default).
@@ -37,6 +38,9 @@ def test_demo_first_run_on_a_busy_machine_with_a_fresh_prefect_home(tmp_path):
     assert sorted(r["key"] for r in records) == ["sample-00.jpg", "sample-01.png", "sample-02.webp"]
     assert all(r["error"] is None and r["output_tokens"] > 0 for r in records)
     assert f"results:  {results}" in done.stdout
+    # Through a pipe (CI, `| tee`): plain progress lines and the summary; the rest in the log file.
+    assert "vlm-caption: 3/3 items" in done.stderr
+    assert_quiet_terminal(done.stdout + done.stderr, tmp_path / "demo" / "results", items=3)
     manifest = json.loads(next((tmp_path / "demo" / "results" / "manifests").glob("*.json")).read_text())
     assert manifest["counts"]["succeeded"] == 3
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.results.gallery import build_gallery, gallery_key, sample_items
+from tasks.results.gallery import STRIP_FRAMES, THUMB_BYTES, build_gallery, gallery_key, sample_items
 from tasks.results.records import ResultRecord
-from tests.images import image_bytes
+from tests.images import image_bytes, video_bytes
 
 
 def record(key: str, *, text: str | None = "a caption", error: dict | None = None, question: str = "What is it?",
@@ -51,6 +51,25 @@ def test_sample_keeps_an_items_questions_together():
     assert gallery_key("abc") == "manifests/abc.html"
 
 
+def test_a_video_item_shows_a_strip_of_frames_and_a_bad_one_a_placeholder():
+    clips = {"good.mp4": video_bytes(frames=40, fps=10, size=(320, 240)), "bad.mp4": b"not a video at all" * 50}
+
+    def fetch(r):
+        if r.key == "gone.mp4":
+            raise OSError("connection reset")
+        return clips[r.key]
+
+    records = [record(key, video={"frames": 16}) for key in ("good.mp4", "bad.mp4", "gone.mp4")]
+    page, shown = build_gallery(records, fetch, 10, "run", {"run": "r"})
+    assert shown == 3
+    strips = re.findall(r'<div class="strip" data-frames="(\d+)">(.*?)</div>', page)
+    assert len(strips) == 1 and strips[0][0] == str(STRIP_FRAMES)
+    frames = re.findall(r'<img src="(data:image/jpeg;base64,[^"]+)"', strips[0][1])
+    assert len(frames) == STRIP_FRAMES and len(set(frames)) == STRIP_FRAMES  # distinct frames, evenly spaced
+    assert sum(len(f) for f in frames) * 3 / 4 < THUMB_BYTES * 1.01  # bounded like a thumbnail
+    assert page.count('class="placeholder">video<br>16 frames') == 2  # undecodable, unfetchable: no failure
+
+
 def chromium() -> str | None:
     return next((found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))),
                 None)
@@ -78,10 +97,12 @@ def test_gallery_in_headless_chromium(tmp_path: Path):
                for i, key in enumerate(pictures)]
     records.append(record("shards/00001.tar", error={"kind": "bad_input", "retryable": False,
                                                      "message": "shards/00001.tar: cut short at byte 3000"}))
-    records.append(record("clip.mp4", text="a dog runs", video={"frames": 8}))
+    records.append(record("clip.mp4", text="a dog runs", video={"frames": 8}))  # not fetchable: a placeholder
+    pictures["clips/strip.mp4"] = video_bytes(frames=40, fps=10, size=(320, 240))
+    records.append(record("clips/strip.mp4", text="bands move", video={"frames": 16}))
     page, shown = build_gallery(records, lambda r: pictures.get(r.key), 50, "vlm-caption · llava · s3://b/shards/",
                                 {"run": "r1"})
-    assert shown == 6
+    assert shown == 7
     path = tmp_path / "r1.html"
     path.write_text(page)
 
@@ -92,7 +113,10 @@ def test_gallery_in_headless_chromium(tmp_path: Path):
         assert f"shards/00000.tar/{i:06d}" in text and f"alt {i}" in text
     assert "error: bad_input: shards/00001.tar: cut short at byte 3000" in text
     assert '"t1"' in text and "a dog runs" in text and "8 frames" in text
-    assert dom.count('class="item failed"') == 1 and dom.count("<img") == 4
+    assert dom.count('class="item failed"') == 1 and dom.count("<img") == 4 + STRIP_FRAMES
+    strip = re.search(r'data-key="clips/strip.mp4">.*?<div class="strip" data-frames="(\d+)">(.*?)</div>', dom, re.S)
+    assert strip and int(strip[1]) == STRIP_FRAMES and strip[2].count("<img") == STRIP_FRAMES
+    assert "bands move" in text and "video · 16 frames" in text
     assert dom.index("shards/00001.tar") < dom.index("shards/00000.tar/000000")  # errors first
 
     shot = tmp_path / "gallery.png"

@@ -23,6 +23,7 @@ import pytest
 
 from flows import cli
 from tests.conftest import free_port
+from tests.terminal_io import assert_quiet_terminal, run_in_a_terminal
 
 EXE = Path(sys.executable).with_name("vlm-caption")
 # Screenshots kept for a person to look at (CI can upload the folder); ignored by git.
@@ -119,9 +120,11 @@ def test_an_operator_starts_the_server_runs_the_demo_and_sees_it_in_the_ui(tmp_p
         assert f"UI:  {ui}" in printed and f"export PREFECT_API_URL={api}" in printed, printed[:2000]
 
         demo_dir = tmp_path / "demo"
-        demo = subprocess.run([str(EXE), "demo", "--dir", str(demo_dir), "--images", "3"],
-                              env={**env, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=1200)
-        assert demo.returncode == 0, demo.stderr[-4000:]
+        # In a terminal, as a person runs it: a progress bar and a summary; the rest in the log file.
+        code, screen = run_in_a_terminal([str(EXE), "demo", "--dir", str(demo_dir), "--images", "3"],
+                                         env={**env, "PREFECT_API_URL": api}, timeout=1200)
+        assert code == 0, screen[-4000:]
+        assert_quiet_terminal(screen, demo_dir / "results", items=3)
 
         # What the operator will look for, from the API: the run, its artifacts, its logs.
         runs = httpx.post(f"{api}/flow_runs/filter", json={"flows": {"name": {"any_": ["vlm-caption"]}}},

@@ -1,13 +1,14 @@
 """The terminal progress of `vlm-caption run`: a live bar on a terminal, plain lines elsewhere."""
 
-from tasks.observability import Progress, TerminalProgress
+from tasks.observability import Progress
+from tasks.terminal import TerminalProgress
 
 
 def test_progress_is_plain_lines_when_not_a_terminal(capsys, monkeypatch):
-    import tasks.observability as observability
+    import tasks.terminal as terminal
 
     clock = [100.0]
-    monkeypatch.setattr(observability.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(terminal.time, "monotonic", lambda: clock[0])
     progress = TerminalProgress(10, "Captioning s3://b/ with llava")
     assert progress.bar is None  # pytest captures stderr: not a terminal
     clock[0] = 190.0  # the engine took 90 s to start: the first shard's results come now
@@ -67,3 +68,49 @@ def test_the_progress_artifact_is_updated_at_most_once_a_second_and_at_the_end(m
     progress.advance(3)  # too soon to publish
     progress.close()  # the last value is always published
     assert updates[-1] == ("artifact-1", 75.0) and len(updates) == 2
+
+
+def test_a_quiet_run_sends_this_process_and_its_children_to_the_log_and_keeps_the_terminal(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    log = tmp_path / "logs" / "run.log"
+    script = f"""
+import subprocess, sys
+from pathlib import Path
+from tasks.terminal import quiet_terminal, user_stream
+with quiet_terminal(Path({str(log)!r})):
+    print("a Prefect line")
+    print("a warning", file=sys.stderr)
+    subprocess.run([sys.executable, "-c", "import sys; print('the engine'); print('its warning', file=sys.stderr)"])
+    print("progress 1/1", file=user_stream())
+print("the summary")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "the summary\n"
+    assert done.stderr == f"vlm-caption: the run's log (Prefect, vLLM): {log}\nprogress 1/1\n"
+    kept = log.read_text()
+    assert all(line in kept for line in ("a Prefect line", "a warning", "the engine", "its warning")), kept
+    assert "progress" not in kept
+
+
+def test_the_summary_says_what_was_done_how_fast_and_where_it_all_is(capsys, tmp_path):
+    from tasks.terminal import print_summary
+
+    summary = {"processed": 10, "succeeded": 8, "failed": 2, "failed_by_kind": {"bad_input": 1, "engine": 1},
+               "skipped_already_done": 5, "items_per_s": 0.5, "wall_s": 20.2, "generate_items_per_s": 2.0,
+               "output_tokens_per_s": 128.0, "fingerprint": "abc", "manifest": "s3://b/out/manifests/r.json",
+               "gallery": "s3://b/out/manifests/r.html", "parquet": None}
+    print_summary(summary, "s3://b/out/", tmp_path / "run.log")
+    assert capsys.readouterr().out.splitlines() == [
+        "vlm-caption: run finished",
+        "  items    10 captioned: 8 ok, 2 failed (bad_input 1, engine 1); 5 already done",
+        "  speed    0.50 items/s over 20 s (2.00 while generating, 128 output tokens/s)",
+        "  results  s3://b/out/results/abc/",
+        "  manifest s3://b/out/manifests/r.json",
+        "  gallery  s3://b/out/manifests/r.html",
+        f"  log      {tmp_path / 'run.log'}",
+    ]

@@ -78,3 +78,40 @@ def test_prefix_listing_returns_root_relative_keys(tmp_path, s3_client):
         keys = [r.key for r in store.iter_objects(prefix="results/fp/")]
         assert keys == ["results/fp/part-1.jsonl"]
         assert store.read(keys[0]) == b"{}\n"
+
+
+def test_read_range_reads_a_part_of_an_object_in_both_storages(tmp_path, s3_client):
+    s3_client.create_bucket(Bucket="ranges")
+    data = bytes(range(256)) * 40  # 10,240 bytes
+    for store in (LocalStorage(tmp_path, create=True), open_storage("s3://ranges/in/")):
+        store.write("sub/blob.bin", data)
+        assert store.read_range("sub/blob.bin", 0, 16) == data[:16]
+        assert store.read_range("sub/blob.bin", 5000, 300) == data[5000:5300]
+        assert store.read_range("sub/blob.bin", len(data) - 10, 100) == data[-10:]  # cut where it ends
+        assert store.read_range("sub/blob.bin", len(data) + 5, 10) == b""  # past the end
+        assert store.read_range("sub/blob.bin", 7, 0) == b""
+        with pytest.raises(FileNotFoundError):
+            store.read_range("missing.bin", 0, 10)
+
+
+def test_read_range_on_s3_retries_cut_and_failed_gets_like_read(s3_client, s3_endpoint, monkeypatch):
+    """Through a proxy that fails, resets or cuts short a third of the GETs, every range comes
+    back whole: a ranged GET shares `read`'s retries for a body shorter than announced."""
+    from tasks.settings import get_settings
+    from tests.fault_proxy import FaultProxy
+
+    s3_client.create_bucket(Bucket="ranges-faulty")
+    data = bytes(range(256)) * 4096  # 1 MiB
+    s3_client.put_object(Bucket="ranges-faulty", Key="in/blob.bin", Body=data)
+    proxy = FaultProxy(s3_endpoint, rate=0.3, seed=3, kinds=("500", "503", "reset", "truncate"))
+    try:
+        monkeypatch.setenv("VLM_CAPTION_S3_ENDPOINT_URL", proxy.url)
+        get_settings.cache_clear()
+        store = open_storage("s3://ranges-faulty/in/")
+        for i in range(40):
+            start, length = i * 26_000, 20_000 + i * 50
+            assert store.read_range("blob.bin", start, length) == data[start:start + length], i
+    finally:
+        proxy.close()
+        get_settings.cache_clear()
+    assert proxy.injected["truncate"] > 0 and sum(proxy.injected.values()) > 5, proxy.injected

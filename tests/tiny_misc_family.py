@@ -269,9 +269,12 @@ def build_tiny_gemma3n(out: Path, seed: int = 0) -> Path:
                          num_kv_shared_layers=0, laurel_rank=8, activation_sparsity_pattern=[0.0, 0.0],
                          bos_token_id=ids["<bos>"], eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
                          pad_token_id=ids["<pad>"]),
-        # The real encoder (timm mobilenetv5_300m_enc) at 1/8 of its channels, fusing to 64 features on
-        # the real 16 x 16 grid: 256 soft tokens per 768-px image, as vLLM's Gemma 3n processor assumes.
-        vision_config=dict(model_args={"channel_multiplier": 0.125, "num_features": 64}, hidden_size=64,
+        # The real encoder (timm mobilenetv5_300m_enc) at 1/8 of its channels (~16M parameters, not 300M),
+        # fusing on the real 16 x 16 grid: 256 soft tokens per 768-px image, as vLLM's Gemma 3n processor
+        # assumes. timm's MobileNetV5Encoder hard-codes its fusion adapter's output at 2048 channels (it
+        # filters out a `num_features` kwarg), and vLLM and transformers reshape the tower's output with
+        # vision_config.hidden_size, so hidden_size must stay 2048.
+        vision_config=dict(model_args={"channel_multiplier": 0.125}, hidden_size=2048,
                            vocab_size=MEDIA_VOCAB, vocab_offset=text_vocab),
         audio_config=dict(vocab_size=MEDIA_VOCAB, vocab_offset=text_vocab + MEDIA_VOCAB, hidden_size=64,
                           conf_num_attention_heads=1, conf_num_hidden_layers=1, sscp_conv_channel_size=[16, 8]),

@@ -4,8 +4,10 @@ data URI, its questions and captions, structured fields and metadata, errors in 
 
 Its size is bounded whatever the run's: at most `items` items (a reservoir sample of the run's
 records, errors given up to a quarter of the places so that failures are seen), thumbnails of
-at most THUMB_PIXELS on the long side, texts cut at TEXT_CHARS. Video items show a placeholder
-(their frames are not decoded again for the page).
+at most THUMB_PIXELS on the long side, texts cut at TEXT_CHARS. A video item shows a strip of
+STRIP_FRAMES evenly spaced frames (decoded again by `tasks/media/video.py`, the captioning's own
+decoder and limits, STRIP_PIXELS on the long side); an item's picture, thumbnail or strip, is
+at most THUMB_BYTES. What does not fetch or decode shows a placeholder instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import io
 import itertools
 import json
 import random
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +33,9 @@ TEXT_CHARS = 1200
 THUMB_BYTES = 48 << 10  # a thumbnail over this is left out (a placeholder stands in)
 THUMB_SOURCE_BYTES = 64 << 20  # an item larger than this is not fetched again for its thumbnail
 FETCHERS = 16
+STRIP_FRAMES = 4  # frames in a video item's strip, evenly spaced over the video
+STRIP_PIXELS = 96  # a strip frame's long side
+VIDEO_SLOTS = 2  # videos fetched and decoded at once (a decode holds the whole video; decodes take turns)
 
 
 def gallery_key(run_id: str) -> str:
@@ -43,6 +49,7 @@ class GalleryItem:
     key: str
     records: list[ResultRecord] = field(default_factory=list)
     thumbnail: str | None = None  # a data: URI
+    strip: list[str] = field(default_factory=list)  # a video's frames, data: URIs
 
     @property
     def failed(self) -> bool:
@@ -71,6 +78,15 @@ def sample_items(records: Iterable[ResultRecord], limit: int, seed: int = 0) -> 
     return sorted(items, key=lambda item: (not item.failed, item.key))
 
 
+def _jpeg(image, limit: int = THUMB_BYTES) -> str | None:
+    """A PIL image as a JPEG data URI, or None when it comes out over `limit` bytes."""
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=THUMB_QUALITY)
+    if out.tell() > limit:
+        return None
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+
+
 def thumbnail(data: bytes) -> str | None:
     """A small JPEG as a data URI, or None when the bytes are not an image PIL opens."""
     from PIL import Image, ImageOps
@@ -80,13 +96,35 @@ def thumbnail(data: bytes) -> str | None:
             image.draft("RGB", (THUMB_PIXELS, THUMB_PIXELS))  # JPEG: decode at a fraction of the size
             image = ImageOps.exif_transpose(image).convert("RGB")
             image.thumbnail((THUMB_PIXELS, THUMB_PIXELS))
-            out = io.BytesIO()
-            image.save(out, "JPEG", quality=THUMB_QUALITY)
+            return _jpeg(image)
     except Exception:  # noqa: BLE001 - a corrupt image is shown as its error, not as a picture
         return None
-    if out.tell() > THUMB_BYTES:
-        return None
-    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def frame_strip(data: bytes, frames: int = STRIP_FRAMES) -> list[str]:
+    """`frames` evenly spaced frames of a video as small JPEG data URIs, decoded by the
+    captioning's own video decoder within its limits (max_video_seconds, ...); [] when the
+    video does not decode or its strip would be over THUMB_BYTES."""
+    from PIL import Image
+
+    from tasks.media.video import VideoLimits, decode_video
+    from tasks.settings import get_settings
+
+    settings = get_settings()
+    try:
+        video = decode_video(data, num_frames=frames,
+                             limits=VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels))
+        uris = []
+        for frame in video.frames:
+            image = Image.fromarray(frame).convert("RGB")
+            image.thumbnail((STRIP_PIXELS, STRIP_PIXELS))
+            uri = _jpeg(image, limit=THUMB_BYTES // max(1, len(video.frames)))
+            if uri is None:
+                return []
+            uris.append(uri)
+        return uris
+    except Exception:  # noqa: BLE001 - an undecodable video shows its placeholder (its record says why)
+        return []
 
 
 def _cut(text: str, limit: int = TEXT_CHARS) -> str:
@@ -103,6 +141,7 @@ h1{font-size:20px;margin:0 0 4px} .meta{color:#666;margin-bottom:12px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:12px}
 .item{background:#fff;border:1px solid #ddd;border-radius:6px;padding:8px;overflow:hidden}
 .item.failed{border:2px solid #d33;background:#fff4f4}
+.strip{display:flex;gap:2px;margin-bottom:6px} .strip img{width:72px;height:54px;object-fit:contain;background:#eee}
 .thumb{width:160px;height:120px;object-fit:contain;background:#eee;display:block;margin-bottom:6px}
 .placeholder{width:160px;height:120px;background:#ddd;display:flex;align-items:center;justify-content:center;
  color:#555;font-size:12px;margin-bottom:6px;text-align:center}
@@ -114,7 +153,13 @@ h1{font-size:20px;margin:0 0 4px} .meta{color:#666;margin-bottom:12px}
 
 def _item_html(item: GalleryItem) -> str:
     first = item.records[0]
-    if item.thumbnail:
+    if item.strip:
+        frames = "".join(f'<img src="{uri}" alt="frame {i + 1} of {len(item.strip)}">'
+                         for i, uri in enumerate(item.strip))
+        count = f" · {first.video.get('frames')} frames" if first.video and first.video.get("frames") else ""
+        picture = (f'<div class="strip" data-frames="{len(item.strip)}">{frames}</div>'
+                   f'<div class="label">video{html.escape(count)}</div>')
+    elif item.thumbnail:
         picture = f'<img class="thumb" src="{item.thumbnail}" alt="{html.escape(item.key)}">'
     else:
         label = "video" if first.video else ("no preview" if item.failed else "image")
@@ -149,17 +194,27 @@ def render_gallery(items: list[GalleryItem], title: str, summary: dict) -> str:
 
 def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord], bytes | None] | None,
                   limit: int, title: str, summary: dict) -> tuple[str, int]:
-    """The page's HTML and the number of items on it; `fetch` gives an item's image bytes."""
+    """The page's HTML and the number of items on it; `fetch` gives an item's image (or video)
+    bytes."""
     items = sample_items(records, limit)
+    video_slots = threading.BoundedSemaphore(VIDEO_SLOTS)
+
+    def read(record: ResultRecord) -> bytes | None:
+        try:
+            return fetch(record)
+        except Exception:  # noqa: BLE001 - a picture is a nicety; its record says what went wrong
+            return None
 
     def picture(item: GalleryItem) -> None:
         first = item.records[0]
-        if fetch is None or first.video or first.size > THUMB_SOURCE_BYTES:
+        if fetch is None or first.size > THUMB_SOURCE_BYTES:
             return
-        try:
-            data = fetch(first)
-        except Exception:  # noqa: BLE001 - a thumbnail is a nicety; its record says what went wrong
-            data = None
+        if first.video:
+            with video_slots:  # a few whole videos in memory at a time, not FETCHERS of them
+                data = read(first)
+                item.strip = frame_strip(data) if data else []
+            return
+        data = read(first)
         item.thumbnail = thumbnail(data) if data else None
 
     with ThreadPoolExecutor(FETCHERS, thread_name_prefix="gallery") as pool:  # object stores answer in parallel
@@ -186,7 +241,8 @@ def run_records(output_uri: str, parts: list[str], fingerprint: str) -> Iterator
 
 
 def media_fetcher(job) -> Callable[[ResultRecord], bytes | None]:
-    """How to read an item's (first) image again for its thumbnail, for the job's kind of source."""
+    """How to read an item's (first) image or video again for its picture, for the job's kind of
+    source."""
     from tasks.sources.fetch import MediaFetcher
     from tasks.sources.formats import split_location
     from tasks.sources.items import ObjectRef

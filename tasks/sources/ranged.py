@@ -1,9 +1,9 @@
 """Parts of a stored object without reading it whole: a byte range, or a seekable file object
 that reads ranges as it is read (tar headers, Parquet footers and row groups).
 
-These work through the two storages of `tasks/sources/storage.py` (a ranged GET on S3, a seek
-on a local file), so tar shards and Parquet files are streamed from where they are, never
-copied to disk.
+These work through `Storage.read_range` of `tasks/sources/storage.py` (a ranged GET on S3,
+retried like a whole read, or a seek on a local file), so tar shards and Parquet files are
+streamed from where they are, never copied to disk.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from typing import BinaryIO
 
-from tasks.sources.storage import LocalStorage, S3Storage, ShortBodyError, Storage
+from tasks.sources.storage import LocalStorage, Storage
 
 READ_AHEAD = 8 << 20  # a ranged GET fetches at least this much: tar headers of small members share one
 
@@ -20,41 +20,7 @@ def read_range(storage: Storage, key: str, start: int, length: int) -> bytes:
     """`length` bytes of `key` from `start`; fewer only where the object ends first."""
     if length <= 0:
         return b""
-    if isinstance(storage, LocalStorage):
-        with open(storage.root / key, "rb") as handle:
-            handle.seek(start)
-            return handle.read(length)
-    if isinstance(storage, S3Storage):
-        return _s3_range(storage, key, start, length)
-    data = storage.read(key)  # any other Storage: whole, then sliced
-    return data[start:start + length]
-
-
-def _s3_range(storage: S3Storage, key: str, start: int, length: int) -> bytes:
-    from botocore.exceptions import ClientError, IncompleteReadError, ResponseStreamingError
-
-    client = storage._client  # the storage's own client: its credentials, endpoint and retries
-    problem = ""
-    for _ in range(3):
-        try:
-            response = client.get_object(Bucket=storage.bucket, Key=storage.prefix + key,
-                                         Range=f"bytes={start}-{start + length - 1}")
-        except client.exceptions.NoSuchKey as exc:
-            raise FileNotFoundError(f"{storage.describe(key)}: no such object") from exc
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
-                return b""  # the range starts past the end of the object
-            raise
-        try:
-            body = response["Body"].read()
-        except (IncompleteReadError, ResponseStreamingError) as exc:
-            problem = f"the body broke off: {exc}"
-            continue
-        expected = response.get("ContentLength")
-        if expected is None or len(body) == expected:
-            return body
-        problem = f"got {len(body)} of {expected} bytes"
-    raise ShortBodyError(f"{storage.describe(key)} bytes {start}+{length}: {problem}")
+    return storage.read_range(key, start, length)
 
 
 class RangeFile(io.RawIOBase):

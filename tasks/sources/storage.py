@@ -2,7 +2,8 @@
 
 `open_storage("s3://bucket/prefix/")` or `open_storage("/data/images")` returns a `Storage`
 rooted at that location. Keys are relative to the root. Listing is lazy (paginated for S3,
-a sorted walk for folders); writes are atomic (a single PUT, or temp file + rename).
+a sorted walk for folders); writes are atomic (a single PUT, or temp file + rename); a part of
+an object is read with `read_range` (a ranged GET, or a seek), with the same retries as `read`.
 
 S3 credentials come from a prefect-aws credentials block when one is named (settings
 `VLM_CAPTION_AWS_CREDENTIALS_BLOCK` / `VLM_CAPTION_MINIO_CREDENTIALS_BLOCK`), otherwise from the
@@ -40,6 +41,7 @@ class Storage(Protocol):
 
     def iter_objects(self, glob: str | None = None, prefix: str = "") -> Iterator[ObjectRef]: ...
     def read(self, key: str) -> bytes: ...
+    def read_range(self, key: str, start: int, length: int) -> bytes: ...
     def write(self, key: str, data: bytes) -> None: ...
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
@@ -78,6 +80,14 @@ class LocalStorage:
 
     def read(self, key: str) -> bytes:
         return (self.root / key).read_bytes()
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes from `start`; fewer only where the file ends first."""
+        if length <= 0:
+            return b""
+        with open(self.root / key, "rb") as handle:
+            handle.seek(start)
+            return handle.read(length)
 
     def write(self, key: str, data: bytes) -> None:
         path = self.root / key
@@ -124,12 +134,31 @@ class S3Storage:
     def read(self, key: str) -> bytes:
         """The whole object. A body shorter than its Content-Length (a connection cut mid-way)
         is fetched again, never passed on as if complete."""
+        return self._get(key)
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes from `start` (one ranged GET); fewer only where the object ends first,
+        none where it ends before `start`. Retried like `read`."""
+        from botocore.exceptions import ClientError
+
+        if length <= 0:
+            return b""
+        try:
+            return self._get(key, Range=f"bytes={start}-{start + length - 1}")
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                return b""  # the range starts past the end of the object
+            raise
+
+    def _get(self, key: str, **request) -> bytes:
+        """One GET (whole, or a `Range=`), fetched again while the body breaks off or arrives
+        shorter than its Content-Length; the client's own retries cover the request itself."""
         from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
         problem = ""
         for _ in range(SHORT_BODY_ATTEMPTS):
             try:
-                response = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)
+                response = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key, **request)
             except self._client.exceptions.NoSuchKey as exc:
                 raise FileNotFoundError(f"{self.describe(key)}: no such object") from exc
             try:
@@ -141,7 +170,8 @@ class S3Storage:
             if expected is None or len(body) == expected:
                 return body
             problem = f"got {len(body)} of {expected} bytes"
-        raise ShortBodyError(f"{self.describe(key)}: {problem} ({SHORT_BODY_ATTEMPTS} attempts)")
+        what = f" ({request['Range']})" if "Range" in request else ""
+        raise ShortBodyError(f"{self.describe(key)}{what}: {problem} ({SHORT_BODY_ATTEMPTS} attempts)")
 
     def write(self, key: str, data: bytes) -> None:
         # A single PUT is atomic: readers never see a partial object.

@@ -1,0 +1,189 @@
+"""What a person at a terminal sees of `vlm-caption run` and `demo`: a progress bar, then a summary.
+
+Everything else a run prints (Prefect's log lines, the flow's structured lines, vLLM's engine
+output and its warnings: Triton on a CPU host, NUMA binding, tcmalloc) goes to the run's log file,
+whose path is printed once. `quiet_terminal` does it at the file-descriptor level, so the engine's
+processes (spawned children inherit descriptors 1 and 2) and the embedded Prefect server write
+there too; the progress bar and the summary keep the terminal through `user_stream`.
+`-v` (or `--log-format json`, for machines) leaves the terminal as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+# The terminal's stderr while a quiet run holds descriptors 1 and 2; None otherwise.
+_terminal: IO[str] | None = None
+
+
+def user_stream() -> IO[str]:
+    """Where the progress bar goes: the terminal, whatever a quiet run did to stderr."""
+    return _terminal if _terminal is not None else sys.stderr
+
+
+def log_file_for(output: str, settings_dir: str | None) -> Path:
+    """The run's log file: VLM_CAPTION_LOG_DIR, else `logs/` in a folder output, else
+    `./vlm-caption-logs/` (an S3 output is written by many hosts; the log is this host's)."""
+    if settings_dir:
+        folder = Path(settings_dir)
+    elif "://" not in output:
+        folder = Path(output) / "logs"
+    else:
+        folder = Path("vlm-caption-logs")
+    return folder.resolve() / f"run-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}.log"
+
+
+@contextlib.contextmanager
+def quiet_terminal(log_path: Path) -> Iterator[Path]:
+    """Descriptors 1 and 2 (this process and every child started meanwhile) to `log_path`."""
+    global _terminal
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with open(log_path, "ab", buffering=0) as log:
+        terminal = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
+        print(f"vlm-caption: the run's log (Prefect, vLLM): {log_path}", file=terminal)
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        _terminal = terminal
+        try:
+            yield log_path
+        finally:
+            _stop_embedded_prefect_server()  # else it says so at exit, on the terminal
+            _terminal = None
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+            terminal.close()
+
+
+@contextlib.contextmanager
+def run_terminal(output: str, *, verbose: bool, log_format: str | None) -> Iterator[Path | None]:
+    """The terminal during a run: a progress bar, everything else in the run's log file (its path
+    yielded); with -v or --log-format json, every line on the terminal as it comes (None)."""
+    if verbose or log_format == "json":
+        yield None
+        return
+    from tasks.settings import get_settings
+
+    with quiet_terminal(log_file_for(output, get_settings().log_dir)) as log_path:
+        yield log_path
+
+
+def _stop_embedded_prefect_server() -> None:
+    """Prefect stops its embedded server at exit, with a log line; stop it now, into the log.
+    Its log and event workers send what they hold first (else they find no server at exit)."""
+    server = sys.modules.get("prefect.server.api.server")
+    instances = list(getattr(getattr(server, "SubprocessASGIServer", None), "_instances", {}).values())
+    if not instances:
+        return
+    from prefect._internal.concurrency.services import QueueService
+
+    with contextlib.suppress(Exception):  # the run is over: nothing here may fail it
+        QueueService.drain_all(timeout=30)
+    for instance in instances:
+        with contextlib.suppress(Exception):
+            instance.stop()
+
+
+class TerminalProgress:
+    """Items, items/s, ETA and errors in the terminal: a live rich bar on a terminal, one plain
+    line per shard otherwise (CI logs, `| tee`, a worker's output)."""
+
+    # Shards in the engine together finish together: a rate over less than this is noise.
+    RATE_WINDOW_S = 2.0
+
+    def __init__(self, total_items: int, description: str):
+        from rich.console import Console
+
+        self.total, self.done, self.errors = total_items, 0, 0
+        # The rate counts from the first result: before it come the listing and the engine's
+        # start (a minute on a GPU), which would make the first ETAs several times too long.
+        self.first: tuple[float, int] | None = None  # when, and how many items were done then
+        self.console = Console(file=user_stream())
+        self.bar = None
+        if self.console.is_terminal:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeRemainingColumn)
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[rate]} items/s"), TimeRemainingColumn(),
+                                TextColumn("{task.fields[errors]} errors"), console=self.console,
+                                transient=False)
+            self.task = self.bar.add_task(description, total=total_items, rate="-", errors=0)
+            self.bar.start()
+
+    def grow(self, items: int) -> None:
+        """More items listed (the listing is streamed)."""
+        self.total += items
+        if self.bar is not None:
+            self.bar.update(self.task, total=self.total)
+
+    def advance(self, items: int, errors: int) -> None:
+        self.done += items
+        self.errors += errors
+        now = time.monotonic()
+        if self.first is None and self.done:
+            self.first = (now, self.done)
+        rate = self.rate(now)
+        shown = "-" if rate is None else f"{rate:.2f}"
+        if self.bar is not None:
+            self.bar.update(self.task, advance=items, rate=shown, errors=self.errors)
+            return
+        self.console.print(f"vlm-caption: {self.done}/{self.total} items · {shown} items/s · "
+                           f"ETA {self._eta(rate)} · {self.errors} errors", highlight=False, soft_wrap=True)
+
+    def rate(self, now: float) -> float | None:
+        """Items/s since the first result; None until that spans RATE_WINDOW_S."""
+        if self.first is None or now - self.first[0] < self.RATE_WINDOW_S:
+            return None
+        since, done_then = self.first
+        return (self.done - done_then) / (now - since)
+
+    def _eta(self, rate: float | None) -> str:
+        left = self.total - self.done
+        if left == 0:
+            return "0:00"
+        if not rate:
+            return "-"
+        seconds = int(left / rate)
+        return f"{seconds // 60}:{seconds % 60:02d}"
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def summary_rows(summary: dict[str, Any], output: str, log_path: Path | None) -> list[tuple[str, str]]:
+    """The end of a run in a few lines: what was done, how fast, where it all is."""
+    by_kind = summary.get("failed_by_kind") or {}
+    failed = f"{summary['failed']} failed" + (
+        " (" + ", ".join(f"{kind} {count}" for kind, count in sorted(by_kind.items())) + ")" if by_kind else "")
+    rows = [
+        ("items", f"{summary['processed']} captioned: {summary['succeeded']} ok, {failed}; "
+                  f"{summary['skipped_already_done']} already done"),
+        ("speed", f"{summary['items_per_s']:.2f} items/s over {summary['wall_s']:.0f} s "
+                  f"({summary['generate_items_per_s'] or 0:.2f} while generating, "
+                  f"{summary['output_tokens_per_s']:.0f} output tokens/s)"),
+        ("results", f"{output.rstrip('/')}/results/{summary['fingerprint']}/"),
+    ]
+    rows += [(name, str(summary[name])) for name in ("manifest", "gallery", "parquet") if summary.get(name)]
+    if log_path is not None:
+        rows.append(("log", str(log_path)))
+    return rows
+
+
+def print_summary(summary: dict[str, Any], output: str, log_path: Path | None, file: IO[str] | None = None) -> None:
+    """Plain aligned lines (no table folding): paths stay whole for copy and paste, and for grep."""
+    out = file or sys.stdout
+    print("vlm-caption: run finished", file=out)
+    for name, value in summary_rows(summary, output, log_path):
+        print(f"  {name:<9}{value}", file=out)
