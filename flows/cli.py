@@ -164,9 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--images", type=int, default=64, help="distinct items to caption (default 64)")
     bench.add_argument("--size", default="640x480", help="image or frame size WxH (default 640x480)")
     bench.add_argument("--shard-size", type=int, default=64)
-    bench.add_argument("--source", choices=["folder", "s3"], default="folder",
-                       help="serve the images from a folder or an S3 endpoint (VLM_CAPTION_BENCH_S3, "
-                       "else a loopback moto server)")
+    bench.add_argument("--source", choices=["folder", "s3", "webdataset"], default="folder",
+                       help="serve the images from a folder, an S3 endpoint (VLM_CAPTION_BENCH_S3, "
+                       "else a loopback moto server) or WebDataset tar shards in a folder (the flow reads "
+                       "the tars; raw the JPEGs)")
     bench.add_argument("--max-tokens", type=int, default=64, help="output tokens per item (default 64)")
     bench.add_argument("--flow-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                        help="run the flow once more with these settings, e.g. VLM_CAPTION_RENDER_PROCESSES=0")

@@ -14,7 +14,7 @@ class BenchConfig:
     width: int = 640
     height: int = 480
     shard_size: int = 64
-    source: str = "folder"  # or "s3" (a loopback moto server, when moto is installed)
+    source: str = "folder"  # or "s3" (a loopback moto server), or "webdataset" (the photos in tar shards)
     max_tokens: int = 64
     shape: str = "tiny"  # without --model: a random-weight checkpoint of this shape (see CHECKPOINTS)
     modality: str = "image"  # or "video" (clips of `frames` sampled frames) or "multi-image" (pairs)

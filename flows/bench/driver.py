@@ -42,7 +42,7 @@ from typing import Any
 
 from flows.bench.config import CHECKPOINTS, BenchConfig
 from flows.bench.harness import GpuSampler, partition_workers, prefect_api, s3_source
-from flows.bench.media import GROUP_SIZE, bench_items, make_bench_media
+from flows.bench.media import GROUP_SIZE, bench_items, make_bench_media, make_bench_tars
 from flows.bench.report import print_table, profile_summary, ratios, write_report
 
 
@@ -111,6 +111,8 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
     if cfg.source == "s3":  # uploaded by the driver (flows/bench/harness.py, s3_source)
         base = os.environ["VLM_CAPTION_BENCH_S3"].rstrip("/")
         source, output = f"{base}/images/", f"{base}/out-{int(time.time())}/"
+    elif cfg.source == "webdataset":  # the same JPEGs in tar shards (made by run_bench)
+        source = str(make_bench_tars(folder, Path(cfg.workdir).resolve()))
     job = CaptionJob(source=source, output=output, recipe=cfg.recipe, model=model, shard_size=cfg.shard_size,
                      modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE,
                      sampling={"max_tokens": cfg.max_tokens, "ignore_eos": True}, fan_out=fan_out,
@@ -227,11 +229,15 @@ def build_checkpoint(work: Path, recipe: str, shape: str) -> str:
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    if cfg.source == "webdataset" and cfg.modality != "image":
+        raise SystemExit("--source webdataset packs the bench's photos in tars: use it with --modality image")
     if cfg.gpus > 1 and cfg.source != "folder":
         raise SystemExit("--gpus reads the items from a folder: the partition deployment's runs take "
                          "their S3 credentials from the vlm-caption-s3 block, which the bench does not make")
     work = Path(cfg.workdir).resolve()
     folder = make_bench_media(cfg, work)
+    if cfg.source == "webdataset":
+        make_bench_tars(folder, work)  # before any phase: packing is not the flow's time
     model = cfg.model or build_checkpoint(work, cfg.recipe, cfg.shape)
     profiles = [work / f"flow-profile-{i}.txt" if cfg.profile else None for i in range(len(cfg.flow_env) + 1)]
     report: dict[str, Any] = {"config": {**asdict(cfg), "model": model}, "device": _device(), "flow_env": {},

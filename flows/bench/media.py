@@ -80,3 +80,27 @@ def bench_items(cfg: BenchConfig, folder: Path) -> list[list[Path]]:
     if cfg.modality == "multi-image":
         return [sorted(group.glob("*.jpg")) for group in sorted(folder.iterdir()) if group.is_dir()]
     return [[path] for path in sorted(folder.glob("*.mp4" if cfg.modality == "video" else "*.jpg"))]
+
+
+TAR_SAMPLES = 1000  # samples per tar, as img2dataset writes them (10,000 there; fewer here, for small runs)
+
+
+def make_bench_tars(folder: Path, work: Path) -> Path:
+    """The same JPEGs packed as WebDataset shards (`NNNNN.tar` of `key.jpg` members): what the
+    flow reads with `--source webdataset`; raw reads the JPEGs themselves, as it would unpacked."""
+    import tarfile
+
+    images = sorted(folder.glob("*.jpg"))
+    shards = work / f"{folder.name}-tars"
+    shards.mkdir(parents=True, exist_ok=True)
+    for index, start in enumerate(range(0, len(images), TAR_SAMPLES)):
+        path = shards / f"{index:05d}.tar"
+        if path.exists():
+            continue
+        partial = path.with_suffix(".tar.partial")
+        with tarfile.open(partial, "w") as tar:
+            for image in images[start:start + TAR_SAMPLES]:
+                tar.add(image, arcname=f"{image.stem}.jpg")
+        partial.rename(path)
+    return shards
+
