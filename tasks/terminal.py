@@ -46,6 +46,7 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
+    servers_before = set(_embedded_prefect_servers())  # a test harness's, or a caller's: not ours to stop
     with open(log_path, "ab", buffering=0) as log:
         terminal = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
         print(f"vlm-caption: the run's log (Prefect, vLLM): {log_path}", file=terminal)
@@ -55,7 +56,7 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
         try:
             yield log_path
         finally:
-            _stop_embedded_prefect_server()  # else it says so at exit, on the terminal
+            _stop_embedded_prefect_servers(servers_before)  # else each says so at exit, on the terminal
             _terminal = None
             sys.stdout.flush()
             sys.stderr.flush()
@@ -78,18 +79,24 @@ def run_terminal(output: str, *, verbose: bool, log_format: str | None) -> Itera
         yield log_path
 
 
-def _stop_embedded_prefect_server() -> None:
-    """Prefect stops its embedded server at exit, with a log line; stop it now, into the log.
-    Its log and event workers send what they hold first (else they find no server at exit)."""
+def _embedded_prefect_servers() -> dict[int, Any]:
+    """Prefect's embedded API servers running in this process, by identity."""
     server = sys.modules.get("prefect.server.api.server")
-    instances = list(getattr(getattr(server, "SubprocessASGIServer", None), "_instances", {}).values())
-    if not instances:
+    instances = getattr(getattr(server, "SubprocessASGIServer", None), "_instances", {})
+    return {id(instance): instance for instance in list(instances.values())}
+
+
+def _stop_embedded_prefect_servers(keep: set[int]) -> None:
+    """Prefect stops the embedded server a run started at exit, with a log line; stop it now, into
+    the log. Its log and event workers send what they hold first (else they find no server at exit)."""
+    started = [instance for key, instance in _embedded_prefect_servers().items() if key not in keep]
+    if not started:
         return
     from prefect._internal.concurrency.services import QueueService
 
     with contextlib.suppress(Exception):  # the run is over: nothing here may fail it
         QueueService.drain_all(timeout=30)
-    for instance in instances:
+    for instance in started:
         with contextlib.suppress(Exception):
             instance.stop()
 

@@ -114,3 +114,31 @@ def test_the_summary_says_what_was_done_how_fast_and_where_it_all_is(capsys, tmp
         "  gallery  s3://b/out/manifests/r.html",
         f"  log      {tmp_path / 'run.log'}",
     ]
+
+
+def test_a_quiet_run_stops_only_the_embedded_server_it_started(tmp_path, monkeypatch):
+    """The server a run's Prefect started is stopped inside the redirect (its goodbye line goes to
+    the log); a server that was up before (a test harness's, a caller's) is left running."""
+    import sys
+    import types
+
+    import prefect._internal.concurrency.services as services
+
+    class Server:
+        stopped: list[str] = []
+
+        def __init__(self, name):
+            self.name = name
+
+        def stop(self):
+            Server.stopped.append(self.name)
+
+    module = types.ModuleType("prefect.server.api.server")
+    module.SubprocessASGIServer = types.SimpleNamespace(_instances={None: Server("the harness's")})
+    monkeypatch.setitem(sys.modules, "prefect.server.api.server", module)
+    monkeypatch.setattr(services.QueueService, "drain_all", classmethod(lambda cls, timeout=None: None))
+    from tasks.terminal import quiet_terminal
+
+    with quiet_terminal(tmp_path / "run.log"):
+        module.SubprocessASGIServer._instances[8123] = Server("the run's")
+    assert Server.stopped == ["the run's"]
