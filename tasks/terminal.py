@@ -101,6 +101,11 @@ def _stop_embedded_prefect_servers(keep: set[int]) -> None:
             instance.stop()
 
 
+def _fit(text: str, width: int) -> str:
+    """The bar's label cut to `width` (a long source path would push the counts off the line)."""
+    return text if len(text) <= width else text[: max(width - 1, 1)] + "…"
+
+
 class TerminalProgress:
     """Items, items/s, ETA and errors in the terminal: a live rich bar on a terminal, one plain
     line per shard otherwise (CI logs, `| tee`, a worker's output)."""
@@ -121,11 +126,12 @@ class TerminalProgress:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                        TimeRemainingColumn)
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
                                 TextColumn("{task.fields[rate]} items/s"), TimeRemainingColumn(),
                                 TextColumn("{task.fields[errors]} errors"), console=self.console,
                                 transient=False)
-            self.task = self.bar.add_task(description, total=total_items, rate="-", errors=0)
+            self.task = self.bar.add_task(_fit(description, self.console.width // 3), total=total_items,
+                                          rate="-", errors=0)
             self.bar.start()
 
     def grow(self, items: int) -> None:

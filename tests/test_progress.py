@@ -142,3 +142,13 @@ def test_a_quiet_run_stops_only_the_embedded_server_it_started(tmp_path, monkeyp
     with quiet_terminal(tmp_path / "run.log"):
         module.SubprocessASGIServer._instances[8123] = Server("the run's")
     assert Server.stopped == ["the run's"]
+
+
+def test_a_long_label_leaves_the_counts_on_the_line(monkeypatch):
+    from rich.console import Console
+
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))
+    monkeypatch.setattr(Console, "width", property(lambda self: 120))
+    progress = TerminalProgress(3, "Captioning /a/very/long/" + "path/" * 30 + "images with llava")
+    assert len(progress.bar.tasks[0].description) == 40 and progress.bar.tasks[0].description.endswith("…")
+    progress.close()
