@@ -282,17 +282,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
     from flows.caption import vlm_caption
     from tasks.engine.vllm_engine import import_vllm_in_background
-    from tasks.terminal import print_summary, run_terminal
+    from tasks.terminal import print_run_end, run_terminal
 
     import_vllm_in_background()  # while Prefect's embedded server starts
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         summary = vlm_caption(job)
-    if args.log_format == "json":  # for a machine reading stdout
-        print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
-    else:
-        print_summary(summary, job.output, log_path)
+    print_run_end(summary, job.output, log_path, args.log_format)
     return 0
-
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

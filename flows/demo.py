@@ -47,7 +47,7 @@ def make_sample_images(folder: Path, count: int) -> list[Path]:
 def run_demo(args, job_fields: dict[str, Any]) -> int:
     from flows.caption import vlm_caption
     from flows.params import CaptionJob
-    from tasks.terminal import print_summary, run_terminal
+    from tasks.terminal import print_run_end, run_terminal
     from tasks.tiny_checkpoint import build_tiny_llava
 
     root = Path(args.dir).resolve()
@@ -77,10 +77,7 @@ def run_demo(args, job_fields: dict[str, Any]) -> int:
     print()
     print(f"images:   {images}")
     print(f"results:  {results}/results/{summary['fingerprint']}/*.jsonl")
-    if args.log_format == "json":
-        print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
-    else:
-        print_summary(summary, job.output, log_path)
+    print_run_end(summary, job.output, log_path, args.log_format)
     for part in sorted((results / "results" / summary["fingerprint"]).glob("*.jsonl"))[:1]:
         for line in part.read_text().splitlines()[:3]:
             record = json.loads(line)

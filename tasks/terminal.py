@@ -200,3 +200,14 @@ def print_summary(summary: dict[str, Any], output: str, log_path: Path | None, f
     print("vlm-caption: run finished", file=out)
     for name, value in summary_rows(summary, output, log_path):
         print(f"  {name:<9}{value}", file=out)
+
+
+def print_run_end(summary: dict[str, Any], output: str, log_path: Path | None, log_format: str | None) -> None:
+    """The end of `run` and `demo`: the summary for a person, or one JSON object for a machine."""
+    if log_format == "json":
+        import json
+
+        print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
+    else:
+        print_summary(summary, output, log_path)
+
