@@ -14,7 +14,7 @@ import pytest
 from tasks.sources.braces import BraceError, expand_braces, expansion_count
 from tasks.sources.formats import detect_format, file_set, split_location
 from tasks.sources.items import ObjectRef
-from tasks.sources.storage import open_storage
+from tasks.sources.storage import LocalStorage, open_storage
 from tasks.sources.webdataset import iter_webdataset_items, read_member, split_member, tar_items
 from tests.images import corrupt_jpeg, image_bytes
 
@@ -111,15 +111,14 @@ def test_a_single_tar_streams_without_reading_large_members(tmp_path: Path, monk
         for i in range(3):
             sink.write({"__key__": f"v{i}", "mp4": bytes(3 << 20), "json": {"i": i}})
     reads: list[int] = []
-    real = ranged.read_range
+    real = LocalStorage.read_range
 
     def counted(storage, key, start, length):
         data = real(storage, key, start, length)
         reads.append(len(data))
         return data
 
-    monkeypatch.setattr(ranged, "read_range", counted)
-    monkeypatch.setattr(webdataset, "read_range", counted)
+    monkeypatch.setattr(LocalStorage, "read_range", counted)
     monkeypatch.setattr(webdataset, "open_seekable",
                         lambda storage, key, size: ranged.RangeFile(storage, key, size, read_ahead=64 << 10))
     size = path.stat().st_size

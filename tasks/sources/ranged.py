@@ -16,13 +16,6 @@ from tasks.sources.storage import LocalStorage, Storage
 READ_AHEAD = 8 << 20  # a ranged GET fetches at least this much: tar headers of small members share one
 
 
-def read_range(storage: Storage, key: str, start: int, length: int) -> bytes:
-    """`length` bytes of `key` from `start`; fewer only where the object ends first."""
-    if length <= 0:
-        return b""
-    return storage.read_range(key, start, length)
-
-
 class RangeFile(io.RawIOBase):
     """A read-only, seekable file over one stored object of known size; each read past the
     buffer is one ranged read of at least READ_AHEAD bytes."""
@@ -57,7 +50,7 @@ class RangeFile(io.RawIOBase):
         buffered_end = self._buffer_start + len(self._buffer)
         if not (self._buffer_start <= start and end <= buffered_end):
             length = max(n, self.read_ahead)
-            self._buffer, self._buffer_start = read_range(self.storage, self.key, start, length), start
+            self._buffer, self._buffer_start = self.storage.read_range(self.key, start, length), start
         offset = start - self._buffer_start
         data = self._buffer[offset:offset + n]
         self.position += len(data)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tasks.sources.formats import FileSet, iter_files
 from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.ranged import open_seekable, read_range
+from tasks.sources.ranged import open_seekable
 from tasks.sources.storage import Storage, open_storage
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
@@ -161,7 +161,7 @@ def read_member(storage: Storage, ref: TarMemberRef) -> bytes:
     """A member's bytes, by one ranged read of its tar."""
     if ref.size <= 0:
         raise SourceDefect(f"{ref.key}: no media bytes")
-    data = read_range(storage, ref.tar, ref.offset, ref.size)
+    data = storage.read_range(ref.tar, ref.offset, ref.size)
     if len(data) != ref.size:
         raise SourceDefect(f"{ref.key}: got {len(data)} of {ref.size} bytes: the tar changed or was cut short")
     return data
