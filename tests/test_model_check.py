@@ -23,6 +23,7 @@ from flows import cli
 from recipes import get_recipe
 from tasks.engine import model_check
 from tasks.engine.model_check import ModelError, check_model, resolve_model
+from tasks.results.report import RunStats
 from tests.checkpoints import build_checkpoint
 
 HF_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE",
@@ -153,7 +154,8 @@ def no_flow(monkeypatch):
     """The flow and vLLM's background import as stand-ins: a refused job must not reach them."""
     calls = []
     caption = types.ModuleType("flows.caption")
-    caption.vlm_caption = lambda job: calls.append(job) or {"listed": 0}
+    # A summary shaped like the flow's (an empty run), so the CLI's end-of-run summary is exercised too.
+    caption.vlm_caption = lambda job: calls.append(job) or {**RunStats().summary(), "fingerprint": "f" * 12}
     engine = types.ModuleType("tasks.engine.vllm_engine")
     engine.import_vllm_in_background = lambda: None
     monkeypatch.setitem(sys.modules, "flows.caption", caption)
