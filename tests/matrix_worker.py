@@ -28,7 +28,7 @@ def main(recipe_name: str, checkpoint: str, modalities: list[str]) -> None:
 
     from recipes import get_recipe
     from recipes.requests import build_requests
-    from tasks.engine.arguments import EngineSpec, engine_args
+    from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_args
 
     recipe = get_recipe(recipe_name)
     args = engine_args(EngineSpec.build(recipe_name, modality=modalities[0], model=checkpoint, images=2),
@@ -37,6 +37,7 @@ def main(recipe_name: str, checkpoint: str, modalities: list[str]) -> None:
     args["kv_cache_memory_bytes"] = 512 * 1024**2
     args["limit_mm_per_prompt"] = {"image": 2 if "multi-image" in modalities else 1,
                                    "video": 1 if "video" in modalities else 0}
+    eager_engine_processes(args, on_cpu=True)
     llm = LLM(**args)
     tokenizer = llm.get_tokenizer()
     for modality in modalities:

@@ -69,7 +69,7 @@ def phase_raw(cfg: BenchConfig, folder: Path, model: str, processor_device: str 
     from recipes import get_recipe
     from recipes.base import MEDIA_KIND
     from recipes.requests import prompt_text
-    from tasks.engine.arguments import EngineSpec, engine_plan
+    from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
 
     recipe = get_recipe(cfg.recipe)
     items = bench_items(cfg, folder)
@@ -77,6 +77,7 @@ def phase_raw(cfg: BenchConfig, folder: Path, model: str, processor_device: str 
     spec = EngineSpec.build(cfg.recipe, modality=cfg.modality, model=model, images=count,
                             processor_device=processor_device)
     args, placement = engine_plan(spec, recipe, on_cpu=current_platform.is_cpu())
+    eager_engine_processes(args, on_cpu=current_platform.is_cpu())  # as the flow's engine starts
     llm = LLM(**args)
     engine_s = time.perf_counter() - started
     kind = MEDIA_KIND[cfg.modality]

@@ -19,7 +19,7 @@ from typing import Any
 from recipes import RecipeError, get_recipe
 from recipes.base import MEDIA_KIND
 from recipes.requests import prompt_text, resolve_stop_ids
-from tasks.engine.arguments import EngineSpec, engine_plan
+from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
 from tasks.engine.feed import EngineDied, EngineFeed
 from tasks.engine.render import RenderJob, RenderPool
 from tasks.results.records import GenerationOutput
@@ -102,6 +102,7 @@ class CaptionEngine:
         self.recipe = get_recipe(spec.recipe)
         self.prompting = self.recipe.prompting(spec.modality)
         self.args, self.processor = engine_plan(spec, self.recipe, on_cpu=current_platform.is_cpu())
+        eager_engine_processes(self.args, on_cpu=current_platform.is_cpu())
         self.model = self.args["model"]
         _log_processor_placement(self.processor)
         renderers = render_processes()
