@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "as the example does, and once more on the GPU when the flow's is there")
     bench.add_argument("--skip-raw", action="store_true",
                        help="leave out the raw phase (e.g. when --gpus is what is measured)")
+    bench.add_argument("--json-schema", metavar="FILE|tags",
+                       help="both phases answer in JSON matching this schema (vLLM's structured outputs)")
 
     server = sub.add_parser("server", help="start Prefect's server with its UI (in its own environment, "
                             "via uv), for deployments, workers and runs to report to")
@@ -303,13 +305,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from flows.bench import BenchConfig, run_bench
 
+    from flows.params import BUILTIN_SCHEMAS
+
     width, _, height = args.size.partition("x")
+    schema = _json_schema(args.json_schema)
+    schema = BUILTIN_SCHEMAS[schema] if isinstance(schema, str) else schema
     run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images,
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
                           profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw,
-                          processor_device=args.processor_device))
+                          processor_device=args.processor_device,
+                          json_schema=json.dumps(schema) if schema is not None else None))
     return 0
 
 

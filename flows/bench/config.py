@@ -32,6 +32,19 @@ class BenchConfig:
     # as the example does; where the flow's lands on the GPU, raw runs once more with it there
     # too ("raw, same processor"): the best a hand-written script can do.
     processor_device: str = "auto"
+    # A JSON Schema (as JSON text) both phases constrain every answer to with vLLM's structured
+    # outputs; generation then ends where the schema does (no ignore_eos). None: prose.
+    json_schema: str | None = None
+
+    def structured(self) -> dict | None:
+        """The schema as a dict, or None for prose."""
+        import json
+
+        return json.loads(self.json_schema) if self.json_schema else None
+
+    def sampling(self) -> dict:
+        """Both phases' sampling: exactly max_tokens of prose, or up to max_tokens under a schema."""
+        return {"max_tokens": self.max_tokens, "ignore_eos": self.json_schema is None}
 
 
 # Random-weight checkpoints the bench builds (recipe -> builder and its shapes).

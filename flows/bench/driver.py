@@ -18,7 +18,8 @@ gone before the second starts:
 `--modality` picks images, videos (MP4 clips) or image groups (folders of two), each as the
 matching example runs it (`vision_language.py` image and video, `vision_language_multi_image.py`).
 
-Both generate exactly `--max-tokens` per image (ignore_eos). It prints a table and writes JSON:
+Both generate exactly `--max-tokens` per image (ignore_eos; with `--json-schema` both answer in that
+schema, up to `--max-tokens`, vLLM's structured outputs in both). It prints a table and writes JSON:
 items/s while generating, items/s including decode, wall from the phase's process start
 (imports and engine start included), time to the first result, items/s once the engine is up
 (decode, listing and Prefect included), output tokens/s, peak RSS, GPU busy % (NVML) between
@@ -88,8 +89,12 @@ def phase_raw(cfg: BenchConfig, folder: Path, model: str, processor_device: str 
               for paths in items]
     decode_s = time.perf_counter() - decode_started
     generate_started = time.time()
-    outputs = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True),
-                           use_tqdm=False)
+    structured = {}
+    if cfg.json_schema:  # the request the flow sends for the same schema (tasks/engine/vllm_engine.py)
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = {"structured_outputs": StructuredOutputsParams(json=cfg.structured())}
+    outputs = llm.generate(inputs, SamplingParams(temperature=0.0, **cfg.sampling(), **structured), use_tqdm=False)
     generate_s = time.time() - generate_started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"items": len(outputs), "engine_start_s": round(engine_s, 2), "engine_ready_s": round(engine_s, 2),
@@ -116,8 +121,8 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
         source = str(make_bench_tars(folder, Path(cfg.workdir).resolve()))
     job = CaptionJob(source=source, output=output, recipe=cfg.recipe, model=model, shard_size=cfg.shard_size,
                      modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE,
-                     sampling={"max_tokens": cfg.max_tokens, "ignore_eos": True}, fan_out=fan_out,
-                     processor_device=cfg.processor_device)
+                     sampling=cfg.sampling(), fan_out=fan_out, processor_device=cfg.processor_device,
+                     json_schema=cfg.structured())
     import_vllm_in_background()  # as `vlm-caption run` does
     summary = vlm_caption(job)
     from tasks.sources.storage import open_storage, split_parent
@@ -131,13 +136,17 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
     process_started_at = time.time() - (time.perf_counter() - started)
     ready_s = engine.get("ready_at", time.time()) - process_started_at
     partitions = [_partition_figures(p, process_started_at) for p in manifest["partitions"]]
+    # Every answer counts, as in raw (the flow's own figure counts successes: under --json-schema
+    # a random-weight model's answers rarely parse, yet each was generated).
+    generating = summary["processed"] / max(window[1] - window[0], 1e-9)
     return {"items": summary["processed"], "engine_start_s": round(engine.get("startup_s", 0.0), 2),
             "engine_ready_s": round(ready_s, 2),
-            "generate_s": round(window[1] - window[0], 2), "generate_items_per_s": summary["generate_items_per_s"],
+            "generate_s": round(window[1] - window[0], 2), "generate_items_per_s": generating,
             # Each GPU's items/s while it generated, summed: what the GPUs sustain together, apart
             # from when each partition's run started (a worker's poll, its process, its engine).
             "summed_gpu_items_per_s": (sum(p["generate_items_per_s"] for p in partitions) if partitions
-                                       else summary["generate_items_per_s"]),
+                                       else generating),
+            "failed": summary["failed"],  # under --json-schema: answers that did not parse
             "items_per_s": summary["processed"] / max(wall - ready_s, 1e-9),
             "output_tokens_per_s": summary["output_tokens_per_s"],
             "first_result_s": (summary["first_result_s"] or 0.0) + (wall - summary["wall_s"]),
