@@ -2,6 +2,8 @@
 user's override), what the engine arguments then say, and that frames shrunk in the fetch
 threads give vLLM's processor exactly what it would have made of the full frames."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -70,6 +72,24 @@ def test_on_cpu_nothing_changes():
     args, placement = engine_plan(EngineSpec.build("qwen2_vl", model="/none"), get_recipe("qwen2_vl"), on_cpu=True)
     assert placement.device == "cpu" and placement.reason == "no GPU on this machine"
     assert "device" not in args["mm_processor_kwargs"] and "mm_ipc_gpu_memory_gb" not in args
+
+
+def test_cpu_engines_start_without_inductor_unless_the_user_keeps_it(monkeypatch):
+    """vLLM compiles its CPU sampler even under enforce_eager (20 s of each engine start on 2
+    cores); the engine's spawned processes read TORCH_COMPILE_DISABLE from the environment."""
+    from tasks.engine.arguments import eager_engine_processes
+
+    recipe = get_recipe("llava")
+    cpu_args = engine_plan(EngineSpec.build("llava", model="/none"), recipe, on_cpu=True)[0]
+    gpu_args = engine_plan(EngineSpec.build("llava", model="/none"), recipe, on_cpu=False)[0]
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    eager_engine_processes(gpu_args, on_cpu=False)
+    assert "TORCH_COMPILE_DISABLE" not in os.environ  # a GPU engine compiles as vLLM decides
+    eager_engine_processes(cpu_args, on_cpu=True)
+    assert cpu_args["enforce_eager"] is True and os.environ["TORCH_COMPILE_DISABLE"] == "1"
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
+    eager_engine_processes(cpu_args, on_cpu=True)
+    assert os.environ["TORCH_COMPILE_DISABLE"] == "0"
 
 
 def test_a_job_takes_the_processor_device_from_the_command_line():
