@@ -44,6 +44,29 @@ def test_a_gallery_of_100000_items_is_bounded():
     assert page.count("more characters)") == 150  # long captions cut
 
 
+def test_a_store_that_does_not_answer_costs_the_run_its_time_for_pictures_and_no_more():
+    """One picture's read hangs (a stalled store, retried on and on): the page is written once
+    the time for pictures is up, that item with a placeholder, the others with thumbnails."""
+    import threading
+    import time
+
+    records = [record(f"img/{i}.jpg") for i in range(6)]
+    release = threading.Event()
+
+    def fetch(r):
+        if r.key == "img/3.jpg":
+            release.wait(60)
+        return image_bytes("JPEG", size=(64, 48))
+
+    started = time.monotonic()
+    page, shown = build_gallery(records, fetch, 10, "run", {"run": "r"}, fetch_s=1.5)
+    took = time.monotonic() - started
+    release.set()
+    assert shown == 6 and 1.5 <= took < 10, took
+    assert page.count("data:image/jpeg;base64,") == 5
+    assert '<div class="item" data-key="img/3.jpg"><div class="placeholder">image</div>' in page
+
+
 def test_sample_keeps_an_items_questions_together():
     records = [record(f"k{i}", question=q) for i in range(30) for q in ("q1", "q2")]
     items = sample_items(records, 10)

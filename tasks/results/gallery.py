@@ -7,7 +7,8 @@ records, errors given up to a quarter of the places so that failures are seen), 
 at most THUMB_PIXELS on the long side, texts cut at TEXT_CHARS. A video item shows a strip of
 STRIP_FRAMES evenly spaced frames (decoded again by `tasks/media/video.py`, the captioning's own
 decoder and limits, STRIP_PIXELS on the long side); an item's picture, thumbnail or strip, is
-at most THUMB_BYTES. What does not fetch or decode shows a placeholder instead.
+at most THUMB_BYTES. What does not fetch or decode shows a placeholder instead, as does what
+is not fetched within the run's time for pictures (`VLM_CAPTION_GALLERY_FETCH_S`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import itertools
 import json
 import random
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tasks.results.layout import manifest_key, results_prefix
@@ -193,9 +195,9 @@ def render_gallery(items: list[GalleryItem], title: str, summary: dict) -> str:
 
 
 def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord], bytes | None] | None,
-                  limit: int, title: str, summary: dict) -> tuple[str, int]:
+                  limit: int, title: str, summary: dict, fetch_s: float = 20.0) -> tuple[str, int]:
     """The page's HTML and the number of items on it; `fetch` gives an item's image (or video)
-    bytes."""
+    bytes. Pictures not made within `fetch_s` seconds show placeholders."""
     items = sample_items(records, limit)
     video_slots = threading.BoundedSemaphore(VIDEO_SLOTS)
 
@@ -205,21 +207,47 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
         except Exception:  # noqa: BLE001 - a picture is a nicety; its record says what went wrong
             return None
 
-    def picture(item: GalleryItem) -> None:
+    def picture(item: GalleryItem) -> tuple[str | None, list[str]]:
         first = item.records[0]
         if fetch is None or first.size > THUMB_SOURCE_BYTES:
-            return
+            return None, []
         if first.video:
             with video_slots:  # a few whole videos in memory at a time, not FETCHERS of them
                 data = read(first)
-                item.strip = frame_strip(data) if data else []
-            return
+                return None, frame_strip(data) if data else []
         data = read(first)
-        item.thumbnail = thumbnail(data) if data else None
+        return thumbnail(data) if data else None, []
 
-    with ThreadPoolExecutor(FETCHERS, thread_name_prefix="gallery") as pool:  # object stores answer in parallel
-        list(pool.map(picture, items))
+    _make_pictures(items, picture, fetch_s)
     return render_gallery(items, title, summary), len(items)
+
+
+def _make_pictures(items: list[GalleryItem], picture: Callable[[GalleryItem], tuple[str | None, list[str]]],
+                   fetch_s: float) -> None:
+    """Each item's picture, FETCHERS at a time (object stores answer in parallel), for at most
+    `fetch_s` seconds. The threads are daemons: one still waiting on a store when time is up
+    keeps neither the run nor the process from ending, and what it makes then is dropped."""
+    todo, lock, closed = deque(items), threading.Lock(), [False]
+
+    def work() -> None:
+        while True:
+            with lock:
+                if closed[0] or not todo:
+                    return
+                item = todo.popleft()
+            thumb, strip = picture(item)
+            with lock:
+                if not closed[0]:
+                    item.thumbnail, item.strip = thumb, strip
+
+    threads = [threading.Thread(target=work, name=f"gallery-{i}", daemon=True) for i in range(min(FETCHERS, len(items)))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + fetch_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with lock:
+        closed[0] = True
 
 
 def run_records(output_uri: str, parts: list[str], fingerprint: str) -> Iterator[ResultRecord]:
@@ -275,12 +303,13 @@ def gallery_after_run(job, run_id: str, fingerprint: str, parts: list[str]) -> d
     if job.gallery_items <= 0:
         return {"path": None}
     from tasks.observability import get_logger
+    from tasks.settings import get_settings
 
     try:
         out = open_storage(job.output, create=True)
         page, shown = build_gallery(run_records(job.output, parts, fingerprint), media_fetcher(job),
                                     job.gallery_items, f"vlm-caption · {job.recipe} · {job.location}",
-                                    {"run": run_id, "fingerprint": fingerprint})
+                                    {"run": run_id, "fingerprint": fingerprint}, get_settings().gallery_fetch_s)
         out.write(gallery_key(run_id), page.encode())
         path = out.describe(gallery_key(run_id))
         _link_artifact(path, shown)
