@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gpus", type=int, default=1,
                        help="N > 1: then the flow fanned out over N GPUs of this host (fan_out=N, the run on "
                        "GPU 0, a process worker per other GPU, the partition deployment; implies --prefect "
-                       "server and a folder source), reported over the flow on one GPU")
+                       "server; a folder or S3 source), reported over the flow on one GPU")
     bench.add_argument("--processor-device", choices=["auto", "cuda", "cpu"], default="auto",
                        help="where the flow's model processor runs (default auto); raw runs it on the CPU "
                             "as the example does, and once more on the GPU when the flow's is there")

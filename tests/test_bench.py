@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     exe = Path(sys.executable).with_name("vlm-caption")
@@ -17,22 +19,30 @@ def _bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads((tmp_path / "bench" / "bench.json").read_text())
 
 
-def test_bench_compares_the_flow_with_raw_vllm_on_videos_from_s3(tmp_path):
-    """Raw vLLM as the video example runs it (Qwen2-VL clips), then the flow reading them from the
-    bench's loopback S3 server (a process of its own), then one more flow phase from `--flow-env`,
-    all answering in the built-in tags schema (vLLM's structured outputs in raw and flow alike):
-    every item answered by each, the ratios and the JSON written, no made-up GPU figure."""
+def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_path):
+    """The one bench smoke CI runs (each phase starts an engine). Raw vLLM as the video example
+    runs it (Qwen2-VL clips), the flow reading them from the bench's loopback S3 server (a process
+    of its own) against the bench's own Prefect server, one more flow phase from `--flow-env`,
+    then `--gpus 2`: the flow fanned out over two devices (the run on device 0, a worker for device
+    1 running the partition deployment, which reads the loopback server's credentials block), all
+    answering in the built-in tags schema (vLLM's structured outputs in raw and flow alike): every
+    item answered by each, the ratios and the JSON written, each partition on its own device, the
+    worker stopped, no made-up GPU figure."""
+    import psutil
+
     from flows.params import TAGS_SCHEMA
 
     done, report = _bench(tmp_path, "--recipe", "qwen2_vl", "--modality", "video", "--frames", "4", "--images", "4",
-                          "--source", "s3", "--flow-env", "VLM_CAPTION_FEED_DEPTH=1", "--json-schema", "tags")
-    assert "flow / raw" in done.stdout
+                          "--source", "s3", "--flow-env", "VLM_CAPTION_FEED_DEPTH=1", "--json-schema", "tags",
+                          "--gpus", "2")
+    assert "flow / raw" in done.stdout and "flow on 2 GPUs" in done.stdout
     assert report["config"]["modality"] == "video"
     assert json.loads(report["config"]["json_schema"]) == TAGS_SCHEMA
     # 3 tokens of a random-weight model rarely close the JSON: such answers are the flow's
     # structured_output errors, yet count as answered (items/s below), as raw counts every output.
     (variant,) = report["flow_env"].values()
-    for phase in (report["raw"], report["flow"], variant):
+    fan_out = report["fan_out"]
+    for phase in (report["raw"], report["flow"], variant, fan_out):
         assert phase["items"] == 4
         assert phase["generate_items_per_s"] > 0 and phase["wall_s"] > 0
         assert phase["output_tokens_per_s"] > 0 and phase["peak_rss_mb"] > 0
@@ -40,7 +50,14 @@ def test_bench_compares_the_flow_with_raw_vllm_on_videos_from_s3(tmp_path):
     assert ratio["generate_items_per_s"] == round(report["flow"]["generate_items_per_s"]
                                                   / report["raw"]["generate_items_per_s"], 3)
     assert variant["ratio_over_raw"]["generate_items_per_s"] > 0
-    assert report["flow"]["prefect_api"] == "embedded"
+    assert report["flow"]["prefect_api"].startswith("http://127.0.0.1:")  # --gpus: the bench's own server
+    assert [(p["index"], p["devices"], p["worker"]) for p in fan_out["partitions"]] == [
+        (0, "0", None), (1, "1", "bench-gpu1")]  # partition 1 ran on the worker, not taken over
+    assert sum(p["processed"] for p in fan_out["partitions"]) == 4
+    assert fan_out["ratio_over_flow"]["generate_items_per_s"] == round(
+        fan_out["generate_items_per_s"] / report["flow"]["generate_items_per_s"], 3)
+    workers = [p for p in psutil.process_iter(["cmdline"]) if "bench-gpu1" in " ".join(p.info["cmdline"] or [])]
+    assert workers == []
     # no GPU: the processor stays on the CPU in both, and raw runs once
     assert report["raw"]["processor_device"] == report["flow"]["processor_device"] == "cpu"
     assert "raw_same" not in report
@@ -51,28 +68,28 @@ def test_bench_compares_the_flow_with_raw_vllm_on_videos_from_s3(tmp_path):
         assert json.loads(log.with_suffix(".gpu.json").read_text()) == []
 
 
-def test_bench_runs_image_groups_and_fans_out_over_two_gpus(tmp_path):
-    """`--modality multi-image` (folders of two, the default recipe llava rendered through its chat
-    template) as the multi-image example runs it, then the flow against the bench's own Prefect
-    server, then with `--gpus 2` fanned out over two devices (the run on device 0, a worker for
-    device 1 running the partition deployment): every group once, each partition on its own
-    device, its figures next to the one-device flow's, and the worker stopped."""
-    import psutil
+@pytest.mark.parametrize("modality", ["image", "video", "multi-image"])
+def test_each_modality_reaches_raw_as_its_example_builds_it(tmp_path, modality):
+    """What the smoke's video run leaves out, without an engine: the bench's items for each
+    modality, listed as the flow lists them, decoded for raw as the examples do (a PIL image, a
+    group of GROUP_SIZE, sampled frames with their metadata for recipes that need it)."""
+    from PIL import Image
 
-    done, report = _bench(tmp_path, "--modality", "multi-image", "--images", "8", "--gpus", "2")
-    assert "flow on 2 GPUs" in done.stdout
-    assert len(list((tmp_path / "bench" / "multi-image-96x64-8").iterdir())) == 8  # a group: a folder of two
-    assert report["raw"]["items"] == report["flow"]["items"] == report["fan_out"]["items"] == 8
-    assert report["flow"]["prefect_api"].startswith("http://127.0.0.1:")
-    fan_out = report["fan_out"]
-    assert [(p["index"], p["devices"], p["worker"]) for p in fan_out["partitions"]] == [
-        (0, "0", None), (1, "1", "bench-gpu1")]  # partition 1 ran on the worker, not taken over
-    assert sum(p["processed"] for p in fan_out["partitions"]) == 8
-    assert fan_out["summed_gpu_items_per_s"] == sum(p["generate_items_per_s"] for p in fan_out["partitions"])
-    assert fan_out["ratio_over_flow"]["summed_gpu_items_per_s"] == round(
-        fan_out["summed_gpu_items_per_s"] / report["flow"]["summed_gpu_items_per_s"], 3)
-    workers = [p for p in psutil.process_iter(["cmdline"]) if "bench-gpu1" in " ".join(p.info["cmdline"] or [])]
-    assert workers == []
+    from flows.bench.config import BenchConfig
+    from flows.bench.driver import example_media
+    from flows.bench.media import GROUP_SIZE, bench_items, make_bench_media
+
+    cfg = BenchConfig(workdir=str(tmp_path), modality=modality, images=3, width=64, height=48, frames=4)
+    items = bench_items(cfg, make_bench_media(cfg, tmp_path))
+    assert len(items) == 3 and {len(paths) for paths in items} == {GROUP_SIZE if modality == "multi-image" else 1}
+    media = example_media(cfg, items[0], needs_metadata=True)
+    if modality == "image":
+        assert isinstance(media, Image.Image) and media.size == (64, 48)
+    elif modality == "multi-image":
+        assert [image.size for image in media] == [(64, 48)] * GROUP_SIZE
+    else:
+        frames, metadata = media
+        assert frames.shape[0] == 4 and frames.shape[1:3] == (48, 64) and metadata["total_num_frames"] >= 4
 
 
 def test_the_profile_is_told_apart_by_process(tmp_path):

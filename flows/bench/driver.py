@@ -241,9 +241,8 @@ def build_checkpoint(work: Path, recipe: str, shape: str) -> str:
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.source == "webdataset" and cfg.modality != "image":
         raise SystemExit("--source webdataset packs the bench's photos in tars: use it with --modality image")
-    if cfg.gpus > 1 and cfg.source != "folder":
-        raise SystemExit("--gpus reads the items from a folder: the partition deployment's runs take "
-                         "their S3 credentials from the vlm-caption-s3 block, which the bench does not make")
+    if cfg.gpus > 1 and cfg.source == "webdataset":
+        raise SystemExit("--gpus reads the items from a folder or S3, not from tars")
     work = Path(cfg.workdir).resolve()
     folder = make_bench_media(cfg, work)
     if cfg.source == "webdataset":

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+LOOPBACK_S3 = "s3://bench"  # the bucket of the bench's own moto server
+S3_BLOCK = "vlm-caption-s3"  # the credentials block deployments/prefect.yaml's runs read
 
 
 class GpuSampler:
@@ -101,13 +103,13 @@ def s3_source(folder: Path, work: Path):
     if not base:
         port = _free_port()
         env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-               "VLM_CAPTION_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "VLM_CAPTION_BENCH_S3": "s3://bench"}
+               "VLM_CAPTION_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "VLM_CAPTION_BENCH_S3": LOOPBACK_S3}
         log = open(work / "moto-server.log", "wb")
         server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                   stdout=log, stderr=subprocess.STDOUT)
         _wait_until(lambda: _healthy(env["VLM_CAPTION_S3_ENDPOINT_URL"], path="/moto-api/"), server,
                     f"the moto S3 server did not start; see {work / 'moto-server.log'}")
-        base = "s3://bench"
+        base = LOOPBACK_S3
         import boto3
 
         boto3.client("s3", endpoint_url=env["VLM_CAPTION_S3_ENDPOINT_URL"], region_name="us-east-1",
@@ -157,10 +159,14 @@ def partition_workers(gpus: int, work: Path, api_env: dict[str, str]):
     """What a fanned-out run needs besides its server, set up as the README's "Operate it" says:
     the work pool, the partition deployment from deployments/prefect.yaml, and one process worker
     per GPU 1..N-1 (the run itself captions its partition on GPU 0). Stopped afterwards, each
-    with what it started."""
+    with what it started. The partition deployment reads S3 credentials from the vlm-caption-s3
+    block: made here for the bench's loopback S3 server; a real endpoint's is the user's, as for
+    their own deployments."""
     env = {**os.environ, **api_env, "VLM_CAPTION_HOME": str(REPO), "PREFECT_CLI_PROMPT": "false",
            "PREFECT_WORKER_QUERY_SECONDS": "2"}  # a child run starts within 2 s of being created
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    if api_env.get("VLM_CAPTION_BENCH_S3") == LOOPBACK_S3:
+        _save_loopback_credentials(env)
     for args in (["work-pool", "create", BENCH_POOL, "--type", "process", "--overwrite",
                   "--base-job-template", "deployments/base-job-templates/process-gpu.json"],
                  ["deploy", "--prefect-file", "deployments/prefect.yaml", "--name", "partition"]):
@@ -181,6 +187,14 @@ def partition_workers(gpus: int, work: Path, api_env: dict[str, str]):
         for worker, log in workers:
             _stop_tree(worker)
             log.close()
+
+
+def _save_loopback_credentials(env: dict[str, str]) -> None:
+    code = ("import os; from prefect_aws import AwsCredentials\n"
+            f"AwsCredentials(aws_access_key_id=os.environ['AWS_ACCESS_KEY_ID'], "
+            f"aws_secret_access_key=os.environ['AWS_SECRET_ACCESS_KEY'], region_name='us-east-1')"
+            f".save({S3_BLOCK!r}, overwrite=True)")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True)
 
 
 def _stop_tree(proc: subprocess.Popen) -> None:
