@@ -304,7 +304,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from flows.bench import BenchConfig, run_bench
-
     from flows.params import BUILTIN_SCHEMAS
 
     width, _, height = args.size.partition("x")

@@ -4,8 +4,8 @@ data URI, its questions and captions, structured fields and metadata, errors in 
 
 Its size is bounded whatever the run's: at most `items` items (a reservoir sample of the run's
 records, errors given up to a quarter of the places so that failures are seen), thumbnails of
-at most THUMB_PIXELS on the long side, texts cut at TEXT_CHARS. A video item shows a strip of
-STRIP_FRAMES evenly spaced frames (decoded again by `tasks/media/video.py`, the captioning's own
+at most THUMB_PIXELS on the long side, texts cut (`gallery_page.py` writes the HTML). A video
+item shows a strip of STRIP_FRAMES evenly spaced frames (decoded again by `tasks/media/video.py`, the captioning's own
 decoder and limits, STRIP_PIXELS on the long side); an item's picture, thumbnail or strip, is
 at most THUMB_BYTES. What does not fetch or decode shows a placeholder instead, as does what
 is not fetched within the run's time for pictures (`VLM_CAPTION_GALLERY_FETCH_S`).
@@ -14,24 +14,21 @@ is not fetched within the run's time for pictures (`VLM_CAPTION_GALLERY_FETCH_S`
 from __future__ import annotations
 
 import base64
-import html
 import io
 import itertools
-import json
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 
+from tasks.results.gallery_page import GalleryItem, render_gallery
 from tasks.results.layout import manifest_key, results_prefix
 from tasks.results.records import ResultRecord
 from tasks.sources.storage import open_storage
 
 THUMB_PIXELS = 160
 THUMB_QUALITY = 70
-TEXT_CHARS = 1200
 THUMB_BYTES = 48 << 10  # a thumbnail over this is left out (a placeholder stands in)
 THUMB_SOURCE_BYTES = 64 << 20  # an item larger than this is not fetched again for its thumbnail
 FETCHERS = 16
@@ -42,20 +39,6 @@ VIDEO_SLOTS = 2  # videos fetched and decoded at once (a decode holds the whole 
 
 def gallery_key(run_id: str) -> str:
     return manifest_key(run_id).removesuffix(".json") + ".html"
-
-
-@dataclass
-class GalleryItem:
-    """One item of the page: its records (one per question) in question order."""
-
-    key: str
-    records: list[ResultRecord] = field(default_factory=list)
-    thumbnail: str | None = None  # a data: URI
-    strip: list[str] = field(default_factory=list)  # a video's frames, data: URIs
-
-    @property
-    def failed(self) -> bool:
-        return any(r.error for r in self.records)
 
 
 def sample_items(records: Iterable[ResultRecord], limit: int, seed: int = 0) -> list[GalleryItem]:
@@ -129,71 +112,6 @@ def frame_strip(data: bytes, frames: int = STRIP_FRAMES) -> list[str]:
         return []
 
 
-def _cut(text: str, limit: int = TEXT_CHARS) -> str:
-    return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more characters)"
-
-
-def _json(value) -> str:
-    return _cut(json.dumps(value, ensure_ascii=False, indent=1, default=str))
-
-
-STYLE = """
-body{font:14px/1.4 system-ui,sans-serif;margin:16px;background:#fafafa;color:#222}
-h1{font-size:20px;margin:0 0 4px} .meta{color:#666;margin-bottom:12px}
-.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:12px}
-.item{background:#fff;border:1px solid #ddd;border-radius:6px;padding:8px;overflow:hidden}
-.item.failed{border:2px solid #d33;background:#fff4f4}
-.strip{display:flex;gap:2px;margin-bottom:6px} .strip img{width:72px;height:54px;object-fit:contain;background:#eee}
-.thumb{width:160px;height:120px;object-fit:contain;background:#eee;display:block;margin-bottom:6px}
-.placeholder{width:160px;height:120px;background:#ddd;display:flex;align-items:center;justify-content:center;
- color:#555;font-size:12px;margin-bottom:6px;text-align:center}
-.key{font-family:monospace;font-size:12px;word-break:break-all} .q{color:#555;font-style:italic;margin-top:6px}
-.caption{white-space:pre-wrap} .error{color:#b00;font-weight:600;white-space:pre-wrap}
-.label{color:#888;font-size:11px;margin-top:6px} pre{margin:2px 0;background:#f3f3f3;padding:4px;font-size:11px;white-space:pre-wrap;max-height:160px;overflow:auto}
-"""
-
-
-def _item_html(item: GalleryItem) -> str:
-    first = item.records[0]
-    if item.strip:
-        frames = "".join(f'<img src="{uri}" alt="frame {i + 1} of {len(item.strip)}">'
-                         for i, uri in enumerate(item.strip))
-        count = f" · {first.video.get('frames')} frames" if first.video and first.video.get("frames") else ""
-        picture = (f'<div class="strip" data-frames="{len(item.strip)}">{frames}</div>'
-                   f'<div class="label">video{html.escape(count)}</div>')
-    elif item.thumbnail:
-        picture = f'<img class="thumb" src="{item.thumbnail}" alt="{html.escape(item.key)}">'
-    else:
-        label = "video" if first.video else ("no preview" if item.failed else "image")
-        frames = f"<br>{first.video.get('frames')} frames" if first.video else ""
-        picture = f'<div class="placeholder">{label}{frames}</div>'
-    parts = [f'<div class="item{" failed" if item.failed else ""}" data-key="{html.escape(item.key)}">', picture,
-             f'<div class="key">{html.escape(item.key)}</div>']
-    for record in item.records:
-        parts.append(f'<div class="q">{html.escape(_cut(record.question or "", 300))}</div>')
-        if record.error:
-            kind, message = record.error.get("kind", "error"), record.error.get("message", "")
-            parts.append(f'<div class="error">error: {html.escape(kind)}: {html.escape(_cut(message, 600))}</div>')
-        if record.text:
-            parts.append(f'<div class="caption">{html.escape(_cut(record.text))}</div>')
-        if record.structured is not None:
-            parts.append(f'<div class="label">structured</div><pre class="structured">'
-                         f'{html.escape(_json(record.structured))}</pre>')
-    if first.metadata:
-        parts.append(f'<div class="label">metadata</div><pre class="metadata">{html.escape(_json(first.metadata))}</pre>')
-    parts.append("</div>")
-    return "".join(parts)
-
-
-def render_gallery(items: list[GalleryItem], title: str, summary: dict) -> str:
-    """The page: a title, a line of counts, the items (failed ones first)."""
-    line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in summary.items())
-    body = "\n".join(_item_html(item) for item in items)
-    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-            f'<div class="meta">{line} · shown: {len(items)}</div><div class="grid">\n{body}\n</div></body></html>')
-
-
 def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord], bytes | None] | None,
                   limit: int, title: str, summary: dict, fetch_s: float = 20.0) -> tuple[str, int]:
     """The page's HTML and the number of items on it; `fetch` gives an item's image (or video)
@@ -227,17 +145,17 @@ def _make_pictures(items: list[GalleryItem], picture: Callable[[GalleryItem], tu
     """Each item's picture, FETCHERS at a time (object stores answer in parallel), for at most
     `fetch_s` seconds. The threads are daemons: one still waiting on a store when time is up
     keeps neither the run nor the process from ending, and what it makes then is dropped."""
-    todo, lock, closed = deque(items), threading.Lock(), [False]
+    todo, lock, closed = deque(items), threading.Lock(), threading.Event()
 
     def work() -> None:
         while True:
             with lock:
-                if closed[0] or not todo:
+                if closed.is_set() or not todo:
                     return
                 item = todo.popleft()
             thumb, strip = picture(item)
             with lock:
-                if not closed[0]:
+                if not closed.is_set():
                     item.thumbnail, item.strip = thumb, strip
 
     threads = [threading.Thread(target=work, name=f"gallery-{i}", daemon=True) for i in range(min(FETCHERS, len(items)))]
@@ -246,8 +164,8 @@ def _make_pictures(items: list[GalleryItem], picture: Callable[[GalleryItem], tu
     deadline = time.monotonic() + fetch_s
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    with lock:
-        closed[0] = True
+    with lock:  # a picture made from here on is dropped, never half-written into the page
+        closed.set()
 
 
 def run_records(output_uri: str, parts: list[str], fingerprint: str) -> Iterator[ResultRecord]:

@@ -1,0 +1,92 @@
+"""The gallery's page: its items (one per media item, its records in question order) and their
+HTML, self-contained (pictures are data URIs), texts cut at TEXT_CHARS, errors in red.
+`gallery.py` samples the items and makes their pictures."""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+
+from tasks.results.records import ResultRecord
+
+TEXT_CHARS = 1200
+
+
+@dataclass
+class GalleryItem:
+    """One item of the page: its records (one per question) in question order."""
+
+    key: str
+    records: list[ResultRecord] = field(default_factory=list)
+    thumbnail: str | None = None  # a data: URI
+    strip: list[str] = field(default_factory=list)  # a video's frames, data: URIs
+
+    @property
+    def failed(self) -> bool:
+        return any(r.error for r in self.records)
+
+
+def _cut(text: str, limit: int = TEXT_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more characters)"
+
+
+def _json(value) -> str:
+    return _cut(json.dumps(value, ensure_ascii=False, indent=1, default=str))
+
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:16px;background:#fafafa;color:#222}
+h1{font-size:20px;margin:0 0 4px} .meta{color:#666;margin-bottom:12px}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:12px}
+.item{background:#fff;border:1px solid #ddd;border-radius:6px;padding:8px;overflow:hidden}
+.item.failed{border:2px solid #d33;background:#fff4f4}
+.strip{display:flex;gap:2px;margin-bottom:6px} .strip img{width:72px;height:54px;object-fit:contain;background:#eee}
+.thumb{width:160px;height:120px;object-fit:contain;background:#eee;display:block;margin-bottom:6px}
+.placeholder{width:160px;height:120px;background:#ddd;display:flex;align-items:center;justify-content:center;
+ color:#555;font-size:12px;margin-bottom:6px;text-align:center}
+.key{font-family:monospace;font-size:12px;word-break:break-all} .q{color:#555;font-style:italic;margin-top:6px}
+.caption{white-space:pre-wrap} .error{color:#b00;font-weight:600;white-space:pre-wrap}
+.label{color:#888;font-size:11px;margin-top:6px} pre{margin:2px 0;background:#f3f3f3;padding:4px;font-size:11px;white-space:pre-wrap;max-height:160px;overflow:auto}
+"""
+
+
+def _item_html(item: GalleryItem) -> str:
+    first = item.records[0]
+    if item.strip:
+        frames = "".join(f'<img src="{uri}" alt="frame {i + 1} of {len(item.strip)}">'
+                         for i, uri in enumerate(item.strip))
+        count = f" · {first.video.get('frames')} frames" if first.video and first.video.get("frames") else ""
+        picture = (f'<div class="strip" data-frames="{len(item.strip)}">{frames}</div>'
+                   f'<div class="label">video{html.escape(count)}</div>')
+    elif item.thumbnail:
+        picture = f'<img class="thumb" src="{item.thumbnail}" alt="{html.escape(item.key)}">'
+    else:
+        label = "video" if first.video else ("no preview" if item.failed else "image")
+        frames = f"<br>{first.video.get('frames')} frames" if first.video else ""
+        picture = f'<div class="placeholder">{label}{frames}</div>'
+    parts = [f'<div class="item{" failed" if item.failed else ""}" data-key="{html.escape(item.key)}">', picture,
+             f'<div class="key">{html.escape(item.key)}</div>']
+    for record in item.records:
+        parts.append(f'<div class="q">{html.escape(_cut(record.question or "", 300))}</div>')
+        if record.error:
+            kind, message = record.error.get("kind", "error"), record.error.get("message", "")
+            parts.append(f'<div class="error">error: {html.escape(kind)}: {html.escape(_cut(message, 600))}</div>')
+        if record.text:
+            parts.append(f'<div class="caption">{html.escape(_cut(record.text))}</div>')
+        if record.structured is not None:
+            parts.append(f'<div class="label">structured</div><pre class="structured">'
+                         f'{html.escape(_json(record.structured))}</pre>')
+    if first.metadata:
+        parts.append(f'<div class="label">metadata</div><pre class="metadata">{html.escape(_json(first.metadata))}</pre>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def render_gallery(items: list[GalleryItem], title: str, summary: dict) -> str:
+    """The page: a title, a line of counts, the items (failed ones first)."""
+    line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in summary.items())
+    body = "\n".join(_item_html(item) for item in items)
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+            f'<div class="meta">{line} · shown: {len(items)}</div><div class="grid">\n{body}\n</div></body></html>')
