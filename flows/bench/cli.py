@@ -1,0 +1,46 @@
+"""`vlm-caption bench`'s options (its handler is `flows/cli.py`'s `cmd_bench`, beside the
+product's commands; what they mean is `flows/bench/config.py` and docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default="vlm-caption-bench", help="working folder (default: ./vlm-caption-bench)")
+    parser.add_argument("--model", help="model path or id (default: a random-weight checkpoint of --shape)")
+    parser.add_argument("--shape", choices=["tiny", "7b", "2b"], default="tiny",
+                        help="without --model: a random-weight checkpoint of this shape: tiny or 7b for llava, "
+                        "tiny or 2b for qwen2_vl (default tiny)")
+    parser.add_argument("--recipe", default="llava",
+                        help="llava (default), qwen2_vl or qwen2_5_vl (these two for video too)")
+    parser.add_argument("--modality", choices=["image", "video", "multi-image"], default="image",
+                        help="JPEGs, MP4 clips, or folders of two JPEGs (default image)")
+    parser.add_argument("--frames", type=int, default=16, help="frames sampled per clip (default 16)")
+    parser.add_argument("--images", type=int, default=64, help="distinct items to caption (default 64)")
+    parser.add_argument("--size", default="640x480", help="image or frame size WxH (default 640x480)")
+    parser.add_argument("--shard-size", type=int, default=64)
+    parser.add_argument("--source", choices=["folder", "s3", "webdataset"], default="folder",
+                        help="serve the images from a folder, an S3 endpoint (VLM_CAPTION_BENCH_S3, "
+                        "else a loopback moto server) or WebDataset tar shards in a folder (the flow reads "
+                        "the tars; raw the JPEGs)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per item (default 64)")
+    parser.add_argument("--flow-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                        help="run the flow once more with these settings, e.g. VLM_CAPTION_RENDER_PROCESSES=0")
+    parser.add_argument("--profile", action="store_true",
+                        help="record what holds the GIL in the flow's process and its children: the engine "
+                        "core, the pools (py-spy must be installed)")
+    parser.add_argument("--prefect", choices=["embedded", "server"], default="embedded",
+                        help="embedded: each flow phase starts Prefect's embedded server, as `vlm-caption run` "
+                        "does (default); server: one `prefect server start` for all, as a deployment run sees it")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="N > 1: then the flow fanned out over N GPUs of this host (fan_out=N, the run on "
+                        "GPU 0, a process worker per other GPU, the partition deployment; implies --prefect "
+                        "server; a folder or S3 source), reported over the flow on one GPU")
+    parser.add_argument("--processor-device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="where the flow's model processor runs (default auto); raw runs it on the CPU "
+                        "as the example does, and once more on the GPU when the flow's is there")
+    parser.add_argument("--skip-raw", action="store_true",
+                        help="leave out the raw phase (e.g. when --gpus is what is measured)")
+    parser.add_argument("--json-schema", metavar="FILE|tags",
+                        help="both phases answer in JSON matching this schema (vLLM's structured outputs)")
