@@ -134,9 +134,9 @@ def _job_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlm-caption", description=DESCRIPTION)
     from flows.bench.cli import add_bench_arguments
 
+    parser = argparse.ArgumentParser(prog="vlm-caption", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the vlm-caption flow on a bucket or folder")
@@ -270,11 +270,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from flows.bench import BenchConfig, run_bench
-    from flows.params import BUILTIN_SCHEMAS
+    from flows.params import resolve_json_schema
 
     width, _, height = args.size.partition("x")
-    schema = _json_schema(args.json_schema)
-    schema = BUILTIN_SCHEMAS[schema] if isinstance(schema, str) else schema
+    try:  # checked as a job checks it, before any phase runs
+        schema = resolve_json_schema(_json_schema(args.json_schema))
+    except ValueError as exc:
+        raise UsageError(f"--json-schema: {exc}") from None
     run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images,
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,

@@ -27,6 +27,26 @@ TAGS_SCHEMA: dict[str, Any] = {
 BUILTIN_SCHEMAS = {"tags": TAGS_SCHEMA}
 
 
+def resolve_json_schema(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """A built-in schema's name or a JSON Schema object, as a checked schema (ValueError if not one)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in BUILTIN_SCHEMAS:
+            raise ValueError(f"{value!r} is not a built-in schema ({', '.join(BUILTIN_SCHEMAS)}); "
+                             "give a JSON Schema object")
+        return json.loads(json.dumps(BUILTIN_SCHEMAS[value]))  # a copy
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(value)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise ValueError(f"not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+    return value
+
+
 class SamplingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -199,22 +219,7 @@ class CaptionJob(BaseModel):
     @field_validator("json_schema")
     @classmethod
     def _json_schema(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
-        if value is None:
-            return None
-        if isinstance(value, str):
-            if value not in BUILTIN_SCHEMAS:
-                raise ValueError(f"{value!r} is not a built-in schema ({', '.join(BUILTIN_SCHEMAS)}); "
-                                 "give a JSON Schema object")
-            return json.loads(json.dumps(BUILTIN_SCHEMAS[value]))  # a copy
-        from jsonschema import Draft202012Validator
-        from jsonschema.exceptions import SchemaError
-
-        try:
-            Draft202012Validator.check_schema(value)
-        except SchemaError as exc:
-            where = "/".join(str(p) for p in exc.path)
-            raise ValueError(f"not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")) from None
-        return value
+        return resolve_json_schema(value)
 
     @field_validator("regex")
     @classmethod
