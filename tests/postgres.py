@@ -1,7 +1,7 @@
 """Session fixtures: one real PostgreSQL and one `prefect server start` on it, with the
 deployments, the blocks, the automation and two process workers, shared by the deployment
 tests (tests/test_deployments.py) and the API outage test (tests/test_api_outage.py), which runs
-last: it stops the server and starts it again on the same database (`stop_server`, `start_server`).
+last of them: it stops the server and starts it again on the same database (`stop_server`, `start_server`).
 
 PostgreSQL is Debian's (`apt-get install postgresql`, which `.ci/run` does), started with plain
 `initdb`/`pg_ctl` in a temporary folder on a free port. PostgreSQL refuses to run as root, so as
@@ -94,8 +94,8 @@ def postgres():
 class PrefectStack:
     """A Prefect server plus workers as subprocesses, driven through the CLI and the REST API."""
 
-    def __init__(self, root: Path, database_url: str):
-        self.root, self.database_url = root, database_url
+    def __init__(self, root: Path, database: PostgresServer):
+        self.root, self.database, self.database_url = root, database, database.url
         self.port = free_port()
         self.api = f"http://127.0.0.1:{self.port}/api"
         self.env = {key: value for key, value in os.environ.items()
@@ -246,7 +246,7 @@ def prefect_stack(tmp_path_factory, postgres, s3_endpoint, tiny_llava):
 
     root = tmp_path_factory.mktemp("deployments")
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=BUCKET)
-    stack = PrefectStack(root, postgres.url)
+    stack = PrefectStack(root, postgres)
     try:
         stack.start_server()
         stack.cli("work-pool", "create", "vlm-caption-gpu", "--type", "process",
@@ -267,13 +267,20 @@ def prefect_stack(tmp_path_factory, postgres, s3_endpoint, tiny_llava):
         stack.close()
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:
-    """The tests on the Prefect stack run last, together: the server, its two polling workers and
-    PostgreSQL then live for those tests only (session teardown follows), not beside the rest of
-    the suite on a small CI machine."""
-    on_stack = [item for item in items if "prefect_stack" in getattr(item, "fixturenames", ())]
-    on_stack.sort(key=lambda item: "outage" in item.nodeid)  # the server's restart comes last
-    items[:] = [item for item in items if item not in on_stack] + on_stack
+def uses_the_stack(item) -> bool:
+    return "prefect_stack" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """The stack lives for its tests only. They run together (one unit of the xdist schedule,
+    tests/conftest.py) with the outage test last; after the last of them its server, workers and
+    PostgreSQL stop, while this xdist worker goes on with other tests on a small CI machine."""
+    if uses_the_stack(item) and (nextitem is None or not uses_the_stack(nextitem)):
+        stack = item.funcargs.get("prefect_stack")
+        if stack is not None:
+            stack.close()
+            stack.database.stop()
 
 
 def _descendants(root: int) -> set[int]:
