@@ -20,31 +20,52 @@ from tests.checkpoints import build_checkpoint  # noqa: E402
 
 pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect server
 
-# The suite runs on two xdist workers (pyproject.toml: -n 2 --dist loadgroup): most tests wait
-# (on Prefect's server, a lease, an outage, a subprocess) about half the time, so on a 2-core
-# machine two at once halve the wall time. A unit of work is a module, so its module fixtures and
-# the engines its flows start in this process are made once; the tests on the Prefect stack (two
-# modules) are one unit, so there is one server with its workers. The longest units go first,
-# longest first, so the two workers finish together; seconds from `--durations` on the 2-core CI
-# machine. Modules not named here take under 40 s each and follow in file order.
+# The suite runs on two xdist workers (pyproject.toml: -n 2): most tests wait (on Prefect's
+# server, a lease, an outage, a subprocess) about half the time, so on a 2-core machine two at
+# once nearly halve the wall time. A unit of work is a module, so its module fixtures and the
+# engines its flows start in-process are made once; the Prefect stack's two modules are one unit,
+# so there is one server with its workers. The longest units go first, so the two workers finish
+# together; seconds from `--durations` on the 2-core CI machine. Modules not named here take under
+# 40 s each and follow in file order.
+STACK_MODULES = ("test_deployments", "test_api_outage")  # tests/postgres.py: prefect_stack
 LONGEST_FIRST = {"prefect-stack": 450, "test_bench": 230, "test_storage_faults": 190, "test_media_flow": 100,
                  "test_demo": 95, "test_real_processors": 90, "test_prefect_ui": 90, "test_concurrency": 60,
                  "test_render_pool": 55}
 
 
-def schedule_unit(item) -> str:
-    if "prefect_stack" in getattr(item, "fixturenames", ()):
-        return "prefect-stack"
-    return item.module.__name__.rsplit(".", 1)[-1]
+def schedule_unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return "prefect-stack" if module in STACK_MODULES else module
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the items
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's module scheduling with the stack's modules as one unit. (Not `--dist loadgroup`:
+    its groups ride on node ids that pytest 9.2 no longer lets a plugin rewrite.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return schedule_unit(nodeid)
+
+    return UnitScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which starts the workers
+def pytest_cmdline_main(config) -> None:
+    """`-s` (as the reliability page's commands use, to print a report line) runs in one process:
+    an xdist worker's prints never reach the terminal."""
+    if config.option.capture == "no":
+        config.option.numprocesses = 0
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(schedule_unit(item)))
-    # stable: file order within a unit, but the stack's outage test last (it restarts the server)
-    items.sort(key=lambda item: (-LONGEST_FIRST.get(schedule_unit(item), 0),
-                                 schedule_unit(item) == "prefect-stack" and "outage" in item.nodeid))
+    """Longest units first (xdist keeps this order: --no-loadscope-reorder); within a unit, file
+    order, but the stack's outage test last: it restarts the server."""
+    def key(item):
+        unit = schedule_unit(item.nodeid)
+        return -LONGEST_FIRST.get(unit, 0), unit == "prefect-stack" and "outage" in item.nodeid
+
+    items.sort(key=key)
 
 
 def free_port() -> int:
