@@ -170,7 +170,7 @@ class PrefectStack:
         for proc in [*self.workers.values(), self.server]:
             if proc is not None:
                 try:
-                    proc.wait(timeout=20)
+                    proc.wait(timeout=5)  # a test stack: no need for a graceful end
                 except subprocess.TimeoutExpired:
                     _kill_tree(proc.pid, signal.SIGKILL)
         for log in self.logs:
