@@ -23,7 +23,11 @@ RECIPES = (
     Recipe(name="hunyuan_vl", family="ocr", aliases=("hunyuan_ocr",), model="tencent/HunyuanOCR",
            max_model_len=8192,
            # HunyuanOCR's tokens use full-width bars (U+FF5C), as its tokenizer and vLLM's example do.
+           # The image token alone, not the example's start/image/end: vLLM 0.26's engine processes the
+           # tokenized prompt and its replacement adds start and end around the image tokens itself, so
+           # the example's prompt reaches the model with two image starts for one image (XD-RoPE then
+           # indexes past the image grids and the engine dies). Either way the HF processor on the text
+           # gives the same tokens, one start and one end.
            image=Prompting(template="<\uff5chy_begin\u2581of\u2581sentence\uff5c>{media}{question}<\uff5chy_User\uff5c>",
-                           media="<\uff5chy_place\u2581holder\u2581no\u2581100\uff5c><\uff5chy_place\u2581holder\u2581no\u2581102\uff5c>"
-                                 "<\uff5chy_place\u2581holder\u2581no\u2581101\uff5c>")),
+                           media="<\uff5chy_place\u2581holder\u2581no\u2581102\uff5c>")),
 )

@@ -106,11 +106,40 @@ def check_processing(recipe_name: str, modality: str, checkpoint: Path, architec
         expected = GROUP_SIZE if modality == "multi-image" else 1
         if len(placeholders) != expected or any(p.length <= 0 for p in placeholders):
             raise AssertionError(f"{len(placeholders)} placeholder ranges for {expected} {kind} item(s)")
+        # The engine tokenizes the prompt first and vLLM then applies the model's prompt update to
+        # the tokens; from text the HF processor expands them. Both must give the model one prompt.
+        # (A processor that puts the BOS in front of the text itself, as DeepSeek-VL2's does, may
+        # leave it out from tokens: that alone is not a second prompt.)
+        tokenizer = tokenizer_of(checkpoint)
+        engine_ids = process(str(checkpoint), tokenizer.encode(prompt),
+                             {kind: sample_media(modality, recipe.needs_video_metadata)},
+                             **{key: args[key] for key in PROCESSOR_ARGS if key in args})["prompt_token_ids"]
+        from_text, from_tokens = (_without_bos(ids, tokenizer.bos_token_id) for ids in
+                                  (processed["prompt_token_ids"], engine_ids))
+        if from_tokens != from_text:
+            raise AssertionError(f"the engine's tokenized prompt becomes {len(from_tokens)} tokens, the text "
+                                 f"{len(from_text)}: {_first_difference(from_tokens, from_text)}")
         return CaseResult(**row, ok=True, prompt_tokens=len(processed["prompt_token_ids"]),
                           placeholder_tokens=sum(p.length for p in placeholders),
                           seconds=round(time.perf_counter() - started, 2))
     except Exception as exc:  # noqa: BLE001 - the row records why a case fails
         return CaseResult(**row, ok=False, seconds=round(time.perf_counter() - started, 2), error=_one_line(exc))
+
+
+def tokenizer_of(checkpoint: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(checkpoint))
+
+
+def _without_bos(ids, bos: int | None) -> list[int]:
+    ids = list(ids)
+    return ids[1:] if ids and ids[0] == bos else ids
+
+
+def _first_difference(left, right) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(left, right)) if a != b), min(len(left), len(right)))
+    return f"from token {at}: {list(left[at:at + 6])} against {list(right[at:at + 6])}"
 
 
 def _one_line(exc: BaseException) -> str:

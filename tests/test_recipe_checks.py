@@ -67,3 +67,21 @@ def test_a_prompt_without_its_placeholder_fails_the_check(monkeypatch, checkpoin
     row = check_processing("llava", "image", build_checkpoint("llava", checkpoints_root), "llava")
     assert not row.ok
     assert "placeholder" in row.error.lower()
+
+
+def test_a_prompt_the_engine_would_see_otherwise_fails_the_check(monkeypatch, checkpoints_root):
+    """HunyuanOCR with its example's start and end tokens around the image token: the HF processor
+    reads the text as one image, but vLLM's engine tokenizes first and its prompt update adds
+    start and end again, two image starts for one image (the engine died on it on a GPU)."""
+    import recipes as registry
+
+    hunyuan = get_recipe("hunyuan_vl")
+    start, end = "<\uff5chy_place\u2581holder\u2581no\u2581100\uff5c>", "<\uff5chy_place\u2581holder\u2581no\u2581101\uff5c>"
+    example = hunyuan.model_copy(update={"image": hunyuan.image.model_copy(
+        update={"media": start + hunyuan.image.media + end})})
+    monkeypatch.setattr(registry, "get_recipe", lambda name: example)
+    row = check_processing("hunyuan_vl", "image", build_checkpoint("hunyuan_vl", checkpoints_root), "hunyuan_vl")
+    assert not row.ok
+    assert "the engine's tokenized prompt becomes" in row.error
+    monkeypatch.setattr(registry, "get_recipe", lambda name: hunyuan)
+    assert check_processing("hunyuan_vl", "image", build_checkpoint("hunyuan_vl", checkpoints_root), "hunyuan_vl").ok
