@@ -95,7 +95,7 @@ class PrefectStack:
     """A Prefect server plus workers as subprocesses, driven through the CLI and the REST API."""
 
     def __init__(self, root: Path, database: PostgresServer):
-        self.root, self.database, self.database_url = root, database, database.url
+        self.root, self.database = root, database
         self.port = free_port()
         self.api = f"http://127.0.0.1:{self.port}/api"
         self.env = {key: value for key, value in os.environ.items()
@@ -125,7 +125,7 @@ class PrefectStack:
         """`prefect server start` on the stack's port and database (again after `stop_server`)."""
         self.server = self._spawn("server", [*PREFECT, "server", "start", "--host", "127.0.0.1",
                                              "--port", str(self.port)],
-                                  PREFECT_API_DATABASE_CONNECTION_URL=self.database_url,
+                                  PREFECT_API_DATABASE_CONNECTION_URL=self.database.url,
                                   # leases survive the outage test's restart, as `vlm-caption server` sets
                                   PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASES_ON_DISK,
                                   # a dead run's deployment concurrency slot is freed after 30 s, not 5 min

@@ -91,6 +91,7 @@ def check_processing(recipe_name: str, modality: str, checkpoint: Path, architec
     """vLLM's processor on the recipe's prompt and media; ok when every item's placeholders expanded."""
     from recipes import get_recipe
     from recipes.base import MEDIA_KIND
+    from recipes.requests import load_local_tokenizer
     from tests.vllm_processing import process
 
     recipe = get_recipe(recipe_name)
@@ -100,8 +101,9 @@ def check_processing(recipe_name: str, modality: str, checkpoint: Path, architec
         args = flow_engine_args(recipe_name, modality, checkpoint)
         prompt = recipe_prompt(recipe, modality, checkpoint)
         kind = MEDIA_KIND[modality]
-        processed = process(str(checkpoint), prompt, {kind: sample_media(modality, recipe.needs_video_metadata)},
-                            **{key: args[key] for key in PROCESSOR_ARGS if key in args})
+        media = {kind: sample_media(modality, recipe.needs_video_metadata)}
+        processor_args = {key: args[key] for key in PROCESSOR_ARGS if key in args}
+        processed = process(str(checkpoint), prompt, media, **processor_args)
         placeholders = processed["mm_placeholders"].get(kind, [])
         expected = GROUP_SIZE if modality == "multi-image" else 1
         if len(placeholders) != expected or any(p.length <= 0 for p in placeholders):
@@ -110,10 +112,8 @@ def check_processing(recipe_name: str, modality: str, checkpoint: Path, architec
         # the tokens; from text the HF processor expands them. Both must give the model one prompt.
         # (A processor that puts the BOS in front of the text itself, as DeepSeek-VL2's does, may
         # leave it out from tokens: that alone is not a second prompt.)
-        tokenizer = tokenizer_of(checkpoint)
-        engine_ids = process(str(checkpoint), tokenizer.encode(prompt),
-                             {kind: sample_media(modality, recipe.needs_video_metadata)},
-                             **{key: args[key] for key in PROCESSOR_ARGS if key in args})["prompt_token_ids"]
+        tokenizer = load_local_tokenizer(str(checkpoint))
+        engine_ids = process(str(checkpoint), tokenizer.encode(prompt), media, **processor_args)["prompt_token_ids"]
         from_text, from_tokens = (_without_bos(ids, tokenizer.bos_token_id) for ids in
                                   (processed["prompt_token_ids"], engine_ids))
         if from_tokens != from_text:
@@ -124,12 +124,6 @@ def check_processing(recipe_name: str, modality: str, checkpoint: Path, architec
                           seconds=round(time.perf_counter() - started, 2))
     except Exception as exc:  # noqa: BLE001 - the row records why a case fails
         return CaseResult(**row, ok=False, seconds=round(time.perf_counter() - started, 2), error=_one_line(exc))
-
-
-def tokenizer_of(checkpoint: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(checkpoint))
 
 
 def _without_bos(ids, bos: int | None) -> list[int]:
