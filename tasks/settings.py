@@ -108,7 +108,7 @@ OTHER_VARIABLES: dict[str, tuple[str, str]] = {
         "`deployments/prefect.yaml`; the same path on every GPU host). The Docker image and the Kubernetes "
         "template set `/opt/vlm-caption`."),
     "VLM_CAPTION_HUB_TIMEOUT_S": (
-        "`10`", "Seconds the model check (`tasks/engine/model_check.py`) waits for the Hugging Face hub."),
+        "`10`", "Seconds the model check (`tasks/engine/model_hub.py`) waits for the Hugging Face hub."),
     "VLM_CAPTION_BENCH_S3": (
         "unset", "`vlm-caption bench --source s3`: an `s3://bucket/prefix` on a real endpoint to serve the "
         "bench's items from (credentials and `VLM_CAPTION_S3_ENDPOINT_URL` from the environment). Unset: a "

@@ -21,7 +21,7 @@ import pytest
 
 from flows import cli
 from recipes import get_recipe
-from tasks.engine import model_check
+from tasks.engine import model_check, model_hub
 from tasks.engine.model_check import ModelError, check_model, resolve_model
 from tasks.results.report import RunStats
 from tests.checkpoints import build_checkpoint
@@ -42,9 +42,9 @@ def hf_env(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
     monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf" / "stored_tokens"))
-    model_check._resolve_hub.cache_clear()
+    model_hub.resolve_hub.cache_clear()
     yield tmp_path / "hf"
-    model_check._resolve_hub.cache_clear()
+    model_hub.resolve_hub.cache_clear()
 
 
 class _HubStandIn(BaseHTTPRequestHandler):
@@ -107,13 +107,13 @@ def small_disk(hf_env, monkeypatch, tmp_path):
     mounted = (os.geteuid() == 0 and subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode == 0)
     if not mounted:
-        real = model_check.shutil.disk_usage
+        real = model_hub.shutil.disk_usage
 
         def one_mib_free(path):
             usage = real(path)
             return type(usage)(usage.total, usage.total - 2**20, 2**20)
 
-        monkeypatch.setattr(model_check.shutil, "disk_usage", one_mib_free)
+        monkeypatch.setattr(model_hub.shutil, "disk_usage", one_mib_free)
     monkeypatch.setenv("HF_HOME", str(folder / "hf"))
     yield folder
     if mounted:

@@ -7,48 +7,21 @@ Hub ids go through huggingface_hub's own calls, so HF_TOKEN, HF_HUB_OFFLINE, HF_
 HF_HUB_CACHE) and HF_ENDPOINT mean what they mean to vLLM. A model fully in the cache is
 checked without the network; otherwise the hub is asked once (`model_info`, a short timeout)
 and a good answer is remembered for the process, so the CLI's check and the flow's cost one call.
+
+The entry points are here; a checkpoint's files are read in `model_files.py`, the hub and its
+cache asked in `model_hub.py`.
 """
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-import functools
-import hashlib
-import json
-import os
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipes import Recipe, RecipeError, all_recipes, get_recipe
+from recipes import Recipe, all_recipes, get_recipe
+from tasks.engine.model_files import SKIP_HINT, ModelError, ModelFound, check_folder, looks_local
+from tasks.engine.model_hub import hub_cache_dir, hub_endpoint, hub_offline, resolve_hub, token_key
 
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-CONFIG_FILES = ("config.json", "params.json")
-INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-# Small files vLLM and transformers fetch beside the weights (config, tokenizer, processor).
-SIDE_FILE_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")
-HUB_TIMEOUT_S = float(os.environ.get("VLM_CAPTION_HUB_TIMEOUT_S", "10"))
-SKIP_HINT = "--skip-model-check (job field skip_model_check)"
-
-
-class ModelError(RecipeError):
-    """The model cannot be loaded, or is not a model the recipe is for; the message says what to do."""
-
-
-@dataclass(frozen=True)
-class ModelFound:
-    """Where the model was found: a local folder, a complete snapshot in the hub cache, or the
-    hub (to be downloaded: `download_bytes` into `cache_dir`)."""
-
-    model: str
-    where: str  # "folder", "cache" or "hub" (or "uri", "file": vLLM's to open, not checked)
-    path: str | None = None  # the folder, or the cached snapshot
-    model_type: str | None = None
-    architectures: tuple[str, ...] = ()
-    download_bytes: int = 0
-    cache_dir: str | None = None
+__all__ = ["ModelError", "ModelFound", "check_job_model", "check_model", "check_fits", "resolve_model"]
 
 
 # ---- the entry points ----------------------------------------------------------------------
@@ -79,9 +52,9 @@ def resolve_model(name: str, *, revision: str | None = None, suggest: str | None
         return ModelFound(name, "uri")
     if name.endswith(".gguf") and Path(name).expanduser().is_file():
         return ModelFound(name, "file", str(Path(name).expanduser()))
-    if _looks_local(name):
-        return _check_folder(Path(name).expanduser(), name)
-    return _resolve_hub(name, revision, suggest, _hub_cache_dir(), _endpoint(), _offline(), _token_key())
+    if looks_local(name):
+        return check_folder(Path(name).expanduser(), name)
+    return resolve_hub(name, revision, suggest, hub_cache_dir(), hub_endpoint(), hub_offline(), token_key())
 
 
 def check_fits(found: ModelFound, recipe: Recipe) -> None:
@@ -102,270 +75,3 @@ def check_fits(found: ModelFound, recipe: Recipe) -> None:
         f"(its prompts would not match the model's). {fix}, or pass {SKIP_HINT} if this model really "
         f"takes the prompts of recipe {recipe.name!r}.")
 
-
-# ---- local folders ---------------------------------------------------------------------------
-def _looks_local(name: str) -> bool:
-    """A folder that exists, or a name that can only be a path (not `namespace/name`)."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if Path(name).expanduser().exists():
-        return True
-    if name.startswith(("/", "./", "../", "~", ".\\")) or name in (".", ".."):
-        return True
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return True
-    return False
-
-
-def _check_folder(folder: Path, name: str) -> ModelFound:
-    where = f"model folder {name}"
-    if not folder.exists():
-        raise ModelError(f"{where} does not exist. Point --model at a folder with the checkpoint's config.json "
-                         "and weights, or give a hub id (namespace/name).")
-    if not folder.is_dir():
-        raise ModelError(f"{where} is a file, not a folder: point --model at the folder that holds config.json "
-                         "and the weights.")
-    try:
-        config = _config_file(folder)
-        weights = _weights_problem(folder)
-    except OSError as exc:
-        raise ModelError(f"{where} cannot be read ({exc}).") from None
-    has_config = config is not None
-    if not has_config or weights:
-        missing = " and ".join(p for p in ("no config.json" if not has_config else "", weights) if p)
-        raise ModelError(f"{where} has {missing}: it is not a complete checkpoint. Copy the whole model "
-                         f"repository there (e.g. `hf download <hub id> --local-dir {name}`), or point --model "
-                         "at the folder that holds them.")
-    model_type, architectures = _read_config(config, where)
-    return ModelFound(name, "folder", str(folder), model_type, architectures)
-
-
-def _config_file(folder: Path) -> Path | None:
-    """config.json, or params.json for a checkpoint in Mistral's own format."""
-    return next((folder / n for n in CONFIG_FILES if (folder / n).is_file()), None)
-
-
-def _weights_problem(folder: Path) -> str:
-    """'' when the folder has its weights; else what is missing, in words."""
-    for index in INDEX_FILES:
-        if (folder / index).is_file():
-            try:
-                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, AttributeError) as exc:
-                return f"an unreadable {index} ({exc})"
-            missing = [s for s in shards if not (folder / s).is_file()]
-            if missing:
-                listed = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-                return (f"{len(missing)} of the {len(shards)} weight files {index} names missing ({listed}; "
-                        "an incomplete download?)")
-            return ""
-    names = [p.name for p in folder.iterdir() if p.is_file()]
-    if any(fnmatch.filter(names, pattern) for pattern in WEIGHT_PATTERNS):
-        return ""
-    return "no weights (*.safetensors, *.bin, *.pt, or an index json)"
-
-
-def _read_config(path: Path, where: str) -> tuple[str | None, tuple[str, ...]]:
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{where}: config.json cannot be read ({exc}); download it again.") from None
-    return _type_of(config)
-
-
-def _type_of(config: dict | None) -> tuple[str | None, tuple[str, ...]]:
-    if not isinstance(config, dict):
-        return None, ()
-    return config.get("model_type"), tuple(config.get("architectures") or ())
-
-
-# ---- the hub and its cache -------------------------------------------------------------------
-def _hub_cache_dir() -> str:
-    """The hub cache as the engine's process will see it (HF_HUB_CACHE, else HF_HOME/hub)."""
-    from huggingface_hub import constants
-
-    env = os.environ
-    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
-    if not cache and env.get("HF_HOME"):
-        cache = os.path.join(env["HF_HOME"], "hub")
-    return os.path.expanduser(os.path.expandvars(cache or constants.HF_HUB_CACHE))
-
-
-def _endpoint() -> str:
-    from huggingface_hub import constants
-
-    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-
-
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        value = os.environ.get(key)
-        if value is not None and value.strip():
-            if value.strip().upper() in ("1", "ON", "YES", "TRUE"):
-                return True
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def _token_key() -> str:
-    """Which token the hub call used (a digest, for the memo of good answers)."""
-    from huggingface_hub import get_token
-
-    token = get_token() or ""
-    return hashlib.sha256(token.encode()).hexdigest()[:16] if token else ""
-
-
-@functools.lru_cache(maxsize=64)  # good answers only: an error is raised, never remembered
-def _resolve_hub(repo: str, revision: str | None, suggest: str | None, cache_dir: str, endpoint: str,
-                 offline: bool, token_key: str) -> ModelFound:
-    cached, partial = _from_cache(repo, revision, cache_dir)
-    if cached is not None:
-        return cached
-    get_it = (f"download it first with `hf download {repo}` (or `huggingface-cli download {repo}`) "
-              "on a machine with access and copy the cache (HF_HOME), or point --model at a folder")
-    if offline:
-        state = f"only partly in the cache ({partial})" if partial else "not in the cache"
-        raise ModelError(f"model {repo}: the hub is off (HF_HUB_OFFLINE=1) and the model is {state} "
-                         f"at {cache_dir}: {get_it}.")
-    info = _ask_hub(repo, revision, suggest, cache_dir, endpoint, get_it)
-    model_type, architectures = _type_of(getattr(info, "config", None))
-    needed = _download_bytes(repo, revision, info, cache_dir)
-    free, folder = _free_bytes(cache_dir)
-    if needed and free is not None and needed > free:
-        raise ModelError(f"model {repo} needs about {_size(needed)} in the hub cache {cache_dir}, but only "
-                         f"{_size(free)} are free on {folder}: free some space, set HF_HOME to a bigger disk, "
-                         "or download it elsewhere and point --model at the folder.")
-    return ModelFound(repo, "hub", None, model_type, architectures, needed, cache_dir)
-
-
-def _from_cache(repo: str, revision: str | None, cache_dir: str) -> tuple[ModelFound | None, str]:
-    """The model's snapshot if config and weights are all in the cache; else what is missing."""
-    from huggingface_hub import try_to_load_from_cache
-
-    config = None
-    for name in CONFIG_FILES:
-        try:
-            config = try_to_load_from_cache(repo, name, cache_dir=cache_dir, revision=revision)
-        except Exception:  # noqa: BLE001 - an unreadable cache is a cache without the model
-            config = None
-        if isinstance(config, str):
-            break
-    if not isinstance(config, str):
-        return None, ""
-    snapshot = Path(config).parent
-    problem = _weights_problem(snapshot)
-    if problem:
-        return None, f"{snapshot} has {problem}"
-    model_type, architectures = _read_config(Path(config), f"cached model {repo}")
-    return ModelFound(repo, "cache", str(snapshot), model_type, architectures, cache_dir=cache_dir), ""
-
-
-def _ask_hub(repo: str, revision: str | None, suggest: str | None, cache_dir: str, endpoint: str, get_it: str):
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import (
-        DisabledRepoError,
-        GatedRepoError,
-        HfHubHTTPError,
-        OfflineModeIsEnabled,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    page = f"{endpoint}/{repo}"
-    try:
-        return HfApi(endpoint=endpoint).model_info(repo, revision=revision, files_metadata=True,
-                                                   timeout=HUB_TIMEOUT_S)
-    except GatedRepoError:
-        has_token = "the token in HF_TOKEN has no access to it yet" if _token_key() else "no HF_TOKEN is set"
-        raise ModelError(f"model {repo} is gated and {has_token}: log in at {page}, accept its licence, then "
-                         "set HF_TOKEN to a token of that account (or point --model at a downloaded folder)."
-                         ) from None
-    except RevisionNotFoundError:
-        raise ModelError(f"model {repo} has no revision {revision!r} on the hub ({page}): fix the `revision` "
-                         "engine argument.") from None
-    except RepositoryNotFoundError:
-        raise ModelError(_unknown_id(repo, suggest, cache_dir, page)) from None
-    except DisabledRepoError:
-        raise ModelError(f"model {repo} is disabled on the hub ({page}): pick another model.") from None
-    except OfflineModeIsEnabled:
-        raise ModelError(f"model {repo}: the hub is off (HF_HUB_OFFLINE) and the model is not in the cache "
-                         f"at {cache_dir}: {get_it}.") from None
-    except HfHubHTTPError as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if status == 401:
-            raise ModelError(f"model {repo}: the hub refused the token (HF_TOKEN, or `hf auth login`'s): set "
-                             f"HF_TOKEN to a valid token ({endpoint}/settings/tokens).") from None
-        if status == 403:
-            raise ModelError(f"model {repo}: the token has no permission to read it ({page}): use a token "
-                             "with read access, or point --model at a downloaded folder.") from None
-        raise ModelError(f"model {repo}: the hub ({endpoint}) answered {status or 'an error'}; try again "
-                         f"later, or {get_it} (or pass {SKIP_HINT} if vLLM can load it anyway).") from None
-    except Exception as exc:  # noqa: BLE001 - connection refused, DNS, timeouts, proxies
-        raise ModelError(f"model {repo}: cannot reach the hub ({endpoint}: {type(exc).__name__}) and the "
-                         f"model is not in the cache at {cache_dir}: {get_it}.") from None
-
-
-def _unknown_id(repo: str, suggest: str | None, cache_dir: str, page: str) -> str:
-    known = {r.model for r in all_recipes()}
-    try:
-        from huggingface_hub import scan_cache_dir
-
-        known |= {r.repo_id for r in scan_cache_dir(cache_dir).repos if r.repo_type == "model"}
-    except Exception:  # noqa: BLE001 - no cache yet
-        pass
-    by_lower = {k.lower(): k for k in known}
-    close = [by_lower[c] for c in difflib.get_close_matches(repo.lower(), by_lower, n=3, cutoff=0.6)]
-    hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    default = f" The recipe's default model is {suggest}." if suggest and suggest not in close else ""
-    return (f"model {repo} is not a folder here and not a model on the hub ({page} not found; a private "
-            f"repository needs HF_TOKEN).{hint}{default}")
-
-
-def _download_bytes(repo: str, revision: str | None, info, cache_dir: str) -> int:
-    """Bytes vLLM would still download: the weights of the format it picks (as
-    `download_weights_from_hf` does) and the small files beside them, less what is cached."""
-    from huggingface_hub import try_to_load_from_cache
-
-    siblings = [s for s in (getattr(info, "siblings", None) or []) if "/" not in s.rfilename]
-    names = [s.rfilename for s in siblings]
-    weights: list[str] = []
-    if any(n in names for n in INDEX_FILES[:1]):  # the index names them; consolidated.* is left out
-        weights = [n for n in fnmatch.filter(names, "*.safetensors") if not n.startswith("consolidated")]
-    for pattern in ("*.safetensors", "*.bin", "*.pt"):
-        if not weights:
-            weights = fnmatch.filter(names, pattern)
-    wanted = set(weights) | {n for p in SIDE_FILE_PATTERNS for n in fnmatch.filter(names, p)}
-    total = 0
-    for sibling in siblings:
-        if sibling.rfilename not in wanted or not sibling.size:
-            continue
-        try:
-            cached = try_to_load_from_cache(repo, sibling.rfilename, cache_dir=cache_dir, revision=revision)
-        except Exception:  # noqa: BLE001
-            cached = None
-        if not isinstance(cached, str):
-            total += sibling.size
-    return total
-
-
-def _free_bytes(cache_dir: str) -> tuple[int | None, str]:
-    """Free space where the cache is (or will be created)."""
-    folder = Path(cache_dir)
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        return shutil.disk_usage(folder).free, str(folder)
-    except OSError:
-        return None, str(folder)
-
-
-def _size(count: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1000:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    return f"{count:.1f} TB"
