@@ -21,7 +21,7 @@ from tests.images import corrupt_jpeg, image_bytes
 BUCKET = "wds"
 
 
-def make_shard(path_or_stream, start: int, count: int, corrupt: int | None = None) -> None:
+def make_shard(path_or_stream, start: int, count: int, corrupt: int | None = None, extra: tuple = ()) -> None:
     import webdataset as wds
 
     with wds.TarWriter(path_or_stream) as sink:
@@ -29,11 +29,13 @@ def make_shard(path_or_stream, start: int, count: int, corrupt: int | None = Non
             jpg = corrupt_jpeg() if i == corrupt else image_bytes("JPEG", size=(80 + i, 60), color=(i * 20 % 256, 90, 30))
             sink.write({"__key__": f"{i:06d}", "jpg": jpg, "json": {"i": i, "url": f"https://x/{i}.jpg"},
                         "txt": f"alt text {i}"})
+        for sample in extra:
+            sink.write(sample)
 
 
-def shard_bytes(start: int, count: int, corrupt: int | None = None) -> bytes:
+def shard_bytes(start: int, count: int, corrupt: int | None = None, extra: tuple = ()) -> bytes:
     stream = io.BytesIO()
-    make_shard(stream, start, count, corrupt)
+    make_shard(stream, start, count, corrupt, extra)
     return stream.getvalue()
 
 
@@ -99,6 +101,26 @@ def test_samples_from_a_folder_of_shards_with_metadata_and_damage(tmp_path: Path
     assert "has: txt" in odd[0].problem
 
 
+def test_a_dotted_extension_is_an_image_by_its_last_part(tmp_path: Path):
+    """`000020007.v2.final.jpg` is sample `000020007`'s jpg, as `webdataset` keys and decodes it
+    (key to the first dot, decoder by the last part); a plain `jpg` beside a `seg.png` stays the media."""
+    import webdataset as wds
+
+    jpg = image_bytes("JPEG", size=(70, 50), color=(10, 200, 30))
+    with wds.TarWriter(str(tmp_path / "a.tar")) as sink:
+        sink.write({"__key__": "000020007", "v2.final.jpg": jpg, "v2.meta.json": {"w": 70}})
+        sink.write({"__key__": "000020008", "jpg": jpg, "seg.png": image_bytes("PNG", size=(5, 5))})
+    decoded = next(iter(wds.WebDataset(str(tmp_path / "a.tar"), shardshuffle=False).decode("pil")))
+    assert decoded["__key__"] == "000020007" and decoded["v2.final.jpg"].size == (70, 50)
+
+    items = list(iter_webdataset_items(file_set(str(tmp_path), "webdataset"), "image"))
+    assert [(i.id, i.problem) for i in items] == [("a.tar/000020007", None), ("a.tar/000020008", None)]
+    assert items[0].members[0].key == "a.tar/000020007.v2.final.jpg"
+    assert json.loads(items[0].metadata) == {"v2.meta.json": {"w": 70}}
+    assert read_member(open_storage(str(tmp_path)), items[0].members[0]) == jpg
+    assert items[1].members[0].key == "a.tar/000020008.jpg"
+
+
 def test_a_single_tar_streams_without_reading_large_members(tmp_path: Path, monkeypatch):
     """Headers are read by ranged reads (as on S3); members bigger than the read-ahead are
     skipped, not read."""
@@ -133,7 +155,8 @@ def test_bucket_of_shards_by_brace_pattern_end_to_end_and_rerun(prefect_api, s3_
     from flows.params import CaptionJob
 
     s3_client.create_bucket(Bucket=BUCKET)
-    s3_client.put_object(Bucket=BUCKET, Key="ds/00000.tar", Body=shard_bytes(0, 5, corrupt=3))
+    dotted = {"__key__": "000020007", "v2.final.jpg": image_bytes("JPEG", size=(64, 48))}  # an image by its last part
+    s3_client.put_object(Bucket=BUCKET, Key="ds/00000.tar", Body=shard_bytes(0, 5, corrupt=3, extra=(dotted,)))
     cut = shard_bytes(5, 4)
     s3_client.put_object(Bucket=BUCKET, Key="ds/00001.tar", Body=cut[:int(len(cut) * 0.6)])
     s3_client.put_object(Bucket=BUCKET, Key="ds/00009.tar", Body=shard_bytes(20, 2))  # not in the pattern
@@ -146,10 +169,13 @@ def test_bucket_of_shards_by_brace_pattern_end_to_end_and_rerun(prefect_api, s3_
     assert all(f"00000.tar/{i:06d}" in by_key for i in range(5))
     assert by_key["00000.tar/000003"]["error"]["kind"] == "decode"  # the corrupt member
     good = [r for r in records if r["error"] is None]
-    assert len(good) >= 5 and all(r["text"] is not None for r in good)
+    assert len(good) >= 6 and all(r["text"] is not None for r in good)
     first = by_key["00000.tar/000001"]
     assert first["metadata"] == {"json": {"i": 1, "url": "https://x/1.jpg"}, "txt": "alt text 1"}
     assert first["members"][0]["key"] == "00000.tar/000001.jpg" and first["sha256"]
+    dotted = by_key["00000.tar/000020007"]
+    assert dotted["error"] is None and dotted["text"] is not None
+    assert dotted["members"][0]["key"] == "00000.tar/000020007.v2.final.jpg"
     damaged = [r for r in records if r["error"] and r["error"]["kind"] == "bad_input"]
     assert len(damaged) == 1 and damaged[0]["key"].startswith("00001.tar") and not damaged[0]["error"]["retryable"]
     manifest = json.loads(s3_client.get_object(Bucket=BUCKET, Key=f"out/manifests/{summary['run_id']}.json")

@@ -52,6 +52,12 @@ def split_member(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
+def kind_of(ext: str) -> str:
+    """What a member is, by the last part of its extension, as webdataset decodes it:
+    `v2.final.jpg` is a jpg, `seg.json` a json."""
+    return ext.rpartition(".")[2]
+
+
 @dataclass
 class _Sample:
     key: str
@@ -90,7 +96,7 @@ def tar_items(storage: Storage, tar: ObjectRef, modality: str) -> Iterator[WorkI
                 return
             sample = sample or _Sample(key, {}, {})
             sample.members.setdefault(ext, info)
-            if ext in TEXT_EXTENSIONS or ext.endswith((".txt", ".json")):
+            if kind_of(ext) in TEXT_EXTENSIONS:
                 sample.metadata[ext] = _text(handle, info)
         end = archive.offset
         handle.seek(end)
@@ -142,7 +148,9 @@ def _member_ref(tar: ObjectRef, name: str, offset: int, size: int) -> TarMemberR
 def _item(tar: ObjectRef, sample: _Sample, extensions: tuple[str, ...]) -> WorkItem:
     item_id = f"{tar.key}/{sample.key}"
     metadata = json.dumps(sample.metadata, ensure_ascii=False) if sample.metadata else None
-    media = next((sample.members[ext] for ext in sample.members if ext in extensions), None)
+    # A plain `jpg` first (a `seg.png` beside it is likely a mask), then a dotted one by its last part.
+    media = next((sample.members[ext] for ext in sample.members if ext in extensions),
+                 next((sample.members[ext] for ext in sample.members if kind_of(ext) in extensions), None))
     if media is None:
         first = next(iter(sample.members.values()))
         kinds = ", ".join(sorted(sample.members))
