@@ -53,6 +53,14 @@ BUILDERS: dict[str, str] = {
     "step3": "tests.tiny_vllm_family:build_tiny_step3",
     "hunyuan_vl": "tests.tiny_vllm_family:build_tiny_hunyuan_vl",
     "phi4_multimodal": "tests.tiny_vllm_family:build_tiny_phi4_multimodal",
+    # Remote-code models: vLLM's own processor, our minimal config class (tests/tiny_remote_*.py)
+    "internvl_chat": "tests.tiny_remote_internvl:build_tiny_internvl_chat",
+    "h2ovl_chat": "tests.tiny_remote_internvl:build_tiny_h2ovl_chat",
+    "nvlm_d": "tests.tiny_remote_internvl:build_tiny_nvlm_d",
+    "skywork_chat": "tests.tiny_remote_internvl:build_tiny_skywork_chat",
+    "internvl2_chat": "tests.tiny_remote_internvl:build_tiny_internvl2_chat",
+    "aria": "tests.tiny_remote_native:build_tiny_aria",
+    "interns1": "tests.tiny_remote_native:build_tiny_interns1",
 }
 
 # recipe -> the architecture whose tiny checkpoint its checks run on
@@ -67,7 +75,18 @@ RECIPE_CHECKPOINTS: dict[str, str] = {
     "pixtral_hf": "pixtral_hf", "qwen2_5_omni": "qwen2_5_omni", "qwen2_5_vl": "qwen2_5_vl",
     "qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl_moe", "rvl": "rvl",
     "smolvlm": "smolvlm", "step3": "step3", "tarsier2": "tarsier2",
+    # remote-code recipes (tests/tiny_remote_*.py)
+    "internvl_chat": "internvl_chat", "h2ovl_chat": "h2ovl_chat", "NVLM_D": "nvlm_d", "skywork_chat": "skywork_chat",
+    "aria": "aria", "interns1": "interns1",
 }
+
+# (recipe, modality) -> architecture, where a modality's recipe names another model than the recipe's
+# default (internvl_chat's multi-image example runs InternVL2-2B, whose LM has no video token).
+MODALITY_CHECKPOINTS: dict[tuple[str, str], str] = {("internvl_chat", "multi-image"): "internvl2_chat"}
+
+
+def checkpoint_architecture(recipe: str, modality: str) -> str:
+    return MODALITY_CHECKPOINTS.get((recipe, modality), RECIPE_CHECKPOINTS[recipe])
 
 
 def builder(architecture: str):

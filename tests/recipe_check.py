@@ -70,12 +70,16 @@ def sample_media(modality: str, with_metadata: bool) -> Any:
 
 
 def flow_engine_args(recipe_name: str, modality: str, checkpoint: Path, on_cpu: bool = True) -> dict[str, Any]:
-    """The engine arguments the flow builds for this recipe on this checkpoint (context clamped to it)."""
+    """The engine arguments the flow builds for this recipe on this checkpoint (context clamped to it);
+    a remote-code recipe is opted in, as a user does with --trust-remote-code (the tiny checkpoint's
+    remote code is our own minimal config file, tests/tiny_remote_common.py)."""
     from recipes import get_recipe
     from tasks.engine.arguments import EngineSpec, engine_args
 
-    spec = EngineSpec.build(recipe_name, modality=modality, model=str(checkpoint), images=GROUP_SIZE)
-    return engine_args(spec, get_recipe(recipe_name), on_cpu=on_cpu)
+    recipe = get_recipe(recipe_name)
+    spec = EngineSpec.build(recipe_name, modality=modality, model=str(checkpoint), images=GROUP_SIZE,
+                            trust_remote_code=recipe.needs_remote_code)
+    return engine_args(spec, recipe, on_cpu=on_cpu)
 
 
 def recipe_prompt(recipe, modality: str, checkpoint: Path) -> str:
@@ -144,7 +148,7 @@ def _one_line(exc: BaseException) -> str:
 def cases(names: list[str] | None = None, modalities: list[str] | None = None) -> list[tuple[str, str, str]]:
     """(recipe, modality, architecture) for every checked recipe (or the named ones) and modality."""
     from recipes import get_recipe
-    from tests.checkpoints import RECIPE_CHECKPOINTS
+    from tests.checkpoints import RECIPE_CHECKPOINTS, checkpoint_architecture
 
     chosen = names or sorted(RECIPE_CHECKPOINTS)
     out = []
@@ -152,7 +156,7 @@ def cases(names: list[str] | None = None, modalities: list[str] | None = None) -
         recipe = get_recipe(name)
         for modality in recipe.modalities:
             if modalities is None or modality in modalities:
-                out.append((recipe.name, modality, RECIPE_CHECKPOINTS[recipe.name]))
+                out.append((recipe.name, modality, checkpoint_architecture(recipe.name, modality)))
     return out
 
 
