@@ -61,6 +61,7 @@ BUILDERS: dict[str, str] = {
     "internvl2_chat": "tests.tiny_remote_internvl:build_tiny_internvl2_chat",
     "aria": "tests.tiny_remote_native:build_tiny_aria",
     "interns1": "tests.tiny_remote_native:build_tiny_interns1",
+    "dots_ocr": "tests.tiny_remote_vllm:build_tiny_dots_ocr",
 }
 
 # recipe -> the architecture whose tiny checkpoint its checks run on
@@ -77,7 +78,7 @@ RECIPE_CHECKPOINTS: dict[str, str] = {
     "smolvlm": "smolvlm", "step3": "step3", "tarsier2": "tarsier2",
     # remote-code recipes (tests/tiny_remote_*.py)
     "internvl_chat": "internvl_chat", "h2ovl_chat": "h2ovl_chat", "NVLM_D": "nvlm_d", "skywork_chat": "skywork_chat",
-    "aria": "aria", "interns1": "interns1",
+    "aria": "aria", "interns1": "interns1", "dots_ocr": "dots_ocr",
 }
 
 # (recipe, modality) -> architecture, where a modality's recipe names another model than the recipe's

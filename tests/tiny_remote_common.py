@@ -55,7 +55,7 @@ def _sub_config(value, default_type):
     return config
 
 
-class TinyRemoteConfig(PretrainedConfig):
+class __CLASS__(__BASE__):
     model_type = __MODEL_TYPE__
 
     def __init__(self, **kwargs):
@@ -68,12 +68,16 @@ class TinyRemoteConfig(PretrainedConfig):
 '''
 
 
-def write_remote_config(out: Path, config: dict, sub_configs: dict[str, str | None]) -> None:
-    """config.json with `auto_map` to our configuration_tiny.py (model_type from `config`)."""
+def write_remote_config(out: Path, config: dict, sub_configs: dict[str, str | None], base: str | None = None,
+                        class_name: str = "TinyRemoteConfig") -> None:
+    """config.json with `auto_map` to our configuration_tiny.py (model_type from `config`); `base`: the
+    model_type of the transformers config class ours extends (a flat LM config, as dots.ocr's is Qwen2's);
+    `class_name`: where vLLM checks the config's class by name."""
     source = CONFIG_SOURCE.replace("__SUB_CONFIGS__", repr(sub_configs)).replace(
-        "__MODEL_TYPE__", repr(config["model_type"]))
+        "__MODEL_TYPE__", repr(config["model_type"])).replace(
+        "__BASE__", f"CONFIG_MAPPING[{base!r}]" if base else "PretrainedConfig").replace("__CLASS__", class_name)
     (out / CONFIG_FILE).write_text(source)
-    auto_map = dict(config.pop("auto_map", {}), AutoConfig="configuration_tiny.TinyRemoteConfig")
+    auto_map = dict(config.pop("auto_map", {}), AutoConfig=f"configuration_tiny.{class_name}")
     write_json(out / "config.json", dict(config, auto_map=auto_map))
 
 

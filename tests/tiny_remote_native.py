@@ -35,7 +35,8 @@ def build_tiny_aria(out: Path, seed: int = 0) -> Path:
     if done(out):
         return out
     import torch
-    from transformers import AriaConfig, AriaForConditionalGeneration, AriaImageProcessor, AriaProcessor
+    from transformers import (AriaConfig, AriaForConditionalGeneration, AriaImageProcessor, AriaProcessor,
+                              AriaTextConfig, Idefics3VisionConfig)
 
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -43,9 +44,10 @@ def build_tiny_aria(out: Path, seed: int = 0) -> Path:
                           extra={"extra_special_tokens": {"image_token": "<|img|>"}})
     text = {k: v for k, v in ARIA_TEXT.items() if k not in ("torch_dtype", "hidden_act")}
     text["intermediate_size"] = ARIA_TEXT["moe_intermediate_size"]
-    config = AriaConfig(vision_config=ARIA_VISION, text_config=dict(text, vocab_size=len(fast),
-                                                                  eos_token_id=ids["<|im_end|>"],
-                                                                  pad_token_id=ids["<|endoftext|>"]),
+    vision = Idefics3VisionConfig(**{k: v for k, v in ARIA_VISION.items() if k != "model_type"})
+    config = AriaConfig(vision_config=vision, text_config=AriaTextConfig(**text, vocab_size=len(fast),
+                                                                       eos_token_id=ids["<|im_end|>"],
+                                                                       pad_token_id=ids["<|endoftext|>"]),
                         projector_patch_to_query_dict={1225: 128, 4900: 256}, image_token_index=ids["<|img|>"],
                         tie_word_embeddings=False)
     config.architectures = ["AriaForConditionalGeneration"]
