@@ -10,7 +10,11 @@ there too; the progress bar and the summary keep the terminal through `user_stre
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib.abc
+import importlib.machinery
+import io
 import os
 import sys
 import time
@@ -19,6 +23,64 @@ from typing import IO, Any, Iterator
 
 # The terminal's stderr while a quiet run holds descriptors 1 and 2; None otherwise.
 _terminal: IO[str] | None = None
+
+# What Prefect printed when it was first imported in a terminal (its first-run telemetry notice),
+# held for the run's terminal to place: in a quiet run's log, with one line of ours on the terminal.
+NOTICE_MODULE = "prefect._internal.analytics.notice"
+_prefect_notice: list[str] = []
+
+
+class _PrefectNoticeHolder(importlib.abc.MetaPathFinder):
+    """Wraps Prefect's `maybe_show_telemetry_notice` as its module is first imported (by
+    `import prefect`, in the same statement, so the wrap is in place before it is called)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != NOTICE_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run_module(module)
+            show = getattr(module, "maybe_show_telemetry_notice", None)
+            if callable(show):
+                module.maybe_show_telemetry_notice = lambda: _hold_notice(show)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def hold_prefect_notice() -> None:
+    """Hold Prefect's first-run notice instead of letting it open the terminal (call before
+    Prefect is imported; flows/__init__.py does). Prefect still decides whether to show it (a
+    terminal, its first run) and marks it shown; `quiet_terminal` puts it in the run's log, and
+    anything else gets it on stderr as the process ends."""
+    if "prefect" not in sys.modules and not any(isinstance(f, _PrefectNoticeHolder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PrefectNoticeHolder())
+
+
+def _hold_notice(show) -> None:
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        show()
+    if said.getvalue().strip():
+        _prefect_notice.append(said.getvalue())
+        atexit.register(_release_notice, None)
+
+
+def _release_notice(terminal: IO[str] | None) -> None:
+    """The held notice: whole on stderr (the log, in a quiet run), and one line of ours on the
+    quiet run's `terminal`."""
+    if not _prefect_notice:
+        return
+    text = "".join(_prefect_notice)
+    _prefect_notice.clear()
+    print(text, file=sys.stderr, flush=True)
+    if terminal is not None:
+        print("vlm-caption: Prefect's first-run telemetry notice is in the log (to opt out of Prefect's "
+              "usage data: DO_NOT_TRACK=1)", file=terminal)
 
 
 def user_stream() -> IO[str]:
@@ -53,6 +115,7 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         _terminal = terminal
+        _release_notice(terminal)
         try:
             yield log_path
         finally:
@@ -71,6 +134,7 @@ def run_terminal(output: str, *, verbose: bool, log_format: str | None) -> Itera
     """The terminal during a run: a progress bar, everything else in the run's log file (its path
     yielded); with -v or --log-format json, every line on the terminal as it comes (None)."""
     if verbose or log_format == "json":
+        _release_notice(None)  # every line on the terminal as it comes: Prefect's notice too
         yield None
         return
     from tasks.settings import get_settings
@@ -94,11 +158,17 @@ def _stop_embedded_prefect_servers(keep: set[int]) -> None:
         return
     from prefect._internal.concurrency.services import QueueService
 
-    with contextlib.suppress(Exception):  # the run is over: nothing here may fail it
+    try:
         QueueService.drain_all(timeout=30)
+    except Exception as exc:  # noqa: BLE001 - the run is over: nothing here may fail it
+        print(f"vlm-caption: Prefect's log and event workers not drained ({type(exc).__name__}: {exc}); "
+              "their last lines may be missing from the API", file=sys.stderr)  # the run's log
     for instance in started:
-        with contextlib.suppress(Exception):
+        try:
             instance.stop()
+        except Exception as exc:  # noqa: BLE001 - Prefect stops it at exit instead
+            print(f"vlm-caption: Prefect's embedded server not stopped now ({type(exc).__name__}: {exc}); "
+                  "it stops as the process ends", file=sys.stderr)
 
 
 def _fit(text: str, width: int) -> str:
@@ -120,6 +190,7 @@ class TerminalProgress:
         # The rate counts from the first result: before it come the listing and the engine's
         # start (a minute on a GPU), which would make the first ETAs several times too long.
         self.first: tuple[float, int] | None = None  # when, and how many items were done then
+        self.started = time.monotonic()
         self.console = Console(file=user_stream())
         self.bar = None
         if self.console.is_terminal:
@@ -147,6 +218,8 @@ class TerminalProgress:
         if self.first is None and self.done:
             self.first = (now, self.done)
         rate = self.rate(now)
+        if rate is None and self.done >= self.total:
+            rate = self.whole_rate(now)  # all done within the window (a small run): never "-" at the end
         shown = "-" if rate is None else f"{rate:.2f}"
         if self.bar is not None:
             self.bar.update(self.task, advance=items, rate=shown, errors=self.errors)
@@ -161,6 +234,11 @@ class TerminalProgress:
         since, done_then = self.first
         return (self.done - done_then) / (now - since)
 
+    def whole_rate(self, now: float) -> float | None:
+        """Items/s since the progress began (the engine's start included), for a run whose
+        results all came within RATE_WINDOW_S of the first."""
+        return self.done / (now - self.started) if self.done and now > self.started else None
+
     def _eta(self, rate: float | None) -> str:
         left = self.total - self.done
         if left == 0:
@@ -172,6 +250,8 @@ class TerminalProgress:
 
     def close(self) -> None:
         if self.bar is not None:
+            if self.bar.tasks[0].fields["rate"] == "-" and (rate := self.whole_rate(time.monotonic())):
+                self.bar.update(self.task, rate=f"{rate:.2f}")  # a run that stopped short of its total
             self.bar.stop()
 
 

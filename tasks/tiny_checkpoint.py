@@ -7,6 +7,8 @@ of the right *shape*. Captions from such a model are noise; the demo says so lou
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 # Words the tokenizer is trained on: enough that prompts and random output decode to text.
@@ -74,6 +76,21 @@ SHAPES = {
 }
 
 
+@contextlib.contextmanager
+def quiet_save() -> Iterator[None]:
+    """transformers' "Writing model shards" progress bar off while a checkpoint is saved: the
+    demo builds one before its quiet terminal starts, and the bar is not the demo's to show."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def build_tiny_llava(out: str | Path, seed: int = 0, shape: str = "tiny") -> Path:
     """Write a random-weight LLaVA-1.5-shaped checkpoint (CLIP tower + Llama LM) to `out`.
 
@@ -118,7 +135,8 @@ def build_tiny_llava(out: str | Path, seed: int = 0, shape: str = "tiny") -> Pat
     device = "cuda" if shape != "tiny" and torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = LlavaForConditionalGeneration(config).to(getattr(torch, sizes["dtype"])).eval()
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="100GB")  # one file
+    with quiet_save():
+        model.save_pretrained(out, safe_serialization=True, max_shard_size="100GB")  # one file
     del model
     to_hub_layout(out / "model.safetensors")
 
@@ -248,7 +266,8 @@ def build_tiny_qwen_vl(out: str | Path, family: str, seed: int = 0, shape: str =
     device = "cuda" if shape != "tiny" and torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = model_cls(config).to(getattr(torch, sizes["dtype"])).eval()
-    model.save_pretrained(out, max_shard_size="100GB")
+    with quiet_save():
+        model.save_pretrained(out, max_shard_size="100GB")
     del model
     pixels = {"min_pixels": 28 * 28, "max_pixels": sizes["max_pixels"]}
     processor_cls(image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),

@@ -152,3 +152,69 @@ def test_a_long_label_leaves_the_counts_on_the_line(monkeypatch):
     progress = TerminalProgress(3, "Captioning /a/very/long/" + "path/" * 30 + "images with llava")
     assert len(progress.bar.tasks[0].description) == 40 and progress.bar.tasks[0].description.endswith("…")
     progress.close()
+
+
+def test_a_run_done_within_the_rate_window_ends_with_its_rate_not_a_dash(capsys, monkeypatch):
+    """The demo's 24 items come in a few shards that finish together: the last line (and the
+    bar) says items/s over the whole progress, engine start included, instead of "-"."""
+    from rich.console import Console
+
+    import tasks.terminal as terminal
+
+    clock = [100.0]
+    monkeypatch.setattr(terminal.time, "monotonic", lambda: clock[0])
+    progress = TerminalProgress(0, "Captioning")
+    progress.grow(24)
+    clock[0] = 160.0  # the engine's start, then the first shard
+    progress.advance(8, 0)
+    clock[0] = 160.5
+    progress.advance(16, 0)
+    progress.close()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "vlm-caption: 8/24 items · - items/s · ETA - · 0 errors",
+        "vlm-caption: 24/24 items · 0.40 items/s · ETA 0:00 · 0 errors",  # 24 items in 60 s
+    ]
+
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))
+    clock[0] = 100.0
+    progress = TerminalProgress(24, "Captioning")
+    clock[0] = 130.0
+    progress.advance(24, 0)
+    assert progress.bar.tasks[0].fields["rate"] == "0.80"
+    progress.close()
+
+
+def test_prefects_first_run_notice_goes_to_the_quiet_runs_log(tmp_path):
+    """In a terminal, with a Prefect home never used, `import prefect` prints a three-line telemetry
+    notice; before a quiet run it is held, written into the run's log, and one line of ours says so."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests.terminal_io import run_in_a_terminal
+
+    log = tmp_path / "logs" / "run.log"
+    script = f"""
+from pathlib import Path
+import flows  # holds the notice (flows/__init__.py)
+import prefect
+from tasks.terminal import quiet_terminal
+with quiet_terminal(Path({str(log)!r})):
+    pass
+print("the summary")
+"""
+    from prefect._internal.analytics.ci_detection import CI_ENV_VARS
+
+    env = {k: v for k, v in os.environ.items() if k not in CI_ENV_VARS and k != "DO_NOT_TRACK"}
+    env["PREFECT_HOME"] = str(tmp_path / "fresh-prefect-home")
+    code, screen = run_in_a_terminal([sys.executable, "-c", script], env=env, timeout=120)
+    assert code == 0, screen
+    assert "anonymous usage data" not in screen and "docs.prefect.io" not in screen, screen
+    assert screen.replace("\r\n", "\n").splitlines() == [
+        f"vlm-caption: the run's log (Prefect, vLLM): {log}",
+        "vlm-caption: Prefect's first-run telemetry notice is in the log (to opt out of Prefect's usage data: "
+        "DO_NOT_TRACK=1)",
+        "the summary",
+    ]
+    assert "Prefect collects anonymous usage data" in log.read_text()
+    assert (tmp_path / "fresh-prefect-home" / ".sdk_telemetry" / "notice_shown").exists()  # shown once, as Prefect does
