@@ -329,6 +329,30 @@ def test_the_hub_answers_unknown_gated_mismatch_and_is_asked_once(hub, monkeypat
     assert model_check.check_job_model(types.SimpleNamespace(skip_model_check=True)) is None
 
 
+def test_an_unreadable_hub_cache_is_logged_with_what_it_costs(tmp_path, monkeypatch):
+    """The cache scan for "did you mean" fails: the message still comes, and the log says that its
+    suggestions leave out the cached models (no silent pass)."""
+    import huggingface_hub
+
+    import tasks.observability
+
+    warned = []
+    logger = types.SimpleNamespace(warning=lambda event, **fields: warned.append((event, fields)))
+    monkeypatch.setattr(tasks.observability, "get_logger", lambda **context: logger)
+
+    def unreadable(cache_dir):
+        raise PermissionError(f"{cache_dir}: permission denied")
+
+    monkeypatch.setattr(huggingface_hub, "scan_cache_dir", unreadable)
+    message = model_hub._unknown_id("llava-hf/llava-1.5-7b-hff", None, str(tmp_path), "https://hub/x")
+    assert "Did you mean: llava-hf/llava-1.5-7b-hf" in message
+    assert warned == [("hub cache unreadable for its models; suggestions leave out the cached models",
+                       {"cache": str(tmp_path), "error": f"PermissionError: {tmp_path}: permission denied"})]
+    warned.clear()
+    model_hub._unknown_id("x/y", None, str(tmp_path / "none-yet"), "https://hub/x")  # no cache: nothing to say
+    assert warned == []
+
+
 def test_the_download_counts_the_weights_vllm_fetches(hub):
     found = resolve_model("big-org/big-llava")
     # the indexed safetensors and small files; not the .bin twin nor a subfolder's copy

@@ -67,6 +67,8 @@ def test_folder_export_reads_back_with_datasets_pyarrow_and_pandas(tmp_path):
     report = export_parquet(output, row_group_rows=2)
     path = Path(output) / PARQUET_KEY
     assert report["path"] == str(path) and report["rows"] == 3 and report["complete"]
+    # run 2's rows have no source: said in the report, not left blank without a word
+    assert list(report["runs_without_source"]) == [RUN2] and "FileNotFoundError" in report["runs_without_source"][RUN2]
     assert pq.ParquetFile(path).metadata.num_row_groups == report["row_groups"] >= 2
     check_rows(pq.read_table(path).to_pylist())
     dataset = load_dataset("parquet", data_files=str(path), split="train",

@@ -95,7 +95,8 @@ def _from_cache(repo: str, revision: str | None, cache_dir: str) -> tuple[ModelF
     for name in CONFIG_FILES:
         try:
             config = try_to_load_from_cache(repo, name, cache_dir=cache_dir, revision=revision)
-        except Exception:  # noqa: BLE001 - an unreadable cache is a cache without the model
+        except Exception as exc:  # noqa: BLE001 - an unreadable cache is a cache without the model
+            _cache_unreadable(f"{repo} {name}", cache_dir, exc, "taken as not cached")
             config = None
         if isinstance(config, str):
             break
@@ -156,12 +157,13 @@ def _ask_hub(repo: str, revision: str | None, suggest: str | None, cache_dir: st
 
 def _unknown_id(repo: str, suggest: str | None, cache_dir: str, page: str) -> str:
     known = {r.model for r in all_recipes()}
-    try:
-        from huggingface_hub import scan_cache_dir
+    if Path(cache_dir).is_dir():  # else no cache yet: only the recipes' models to suggest
+        try:
+            from huggingface_hub import scan_cache_dir
 
-        known |= {r.repo_id for r in scan_cache_dir(cache_dir).repos if r.repo_type == "model"}
-    except Exception:  # noqa: BLE001 - no cache yet
-        pass
+            known |= {r.repo_id for r in scan_cache_dir(cache_dir).repos if r.repo_type == "model"}
+        except Exception as exc:  # noqa: BLE001 - a suggestion is not worth failing the check for
+            _cache_unreadable("its models", cache_dir, exc, "suggestions leave out the cached models")
     by_lower = {k.lower(): k for k in known}
     close = [by_lower[c] for c in difflib.get_close_matches(repo.lower(), by_lower, n=3, cutoff=0.6)]
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
@@ -190,11 +192,19 @@ def _download_bytes(repo: str, revision: str | None, info, cache_dir: str) -> in
             continue
         try:
             cached = try_to_load_from_cache(repo, sibling.rfilename, cache_dir=cache_dir, revision=revision)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - counted as still to download (the larger estimate)
+            _cache_unreadable(f"{repo} {sibling.rfilename}", cache_dir, exc, "counted as still to download")
             cached = None
         if not isinstance(cached, str):
             total += sibling.size
     return total
+
+
+def _cache_unreadable(what: str, cache_dir: str, exc: Exception, so: str) -> None:
+    from tasks.observability import get_logger
+
+    get_logger().warning(f"hub cache unreadable for {what}; {so}", cache=cache_dir,
+                         error=f"{type(exc).__name__}: {exc}")
 
 
 def _free_bytes(cache_dir: str) -> tuple[int | None, str]:

@@ -105,7 +105,11 @@ class RenderPool:
         try:
             for future in warm:
                 future.result()
-        except Exception:  # noqa: BLE001 - a pool that cannot start is never used: in-process rendering
+        except Exception as exc:  # noqa: BLE001 - a pool that cannot start is never used: in-process rendering
+            from tasks.observability import get_logger
+
+            get_logger().warning("render pool did not start; prompts are rendered in the run's own process "
+                                 "(slower)", error=f"{type(exc).__name__}: {exc}")
             return
         self._started.set()
 

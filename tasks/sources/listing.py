@@ -155,12 +155,11 @@ class ShardStream:
                 time.sleep(2 * attempt)
 
     def _put(self, thing) -> None:
+        """Waits for room while the captioning is behind (nothing is dropped), until the run closes."""
         while not self._closed.is_set():
-            try:
+            with contextlib.suppress(queue.Full):  # no room within 0.5 s: see whether closed, try again
                 self._queue.put(thing, timeout=0.5)
                 return
-            except queue.Full:
-                continue
         raise _Closed
 
     def _list_from(self, skip: int) -> None:
