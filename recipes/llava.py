@@ -66,6 +66,8 @@ RECIPES = (
         max_model_len=4096,
         engine_args={"trust_remote_code": True},
         image=Prompting(template="USER: {media}\n{question} ASSISTANT:", media="<image>"),
+        removed_from_vllm="vLLM 0.26 no longer implements TarsierForConditionalGeneration (supported until "
+                          "v0.24.0): use vLLM <= 0.24.",
     ),
     Recipe(
         name="rvl",

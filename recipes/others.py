@@ -67,7 +67,9 @@ RECIPES = (
            removed_from_vllm="vLLM 0.26 no longer implements MllamaForConditionalGeneration (encoder-decoder "
                              "models went with the V0 engine; supported until v0.10.2): use vLLM <= 0.10.2."),
     Recipe(name="minimax_vl_01", family="minimax", model="MiniMaxAI/MiniMax-VL-01",
-           engine_args={"trust_remote_code": True, "tensor_parallel_size": 8}, image=_PARTS),
+           engine_args={"trust_remote_code": True, "tensor_parallel_size": 8}, image=_PARTS,
+           removed_from_vllm="vLLM 0.26 no longer implements MiniMaxVL01ForConditionalGeneration (supported until "
+                             "v0.23.0): use vLLM <= 0.23."),
     Recipe(name="molmo", family="molmo", model="allenai/Molmo-7B-D-0924",
            engine_args={"trust_remote_code": True, "dtype": "bfloat16"},
            image=Prompting(template="<|im_start|>user {media}\n{question}<|im_end|><|im_start|>assistant\n",

@@ -23,17 +23,22 @@ _CHATML = ("{% if not add_generation_prompt is defined %}{% set add_generation_p
            "{{ '<|im_start|>assistant\n' }}{% endif %}")
 _QWEN_VL_ARGS = {"trust_remote_code": True,
                  "hf_overrides": {"architectures": ["QwenVLForConditionalGeneration"]}}
+# vLLM's registry (_PREVIOUSLY_SUPPORTED_MODELS): both Qwen-VL architectures went in 0.24.
+_QWEN_VL_GONE = ("vLLM 0.26 no longer implements QwenVLForConditionalGeneration (nor QWenLMHeadModel; supported "
+                 "until v0.23.0): use vLLM <= 0.23.")
 
 RECIPES = (
     Recipe(name="qwen_vl", family="qwen", model="Qwen/Qwen-VL", max_model_len=1024,
            engine_args=_QWEN_VL_ARGS,
-           image=Prompting(template="{question}{media}", media="Picture 1: <img></img>\n")),
+           image=Prompting(template="{question}{media}", media="Picture 1: <img></img>\n"),
+           removed_from_vllm=_QWEN_VL_GONE),
     Recipe(name="qwen_vl_chat", family="qwen", model="Qwen/Qwen-VL-Chat", max_model_len=1024,
            engine_args=_QWEN_VL_ARGS,
            # The tokenizer has no chat template; the model's generation code uses ChatML.
            multi_image=Prompting(chat="text", template="{media}\n{question}",
                                  media="Picture {i}: <img></img>\n", chat_template=_CHATML),
-           stop_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>")),
+           stop_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+           removed_from_vllm=_QWEN_VL_GONE),
     Recipe(name="qwen2_vl", family="qwen", model_types=("qwen2_vl",), processor_on_gpu=True, model="Qwen/Qwen2-VL-7B-Instruct", max_model_len=4096,
            engine_args={"mm_processor_kwargs": _PIXELS},
            image=_IMAGE, video=_VIDEO, multi_image=_MULTI),

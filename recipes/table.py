@@ -26,15 +26,20 @@ def load_checks() -> dict:
             "engine_run": data.get("engine_run", {}), "unchecked": data.get("unchecked", {})}
 
 
-def check_cell(recipe, rows: list[dict], unchecked: dict[str, str], notes: list[str]) -> str:
-    """'image ok, video ok' from this recipe's rows; a failure's reason goes to the notes below."""
-    if recipe.needs_remote_code:
-        return REMOTE_CODE
+def check_cell(recipe, rows: list[dict], unchecked: dict[str, str], notes: list[str], other_rows: list[dict] = ()) -> str:
+    """'image ok, video ok' from this recipe's rows; a failure's reason goes to the notes below.
+
+    A recipe without rows says why: `unchecked` (recipes/checks.json) names what its tiny checkpoint
+    lacks; one checked the other way only (a new builder, its GPU engine run still to come) says so."""
     if recipe.removed_from_vllm:
         return f"cannot run: {recipe.removed_from_vllm}"
     mine = {row["modality"]: row for row in rows if row["recipe"] == recipe.name}
     if not mine:
-        return f"not run: {unchecked.get(recipe.name, 'no tiny checkpoint')}"
+        if recipe.name in unchecked:
+            return f"not run: {unchecked[recipe.name]}"
+        if any(row["recipe"] == recipe.name for row in other_rows):
+            return "not run yet"
+        return REMOTE_CODE if recipe.needs_remote_code else "not run: no tiny checkpoint"
     cells = []
     for modality in recipe.modalities:
         row = mine.get(modality)
@@ -55,7 +60,7 @@ def recipe_row(recipe, checks: dict, notes: list[str]) -> tuple[str, ...]:
     return (f"`{recipe.name}`", recipe.family, f"`{recipe.model}`", ", ".join(recipe.modalities) or "-",
             "yes" if recipe.needs_remote_code else "-", "yes" if on_gpu else "-", str(recipe.gpus_needed),
             check_cell(recipe, checks["processing"], checks["unchecked"], notes),
-            check_cell(recipe, checks["engine"], checks["unchecked"], notes))
+            check_cell(recipe, checks["engine"], checks["unchecked"], notes, checks["processing"]))
 
 
 def recipes_markdown() -> str:
@@ -91,6 +96,10 @@ def recipes_markdown() -> str:
         "  Prompt texts of every recipe equal what vLLM's examples build (`tests/test_recipes.py`), but",
         "  HunyuanOCR's: its example's start and end tokens around the image token reach vLLM 0.26's engine",
         "  twice (the recipe sends the image token alone; see recipes/ocr.py).",
+        "- Remote-code recipes are checked with `--trust-remote-code` on tiny checkpoints whose only Python is",
+        "  our own minimal config class (`tests/tiny_remote_common.py`), never the model repository's code; vLLM",
+        "  0.26 builds their processors itself or takes transformers 5's. A row without a checkpoint says what",
+        "  one would lack (recipes/checks.json `unchecked`); \"not run yet\": the GPU engine check is still to run.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "| " + " | ".join("---" for _ in COLUMNS) + " |",

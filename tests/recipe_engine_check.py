@@ -24,7 +24,7 @@ from pathlib import Path
 from tests.recipe_check import CaseResult, cases
 
 MAX_TOKENS = 8
-CASE_TIMEOUT_S = 600
+CASE_TIMEOUT_S = int(os.environ.get("RECIPE_CHECK_CASE_TIMEOUT_S", "600"))  # per case; a GPU run may want less
 # Small and fixed, so that several engines fit one GPU (or one CPU host) side by side.
 SHARED_ENGINE_ARGS = {"tensor_parallel_size": 1, "enforce_eager": True, "kv_cache_memory_bytes": 256 * 1024**2}
 GPU_KV_CACHE_BYTES = 3 * 1024**3
@@ -63,6 +63,10 @@ def flow_command(recipe: str, modality: str, checkpoint: Path, media: Path, out:
                "-v"]  # every engine line in the output read below (startup_s, the error)
     for key, value in engine_args.items():
         command += ["--engine-arg", f"{key}={json.dumps(value)}"]
+    from recipes import get_recipe
+
+    if get_recipe(recipe).needs_remote_code:  # opted in as a user does; the tiny checkpoints' remote code is
+        command.append("--trust-remote-code")  # our own config file (tests/tiny_remote_common.py)
     return command
 
 
