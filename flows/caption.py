@@ -7,10 +7,12 @@ of a job manifest) in, one result record per (item, question) out.
         several shards in the engine at once ─────┘
     ... all shards ──> manifest ──> summary artifacts
 
-A partition's shards go through `flows/pipeline.py`. With `fan_out=N` the run also starts N-1
-child runs (tasks/fanout.py), captions partition 0 itself, captions any child partition no
-worker has started by then (work stealing), waits for the rest and merges their reports into
-the one manifest.
+The run's plan (`flows/plan.py`: pre-flight, then the job resolved once) is handed down; a
+partition's shards go through `flows/pipeline.py`. With `fan_out=N` the run first starts N-1
+child runs (tasks/fanout.py), then captions as partition 0: every partition lists the same
+shards and claims each before taking it (tasks/claims.py), so a partition that starts late or
+runs slower takes fewer, and one that dies has its unfinished shards retaken. The parent waits
+for the children and merges their reports into the one manifest.
 """
 
 from __future__ import annotations
@@ -26,19 +28,15 @@ from prefect.runtime import flow_run
 
 from flows.params import CaptionJob, Partition
 from flows.pipeline import PartitionRun, caption_shards
-from recipes import Recipe, get_recipe
+from flows.plan import RunPlan, make_plan
 from tasks.concurrency import one_run_per_job
-from tasks.engine.arguments import check_engine_overrides, check_remote_code
-from tasks.engine.model_check import check_job_model
 from tasks.engine.vllm_engine import ensure_vllm_imported
-from tasks.fanout import CALLED_OFF, FanOutError, start_children, wait_for_children, wait_for_orphans
+from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
 from tasks.results.gallery import gallery_after_run
 from tasks.results.parquet import export_after_run
-from tasks.results.records import job_fingerprint
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
-from tasks.sources.preflight import check_output, resolve_source
 
 
 def run_label(job: dict) -> str:
@@ -70,38 +68,21 @@ def vlm_caption(job: CaptionJob) -> dict:
     results to `job.output`: one record per (item, question)."""
     configure_logging()
     ensure_vllm_imported()  # before any thread of this flow imports a part of it
-    recipe = get_recipe(job.recipe)
-    check_remote_code(recipe, job.trust_remote_code)  # refuse before touching storage or GPU
-    check_engine_overrides(job.engine_overrides)
-    job = resolve_source(job)  # `auto` becomes the format the location holds; Parquet's column is found
-    check_output(job.output)
-    check_job_model(job)  # loads, and fits the recipe (the hub asked at most once per process)
+    plan = make_plan(job)  # every check that needs no engine; the run's locations, recipe, model
     run_id = job.partition.run_id if job.partition else _run_id()
-    model = recipe.model_for(job.modality, job.model)
-    fingerprint = fingerprint_of(job, recipe, model)
-    log = get_logger(run_id=run_id, recipe=recipe.name, fingerprint=fingerprint)
+    log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
-    lease = one_run_per_job(fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
+    lease = one_run_per_job(plan.fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
     with lease:
-        return caption_job(job, recipe, run_id, model, fingerprint, log)
+        return caption_job(plan, run_id, log)
 
 
-def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str) -> str:
-    """The results this job's are interchangeable with (see `job_fingerprint`). A Parquet
-    source's column is part of it (another column is other media under the same row ids)."""
-    media = {"num_frames": job.num_frames} if job.modality == "video" else {}
-    if job.source_format == "parquet":
-        media["column"] = job.column
-    return job_fingerprint(
-        source=job.location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
-        media=media,
-        sampling=job.sampling.fingerprint_dict(), structured=job.structured_output)
-
-
-def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, fingerprint: str, log) -> dict:
+def caption_job(plan: RunPlan, run_id: str, log) -> dict:
     """The run itself: this run's partition (and the children's, when fanned out), the manifest."""
+    job, recipe, fingerprint = plan.job, plan.recipe, plan.fingerprint
     own, children = job.partition, []
     if job.fan_out > 1:
+        # The children are asked for before this run starts its own engine, so all start together.
         own = Partition(index=0, count=job.fan_out, run_id=run_id, fingerprint=fingerprint)
         wait_for_orphans(job.partition_deployment, job.output, fingerprint)
         child_jobs = {i: job.model_copy(update={"fan_out": 1, "partition": own.model_copy(update={"index": i})})
@@ -109,21 +90,21 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
         children = start_children(job.partition_deployment, child_jobs, run_label,
                                   attempt=flow_run.run_count or 1, parent_run_id=run_id)
     try:
-        stats, engine = caption_shards(PartitionRun(job, recipe, fingerprint, run_id, own, log))
+        stats, engine, shared = caption_shards(PartitionRun(plan, run_id, own, log))
     except Exception:
         if children:  # a retry of this run must not overlap this attempt's children
             # ...and children no worker has started are called off, not waited for forever
             wait_for_children(children, run_here=lambda child: "CANCELLED", claim_message=CALLED_OFF)
         raise
-    mine = stats.report(own.index if own else 0, engine, **_where())
+    mine = stats.report(own.index if own else 0, engine, **(shared or {}), **_where())
     if job.partition is not None:  # a child: the parent writes the run's one manifest
         write_partition_report(job.output, run_id, mine)
         summary = stats.summary()
-        publish_summary({**summary, "recipe": recipe.name, "partition": f"{own.index + 1}/{own.count}"},
-                        stats.samples)
+        publish_summary({**summary, "recipe": recipe.name, "partition": f"{own.index + 1}/{own.count}",
+                         **(shared or {})}, stats.samples)
         return {**summary, "run_id": run_id, "partition": own.index, "fingerprint": fingerprint}
 
-    partitions = [mine] + merge_children(job, recipe, fingerprint, run_id, children, stats, log) if children else []
+    partitions = [mine] + merge_children(plan, run_id, children, stats, log) if children else []
     manifest = stats.manifest(run_id=run_id, parameters=job.model_dump(mode="json"),
                               fingerprint=fingerprint, engine=engine,
                               partitions=[p.brief() for p in partitions])
@@ -136,33 +117,38 @@ def caption_job(job: CaptionJob, recipe: Recipe, run_id: str, model: str, finger
     write_manifest(job.output, run_id, manifest)
     summary["parquet"] = manifest["parquet"].get("path")
     summary["gallery"] = manifest["gallery"].get("path")
-    publish_summary({**summary, "recipe": recipe.name, "model": engine["model"] if engine else model,
+    publish_summary({**summary, "recipe": recipe.name, "model": engine["model"] if engine else plan.model,
                      "partitions": len(partitions) or 1, "manifest": manifest_uri}, stats.samples)
     emit("run.completed", run_id, **summary)
     log.info("run finished", manifest=manifest_uri, **summary)
-    incomplete = {p.index: p.state for p in partitions if p.state != "COMPLETED"}
-    if incomplete:
-        raise FanOutError(f"partitions {incomplete} did not complete; {manifest_uri} counts what was done. "
-                          "Run the deployment again: objects already done are skipped.")
+    # Every claimed shard is done (this partition waited for them, retaking a gone partition's):
+    # a child that failed or died is the manifest's to show, not a reason to fail the run.
+    for p in partitions:
+        if p.state != "COMPLETED":
+            log.warning("a partition did not complete; its shards were captioned by the others",
+                        partition=p.index, state=p.state)
     return {**summary, "run_id": run_id, "manifest": manifest_uri, "fingerprint": fingerprint,
             "failed_by_kind": dict(stats.failures_by_kind), "failures": stats.failures}
 
 
-def merge_children(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: str, children,
-                   stats: RunStats, log) -> list[PartitionReport]:
-    """Wait for the child runs, captioning here any that no worker has started, then add each
-    partition's report to this run's counts."""
+def merge_children(plan: RunPlan, run_id: str, children, stats: RunStats, log) -> list[PartitionReport]:
+    """Wait for the child runs, then add each partition's report to this run's counts. This run's
+    own partition has ended only once every claimed shard was done (the partitions share the
+    shards, tasks/claims.py): a child that died meanwhile had its shards retaken, so it does not
+    fail the run. A child no worker has started by now is claimed and run here, where it finds
+    nothing left to claim."""
+    job = plan.job
     taken_over: dict[int, PartitionReport] = {}
 
     def run_here(child) -> str:
-        partition = Partition(index=child.index, count=job.fan_out, run_id=run_id, fingerprint=fingerprint)
+        partition = Partition(index=child.index, count=job.fan_out, run_id=run_id, fingerprint=plan.fingerprint)
         try:
-            child_stats, engine = caption_shards(PartitionRun(job, recipe, fingerprint, run_id, partition, log))
+            child_stats, engine, shared = caption_shards(PartitionRun(plan, run_id, partition, log))
         except Exception as exc:  # reported as that partition's failure; the run fails at the end
             log.error("partition taken over from a child failed", partition=child.index, error=str(exc))
             taken_over[child.index] = PartitionReport(index=child.index, state="FAILED", **_where())
             return "FAILED"
-        taken_over[child.index] = child_stats.report(child.index, engine, **_where())
+        taken_over[child.index] = child_stats.report(child.index, engine, **(shared or {}), **_where())
         return "COMPLETED"
 
     states = wait_for_children(children, run_here)
@@ -171,7 +157,10 @@ def merge_children(job: CaptionJob, recipe: Recipe, fingerprint: str, run_id: st
     merged = []
     for child in children:
         report = reports.get(child.index) or PartitionReport(index=child.index, flow_run_id=child.flow_run_id)
-        report.state = states[child.index] if child.index in reports else states[child.index] + " (no report)"
+        if child.index in reports:
+            report.state = states[child.index]
+        else:  # no report: it died; what it had claimed and not finished was retaken
+            report.state = f"{states[child.index]} (no report; its unfinished shards were retaken)"
         stats.absorb(report)
         merged.append(report)
     return merged

@@ -238,13 +238,12 @@ def _log_format(args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     _log_format(args)
     from flows.params import CaptionJob
-    from tasks.engine.model_check import check_job_model
+    from flows.plan import make_plan
 
     job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **_job_fields(args))
-    check_job_model(job)  # before Prefect is imported or its server starts; the flow's check reuses it
-    from tasks.sources.preflight import resolve_source
-
-    job = resolve_source(job)  # no shards, or a Parquet column not there: one message, before Prefect starts
+    # Every check that needs no engine, before Prefect starts: each problem one line, all at once.
+    # The flow makes the plan again in its own process (a deployment run has had no CLI).
+    job = make_plan(job).job
     from flows.server import check_api_reachable
 
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
@@ -332,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vlm-caption: error: {validation_message(exc)}", file=sys.stderr)
             return 2
         if isinstance(exc, (RecipeError, StorageError, ServerError, UsageError)):
-            print(f"vlm-caption: error: {exc}", file=sys.stderr)
+            for problem in str(exc).splitlines():  # a pre-flight's problems, one line each
+                print(f"vlm-caption: error: {problem}", file=sys.stderr)
             return 2
         if isinstance(exc, PrefectAPIUnreachable):
             print(f"vlm-caption: error: {exc}", file=sys.stderr)

@@ -16,10 +16,11 @@ from typing import Any
 from prefect.utilities.annotations import opaque
 
 from flows.params import CaptionJob, Partition
-from recipes import Recipe
+from flows.plan import RunPlan
 from tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
 from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
+from tasks.claims import ShardClaims
 from tasks.engine.vllm_engine import Sampling
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, emit
@@ -28,44 +29,52 @@ from tasks.results.report import RunStats
 from tasks.results.writers import write_shard
 from tasks.settings import get_settings
 from tasks.sources.extras import annotate_records
-from tasks.sources.formats import split_location
 from tasks.sources.items import Shard
-from tasks.sources.listing import ShardStream, SourceSpec
+from tasks.sources.listing import ShardStream
+
+RETAKE_POLL_S = 2.0  # how often a partition that has run out of shards looks at the others' claims
 
 
 @dataclass(frozen=True)
 class PartitionRun:
     """One partition of a job being captioned in this process (the whole job when not fanned out)."""
 
-    job: CaptionJob
-    recipe: Recipe
-    fingerprint: str
+    plan: RunPlan
     run_id: str
     partition: Partition | None
     log: Any
+
+    @property
+    def job(self) -> CaptionJob:
+        return self.plan.job
+
+    @property
+    def fingerprint(self) -> str:
+        return self.plan.fingerprint
 
     @property
     def parts_id(self) -> str:
         """Names this partition's result parts (`part-<parts_id>-<shard>.jsonl`)."""
         return f"{self.run_id}-p{self.partition.index}" if self.partition else self.run_id
 
-    @property
-    def source(self) -> SourceSpec:
-        job = self.job
-        if job.source_format in ("webdataset", "parquet"):  # resolved by the flow (never `auto` here)
-            base, pattern = split_location(job.location)
-            return SourceSpec(base, job.modality, glob=job.glob, format=job.source_format, pattern=pattern,
-                              column=job.column)
-        return SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
+
+def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | None]:
+    """Caption this run's items shard by shard as the listing streams them in, fetching the next
+    shard while the current ones are on the GPU. A partition of a fanned-out run takes the
+    shards it claims (tasks/claims.py), then waits for the run's other claimed shards, retaking
+    those of a partition that is gone. Returns the counts, the engine, and the claims' figures."""
+    if run.partition is None:
+        stats, engine = _caption(run, None)
+        return stats, engine, None
+    with ShardClaims(run.plan.output, run.run_id, run.partition.index) as claims:
+        stats, engine = _caption(run, claims)
+        return stats, engine, {"shards": claims.taken, "retaken": claims.retaken}
 
 
-def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None]:
-    """Caption this run's items (one partition of them when fanned out) shard by shard as the
-    listing streams them in, fetching the next shard while the current ones are on the GPU."""
-    job, partition = run.job, run.partition
+def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, dict | None]:
+    job = run.job
     done = load_done_index(job.output, run.fingerprint)
-    stream = ShardStream(run.source, job.shard_size, job.limit,
-                         (partition.index, partition.count) if partition else None).start()
+    stream = listing(run)
     try:
         # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
         # listing is read whole first; image and video start on the first shard listed.
@@ -76,9 +85,25 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None]:
             shards, spec = stream, engine_spec(job, [])
         run.log.info("run started", source=job.location, output=job.output, modality=job.modality,
                      questions=len(job.questions_to_ask), already_done=len(done), partition=run.parts_id)
-        return ShardPipeline(run, done, spec).run(shards)
+        pipeline = ShardPipeline(run, done, spec, claims)
+        pipeline.run(claims.claimed(shards) if claims else shards)
     finally:
         stream.close()
+    while claims is not None and (retaken := claims.retake()) is not None:
+        if retaken:  # a partition that is gone left these: captioned here, from a fresh listing
+            again = listing(run)
+            try:
+                pipeline.run(shard for shard in again if shard.index in retaken)
+            finally:
+                again.close()
+        else:
+            time.sleep(RETAKE_POLL_S)
+    return pipeline.close()
+
+
+def listing(run: PartitionRun) -> ShardStream:
+    """The source's shards, streamed; every partition lists the same shards."""
+    return ShardStream(run.plan.source, run.job.shard_size, run.job.limit).start()
 
 
 class ShardPipeline:
@@ -92,9 +117,9 @@ class ShardPipeline:
     shard's result is its input) but does not walk every item and image of it looking for
     futures, which took about a tenth of the flow process's GIL (H100, 7B, shard size 16)."""
 
-    def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec):
+    def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec, claims: ShardClaims | None = None):
         job = run.job
-        self.partition_run, self.job, self.done = run, job, done
+        self.partition_run, self.job, self.done, self.claims = run, job, done, claims
         self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
         self.lookahead = max(1, get_settings().prepare_ahead)
         # Shards fetched and decoded at once while filling (each has its own fetch threads).
@@ -105,7 +130,7 @@ class ShardPipeline:
                                   frame_resize=frame_resize_target(spec))
         sampling = Sampling(**job.sampling.model_dump(), structured=job.structured_output)
         self.options = GenerateOptions(spec, sampling, job.method, job.num_frames)
-        self.progress = Progress(f"Captioning {job.location} with {run.recipe.name}")
+        self.progress = Progress(f"Captioning {job.location} with {run.plan.recipe.name}")
         self.engine: dict | None = None
         self.starting = None  # the engine's start, submitted at the first item not done
         self.changed = threading.Event()  # a shard was prepared, or the engine came up
@@ -113,7 +138,8 @@ class ShardPipeline:
         self.generate_started: float | None = None
         self.ahead, self.in_flight, self.writes = deque(), deque(), deque()
 
-    def run(self, shards: Iterable[Shard]) -> tuple[RunStats, dict | None]:
+    def run(self, shards: Iterable[Shard]) -> None:
+        """Caption `shards` (called again for shards retaken from a partition that is gone)."""
         self.listed = iter(shards)
         self.prepare_ahead()
         while self.ahead:
@@ -126,7 +152,6 @@ class ShardPipeline:
                 self.finish(*self.in_flight.popleft())
         while self.in_flight:
             self.finish(*self.in_flight.popleft())
-        return self.close()
 
     def prepare_ahead(self) -> None:
         """While the engine starts (or after it ran dry) the feed's whole depth of shards is
@@ -168,7 +193,7 @@ class ShardPipeline:
         if self.starting is None and any(self.done.pending_by_listing(item, item.questions or job.questions_to_ask)
                                          for item in shard.items):
             self.starting = start_engine.submit(self.options.spec)
-        preparing = prepare_shard.submit(self.partition_run.source, opaque(shard), opaque(self.done),
+        preparing = prepare_shard.submit(self.partition_run.plan.source, opaque(shard), opaque(self.done),
                                          job.questions_to_ask, self.media)
         self.preparing.add(preparing)
         preparing.add_done_callback(self.prepared_one)
@@ -214,8 +239,10 @@ class ShardPipeline:
         records = annotate_records(shard.items, records)  # a sample's metadata, a damaged one's error
         if records:
             stats.mark_result()
-        self.writes.append(write_shard.submit(self.job.output, run.fingerprint, run.parts_id, shard.index,
-                                              opaque(records)))
+        writing = write_shard.submit(self.job.output, run.fingerprint, run.parts_id, shard.index, opaque(records))
+        if self.claims is not None:
+            writing.add_done_callback(lambda written, index=shard.index: self.mark_done(written, index))
+        self.writes.append(writing)
         while len(self.writes) > self.depth:  # keep only the writes still in flight
             stats.parts.append(self.writes.popleft().result())
         stats.add(len(shard.items), prepared.skipped, records)
@@ -226,6 +253,15 @@ class ShardPipeline:
              skipped=prepared.skipped, failed=failed)
         run.log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
                      skipped=prepared.skipped, failed=failed, progress=percent)
+
+    def mark_done(self, written, index: int) -> None:
+        """The shard's part is written: the other partitions need not wait for it."""
+        if not written.state.is_completed():
+            return  # the write failed: the run fails with its error
+        try:
+            self.claims.mark_done(index)
+        except Exception as error:  # noqa: BLE001 - marked again when this partition looks for unfinished shards
+            self.partition_run.log.warning("shard written but not marked done yet", shard=index, error=str(error))
 
     def close(self) -> tuple[RunStats, dict | None]:
         stats = self.stats

@@ -18,9 +18,13 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import version
 
-# Tried with Prefect 3.8.8 (start, the API routes the UI reads, the UI's pages): 0.139.0 to
-# 0.154.0 work; 0.155.0 and later fail at start. The UI needs `FastAPI.frontend`, new in 0.139.
-SERVER_FASTAPI = "fastapi>=0.139,<0.155"
+# One FastAPI, checked with Prefect 3.8.8 on the operator's whole path (`prefect deploy --all`,
+# `prefect deployment ls`, workers polling, runs and a fan-out; tests/test_deployments.py) and the
+# UI's pages (tests/test_prefect_ui.py). A window is not safe: 0.154 starts and serves the UI but
+# answers 422 to the explicit nulls Prefect's client sends (`limit: null` on
+# /work_pools/.../workers/filter), so `prefect deploy --all` stops after the first deployment;
+# 0.155 and later fail at start; the UI needs `FastAPI.frontend`, new in 0.139.
+SERVER_FASTAPI = "fastapi==0.150.0"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 4200
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 

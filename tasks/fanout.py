@@ -1,14 +1,14 @@
 """Fan-out over GPU workers: child runs of the partition deployment, started and awaited.
 
-A parent run with `fan_out=N` captions partition 0 itself and starts partitions 1..N-1 as child
-flow runs (`run_deployment`, linked to the parent in the UI) on the partition deployment's work
-pool, where one worker per GPU picks each up. Objects are assigned to partitions by a hash of
-their key, so the runs never overlap; each child writes a report, and the parent writes the one
-manifest of the run.
+A parent run with `fan_out=N` starts partitions 1..N-1 as child flow runs (`run_deployment`,
+linked to the parent in the UI) on the partition deployment's work pool, where one worker per
+GPU picks each up, and captions partition 0 itself. The partitions share the shards by claiming
+them in the output store (tasks/claims.py), so the runs never overlap; each child writes a
+report, and the parent writes the one manifest of the run.
 
-A child that no worker has picked up by the time the parent has finished its own partition is
-taken over by the parent (work stealing), on the engine it already has: so a run completes with
-fewer live workers than partitions, or none besides the parent's, instead of waiting forever.
+A child that no worker has picked up by the time the parent has finished is claimed by the
+parent (so no worker starts it later) and run there, where it finds every shard taken: a run
+completes with fewer live workers than partitions, or none besides the parent's.
 """
 
 from __future__ import annotations

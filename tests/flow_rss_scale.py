@@ -29,7 +29,7 @@ def _job(root: Path):
 
 def prepare(count: int, root: Path) -> None:
     """The objects, and a finished run's results for each."""
-    from flows.caption import fingerprint_of
+    from flows.plan import fingerprint_of
     from recipes import get_recipe
     from tasks.results.records import ResultRecord
     from tasks.results.writers import write_shard

@@ -29,6 +29,7 @@ from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
+VLM_CAPTION = str(Path(sys.executable).with_name("vlm-caption"))
 BUCKET = "nightly"
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -122,15 +123,15 @@ class PrefectStack:
                                 start_new_session=True)
 
     def start_server(self) -> None:
-        """`prefect server start` on the stack's port and database (again after `stop_server`)."""
-        self.server = self._spawn("server", [*PREFECT, "server", "start", "--host", "127.0.0.1",
-                                             "--port", str(self.port)],
-                                  PREFECT_API_DATABASE_CONNECTION_URL=self.database.url,
+        """`vlm-caption server` (the README's: Prefect in its own environment, with the FastAPI it
+        pins) on the stack's port and database (again after `stop_server`)."""
+        self.server = self._spawn("server", [VLM_CAPTION, "server", "--host", "127.0.0.1", "--port", str(self.port)],
+                                  PREFECT_SERVER_DATABASE_CONNECTION_URL=self.database.url,
                                   # leases survive the outage test's restart, as `vlm-caption server` sets
                                   PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASES_ON_DISK,
                                   # a dead run's deployment concurrency slot is freed after 30 s, not 5 min
                                   PREFECT_SERVER_CONCURRENCY_INITIAL_DEPLOYMENT_LEASE_DURATION="30")
-        deadline = time.time() + 180
+        deadline = time.time() + 300  # the first `uv tool run` on a fresh machine downloads Prefect
         while time.time() < deadline:
             if self.healthy():
                 return

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from flows import cli
+from tests.pages import gallery_items
 from tests.terminal_io import assert_quiet_terminal
 
 # Two processes that spin for at most 15 minutes: the 2-core machine is busy while the
@@ -43,6 +44,12 @@ def test_demo_first_run_on_a_busy_machine_with_a_fresh_prefect_home(tmp_path):
     assert_quiet_terminal(done.stdout + done.stderr, tmp_path / "demo" / "results", items=3)
     manifest = json.loads(next((tmp_path / "demo" / "results" / "manifests").glob("*.json")).read_text())
     assert manifest["counts"]["succeeded"] == 3
+    # The gallery the demo prints: every item, each with its thumbnail.
+    gallery = tmp_path / "demo" / "results" / "manifests" / f"{manifest['run_id']}.html"
+    assert f"gallery  {gallery}" in done.stdout or str(gallery) in done.stdout, done.stdout
+    shown = gallery_items(gallery.read_text())
+    assert shown == {key: "thumb" for key in ("sample-00.jpg", "sample-01.png", "sample-02.webp")}
+    assert manifest["gallery"]["items"] == 3
 
 
 def test_a_slow_embedded_server_gets_a_message_that_says_what_to_do(monkeypatch, capsys, tmp_path):

@@ -67,6 +67,12 @@ def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava)
     s3_client.put_object(Bucket=BUCKET, Key="images/broken.jpg", Body=b"\xff\xd8 not a jpeg")
     keys.add("broken.jpg")
 
+    # The README's "Operate it" path against `vlm-caption server`: `prefect deploy --all` made all
+    # three (the fixture ran it; a 422 there stopped it after the first), and the CLI lists them.
+    listed = stack.cli("deployment", "ls")
+    for name in ("prod", "partition", "dev"):
+        assert stack.get(f"/deployments/name/vlm-caption/{name}")["name"] == name
+        assert f"vlm-caption/{name}" in listed, listed
     deployment = stack.get("/deployments/name/vlm-caption/prod")
     schedule = deployment["schedules"][0]["schedule"]
     assert (schedule["cron"], schedule["timezone"]) == ("0 2 * * *", "Europe/Berlin")

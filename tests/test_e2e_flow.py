@@ -7,6 +7,7 @@ import json
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
 from tests.images import corrupt_jpeg, image_bytes
+from tests.pages import gallery_items
 
 
 BUCKET = "media"
@@ -78,6 +79,13 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
     assert counts["output_tokens"] == sum(r["output_tokens"] for r in records)
     assert len(manifest["parts"]) == 4  # 20 objects / shard size 6
     assert manifest["parameters"]["recipe"] == "llava" and "prefect" in manifest["versions"]
+    # Its gallery on S3 shows every item: the 18 images with thumbnails, the two failures too.
+    page = s3_client.get_object(Bucket=BUCKET, Key=f"captions/manifests/{summary['run_id']}.html")["Body"].read()
+    shown = gallery_items(page.decode())
+    assert set(shown) == {r["key"] for r in records} and manifest["gallery"]["items"] == 20
+    assert {key for key, picture in shown.items() if picture == "thumb"} == {r["key"] for r in good}
+    # The summary's figures are the records written.
+    assert (summary["succeeded"], summary["failed"]) == (len(good), len(records) - len(good))
 
     # The Prefect API knows the run: Completed, named after recipe and source, with artifacts and logs.
     flow_run_id = state.state_details.flow_run_id

@@ -14,7 +14,8 @@ import pytest
 
 import tasks.sources.listing as listing
 from tasks.sources.items import ObjectRef
-from tasks.sources.listing import ShardStream, SourceSpec
+from tasks.sources.formats import SourceSpec
+from tasks.sources.listing import ShardStream
 
 
 class SyntheticStorage:

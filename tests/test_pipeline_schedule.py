@@ -14,6 +14,7 @@ from PIL import Image
 import flows.pipeline as pipeline
 from flows.params import CaptionJob
 from flows.pipeline import PartitionRun, ShardPipeline, engine_spec
+from flows.plan import RunPlan, source_spec
 from recipes import get_recipe
 from tasks.engine.feed import FEED_REQUESTS
 from tasks.media.prepare import PreparedItem, PreparedShard
@@ -112,10 +113,14 @@ def stand_ins(monkeypatch):
 
 def _run(shards: int) -> None:
     job = CaptionJob(source="/nowhere", output="/nowhere-out", recipe="llava", shard_size=SHARD_SIZE)
-    run = PartitionRun(job, get_recipe("llava"), "fingerprint", "run", None, SilentLog())
+    plan = RunPlan(job=job, recipe=get_recipe("llava"), model="llava", fingerprint="fingerprint",
+                   source=source_spec(job), output=None)
+    run = PartitionRun(plan, "run", None, SilentLog())
     listing = [Shard(i, tuple(WorkItem(f"{i}/{n}.jpg", (ObjectRef(f"{i}/{n}.jpg", 1, ""),))
                               for n in range(SHARD_SIZE))) for i in range(shards)]
-    stats, _ = ShardPipeline(run, DoneIndex(), engine_spec(job, [])).run(listing)
+    pipeline = ShardPipeline(run, DoneIndex(), engine_spec(job, []))
+    pipeline.run(listing)
+    stats, _ = pipeline.close()
     assert stats.listed == shards * SHARD_SIZE
 
 

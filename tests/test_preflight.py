@@ -4,6 +4,12 @@ folder, a source that cannot be listed, an output that cannot be written, no cre
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -13,6 +19,7 @@ from flows.caption import vlm_caption
 from flows.params import CaptionJob
 from recipes import RecipeError
 from tasks.sources.storage import StorageError
+from tests.images import image_bytes
 
 
 @pytest.fixture
@@ -25,7 +32,8 @@ def no_engine(monkeypatch):
 
 
 def run(**fields):
-    return vlm_caption(CaptionJob(**fields))
+    """The flow on a job whose model is not the point (one problem at a time; see the CLI's table)."""
+    return vlm_caption(CaptionJob(**{"skip_model_check": True, **fields}))
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -67,8 +75,11 @@ def test_an_output_that_cannot_be_written(prefect_api, tmp_path, s3_client, no_e
 def test_a_good_output_keeps_no_probe(prefect_api, tmp_path):
     from tasks.sources.preflight import check_output
 
-    check_output(str(tmp_path / "out"))
-    assert list((tmp_path / "out").iterdir()) == []
+    check_output(str(tmp_path / "out" / "captions"))
+    assert not (tmp_path / "out").exists()  # the folders made for the probe are gone again
+    (tmp_path / "existing").mkdir()
+    check_output(str(tmp_path / "existing"))
+    assert list((tmp_path / "existing").iterdir()) == []
 
 
 def test_missing_credentials_say_how_to_give_them(prefect_api, tmp_path, s3_endpoint, monkeypatch, no_engine):
@@ -86,3 +97,79 @@ def test_missing_credentials_say_how_to_give_them(prefect_api, tmp_path, s3_endp
     finally:
         get_settings.cache_clear()
     assert not (tmp_path / "out").exists()
+
+
+# ---- what the user sees: `vlm-caption run` with a bad input ------------------------------------
+EXE = Path(sys.executable).with_name("vlm-caption")
+NO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None,
+                  "AWS_PROFILE": None, "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                  "AWS_CONFIG_FILE": "/nonexistent"}
+
+
+def _bad_inputs(tmp: Path, s3_client) -> dict[str, tuple[list[str], dict, list[str]]]:
+    """case -> (arguments, environment changes, what each line of the message says)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    images = tmp / "images"
+    images.mkdir()
+    (images / "a.png").write_bytes(image_bytes("PNG"))
+    (tmp / "bad-schema.json").write_text('{"type": 12}')
+    pq.write_table(pa.table({"id": [1], "url": ["a.png"]}), tmp / "rows.parquet")
+    s3_client.create_bucket(Bucket="preflight-in")
+    out = str(tmp / "out")
+    fine = ["--skip-model-check"]
+    return {
+        "path": ([str(tmp / "nope"), "--out", out, *fine], {}, ["no such folder"]),
+        "bucket": (["s3://no-such-bucket/images/", "--out", out, *fine], {}, ["bucket 'no-such-bucket' does not exist"]),
+        "credentials": (["s3://preflight-in/", "--out", out, *fine], NO_CREDENTIALS, ["no S3 credentials"]),
+        "unwritable output": ([str(images), "--out", "/proc/caps", *fine], {}, ["/proc/caps: not a usable folder"]),
+        "engine argument": ([str(images), "--out", out, "--engine-arg", "max_modle_len=4", *fine], {},
+                            ["unknown vLLM engine argument 'max_modle_len'. Did you mean: max_model_len?"]),
+        "recipe": ([str(images), "--out", out, "--recipe", "lava", *fine], {}, ["unknown recipe 'lava'"]),
+        "model": ([str(images), "--out", out, "--model", str(tmp / "no-model")], {},
+                  [f"model folder {tmp / 'no-model'} does not exist"]),
+        "schema": ([str(images), "--out", out, "--json-schema", str(tmp / "bad-schema.json"), *fine], {},
+                   ["not a valid JSON Schema"]),
+        "column": ([str(tmp / "rows.parquet"), "--out", out, "--column", "photo", *fine], {}, ["photo", "url"]),
+        "path and engine argument": ([str(tmp / "nope"), "--out", out, "--engine-arg", "max_modle_len=4", *fine],
+                                     {}, ["unknown vLLM engine argument", "no such folder"]),
+    }
+
+
+CASES = ["path", "bucket", "credentials", "unwritable output", "engine argument", "recipe", "model", "schema",
+         "column", "path and engine argument"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_bad_input_is_one_line_exit_2_no_traceback_in_seconds(case, tmp_path, s3_endpoint, s3_client):
+    args, env_changes, expected = _bad_inputs(tmp_path, s3_client)[case]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API_URL")}
+    env.update({"HF_HUB_OFFLINE": "1", "VLM_CAPTION_S3_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true", "PREFECT_HOME": str(tmp_path / "prefect-home")})
+    for key, value in env_changes.items():
+        env.pop(key, None) if value is None else env.__setitem__(key, value)
+    started, cpu_before = time.monotonic(), _children_cpu_s()
+    done = subprocess.run([str(EXE), "run", *args], capture_output=True, text=True, env=env, timeout=120)
+    took, cpu = time.monotonic() - started, _children_cpu_s() - cpu_before
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    # One line per problem, each in the order the checks run, each saying what is wrong.
+    problems = len(expected) if case == "path and engine argument" else 1
+    assert len(lines) == problems and all(line.startswith("vlm-caption: error: ") for line in lines), lines
+    for needle in expected:
+        assert needle in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()  # nothing written, no folder made
+    assert not (tmp_path / "prefect-home").exists()  # refused before Prefect started
+    # Seconds of work to the message: the command's CPU time (its wall time is that on an idle
+    # machine; under the suite's parallel load the wall clock measures the neighbours too).
+    assert cpu < 3.0, f"{case}: {cpu:.1f} s of CPU ({took:.1f} s wall) to the message"
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

@@ -5,7 +5,7 @@ from flows.params import CaptionJob
 from tasks.results.done_index import DoneIndex
 from tasks.results.records import ResultRecord, job_fingerprint
 from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.listing import in_partition, iter_shards
+from tasks.sources.listing import iter_shards, up_to
 
 
 def refs(n):
@@ -16,7 +16,7 @@ def test_shards_cover_every_object_once_and_respect_limit():
     shards = list(iter_shards(iter(refs(10)), 4))
     assert [len(s.items) for s in shards] == [4, 4, 2]
     assert [s.index for s in shards] == [0, 1, 2]
-    assert sum(len(s.items) for s in iter_shards(in_partition(iter(refs(10)), 5, None), 4)) == 5
+    assert sum(len(s.items) for s in iter_shards(up_to(iter(refs(10)), 5), 4)) == 5
 
 
 def test_listing_is_consumed_lazily():
@@ -118,16 +118,6 @@ def test_job_schema_is_a_form_prefect_can_render():
     job_schema = schema["definitions"]["CaptionJob"]
     assert {"source", "manifest", "output", "recipe", "questions", "modality", "method", "num_frames",
             "max_images", "sampling", "shard_size"} <= set(job_schema["properties"])
-
-
-def test_partitions_split_a_listing_into_disjoint_slices_that_cover_it():
-    listing = refs(200)
-    slices = [[r.id for r in in_partition(iter(listing), None, (i, 3))] for i in range(3)]
-    assert sorted(sum(slices, [])) == sorted(r.id for r in listing)  # every key, exactly once
-    assert all(30 < len(s) < 110 for s in slices)  # hashed, so roughly balanced
-    # The job's limit applies to the listing before partitioning: the slices of 50 cover those 50.
-    limited = sum(([r.id for r in in_partition(iter(listing), 50, (i, 3))] for i in range(3)), [])
-    assert sorted(limited) == sorted(r.id for r in listing[:50])
 
 
 def test_a_partition_run_cannot_fan_out_again():

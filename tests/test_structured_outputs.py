@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from flows.caption import fingerprint_of
+from flows.plan import fingerprint_of
 from flows.cli import main
 from flows.params import TAGS_SCHEMA, CaptionJob
 from recipes import get_recipe

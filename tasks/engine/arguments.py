@@ -4,9 +4,11 @@ engine starts. No vLLM object is built here."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from recipes import Recipe, RecipeError, get_recipe
@@ -72,18 +74,32 @@ def frame_resize_target(spec: EngineSpec):
 
 def check_engine_overrides(overrides: dict[str, Any]) -> None:
     """Unknown vLLM engine arguments fail the job before anything starts, with close matches."""
-    import dataclasses
     import difflib
 
-    from vllm.engine.arg_utils import EngineArgs
-
-    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    known = engine_argument_names()
     for key in overrides:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=3)
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             raise RecipeError(f"unknown vLLM engine argument {key!r}.{hint} "
                               "See `vllm serve --help` for the engine arguments of vLLM 0.26.")
+
+
+@functools.lru_cache(maxsize=1)
+def engine_argument_names() -> frozenset[str]:
+    """The fields of vLLM's `EngineArgs`, read from its source without importing vLLM (which takes
+    20 s on a small machine; a misspelled argument must cost the user under a second). Checked
+    against `dataclasses.fields(EngineArgs)` in the tests."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    source = Path(spec.origin).parent / "engine" / "arg_utils.py"
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    (engine_args,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineArgs"]
+    return frozenset(node.target.id for node in engine_args.body
+                     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                     and "ClassVar" not in ast.unparse(node.annotation))
 
 
 def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
 from tasks.settings import get_settings
 from tasks.sources.fetch import MediaFetcher, TooLargeError
 from tasks.sources.items import Shard, WorkItem
-from tasks.sources.listing import SourceSpec
+from tasks.sources.formats import SourceSpec
 from tasks.sources.manifest import manifest_base
 from tasks.sources.storage import ShortBodyError, open_storage
 

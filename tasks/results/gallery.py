@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from tasks.results.gallery_page import GalleryItem, render_gallery
 from tasks.results.layout import manifest_key, results_prefix
 from tasks.results.records import ResultRecord
-from tasks.sources.storage import open_storage
+from tasks.sources.storage import key_within, open_storage
 
 THUMB_PIXELS = 160
 THUMB_QUALITY = 70
@@ -168,20 +168,26 @@ def _make_pictures(items: list[GalleryItem], picture: Callable[[GalleryItem], tu
         closed.set()
 
 
-def run_records(output_uri: str, parts: list[str], fingerprint: str) -> Iterator[ResultRecord]:
+def run_records(output_uri: str, parts: list[str], fingerprint: str,
+                unreadable: list[str] | None = None) -> Iterator[ResultRecord]:
     """The records of the run's parts; when the run wrote none (everything was done), those of
-    every part of its result set, so a rerun's page still shows the results."""
+    every part of its result set, so a rerun's page still shows the results. A part that cannot
+    be read is logged and added to `unreadable` (the page says how many it could not show)."""
+    from tasks.observability import get_logger
     from tasks.results.done_index import parse_records
 
     out = open_storage(output_uri, create=True)
-    root = out.describe("")
-    keys = [p[len(root):] if p.startswith(root) else p for p in parts]
+    keys = [key_within(out, p) for p in parts]
     if not keys:
         keys = sorted(r.key for r in out.iter_objects(prefix=results_prefix(fingerprint)) if r.key.endswith(".jsonl"))
     for key in keys:
         try:
             lines = out.read(key).decode("utf-8").splitlines()
-        except (OSError, UnicodeDecodeError):
+        except (OSError, UnicodeDecodeError) as exc:
+            get_logger().warning("gallery: a results part could not be read; its items are not shown",
+                                 part=out.describe(key), error=f"{type(exc).__name__}: {exc}")
+            if unreadable is not None:
+                unreadable.append(out.describe(key))
             continue
         yield from parse_records(lines)[0]
 
@@ -225,13 +231,15 @@ def gallery_after_run(job, run_id: str, fingerprint: str, parts: list[str]) -> d
 
     try:
         out = open_storage(job.output, create=True)
-        page, shown = build_gallery(run_records(job.output, parts, fingerprint), media_fetcher(job),
+        unreadable: list[str] = []
+        page, shown = build_gallery(run_records(job.output, parts, fingerprint, unreadable), media_fetcher(job),
                                     job.gallery_items, f"vlm-caption · {job.recipe} · {job.location}",
                                     {"run": run_id, "fingerprint": fingerprint}, get_settings().gallery_fetch_s)
         out.write(gallery_key(run_id), page.encode())
         path = out.describe(gallery_key(run_id))
         _link_artifact(path, shown)
-        return {"path": path, "items": shown, "bytes": len(page)}
+        return {"path": path, "items": shown, "bytes": len(page),
+                **({"unreadable_parts": unreadable} if unreadable else {})}
     except Exception as exc:  # noqa: BLE001 - the page is a view; the run's results stand
         get_logger(run_id=run_id).warning("gallery not written", error=str(exc))
         return {"path": None, "error": f"{type(exc).__name__}: {exc}"}

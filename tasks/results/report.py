@@ -55,10 +55,13 @@ class PartitionReport(Tally):
     devices: str | None = None  # CUDA_VISIBLE_DEVICES of the worker
     state: str = "COMPLETED"
     engine: dict[str, Any] | None = None
+    shards: int = 0  # shards it claimed (tasks/claims.py), retaken ones included
+    retaken: int = 0  # of those, shards retaken from a partition that was gone
 
     def brief(self) -> dict[str, Any]:
         return {**self.model_dump(include={"index", "state", "flow_run_id", "worker", "host", "devices",
-                                           "listed", "processed", "succeeded", "generate_from", "generate_to"}),
+                                           "listed", "processed", "succeeded", "generate_from", "generate_to",
+                                           "shards", "retaken"}),
                 "failed": sum(self.failures_by_kind.values()),
                 "generate_items_per_s": self.generate_items_per_s(),
                 "engine_ready_at": (self.engine or {}).get("ready_at")}

@@ -102,3 +102,20 @@ def iter_files(files: FileSet, glob: str | None = None, log=None) -> Iterator[Ob
 
 def first_file(files: FileSet) -> ObjectRef | None:
     return next(iter_files(files), None)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Where the items come from and how they are formed."""
+
+    uri: str  # a folder or bucket prefix, or a manifest file; for tars and Parquet, their folder
+    modality: str = "image"
+    is_manifest: bool = False
+    glob: str | None = None
+    format: str = "files"  # or webdataset | parquet (tasks/sources/formats.py)
+    pattern: str | None = None  # tars or Parquet files under `uri`: one name or a brace pattern
+    column: str | None = None  # parquet: the media column
+
+    @property
+    def files(self) -> FileSet:
+        return FileSet(self.uri, self.pattern, SUFFIX[self.format])

@@ -3,7 +3,6 @@ from them: one object (image, video), one folder of images (a group), or one man
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 
@@ -46,7 +45,3 @@ class Shard:
     index: int
     items: tuple[WorkItem, ...]
 
-
-def partition_of(key: str, count: int) -> int:
-    """A stable partition for an item id: every run (and every host) agrees on it."""
-    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") % count

@@ -12,36 +12,18 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 from prefect import task
 from prefect.cache_policies import NONE
 
 from tasks.observability import get_logger
-from tasks.sources.formats import SUFFIX, FileSet
+from tasks.sources.formats import SourceSpec
 from tasks.sources.groups import folder_groups
-from tasks.sources.items import Shard, WorkItem, partition_of
+from tasks.sources.items import Shard, WorkItem
 from tasks.sources.manifest import read_manifest
 from tasks.sources.parquet_source import iter_parquet_items
 from tasks.sources.storage import open_storage
 from tasks.sources.webdataset import iter_webdataset_items
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """Where the items come from and how they are formed."""
-
-    uri: str  # a folder or bucket prefix, or a manifest file; for tars and Parquet, their folder
-    modality: str = "image"
-    is_manifest: bool = False
-    glob: str | None = None
-    format: str = "files"  # or webdataset | parquet (tasks/sources/formats.py)
-    pattern: str | None = None  # tars or Parquet files under `uri`: one name or a brace pattern
-    column: str | None = None  # parquet: the media column
-
-    @property
-    def files(self) -> FileSet:
-        return FileSet(self.uri, self.pattern, SUFFIX[self.format])
 
 
 def iter_items(source: SourceSpec) -> Iterator[WorkItem]:
@@ -75,14 +57,9 @@ def iter_shards(items: Iterable[WorkItem], shard_size: int) -> Iterator[Shard]:
         yield Shard(index, tuple(batch))
 
 
-def in_partition(items: Iterable[WorkItem], limit: int | None,
-                 partition: tuple[int, int] | None) -> Iterator[WorkItem]:
-    """The first `limit` items (the whole job's limit), then only this partition's."""
-    for count, item in enumerate(items, start=1):
-        if limit is not None and count > limit:
-            return
-        if partition is None or partition_of(item.id, partition[1]) == partition[0]:
-            yield item
+def up_to(items: Iterable[WorkItem], limit: int | None) -> Iterator[WorkItem]:
+    """The first `limit` items (all with None)."""
+    return iter(items) if limit is None else itertools.islice(items, limit)
 
 
 class _Closed(Exception):
@@ -94,15 +71,13 @@ class ShardStream:
 
     A Prefect task (`list-source`) pages through the source in the background and hands over
     each shard as soon as it is full, at most `ahead` shards ahead of the captioning: the first
-    shard starts while the listing goes on, and memory does not grow with the bucket.
-    `partition=(index, count)` keeps the items whose id hashes to `index`: the runs of a fan-out
-    list the same source and each takes a disjoint slice, so nothing is done twice."""
+    shard starts while the listing goes on, and memory does not grow with the bucket. The
+    partitions of a fan-out each list the same shards and claim them (tasks/claims.py)."""
 
     ATTEMPTS = 3  # a listing that fails resumes after the items it already handed over
 
-    def __init__(self, source: SourceSpec, shard_size: int, limit: int | None,
-                 partition: tuple[int, int] | None = None, ahead: int = 4):
-        self.source, self.shard_size, self.limit, self.partition = source, shard_size, limit, partition
+    def __init__(self, source: SourceSpec, shard_size: int, limit: int | None, ahead: int = 4):
+        self.source, self.shard_size, self.limit = source, shard_size, limit
         self.items_listed = 0  # handed over in shards, or waiting in the next one
         self.shards_listed = 0
         self.finished = False
@@ -163,7 +138,7 @@ class ShardStream:
         raise _Closed
 
     def _list_from(self, skip: int) -> None:
-        items = in_partition(iter_items(self.source), self.limit, self.partition)
+        items = up_to(iter_items(self.source), self.limit)
         for item in itertools.islice(items, skip, None):
             self._batch.append(item)
             self.items_listed += 1
@@ -183,7 +158,5 @@ def list_source(stream: ShardStream) -> dict:
     """Page through the source, cutting it into shards for the run as it goes."""
     stream.produce()
     counts = {"items": stream.items_listed, "shards": stream.shards_listed}
-    get_logger(source=stream.source.uri).info(
-        "listed source", **counts,
-        partition=f"{stream.partition[0]}/{stream.partition[1]}" if stream.partition else None)
+    get_logger(source=stream.source.uri).info("listed source", **counts)
     return counts

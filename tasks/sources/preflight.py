@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
-from tasks.sources.storage import StorageError, open_storage, split_parent
+from tasks.sources.storage import Storage, StorageError, open_storage, split_parent
 
 PROBE_PREFIX = ".vlm-caption-probe-"
 
@@ -83,9 +84,31 @@ def resolve_source(job):
     return job.model_copy(update={"source_format": fmt, "column": column if fmt == "parquet" else None})
 
 
-def check_output(uri: str) -> None:
+def check_output(uri: str) -> Storage:
+    """The output's storage, once a probe object was written there and deleted. Folders made
+    for the probe are removed again (the first write makes them): a run refused for another
+    problem leaves nothing behind."""
     probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    made = _folders_to_make(uri)
     with storage_errors(uri, "writing a probe object to the output"):
-        out = open_storage(uri, create=True)
-        out.write(probe, b"vlm-caption output probe; safe to delete\n")
-        out.delete(probe)
+        try:
+            out = open_storage(uri, create=True)
+            out.write(probe, b"vlm-caption output probe; safe to delete\n")
+            out.delete(probe)
+        finally:
+            for folder in made:  # deepest first; only ones that are (still) empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+    return out
+
+
+def _folders_to_make(uri: str) -> list[Path]:
+    """A local output's folders that do not exist yet, deepest first (none for S3)."""
+    if "://" in uri and not uri.startswith("file://"):
+        return []
+    path = Path(uri.removeprefix("file://")).expanduser().absolute()
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing

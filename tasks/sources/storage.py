@@ -16,6 +16,7 @@ import fnmatch
 import functools
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -43,6 +44,7 @@ class Storage(Protocol):
     def read(self, key: str) -> bytes: ...
     def read_range(self, key: str, start: int, length: int) -> bytes: ...
     def write(self, key: str, data: bytes) -> None: ...
+    def create(self, key: str, data: bytes) -> bool: ...
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
     def describe(self, key: str) -> str: ...
@@ -100,6 +102,22 @@ class LocalStorage:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write `key` only if it does not exist (True), atomically: of several writers on this
+        file system exactly one gets True, and readers see the whole object or none."""
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.link(tmp, path)  # fails if the name exists; the complete file appears at once
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            Path(tmp).unlink(missing_ok=True)
 
     def exists(self, key: str) -> bool:
         return (self.root / key).exists()
@@ -177,6 +195,25 @@ class S3Storage:
         # A single PUT is atomic: readers never see a partial object.
         self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Write `key` only if it does not exist (True): a conditional PUT (`If-None-Match: *`,
+        which AWS S3, MinIO and moto honour), so of several writers exactly one gets True. A retry
+        of our own PUT whose first answer was lost finds our bytes there: that is ours too."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data, IfNoneMatch="*")
+            return True
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if exc.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "ConditionalRequestConflict") \
+                    and status not in (409, 412):
+                raise
+        try:
+            return self._get(key) == data
+        except FileNotFoundError:  # deleted since: nobody holds it now, try once more
+            return self.create(key, data)
+
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
 
@@ -193,6 +230,44 @@ class S3Storage:
 
     def describe(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.prefix}{key}"
+
+
+def key_within(storage: Storage, uri: str) -> str:
+    """The key of `uri` (as `storage.describe` wrote it) under the storage's root. A folder's root
+    describes itself without a trailing slash, a bucket prefix with one."""
+    root = storage.describe("").rstrip("/") + "/"
+    if not uri.startswith(root):
+        raise StorageError(f"{uri} is not under {root}")
+    return uri[len(root):]
+
+
+_shared_lock = threading.Lock()
+_shared_clients: dict[tuple, object] = {}
+_shared_stores: dict[tuple, S3Storage] = {}
+
+
+def _client_key() -> tuple:
+    """What a client is made from: the settings it reads and the AWS chain's environment. Another
+    endpoint, block or set of credentials (a test's, a profile switched) gets another client."""
+    settings = get_settings()
+    return (settings.s3_endpoint_url, settings.aws_credentials_block, settings.minio_credentials_block,
+            settings.s3_max_attempts, settings.s3_read_timeout_s,
+            tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+
+
+def shared_s3_storage(bucket: str, prefix: str) -> S3Storage:
+    """One S3Storage per location and one client for all of them, per process. A boto3 client is
+    thread-safe and meant to be shared: its connection pool and the `adaptive` retry mode's
+    client-side rate limiting (what it learnt of throttling) then serve every read and write."""
+    key = _client_key()
+    with _shared_lock:
+        client = _shared_clients.get(key)
+        if client is None:
+            client = _shared_clients[key] = make_s3_client()
+        store = _shared_stores.get((key, bucket, prefix))
+        if store is None:
+            store = _shared_stores[(key, bucket, prefix)] = S3Storage(bucket, prefix, client=client)
+        return store
 
 
 def make_s3_client():
@@ -258,7 +333,7 @@ def open_storage(uri: str, *, create: bool = False) -> Storage:
     if parsed.scheme in ("s3", "s3a"):
         if not parsed.netloc:
             raise StorageError(f"{uri}: missing bucket name; use s3://BUCKET/PREFIX/")
-        return S3Storage(parsed.netloc, parsed.path.lstrip("/"))
+        return shared_s3_storage(parsed.netloc, parsed.path.lstrip("/"))
     if parsed.scheme == "file":
         return LocalStorage(parsed.path, create=create)
     if parsed.scheme and len(parsed.scheme) > 1:  # "C:" on Windows is a drive, not a scheme

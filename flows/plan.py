@@ -1,0 +1,99 @@
+"""A run's plan: the job resolved once, at the run's start, and handed down.
+
+`make_plan(job)` is the pre-flight. It checks everything that needs no engine (the recipe and
+remote code, the engine arguments, the source, the output, the model) and fails with every
+problem at once, one line each (`PreflightError`); otherwise it returns a `RunPlan`: the job with
+its source format and Parquet column resolved, the recipe object, the model, the fingerprint,
+where the items come from and the output store. `vlm-caption run` makes it before Prefect starts
+(a mistake costs seconds); the flow makes it again in its own process (a deployment run has had
+no CLI), and a child partition from the job it is given. Storage objects are shared per
+location per process (`tasks/sources/storage.py`), so making the plan twice opens nothing twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flows.params import CaptionJob
+from recipes import Recipe, RecipeError, get_recipe
+from tasks.results.records import job_fingerprint
+from tasks.sources.formats import SourceSpec, split_location
+from tasks.sources.storage import Storage, StorageError, open_storage
+
+
+class PreflightError(RecipeError):
+    """One or more problems found before anything started; one line each, each saying what to do."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run reads and writes, with which recipe and model, resolved once."""
+
+    job: CaptionJob  # source_format and column resolved (never `auto`)
+    recipe: Recipe
+    model: str  # the job's model or the recipe's for its modality
+    fingerprint: str  # which results this run's are interchangeable with
+    source: SourceSpec
+    output: Storage  # where results, manifests, the gallery and Parquet go; partitions coordinate here
+
+
+def make_plan(job: CaptionJob) -> RunPlan:
+    """Check the job and resolve it, or raise PreflightError naming every problem found."""
+    from tasks.engine.arguments import check_engine_overrides, check_remote_code
+    from tasks.engine.model_check import check_job_model
+    from tasks.sources.preflight import check_output, resolve_source
+
+    problems: list[Exception] = []
+
+    def check(step: Callable[[], object]) -> object:
+        try:
+            return step()
+        except (RecipeError, StorageError) as exc:  # each says what to do; ModelError is a RecipeError
+            problems.append(exc)
+            return None
+
+    recipe = check(lambda: get_recipe(job.recipe))
+    if recipe is not None:
+        check(lambda: check_remote_code(recipe, job.trust_remote_code))
+    check(lambda: check_engine_overrides(job.engine_overrides))
+    resolved = check(lambda: resolve_source(job))
+    output = check(lambda: check_output(job.output))
+    if recipe is not None:
+        check(lambda: check_job_model(job))
+    if len(problems) == 1:
+        raise problems[0]  # its own kind (StorageError, ModelError, ...), as each check raises it
+    if problems:
+        raise PreflightError([str(problem) for problem in problems])
+    model = recipe.model_for(job.modality, job.model)
+    return RunPlan(job=resolved, recipe=recipe, model=model, fingerprint=fingerprint_of(resolved, recipe, model),
+                   source=source_spec(resolved), output=output)
+
+
+def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str) -> str:
+    """The results this job's are interchangeable with (see `job_fingerprint`). A Parquet
+    source's column is part of it (another column is other media under the same row ids)."""
+    media = {"num_frames": job.num_frames} if job.modality == "video" else {}
+    if job.source_format == "parquet":
+        media["column"] = job.column
+    return job_fingerprint(
+        source=job.location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
+        media=media, sampling=job.sampling.fingerprint_dict(), structured=job.structured_output)
+
+
+def source_spec(job: CaptionJob) -> SourceSpec:
+    """Where the job's items come from (its source format resolved)."""
+    if job.source_format in ("webdataset", "parquet"):
+        base, pattern = split_location(job.location)
+        return SourceSpec(base, job.modality, glob=job.glob, format=job.source_format, pattern=pattern,
+                          column=job.column)
+    return SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
+
+
+def output_store(uri: str) -> Storage:
+    """The output's storage (made if a folder), shared in this process."""
+    return open_storage(uri, create=True)

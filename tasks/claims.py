@@ -1,0 +1,208 @@
+"""How the partitions of a fanned-out run share its shards: claims in the output store.
+
+Every partition lists the whole source (the listing is deterministic: a bucket lists in key
+order, a folder is walked sorted), and before it fetches a shard it *claims* it: it creates
+`claims/<run_id>/<shard>` with a conditional write (`Storage.create`: `If-None-Match: *` on
+S3, a hard link on a folder), which exactly one partition wins. A partition takes a new shard
+only when its pipeline has room for one, so a partition whose engine is ready late, or whose
+GPU is slower, takes fewer shards, and all of them run out of unclaimed shards at about the
+same moment. Nothing passes through one host's disk or memory: partitions on other hosts see
+the same store, as the results already require.
+
+When its part is written a shard is marked done (`<shard>.done`). Each partition beats a
+heartbeat (`alive-p<N>.json`) every BEAT_S seconds, and says `finished` when its pipeline ends,
+however it ends. After its own shards, a partition waits for the run's claimed shards to be
+done; a shard whose holder finished without marking it done, or whose heartbeat stood still
+for STALE_S seconds (a killed worker, a lost host), is claimed again (`<shard>.r1`, `.r2`, ...,
+again by a conditional write, so one partition retakes it) and captioned here. So the
+partitions finish together, and a partition that dies loses nothing.
+
+A claim names the shard's first and last item: a source that changed between two partitions'
+listings (objects added mid-run) is logged; no item is lost (the next run's done-index sees
+what no shard had), one may be captioned twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tasks.observability import get_logger
+from tasks.sources.items import Shard
+from tasks.sources.storage import Storage
+
+BEAT_S = 5.0
+STALE_S = 30.0  # a heartbeat unchanged this long (by the watcher's clock): its partition is gone
+CLAIM = re.compile(r"(\d{6})(?:\.r(\d+))?$")
+
+
+def claims_prefix(run_id: str) -> str:
+    return f"claims/{run_id}/"
+
+
+@dataclass
+class _Seen:
+    """A partition's heartbeat as this process last saw it, and when it last changed."""
+
+    beat: object = None
+    changed_at: float = field(default_factory=time.monotonic)
+
+
+class ShardClaims:
+    """This partition's side of the run's claims (one per partition process)."""
+
+    def __init__(self, out: Storage, run_id: str, partition: int, owner: str | None = None,
+                 beat_s: float = BEAT_S, stale_s: float = STALE_S):
+        self.out, self.run_id, self.partition = out, run_id, partition
+        self.owner = owner or f"p{partition}"
+        self.prefix = claims_prefix(run_id)
+        self.beat_s, self.stale_s = beat_s, stale_s
+        self.taken = 0  # shards this partition claimed (first claims and retakes)
+        self.retaken = 0
+        self._beats = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen: dict[str, _Seen] = {}
+        self.log = get_logger(run_id=run_id, partition=partition)
+
+    # ---- heartbeat ------------------------------------------------------------------------------
+    def __enter__(self) -> ShardClaims:
+        self._beat("running")
+        self._thread = threading.Thread(target=self._beating, name="claims-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.beat_s + 5)
+        try:
+            self._beat("finished")  # the others retake what this partition leaves undone, at once
+        except Exception as error:  # noqa: BLE001 - they retake it once the heartbeat is stale
+            self.log.warning("could not say this partition finished; others wait for its heartbeat to go stale",
+                             error=str(error))
+
+    def _beating(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            try:
+                self._beat("running")
+            except Exception as error:  # noqa: BLE001 - a store hiccup; the next beat tries again
+                self.log.warning("heartbeat not written", error=str(error))
+
+    def _beat(self, state: str) -> None:
+        self._beats += 1
+        self.out.write(f"{self.prefix}alive-{self.owner}.json",
+                       json.dumps({"beat": self._beats, "state": state, "partition": self.partition}).encode())
+
+    # ---- claims ---------------------------------------------------------------------------------
+    def claim(self, shard: Shard, *, compare: bool = False) -> bool:
+        """True if this partition now holds `shard` (it alone captions it). With `compare`, a
+        shard another partition holds is checked to be the same items in its listing."""
+        body = {"owner": self.owner, "partition": self.partition, "items": len(shard.items),
+                "first": shard.items[0].id if shard.items else None,
+                "last": shard.items[-1].id if shard.items else None}
+        won = self.out.create(self._claim_key(shard.index, 0), json.dumps(body).encode())
+        if won:
+            self.taken += 1
+        elif compare:
+            self._check_same_shard(shard, body)
+        return won
+
+    def claimed(self, shards):
+        """The shards of `shards` this partition wins, claimed one at a time as they are asked for.
+        At a lost claim it lists the claims (one request) and skips every shard claimed by then:
+        a partition that starts late, or falls behind, goes straight to the first unclaimed shard
+        instead of a conditional write for each one the others hold."""
+        taken: set[int] = set()
+        compared = False
+        for shard in shards:
+            if shard.index in taken:
+                continue
+            if self.claim(shard, compare=not compared):
+                yield shard
+            else:
+                compared = True
+                taken = self.claimed_indices()
+
+    def claimed_indices(self) -> set[int]:
+        """Every shard claimed so far (by anyone), from one listing of the claims."""
+        return {int(match[1]) for ref in self.out.iter_objects(prefix=self.prefix)
+                if (match := CLAIM.match(ref.key[len(self.prefix):]))}
+
+    def mark_done(self, index: int) -> None:
+        self.out.write(f"{self.prefix}{index:06d}.done", b"")
+
+    def _claim_key(self, index: int, generation: int) -> str:
+        return f"{self.prefix}{index:06d}" + (f".r{generation}" if generation else "")
+
+    def _check_same_shard(self, shard: Shard, mine: dict) -> None:
+        try:
+            theirs = json.loads(self.out.read(self._claim_key(shard.index, 0)))
+        except (OSError, ValueError) as error:
+            self.log.warning("a claim could not be read back", shard=shard.index, error=str(error))
+            return
+        if (theirs.get("first"), theirs.get("last")) != (mine["first"], mine["last"]):
+            self.log.warning("the source changed while the partitions listed it: this shard holds other items "
+                             "in another partition's listing (some may be captioned twice; none is lost)",
+                             shard=shard.index, ours=[mine["first"], mine["last"]],
+                             theirs=[theirs.get("first"), theirs.get("last")])
+
+    # ---- the end: wait for the others, retake what a gone partition left --------------------------
+    def unfinished(self) -> dict[int, tuple[int, str]]:
+        """Claimed shards not done yet: index -> (latest generation, its holder)."""
+        latest: dict[int, int] = {}
+        done: set[int] = set()
+        for ref in self.out.iter_objects(prefix=self.prefix):
+            name = ref.key[len(self.prefix):]
+            if name.endswith(".done"):
+                done.add(int(name[:6]))
+            elif (match := CLAIM.match(name)):
+                index, generation = int(match[1]), int(match[2] or 0)
+                latest[index] = max(latest.get(index, 0), generation)
+        holders = {}
+        for index, generation in latest.items():
+            if index in done:
+                continue
+            try:
+                holders[index] = (generation, json.loads(self.out.read(self._claim_key(index, generation)))["owner"])
+            except (OSError, ValueError, KeyError) as error:  # a claim being written: seen next round
+                self.log.warning("a claim could not be read", shard=index, error=str(error))
+        return holders
+
+    def gone(self, owner: str) -> bool:
+        """The holder said it finished, or its heartbeat has not changed for `stale_s` seconds."""
+        if owner == self.owner:
+            return False
+        try:
+            beat = json.loads(self.out.read(f"{self.prefix}alive-{owner}.json"))
+        except (OSError, ValueError):
+            beat = None  # it claimed before its first beat landed, or the beat is unreadable: wait
+        if beat is not None and beat.get("state") == "finished":
+            return True
+        seen = self._seen.setdefault(owner, _Seen(beat))
+        if beat != seen.beat:
+            seen.beat, seen.changed_at = beat, time.monotonic()
+        return time.monotonic() - seen.changed_at >= self.stale_s
+
+    def retake(self) -> list[int] | None:
+        """The shards of gone partitions this partition now holds (retaken); an empty list while
+        other live partitions still hold shards; None once every claimed shard is done."""
+        holders = self.unfinished()
+        if not holders:
+            return None
+        retaken = []
+        for index, (generation, owner) in sorted(holders.items()):
+            if owner == self.owner:  # captioned here (the pipeline has drained); its mark was lost
+                self.mark_done(index)
+            elif self.gone(owner):
+                if self.out.create(self._claim_key(index, generation + 1),
+                                   json.dumps({"owner": self.owner, "partition": self.partition,
+                                               "retaken_from": owner}).encode()):
+                    self.log.warning("a shard whose partition is gone is captioned here", shard=index, gone=owner)
+                    retaken.append(index)
+        self.taken += len(retaken)
+        self.retaken += len(retaken)
+        return retaken
