@@ -33,9 +33,11 @@ INTERNVL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</
                      "</quad>", "<ref>", "</ref>", "<box>", "</box>", "<|video_pad|>"]
 
 
-def _vit_shapes(shapes: dict, vision: dict, prefix: str = "vision_model.") -> None:
-    """InternViT as the hub stores it (vLLM's intern_vit.py loads the same names)."""
+def _vit_shapes(shapes: dict, vision: dict, prefix: str = "vision_model.", dummy_heads: int = 0) -> None:
+    """InternViT as the hub stores it (vLLM's intern_vit.py loads the same names); `dummy_heads`: the
+    zero heads NVLM-D's checkpoint pads attention with (vLLM builds 7 more than the config says)."""
     d, inter = vision["hidden_size"], vision["intermediate_size"]
+    inner = d + dummy_heads * (d // vision["num_attention_heads"])
     patches = (vision["image_size"] // vision["patch_size"]) ** 2
     emb = prefix + "embeddings."
     shapes[emb + "class_embedding"] = (1, 1, d)
@@ -45,11 +47,11 @@ def _vit_shapes(shapes: dict, vision: dict, prefix: str = "vision_model.") -> No
     norm_bias = vision["norm_type"] == "layer_norm"
     for i in range(vision["num_hidden_layers"]):
         layer = f"{prefix}encoder.layers.{i}."
-        linear(shapes, layer + "attn.qkv", 3 * d, d, bias=vision["qkv_bias"])
+        linear(shapes, layer + "attn.qkv", 3 * inner, d, bias=vision["qkv_bias"])
         if vision["qk_normalization"]:
-            layernorm(shapes, layer + "attn.q_norm", d, bias=False)
-            layernorm(shapes, layer + "attn.k_norm", d, bias=False)
-        linear(shapes, layer + "attn.proj", d, d, bias=True)
+            layernorm(shapes, layer + "attn.q_norm", inner, bias=False)
+            layernorm(shapes, layer + "attn.k_norm", inner, bias=False)
+        linear(shapes, layer + "attn.proj", d, inner, bias=True)
         linear(shapes, layer + "mlp.fc1", inter, d, bias=True)
         linear(shapes, layer + "mlp.fc2", d, inter, bias=True)
         layernorm(shapes, layer + "norm1", d, bias=norm_bias)
@@ -67,7 +69,7 @@ def _mlp1_shapes(shapes: dict, vision: dict, hidden: int, middle: int | None = N
 
 def _build(out: Path, seed: int, *, model_type: str, architecture: str, vision: dict, specials: list[str],
            eos: str, chat_template: str, lm: str = "qwen2", extra: dict | None = None,
-           projector_middle: int | None = None, projector_bias: bool = True) -> Path:
+           projector_middle: int | None = None, projector_bias: bool = True, dummy_heads: int = 0) -> Path:
     out = Path(out)
     if done(out):
         return out
@@ -79,7 +81,7 @@ def _build(out: Path, seed: int, *, model_type: str, architecture: str, vision: 
                                   llm_config=llm, **TILING, **(extra or {})),
                         {"vision_config": None, "llm_config": lm})
     shapes: dict = {}
-    _vit_shapes(shapes, vision)
+    _vit_shapes(shapes, vision, dummy_heads=dummy_heads)
     _mlp1_shapes(shapes, vision, TEXT["hidden_size"], projector_middle, projector_bias)
     llama_lm_shapes(shapes, "language_model.", len(fast), qkv_bias=lm == "qwen2")
     save_random(out, shapes, seed)
@@ -130,7 +132,7 @@ NVLM_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<Image>", "</Im
 def build_tiny_nvlm_d(out: Path, seed: int = 0) -> Path:
     return _build(out, seed, model_type="NVLM_D", architecture="NVLM_D", vision=VIT_6B, specials=NVLM_SPECIALS,
                   eos="<|im_end|>", chat_template=chatml_template(),
-                  projector_middle=TEXT["intermediate_size"], projector_bias=False)
+                  projector_middle=TEXT["intermediate_size"], projector_bias=False, dummy_heads=7)
 
 
 # Skywork-R1V-38B: InternViT-6B, a Qwen2 LM (DeepSeek-R1-distilled), InternVL's image tokens.
