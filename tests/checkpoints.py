@@ -62,6 +62,8 @@ BUILDERS: dict[str, str] = {
     "aria": "tests.tiny_remote_native:build_tiny_aria",
     "interns1": "tests.tiny_remote_native:build_tiny_interns1",
     "dots_ocr": "tests.tiny_remote_vllm:build_tiny_dots_ocr",
+    "glm4v_chatglm": "tests.tiny_remote_vllm:build_tiny_glm4v_chatglm",
+    "ovis": "tests.tiny_remote_vllm:build_tiny_ovis",
 }
 
 # recipe -> the architecture whose tiny checkpoint its checks run on
@@ -78,7 +80,8 @@ RECIPE_CHECKPOINTS: dict[str, str] = {
     "smolvlm": "smolvlm", "step3": "step3", "tarsier2": "tarsier2",
     # remote-code recipes (tests/tiny_remote_*.py)
     "internvl_chat": "internvl_chat", "h2ovl_chat": "h2ovl_chat", "NVLM_D": "nvlm_d", "skywork_chat": "skywork_chat",
-    "aria": "aria", "interns1": "interns1", "dots_ocr": "dots_ocr",
+    "aria": "aria", "interns1": "interns1", "dots_ocr": "dots_ocr", "glm4v": "glm4v_chatglm",
+    "ovis": "ovis",
 }
 
 # (recipe, modality) -> architecture, where a modality's recipe names another model than the recipe's
