@@ -90,11 +90,31 @@ def chatml_template(system: str | None = None) -> str:
 
 
 def tokenizer(out: Path, specials: list[str], *, eos: str, bos: str | None = None, pad: str | None = None,
-              chat_template: str | None = None, extra: dict | None = None):
-    """A trained byte-level BPE tokenizer with `specials` as single tokens; (tokenizer, {special: id})."""
+              chat_template: str | None = None, extra: dict | None = None, fixed_ids: dict[str, int] | None = None):
+    """A trained byte-level BPE tokenizer with `specials` as single tokens; (tokenizer, {special: id}).
+
+    `fixed_ids`: special tokens that must have the real model's ids (where vLLM hard-codes them), placed
+    there after never-produced filler entries: the vocabulary becomes that large."""
     extra = {**({"chat_template": chat_template} if chat_template else {}), **(extra or {})}
-    fast = save_fast_tokenizer(train_tokenizer(specials), out, eos=eos, bos=bos, pad=pad, extra=extra)
+    trained = train_tokenizer([t for t in specials if t not in (fixed_ids or {})])
+    if fixed_ids:
+        trained = _with_fixed_ids(trained, fixed_ids)
+    fast = save_fast_tokenizer(trained, out, eos=eos, bos=bos, pad=pad, extra=extra)
     return fast, {t: fast.convert_tokens_to_ids(t) for t in specials}
+
+
+def _with_fixed_ids(trained, fixed_ids: dict[str, int]):
+    from tokenizers import AddedToken, Tokenizer
+
+    data = json.loads(trained.to_str())
+    vocab = data["model"]["vocab"]
+    wanted = {i: t for t, i in fixed_ids.items()}
+    assert min(wanted) >= len(vocab), "fixed ids must lie above the trained vocabulary"
+    for i in range(len(vocab), max(wanted) + 1):
+        vocab[wanted.get(i, f"<|tiny_filler_{i}|>")] = i
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in fixed_ids])
+    return tok
 
 
 def llama_lm_shapes(shapes: dict, prefix: str, vocab: int, text: dict = TEXT, *, qkv_bias: bool = False,

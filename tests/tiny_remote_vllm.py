@@ -199,3 +199,74 @@ def build_tiny_ovis(out: Path, seed: int = 0) -> Path:
     llama_lm_shapes(shapes, "llm.", len(fast), qkv_bias=True)
     save_random(out, shapes, seed)
     return finish(out)
+
+
+# --- Ovis2.5 (Ovis2.5-2B) -------------------------------------------------------------------------
+# vLLM 0.26 builds Ovis2_5Processor (processors/ovis2_5.py) from the checkpoint's image processor and
+# tokenizer, but registers no config class for model_type ovis2_5: ours holds llm_config (a Qwen3
+# config; vLLM reads it as text_config) and vit_config (siglip2_navit's values as attributes).
+# The tokens the processor looks up in the vocabulary, and Qwen3's.
+OVIS25_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>", "<image>", "<video>",
+                   "<ovis_visual_atom>", "<ovis_image_start>", "<ovis_image_end>", "<ovis_video_start>",
+                   "<ovis_video_end>", "<think>", "</think>"]
+# SigLIP2-NaViT at tiny width: patch 16, 2x2 merge (hidden_stride), rotary positions, the original
+# 512-px position table interpolated per image (Ovis2.5-2B's settings, not its sizes).
+OVIS25_VIT = dict(model_type="siglip2_navit", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=1, num_channels=3, num_patches=-1, image_size=128, patch_size=16,
+                  hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, attention_dropout=0.0, hidden_stride=2,
+                  window_size=112, fullatt_block_indexes=None, temporal_patch_size=1, preserve_original_pe=True,
+                  use_rope=True)
+
+
+# vLLM's ovis2_5.py hard-codes the ids of the four start/end tokens (INDICATOR_IDS, 151672..151675:
+# Ovis2.5's tokenizer) to turn them into visual-vocabulary indicators; the tiny tokenizer puts them
+# there, so its vocabulary is Qwen3's size: the LM is narrower (64) and ties its head to the embedding.
+OVIS25_FIXED_IDS = {"<ovis_image_start>": 151672, "<ovis_image_end>": 151673, "<ovis_video_start>": 151674,
+                    "<ovis_video_end>": 151675}
+OVIS25_TEXT = dict(TEXT, hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+
+
+def build_tiny_ovis2_5(out: Path, seed: int = 0) -> Path:
+    out = Path(out)
+    if done(out):
+        return out
+    from transformers import SiglipImageProcessor
+
+    from tests.tiny_remote_common import text_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    fast, ids = tokenizer(out, OVIS25_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", fixed_ids=OVIS25_FIXED_IDS)
+    llm = dict(text_config(fast, ids, "qwen3", "Qwen3ForCausalLM", eos="<|im_end|>"), **OVIS25_TEXT)
+    write_remote_config(out, dict(model_type="ovis2_5", architectures=["Ovis2_5"], llm_config=llm, vit_config=OVIS25_VIT,
+                                  visual_vocab_size=OVIS_VISUAL_VOCAB, hidden_size=OVIS25_TEXT["hidden_size"],
+                                  conversation_formatter_class="Qwen3ConversationFormatter", torch_dtype="bfloat16"),
+                        {"llm_config": "qwen3", "vit_config": None}, class_name="Ovis2_5Config")
+    SiglipImageProcessor(size={"height": 512, "width": 512}, image_mean=[0.5, 0.5, 0.5],
+                         image_std=[0.5, 0.5, 0.5]).save_pretrained(out)
+    v = OVIS25_VIT
+    e, inter, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    shapes: dict = {}
+    vm = "visual_tokenizer.vit.vision_model."
+    shapes[vm + "embeddings.patch_embedding.weight"] = (e, 3, p, p)
+    shapes[vm + "embeddings.patch_embedding.bias"] = (e,)
+    shapes[vm + "embeddings.position_embedding.weight"] = ((v["image_size"] // p) ** 2, e)
+    for i in range(v["num_hidden_layers"]):
+        layer = f"{vm}encoder.layers.{i}."
+        layernorm(shapes, layer + "layer_norm1", e)
+        layernorm(shapes, layer + "layer_norm2", e)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            linear(shapes, layer + "self_attn." + proj, e, e, bias=True)
+        linear(shapes, layer + "mlp.fc1", inter, e, bias=True)
+        linear(shapes, layer + "mlp.fc2", e, inter, bias=True)
+    layernorm(shapes, vm + "post_layernorm", e)
+    head = OVIS_VISUAL_VOCAB - 4  # Ovis2.5 keeps 4 indicator tokens
+    linear(shapes, "visual_tokenizer.head.0", head, e * v["hidden_stride"] ** 2)
+    layernorm(shapes, "visual_tokenizer.head.1", head)
+    shapes["vte.weight"] = (OVIS_VISUAL_VOCAB, OVIS25_TEXT["hidden_size"])
+    llama_lm_shapes(shapes, "llm.", len(fast), OVIS25_TEXT)
+    del shapes["llm.lm_head.weight"]  # tied
+    for i in range(OVIS25_TEXT["num_hidden_layers"]):  # Qwen3's per-head q/k norms
+        layernorm(shapes, f"llm.model.layers.{i}.self_attn.q_norm", OVIS25_TEXT["head_dim"], bias=False)
+        layernorm(shapes, f"llm.model.layers.{i}.self_attn.k_norm", OVIS25_TEXT["head_dim"], bias=False)
+    save_random(out, shapes, seed)
+    return finish(out)
