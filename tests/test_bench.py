@@ -23,11 +23,13 @@ def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_p
     """The one bench smoke CI runs (each phase starts an engine). Raw vLLM as the video example
     runs it (Qwen2-VL clips), the flow reading them from the bench's loopback S3 server (a process
     of its own) against the bench's own Prefect server, one more flow phase from `--flow-env`,
-    then `--gpus 2`: the flow fanned out over two devices (the run on device 0, a worker for device
-    1 running the partition deployment, which reads the loopback server's credentials block), all
+    then `--gpus 2`: raw, 2 processes (two raw scripts at once, one per device, half the clips
+    each) and the flow fanned out over two devices (the run on device 0, a worker for device 1
+    running the partition deployment, which reads the loopback server's credentials block), all
     answering in the built-in tags schema (vLLM's structured outputs in raw and flow alike): every
-    item answered by each, the ratios and the JSON written, each partition on its own device, the
-    worker stopped, no made-up GPU figure."""
+    item answered by each, the ratios and the JSON written, each partition and each raw process on
+    its own device with its engine-ready time, the fan-out over raw, 2 processes, the worker
+    stopped, no made-up GPU figure."""
     import psutil
 
     from flows.params import TAGS_SCHEMA
@@ -36,16 +38,29 @@ def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_p
                           "--source", "s3", "--flow-env", "VLM_CAPTION_FEED_DEPTH=1", "--json-schema", "tags",
                           "--gpus", "2")
     assert "flow / raw" in done.stdout and "flow on 2 GPUs" in done.stdout
+    assert "raw, 2 processes" in done.stdout and "/ raw 2 processes" in done.stdout
     assert report["config"]["modality"] == "video"
     assert json.loads(report["config"]["json_schema"]) == TAGS_SCHEMA
     # 3 tokens of a random-weight model rarely close the JSON: such answers are the flow's
     # structured_output errors, yet count as answered (items/s below), as raw counts every output.
     (variant,) = report["flow_env"].values()
-    fan_out = report["fan_out"]
-    for phase in (report["raw"], report["flow"], variant, fan_out):
+    fan_out, raw_n = report["fan_out"], report["raw_n"]
+    for phase in (report["raw"], raw_n, report["flow"], variant, fan_out):
         assert phase["items"] == 4
         assert phase["generate_items_per_s"] > 0 and phase["wall_s"] > 0
         assert phase["output_tokens_per_s"] > 0 and phase["peak_rss_mb"] > 0
+        # from the phase's start to its first engine ready; items/s from there to the last result
+        assert 0 < phase["engine_ready_s"] < phase["wall_s"] and phase["ready_to_last_items_per_s"] > 0
+    # raw, 2 processes: two raw scripts, one per device, 2 clips each, each ready and done on its own
+    assert [(p["index"], p["devices"], p["items"]) for p in raw_n["processes"]] == [(0, "0", 2), (1, "1", 2)]
+    assert raw_n["engine_ready_s"] == min(p["engine_ready_s"] for p in raw_n["processes"])
+    assert raw_n["wall_s"] == max(p["wall_s"] for p in raw_n["processes"])
+    for proc in raw_n["processes"]:
+        assert proc["engine_ready_s"] <= proc["generate_window_s"][0] <= proc["generate_window_s"][1] <= proc["wall_s"]
+        assert proc["generate_items_per_s"] > 0
+    assert fan_out["ratio_over_raw_n"]["ready_to_last_items_per_s"] == round(
+        fan_out["ready_to_last_items_per_s"] / raw_n["ready_to_last_items_per_s"], 3)
+    assert set(report["engine_ready_after_raw_s"]) == {"flow_minus_raw", "fan_out_minus_raw_n"}
     ratio = report["ratio_flow_over_raw"]
     assert ratio["generate_items_per_s"] == round(report["flow"]["generate_items_per_s"]
                                                   / report["raw"]["generate_items_per_s"], 3)
@@ -54,6 +69,10 @@ def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_p
     assert [(p["index"], p["devices"], p["worker"]) for p in fan_out["partitions"]] == [
         (0, "0", None), (1, "1", "bench-gpu1")]  # partition 1 ran on the worker, not taken over
     assert sum(p["processed"] for p in fan_out["partitions"]) == 4
+    # each partition's engine ready, from the run's process start, where the manifest carries it;
+    # the fan-out's own figure is the earliest
+    readies = [p["engine_ready_s"] for p in fan_out["partitions"] if p["engine_ready_s"] is not None]
+    assert fan_out["engine_ready_s"] <= min(readies, default=fan_out["engine_ready_s"])
     assert fan_out["ratio_over_flow"]["generate_items_per_s"] == round(
         fan_out["generate_items_per_s"] / report["flow"]["generate_items_per_s"], 3)
     workers = [p for p in psutil.process_iter(["cmdline"]) if "bench-gpu1" in " ".join(p.info["cmdline"] or [])]
@@ -66,6 +85,8 @@ def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_p
     for phase in ("raw", "flow"):  # each phase's output, and its GPU samples (none here)
         log = sorted((tmp_path / "bench").glob(f"{phase}-*.log"))[0]
         assert json.loads(log.with_suffix(".gpu.json").read_text()) == []
+    assert len(list((tmp_path / "bench").glob("raw-n[01]-*.log"))) == 2  # each raw process's own output
+    assert json.loads(next((tmp_path / "bench").glob("raw-n-*.gpu.json")).read_text()) == []
 
 
 @pytest.mark.parametrize("modality", ["image", "video", "multi-image"])
@@ -129,3 +150,57 @@ def test_gpu_busy_is_reported_over_the_window_and_each_tenth_of_it():
     assert sampler.busy_pct(0.0, 9.99) == 85.0
     assert sampler.busy_by_tenth(0.0, 9.99) == [50.0, *[100.0] * 8, 0.0]
     assert sampler.busy_pct(20.0, 30.0) is None  # no samples there: no figure
+
+
+def test_raw_n_processes_are_one_phase_from_the_first_engine_ready_to_the_last_result():
+    """Raw, N processes as the report shows it, from each process's times (unix): items/s from
+    the first engine ready to the last result, while generating (the first request to the last
+    result), each process's own engine-ready time and rate; times from the phase's start."""
+    from flows.bench.driver import raw_n_figures, raw_slice
+
+    assert [raw_slice(list(range(5)), i, 2) for i in range(2)] == [[0, 1], [2, 3, 4]]
+    t0 = 1000.0
+    proc = {"output_tokens": 30, "processor_device": "cpu", "processor_gpu_peak_mb": None}
+    figures = raw_n_figures([{**proc, "items": 10, "engine_ready_at": t0 + 10, "window": [t0 + 12, t0 + 17],
+                              "generate_items_per_s": 2.0, "peak_rss_mb": 900.0},
+                             {**proc, "items": 10, "engine_ready_at": t0 + 14, "window": [t0 + 15, t0 + 20],
+                              "generate_items_per_s": 2.0, "peak_rss_mb": 950.0}], t0, [t0 + 18, t0 + 22])
+    assert figures["ready_to_last_items_per_s"] == 20 / 10  # from 10 s to 20 s
+    assert figures["generate_items_per_s"] == 20 / 8 and figures["summed_gpu_items_per_s"] == 4.0
+    assert (figures["engine_ready_s"], figures["first_result_s"], figures["wall_s"]) == (10.0, 17.0, 22.0)
+    assert figures["window"] == [t0 + 12, t0 + 20] and figures["peak_rss_mb"] == 950.0
+    assert [(p["engine_ready_s"], p["generate_window_s"], p["wall_s"]) for p in figures["processes"]] == [
+        (10.0, [12.0, 17.0], 18.0), (14.0, [15.0, 20.0], 22.0)]
+
+
+def test_a_fan_outs_first_engine_and_last_result_come_from_its_partitions():
+    """The earliest engine ready of the run's own and its partitions' (a partition's report may
+    lack it), the latest result of the run's window and its partitions'."""
+    from flows.bench.driver import engine_ready_gaps, first_ready_last_result
+
+    briefs = [{"engine_ready_at": 5.0, "generate_to": 9.0}, {"engine_ready_at": 3.0, "generate_to": 11.0}, {}]
+    assert first_ready_last_result({"ready_at": 5.0}, [6.0, 9.0], briefs) == (3.0, 11.0)
+    assert first_ready_last_result({}, [0.0, 0.0], []) == (None, None)
+    report = {"raw": {"engine_ready_s": 9.0}, "flow": {"engine_ready_s": 15.5}, "fan_out": {"engine_ready_s": 16.0},
+              "raw_n": {"engine_ready_s": 10.0}}
+    assert engine_ready_gaps(report) == {"flow_minus_raw": 6.5, "fan_out_minus_raw_n": 6.0}
+    assert engine_ready_gaps({"raw": {}, "flow": {"engine_ready_s": 15.5}}) == {}
+
+
+@pytest.mark.parametrize(("flags", "skip_raw", "skip_raw_n"), [
+    ([], False, False), (["--skip-raw"], True, False), (["--skip-raw-n"], False, True),
+    (["--skip-raw-n", "--skip-raw"], True, True)])
+def test_skip_raw_and_skip_raw_n_reach_the_config(flags, skip_raw, skip_raw_n):
+    """`--skip-raw` leaves out raw on one GPU, `--skip-raw-n` raw, N processes; both reach
+    BenchConfig through the one `skip_raw` value `vlm-caption bench` hands it."""
+    import argparse
+
+    from flows.bench.cli import add_bench_arguments
+    from flows.bench.config import BenchConfig
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args([*flags, "--gpus", "2"])
+    cfg = BenchConfig(workdir="bench", gpus=args.gpus, skip_raw=args.skip_raw)
+    assert (cfg.skip_raw, cfg.skip_raw_n, cfg.runs_raw_n()) == (skip_raw, skip_raw_n, not skip_raw_n)
+    assert not BenchConfig(workdir="bench").runs_raw_n()  # one GPU: no raw, N processes

@@ -6,6 +6,17 @@ from __future__ import annotations
 import argparse
 
 
+class SkipRaw(argparse.Action):
+    """--skip-raw and --skip-raw-n, gathered in one value of `skip_raw` ("raw", "raw-n" or
+    "raw,raw-n"; False: neither), which `vlm-caption bench` hands BenchConfig as it is:
+    BenchConfig reads it into its `skip_raw` and `skip_raw_n` (flows/bench/config.py)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        skipped = set(namespace.skip_raw.split(",")) if isinstance(namespace.skip_raw, str) else set()
+        skipped.add("raw-n" if option_string == "--skip-raw-n" else "raw")
+        namespace.skip_raw = ",".join(sorted(skipped))
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default="vlm-caption-bench", help="working folder (default: ./vlm-caption-bench)")
     parser.add_argument("--model", help="model path or id (default: a random-weight checkpoint of --shape)")
@@ -36,11 +47,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, default=1,
                         help="N > 1: then the flow fanned out over N GPUs of this host (fan_out=N, the run on "
                         "GPU 0, a process worker per other GPU, the partition deployment; implies --prefect "
-                        "server; a folder or S3 source), reported over the flow on one GPU")
+                        "server; a folder or S3 source), reported over the flow on one GPU; and, before the "
+                        "flows, \"raw, N processes\": N raw vLLM scripts at once, one per GPU "
+                        "(CUDA_VISIBLE_DEVICES=i), each given 1/N of the items, the fan-out reported over it "
+                        "on items/s from the first engine ready to the last result (--skip-raw-n: not run)")
     parser.add_argument("--processor-device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="where the flow's model processor runs (default auto); raw runs it on the CPU "
                         "as the example does, and once more on the GPU when the flow's is there")
-    parser.add_argument("--skip-raw", action="store_true",
-                        help="leave out the raw phase (e.g. when --gpus is what is measured)")
+    parser.add_argument("--skip-raw", action=SkipRaw, nargs=0, default=False,
+                        help="leave out raw vLLM on one GPU (and raw with the flow's processor device); "
+                        "with --gpus N, \"raw, N processes\" still runs")
+    parser.add_argument("--skip-raw-n", action=SkipRaw, nargs=0, dest="skip_raw", default=False,
+                        help="with --gpus N: leave out \"raw, N processes\" (N raw vLLM scripts started at "
+                        "once, one per GPU, each given 1/N of the items), which a --gpus run otherwise "
+                        "runs and puts the fan-out over")
     parser.add_argument("--json-schema", metavar="FILE|tags",
                         help="both phases answer in JSON matching this schema (vLLM's structured outputs)")

@@ -27,7 +27,22 @@ class BenchConfig:
     # >1: the flow once more, fanned out over this many GPUs of this host (fan_out=N: the run on
     # GPU 0, one process worker per other GPU running the partition deployment); needs a server.
     gpus: int = 1
-    skip_raw: bool = False  # leave raw out (a fan-out's ratio is over the flow on one GPU)
+    skip_raw: bool = False  # leave raw on one GPU out (a fan-out's ratio is over the flow on one GPU)
+    # With gpus > 1, "raw, N processes" runs too (N raw scripts at once, one per GPU, each given
+    # 1/N of the items: how a person uses N GPUs by hand), unless this is set.
+    skip_raw_n: bool = False
+
+    def __post_init__(self):
+        # The command line hands both skips over as one value of `skip_raw` (flows/bench/cli.py's
+        # SkipRaw: "raw", "raw-n" or "raw,raw-n"), since `vlm-caption bench` passes that field on.
+        if isinstance(self.skip_raw, str):
+            skipped = set(self.skip_raw.split(","))
+            object.__setattr__(self, "skip_raw_n", self.skip_raw_n or "raw-n" in skipped)
+            object.__setattr__(self, "skip_raw", "raw" in skipped)
+
+    def runs_raw_n(self) -> bool:
+        """Whether the "raw, N processes" phase runs: on a fan-out bench, unless --skip-raw-n."""
+        return self.gpus > 1 and not self.skip_raw_n
     # Where the flow's model processor runs (the job's processor_device). Raw runs it on the CPU
     # as the example does; where the flow's lands on the GPU, raw runs once more with it there
     # too ("raw, same processor"): the best a hand-written script can do.

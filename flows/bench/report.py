@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-METRICS = ("generate_items_per_s", "summed_gpu_items_per_s", "items_per_s", "wall_s", "first_result_s",
-           "output_tokens_per_s", "peak_rss_mb", "gpu_busy_pct", "processor_gpu_peak_mb")
-# Shown in the table, not divided.
-FACTS = ("processor_device",)
+METRICS = ("generate_items_per_s", "ready_to_last_items_per_s", "summed_gpu_items_per_s", "items_per_s", "wall_s",
+           "first_result_s", "output_tokens_per_s", "peak_rss_mb", "gpu_busy_pct", "processor_gpu_peak_mb")
+# Shown in the table, not divided (how much later than raw's an engine was ready is a difference:
+# `engine_ready_after_raw_s` in bench.json, printed under the table).
+FACTS = ("engine_ready_s", "processor_device")
 
 
 def write_report(report: dict[str, Any], work: Path) -> Path:
@@ -100,9 +101,14 @@ def ratios(flow: dict[str, Any], raw: dict[str, Any]) -> dict[str, float]:
             if isinstance(flow.get(m), (int, float)) and isinstance(raw.get(m), (int, float)) and raw[m]}
 
 
+GAP_NAMES = {"flow_minus_raw": "flow over raw", "fan_out_minus_raw_n": "fan-out over raw, N processes"}
+
+
 def print_table(report: dict[str, Any], path: Path) -> None:
     """A column per phase, each followed by its ratio: the flow's and each --flow-env's over raw,
-    the fan-out's over the flow on one GPU."""
+    the fan-out's over the flow on one GPU and over raw, N processes; then each raw process's and
+    each partition's engine-ready time and rate, and how much later than raw's the flows' engines
+    were ready."""
     from rich.console import Console
     from rich.table import Table
 
@@ -115,11 +121,16 @@ def print_table(report: dict[str, Any], path: Path) -> None:
     flow_ratios = [("flow / raw", report["ratio_flow_over_raw"])]
     if "ratio_flow_over_raw_same" in report:
         flow_ratios.append(("flow / raw same", report["ratio_flow_over_raw_same"]))
+    if "raw_n" in report:  # raw on N GPUs, one process each
+        columns.append((f"raw, {report['raw_n']['gpus']} processes", report["raw_n"], []))
     columns.append(("flow", report["flow"], flow_ratios))
     columns += [(env, result, [("/ raw", result["ratio_over_raw"])]) for env, result in report["flow_env"].items()]
     if "fan_out" in report:
         fan_out = report["fan_out"]
-        columns.append((f"flow on {fan_out['gpus']} GPUs", fan_out, [("/ flow", fan_out["ratio_over_flow"])]))
+        fan_ratios = [("/ flow", fan_out["ratio_over_flow"])]
+        if "ratio_over_raw_n" in fan_out:
+            fan_ratios.append((f"/ raw {fan_out['gpus']} processes", fan_out["ratio_over_raw_n"]))
+        columns.append((f"flow on {fan_out['gpus']} GPUs", fan_out, fan_ratios))
     table.add_column("metric")
     for name, _, ratio_columns in columns:
         table.add_column(name, justify="right")
@@ -132,11 +143,24 @@ def print_table(report: dict[str, Any], path: Path) -> None:
         table.add_row(metric, *cells)
     # Not a terminal (a log, CI): wide enough that metric names and headers are not cut.
     Console(width=None if sys.stdout.isatty() else 200).print(table)
+    for proc in report.get("raw_n", {}).get("processes", []):
+        start, end = proc["generate_window_s"]
+        print(f"raw process {proc['index']} on GPU {proc['devices']}: {proc['items']} items, engine ready at "
+              f"{_fmt(proc['engine_ready_s'])} s, generated from {_fmt(start)} s to {_fmt(end)} s at "
+              f"{_fmt(proc['generate_items_per_s'])} items/s, ended at {_fmt(proc['wall_s'])} s")
     for part in report.get("fan_out", {}).get("partitions", []):
         start, end = part["generate_window_s"]
         print(f"partition {part['index']} on GPU {part['devices']} ({part['worker'] or 'the run itself'}): "
               f"{part['processed']} items, engine ready at {_fmt(part['engine_ready_s'])} s, generated from "
               f"{_fmt(start)} s to {_fmt(end)} s at {_fmt(part['generate_items_per_s'])} items/s")
+    gaps = report.get("engine_ready_after_raw_s") or {}
+    if gaps:
+        print("engine ready later than raw's, each from its phase's start: " + ", ".join(
+            f"{GAP_NAMES.get(name, name)} {value:+.2f} s" for name, value in gaps.items()))
+    ratio = report.get("fan_out", {}).get("ratio_over_raw_n", {}).get("ready_to_last_items_per_s")
+    if ratio is not None:
+        print(f"fan-out / raw {report['fan_out']['gpus']} processes, items/s from the first engine ready to the "
+              f"last result: {ratio:.3f}")
     print(f"written: {path}")
 
 
