@@ -92,3 +92,60 @@ def build_tiny_interns1(out: Path, seed: int = 0) -> Path:
                       video_processor=InternVLVideoProcessor(size=size), tokenizer=fast, image_seq_length=16,
                       chat_template=fast.chat_template).save_pretrained(out)
     return finish(out)
+
+
+# --- Bee-8B ---------------------------------------------------------------------------------------
+# vLLM's bee.py is LLaVA-OneVision (its processor class, LlavaNextMultiModalProcessor, with the
+# anyres_max_9 feature count) with a wider projector (pre_norm, linear_1 to 4x the LM width,
+# linear_2). The hub repo's config and processor classes are its own code: here the config is ours
+# (a LlavaOnevisionConfig subclass named for model_type bee, tests/tiny_remote_common.py) and the
+# processor transformers' LlavaOnevisionProcessor, which counts features the way vLLM's Bee does.
+def build_tiny_bee(out: Path, seed: int = 0) -> Path:
+    out = Path(out)
+    if done(out):
+        return out
+    import json
+
+    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor,
+                              Qwen3Config, SiglipVisionConfig)
+
+    from tests.tiny_llava_family import (CHATML, ONEVISION_CHAT_TEMPLATE, ONEVISION_PINPOINTS, VISION, _save,
+                                         _start, _text, _tokenizer)
+    from tests.tiny_remote_common import write_remote_config
+
+    # LLaVA-OneVision's tiny build (tests/tiny_llava_family.py) with Bee's projector and a Qwen3 LM.
+    _start(out, seed)
+    fast, ids = _tokenizer(out, [*CHATML, "<image>", "<video>"], eos="<|im_end|>", pad="<|endoftext|>",
+                           extra={"chat_template": ONEVISION_CHAT_TEMPLATE})
+    side = 384
+    config = LlavaOnevisionConfig(
+        vision_config=SiglipVisionConfig(**VISION, image_size=side, patch_size=14, vision_use_head=False),
+        text_config=Qwen3Config(**_text(fast, ids, None, "<|im_end|>")),
+        image_token_index=ids["<image>"], video_token_index=ids["<video>"], image_grid_pinpoints=ONEVISION_PINPOINTS,
+        vision_feature_layer=-1, vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
+    )
+    model = LlavaOnevisionForConditionalGeneration(config)
+    _bee_projector(model, config)
+    _save(model, out, hub_layout=True)
+    size = {"height": side, "width": side}
+    LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=ONEVISION_PINPOINTS),
+        video_processor=LlavaOnevisionVideoProcessor(size=size),
+        tokenizer=fast, num_image_tokens=(side // 14) ** 2, vision_feature_select_strategy="full",
+        chat_template=ONEVISION_CHAT_TEMPLATE,
+    ).save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(model_type="bee", architectures=["BeeForConditionalGeneration"])
+    write_remote_config(out, config, {}, base="llava_onevision", class_name="BeeConfig")
+    return finish(out)
+
+
+def _bee_projector(model, config) -> None:
+    import torch.nn as nn
+
+    vision, text = config.vision_config.hidden_size, config.text_config.hidden_size
+    projector = model.model.multi_modal_projector
+    projector.pre_norm = nn.LayerNorm(vision, eps=1e-6)
+    projector.linear_1 = nn.Linear(vision, text * 4, bias=True)
+    projector.linear_2 = nn.Linear(text * 4, text, bias=True)
