@@ -91,6 +91,8 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
         stream.close()
     while claims is not None and (retaken := claims.retake()) is not None:
         if retaken:  # a partition that is gone left these: captioned here, from a fresh listing
+            # What it wrote before it went (a part without its done mark) is on the done-index now.
+            pipeline.done = load_done_index(job.output, run.fingerprint)
             again = listing(run)
             try:
                 pipeline.run(shard for shard in again if shard.index in retaken)
@@ -239,10 +241,9 @@ class ShardPipeline:
         records = annotate_records(shard.items, records)  # a sample's metadata, a damaged one's error
         if records:
             stats.mark_result()
-        writing = write_shard.submit(self.job.output, run.fingerprint, run.parts_id, shard.index, opaque(records))
-        if self.claims is not None:
-            writing.add_done_callback(lambda written, index=shard.index: self.mark_done(written, index))
-        self.writes.append(writing)
+        done_key = self.claims.done_key(shard.index) if self.claims is not None else None
+        self.writes.append(write_shard.submit(self.job.output, run.fingerprint, run.parts_id, shard.index,
+                                              opaque(records), done_key))
         while len(self.writes) > self.depth:  # keep only the writes still in flight
             stats.parts.append(self.writes.popleft().result())
         stats.add(len(shard.items), prepared.skipped, records)
@@ -253,15 +254,6 @@ class ShardPipeline:
              skipped=prepared.skipped, failed=failed)
         run.log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
                      skipped=prepared.skipped, failed=failed, progress=percent)
-
-    def mark_done(self, written, index: int) -> None:
-        """The shard's part is written: the other partitions need not wait for it."""
-        if not written.state.is_completed():
-            return  # the write failed: the run fails with its error
-        try:
-            self.claims.mark_done(index)
-        except Exception as error:  # noqa: BLE001 - marked again when this partition looks for unfinished shards
-            self.partition_run.log.warning("shard written but not marked done yet", shard=index, error=str(error))
 
     def close(self) -> tuple[RunStats, dict | None]:
         stats = self.stats

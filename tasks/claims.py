@@ -9,7 +9,7 @@ GPU is slower, takes fewer shards, and all of them run out of unclaimed shards a
 same moment. Nothing passes through one host's disk or memory: partitions on other hosts see
 the same store, as the results already require.
 
-When its part is written a shard is marked done (`<shard>.done`). Each partition beats a
+When its part is written a shard is marked done (`<shard>.done`, by the same write task). Each partition beats a
 heartbeat (`alive-p<N>.json`) every BEAT_S seconds, and says `finished` when its pipeline ends,
 however it ends. After its own shards, a partition waits for the run's claimed shards to be
 done; a shard whose holder finished without marking it done, or whose heartbeat stood still
@@ -132,8 +132,12 @@ class ShardClaims:
         return {int(match[1]) for ref in self.out.iter_objects(prefix=self.prefix)
                 if (match := CLAIM.match(ref.key[len(self.prefix):]))}
 
+    def done_key(self, index: int) -> str:
+        """Written (by the write of the shard's part, tasks/results/writers.py) once it is done."""
+        return f"{self.prefix}{index:06d}.done"
+
     def mark_done(self, index: int) -> None:
-        self.out.write(f"{self.prefix}{index:06d}.done", b"")
+        self.out.write(self.done_key(index), b"")
 
     def _claim_key(self, index: int, generation: int) -> str:
         return f"{self.prefix}{index:06d}" + (f".r{generation}" if generation else "")

@@ -64,17 +64,22 @@ def _unless_disk_full(task, task_run, state) -> bool:
 @task(name="write-shard", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2,
       retry_condition_fn=_unless_disk_full)
 def write_shard(output_uri: str, fingerprint: str, parts_id: str, shard_index: int,
-                records: list[ResultRecord]) -> str | None:
+                records: list[ResultRecord], done_key: str | None = None) -> str | None:
     """One JSON Lines file per shard, written atomically, then its done-index sidecar (a part
-    whose sidecar is missing is parsed instead). Nothing to write, no file."""
-    if not records:
-        return None
+    whose sidecar is missing is parsed instead). Nothing to write, no file. Then `done_key`, the
+    shard's claim marked done for the other partitions of a fan-out (tasks/claims.py): only
+    after its part, so a partition that dies between the two has the shard redone, never lost."""
     out = open_storage(output_uri, create=True)
-    key = part_key(fingerprint, parts_id, shard_index)
-    body = "".join(record.model_dump_json() + "\n" for record in records).encode()
-    write_object(out, key, body)
-    write_object(out, sidecar_key(key), sidecar_bytes(index_rows(records), len(body)))
-    return out.describe(key)
+    written = None
+    if records:
+        key = part_key(fingerprint, parts_id, shard_index)
+        body = "".join(record.model_dump_json() + "\n" for record in records).encode()
+        write_object(out, key, body)
+        write_object(out, sidecar_key(key), sidecar_bytes(index_rows(records), len(body)))
+        written = out.describe(key)
+    if done_key is not None:
+        write_object(out, done_key, b"")
+    return written
 
 
 @task(name="write-manifest", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2,
