@@ -96,7 +96,7 @@ class TinyKimiVLProcessor(ProcessorMixin):
             parts = piece.split(self.image_token)
             out = parts[0]
             for part in parts[1:]:
-                out += self.image_token * counts.pop(0) + part
+                out += self.image_token * (counts.pop(0) if counts else 1) + part  # text alone: unexpanded
             expanded.append(out)
         if expanded:
             features.update(self.tokenizer(expanded, return_tensors="pt", add_special_tokens=False))
