@@ -68,6 +68,7 @@ BUILDERS: dict[str, str] = {
     "bee": "tests.tiny_remote_native:build_tiny_bee",
     "kimi_vl": "tests.tiny_remote_kimi:build_tiny_kimi_vl",
     "keye_vl": "tests.tiny_remote_keye:build_tiny_keye_vl",
+    "keye_vl1_5": "tests.tiny_remote_keye:build_tiny_keye_vl1_5",
 }
 
 # recipe -> the architecture whose tiny checkpoint its checks run on
@@ -85,7 +86,7 @@ RECIPE_CHECKPOINTS: dict[str, str] = {
     # remote-code recipes (tests/tiny_remote_*.py)
     "internvl_chat": "internvl_chat", "h2ovl_chat": "h2ovl_chat", "NVLM_D": "nvlm_d", "skywork_chat": "skywork_chat",
     "aria": "aria", "interns1": "interns1", "dots_ocr": "dots_ocr", "glm4v": "glm4v_chatglm",
-    "ovis": "ovis", "ovis2_5": "ovis2_5", "bee": "bee", "kimi_vl": "kimi_vl", "keye_vl": "keye_vl",
+    "ovis": "ovis", "ovis2_5": "ovis2_5", "bee": "bee", "kimi_vl": "kimi_vl", "keye_vl": "keye_vl", "keye_vl1_5": "keye_vl1_5",
 }
 
 # (recipe, modality) -> architecture, where a modality's recipe names another model than the recipe's

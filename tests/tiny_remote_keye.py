@@ -42,8 +42,9 @@ class TinyKeyeImageProcessor(BaseImageProcessor):
     model_input_names = ["pixel_values", "image_grid_thw"]
 
     def __init__(self, patch_size=14, merge_size=2, temporal_patch_size=1, min_pixels=3136, max_pixels=1003520,
-                 image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), size=None, **kwargs):
+                 image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), size=None, per_frame=False, **kwargs):
         super().__init__(**kwargs)
+        self.per_frame = per_frame
         self.patch_size, self.merge_size, self.temporal_patch_size = patch_size, merge_size, temporal_patch_size
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.size = {"min_pixels": min_pixels, "max_pixels": max_pixels}
@@ -85,15 +86,24 @@ class TinyKeyeProcessor(ProcessorMixin):
     tokenizer_class = "AutoTokenizer"
     image_token = "<|image_pad|>"
     video_token = "<|video_pad|>"
+    frame_token, fast_start, fast_end = "<|frame|>", "<|fast_start|>", "<|fast_end|>"
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, chat_template=chat_template)
 
     def __call__(self, images=None, text=None, videos=None, **kwargs):
+        self._frames_text = []
         features = dict(self.image_processor.preprocess(images=images or None, videos=videos or None))
         merge = self.image_processor.merge_size ** 2
         counts = {token: [int(g.prod()) // merge for g in features.get(key, [])]
                   for token, key in ((self.image_token, "image_grid_thw"), (self.video_token, "video_grid_thw"))}
+        if self.image_processor.per_frame and "video_grid_thw" in features:
+            # Keye-VL-1.5: one (1, h, w) row a frame, each frame's tokens after a frame token
+            grids = [row for grid in features["video_grid_thw"].tolist() for row in [[1, grid[1], grid[2]]] * grid[0]]
+            features["num_frames"] = torch.tensor([grid[0] for grid in features["video_grid_thw"].tolist()])
+            features["video_grid_thw"] = torch.tensor(grids)
+            counts[self.video_token] = []
+            self._frames_text = ["".join(self.frame_token + "\\1" * (h * w // merge) for _, h, w in grids)]
         texts = [text] if isinstance(text, str) else list(text or [])
         expanded = []
         for piece in texts:
@@ -101,6 +111,10 @@ class TinyKeyeProcessor(ProcessorMixin):
                 parts = piece.split(token)
                 piece = parts[0] + "".join("\\0" * (numbers.pop(0) if numbers else 1) + part for part in parts[1:])
                 piece = piece.replace("\\0", token)
+            if self._frames_text:
+                parts = piece.split(self.video_token)
+                piece = parts[0] + "".join(self._frames_text.pop(0) + part for part in parts[1:])
+                piece = piece.replace("\\1", self.video_token)
             expanded.append(piece)
         if expanded:
             features.update(self.tokenizer(expanded, return_tensors="pt", add_special_tokens=False))
@@ -109,22 +123,33 @@ class TinyKeyeProcessor(ProcessorMixin):
 
 
 def build_tiny_keye_vl(out: Path, seed: int = 0) -> Path:
+    return _build(out, seed, "Keye", "KeyeForConditionalGeneration")
+
+
+def build_tiny_keye_vl1_5(out: Path, seed: int = 0) -> Path:
+    """Keye-VL-1.5 (keye_vl1_5.py): the projector's LayerNorm over the merged 2x2 features; a video's
+    frames each a (1, h, w) grid after a frame token, `num_frames` per video."""
+    return _build(out, seed, "KeyeVL1_5", "KeyeVL1_5ForConditionalGeneration", v1_5=True)
+
+
+def _build(out: Path, seed: int, model_type: str, architecture: str, v1_5: bool = False) -> Path:
     out = Path(out)
     if done(out):
         return out
     out.mkdir(parents=True, exist_ok=True)
-    fast, ids = tokenizer(out, KEYE_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", chat_template=chatml_template())
+    specials = KEYE_SPECIALS + (["<|frame|>", "<|fast_start|>", "<|fast_end|>"] if v1_5 else [])
+    fast, ids = tokenizer(out, specials, eos="<|im_end|>", pad="<|endoftext|>", chat_template=chatml_template())
     text = text_config(fast, ids, "qwen3", "Qwen3ForCausalLM", eos="<|im_end|>")
     # M-RoPE over the 64-wide heads: 32 rotary pairs split (t, h, w) as Qwen-VL's 16/24/24 of 64.
     text["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": [8, 12, 12]}
-    write_remote_config(out, dict(text, model_type="Keye", architectures=["KeyeForConditionalGeneration"],
+    write_remote_config(out, dict(text, model_type=model_type, architectures=[architecture],
                                   vision_config=KEYE_VISION, image_token_id=ids["<|image_pad|>"],
                                   video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"]),
                         {"vision_config": None}, base="qwen3", class_name="KeyeConfig")
     (out / "processing_tiny.py").write_text(PROCESSOR_SOURCE)
     auto_map = {"AutoImageProcessor": "processing_tiny.TinyKeyeImageProcessor",
                 "AutoProcessor": "processing_tiny.TinyKeyeProcessor"}
-    write_json(out / "preprocessor_config.json", dict(KEYE_IMAGE, image_processor_type="TinyKeyeImageProcessor",
+    write_json(out / "preprocessor_config.json", dict(KEYE_IMAGE, per_frame=v1_5, image_processor_type="TinyKeyeImageProcessor",
                                                       processor_class="TinyKeyeProcessor", auto_map=auto_map))
     write_json(out / "processor_config.json", dict(processor_class="TinyKeyeProcessor",
                                                    auto_map={"AutoProcessor": auto_map["AutoProcessor"]}))
@@ -145,7 +170,7 @@ def build_tiny_keye_vl(out: Path, seed: int = 0) -> Path:
         linear(shapes, layer + "mlp.fc1", inter, e, bias=True)
         linear(shapes, layer + "mlp.fc2", e, inter, bias=True)
     layernorm(shapes, vm + "post_layernorm", e)
-    layernorm(shapes, "mlp_AR.pre_norm", e)
+    layernorm(shapes, "mlp_AR.pre_norm", 4 * e if v1_5 else e)
     linear(shapes, "mlp_AR.linear_1", 4 * e, 4 * e, bias=True)
     linear(shapes, "mlp_AR.linear_2", TEXT["hidden_size"], 4 * e, bias=True)
     llama_lm_shapes(shapes, "", len(fast))
