@@ -69,6 +69,7 @@ BUILDERS: dict[str, str] = {
     "kimi_vl": "tests.tiny_remote_kimi:build_tiny_kimi_vl",
     "keye_vl": "tests.tiny_remote_keye:build_tiny_keye_vl",
     "keye_vl1_5": "tests.tiny_remote_keye:build_tiny_keye_vl1_5",
+    "minicpmv": "tests.tiny_remote_minicpm:build_tiny_minicpmv",
 }
 
 # recipe -> the architecture whose tiny checkpoint its checks run on
@@ -87,6 +88,7 @@ RECIPE_CHECKPOINTS: dict[str, str] = {
     "internvl_chat": "internvl_chat", "h2ovl_chat": "h2ovl_chat", "NVLM_D": "nvlm_d", "skywork_chat": "skywork_chat",
     "aria": "aria", "interns1": "interns1", "dots_ocr": "dots_ocr", "glm4v": "glm4v_chatglm",
     "ovis": "ovis", "ovis2_5": "ovis2_5", "bee": "bee", "kimi_vl": "kimi_vl", "keye_vl": "keye_vl", "keye_vl1_5": "keye_vl1_5",
+    "minicpmv": "minicpmv",
 }
 
 # (recipe, modality) -> architecture, where a modality's recipe names another model than the recipe's

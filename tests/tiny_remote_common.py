@@ -90,7 +90,8 @@ def chatml_template(system: str | None = None) -> str:
 
 
 def tokenizer(out: Path, specials: list[str], *, eos: str, bos: str | None = None, pad: str | None = None,
-              chat_template: str | None = None, extra: dict | None = None, fixed_ids: dict[str, int] | None = None):
+              chat_template: str | None = None, extra: dict | None = None, fixed_ids: dict[str, int] | None = None,
+              unk: str | None = None):
     """A trained byte-level BPE tokenizer with `specials` as single tokens; (tokenizer, {special: id}).
 
     `fixed_ids`: special tokens that must have the real model's ids (where vLLM hard-codes them), placed
@@ -99,7 +100,7 @@ def tokenizer(out: Path, specials: list[str], *, eos: str, bos: str | None = Non
     trained = train_tokenizer([t for t in specials if t not in (fixed_ids or {})])
     if fixed_ids:
         trained = _with_fixed_ids(trained, fixed_ids)
-    fast = save_fast_tokenizer(trained, out, eos=eos, bos=bos, pad=pad, extra=extra)
+    fast = save_fast_tokenizer(trained, out, eos=eos, bos=bos, pad=pad, unk=unk, extra=extra)
     return fast, {t: fast.convert_tokens_to_ids(t) for t in specials}
 
 
