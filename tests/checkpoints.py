@@ -70,6 +70,7 @@ BUILDERS: dict[str, str] = {
     "keye_vl": "tests.tiny_remote_keye:build_tiny_keye_vl",
     "keye_vl1_5": "tests.tiny_remote_keye:build_tiny_keye_vl1_5",
     "minicpmv": "tests.tiny_remote_minicpm:build_tiny_minicpmv",
+    "minicpmo": "tests.tiny_remote_minicpm:build_tiny_minicpmo",
 }
 
 # recipe -> the architecture whose tiny checkpoint its checks run on
@@ -88,7 +89,7 @@ RECIPE_CHECKPOINTS: dict[str, str] = {
     "internvl_chat": "internvl_chat", "h2ovl_chat": "h2ovl_chat", "NVLM_D": "nvlm_d", "skywork_chat": "skywork_chat",
     "aria": "aria", "interns1": "interns1", "dots_ocr": "dots_ocr", "glm4v": "glm4v_chatglm",
     "ovis": "ovis", "ovis2_5": "ovis2_5", "bee": "bee", "kimi_vl": "kimi_vl", "keye_vl": "keye_vl", "keye_vl1_5": "keye_vl1_5",
-    "minicpmv": "minicpmv",
+    "minicpmv": "minicpmv", "minicpmo": "minicpmo",
 }
 
 # (recipe, modality) -> architecture, where a modality's recipe names another model than the recipe's

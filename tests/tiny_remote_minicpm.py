@@ -140,32 +140,109 @@ class TinyMiniCPMVProcessor(ProcessorMixin):
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, chat_template=chat_template)
+
+
+class TinyMiniCPMOProcessor(ProcessorMixin):
+    """MiniCPM-o's: the image processor, transformers' Whisper feature extractor and the tokenizer, from
+    which vLLM builds its own MiniCPMOProcessor."""
+
+    attributes = ["image_processor", "feature_extractor", "tokenizer"]
+    image_processor_class = "AutoImageProcessor"
+    feature_extractor_class = "WhisperFeatureExtractor"
+    tokenizer_class = "AutoTokenizer"
+
+    def __init__(self, image_processor=None, feature_extractor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, feature_extractor, tokenizer, chat_template=chat_template)
+'''
+
+
+# vLLM's vendored MiniCPMOProcessor reads token ids off the tokenizer as the hub's tokenizer class
+# has them (im_start_id, slice_start_id, audio_start_id, spk_start_id, ...): our own minimal subclass.
+AUDIO_SPECIALS = ["<audio>", "</audio>", "<|spk_bos|>", "<|spk_eos|>"]
+TOKENIZER_SOURCE = '''"""A minimal tokenizer class for a tiny random-weight test checkpoint (vlm-caption
+tests/tiny_remote_minicpm.py): the fast tokenizer with the token-id properties vLLM's MiniCPM-o processor
+reads. Not the model repository's code."""
+
+from transformers import PreTrainedTokenizerFast
+
+
+def _token_id(token):
+    return property(lambda self: self.convert_tokens_to_ids(token))
+
+
+class TinyMiniCPMTokenizerFast(PreTrainedTokenizerFast):
+    im_start_id, im_end_id = _token_id("<image>"), _token_id("</image>")
+    slice_start_id, slice_end_id = _token_id("<slice>"), _token_id("</slice>")
+    audio_start_id, audio_end_id = _token_id("<audio>"), _token_id("</audio>")
+    spk_start_id, spk_end_id = _token_id("<|spk_bos|>"), _token_id("<|spk_eos|>")
+    eot_id = _token_id("<|im_end|>")
+    bos_id = property(lambda self: self.bos_token_id)
+    eos_id = property(lambda self: self.eos_token_id)
+    unk_id = property(lambda self: self.unk_token_id)
 '''
 
 
 def build_tiny_minicpmv(out: Path, seed: int = 0) -> Path:
+    return _build(out, seed)
+
+
+# MiniCPM-o 2.6: MiniCPM-V 2.6 with a Whisper audio encoder (apm; vLLM projects encoder_ffn_dim / 4 =
+# d_model features), its projection and pooling (the
+# TTS head is not loaded by vLLM); transformers' WhisperFeatureExtractor stands in for the hub's.
+MINICPMO_AUDIO = dict(model_type="whisper", d_model=64, encoder_layers=2, encoder_attention_heads=1,
+                      encoder_ffn_dim=256, decoder_layers=1, decoder_attention_heads=1, decoder_ffn_dim=128,
+                      num_mel_bins=80, max_source_positions=1500, activation_function="gelu")
+
+
+def build_tiny_minicpmo(out: Path, seed: int = 0) -> Path:
+    """MiniCPM-o 2.6 (openbmb/MiniCPM-o-2_6; recipe minicpmo)."""
+    return _build(out, seed, audio=True)
+
+
+def _build(out: Path, seed: int, audio: bool = False) -> Path:
     out = Path(out)
     if done(out):
         return out
     out.mkdir(parents=True, exist_ok=True)
     # bos: vLLM's vendored processor puts the tokenizer's bos id before the text it converts.
-    fast, ids = tokenizer(out, MINICPMV_SPECIALS, bos="<|im_start|>", eos="<|im_end|>", pad="<|endoftext|>",
+    fast, ids = tokenizer(out, MINICPMV_SPECIALS + (AUDIO_SPECIALS if audio else []), bos="<|im_start|>", eos="<|im_end|>", pad="<|endoftext|>",
                           unk="<unk>", chat_template=chatml_template("You are a helpful assistant."))
     text = text_config(fast, ids, "qwen2", "Qwen2ForCausalLM", eos="<|im_end|>")
     write_remote_config(out, dict(
-        text, model_type="minicpmv", architectures=["MiniCPMV"], version="2.6", query_num=QUERY_NUM,
+        text, model_type="minicpmo" if audio else "minicpmv", architectures=["MiniCPMO" if audio else "MiniCPMV"],
+        version="2.6", query_num=QUERY_NUM,
+        **(dict(audio_config=MINICPMO_AUDIO, audio_pool_step=2, audio_chunk_length=1.0, init_vision=True,
+                init_audio=True, init_tts=False) if audio else {}),
         vision_config=MINICPMV_VISION, image_size=IMAGE["scale_resolution"], patch_size=IMAGE["patch_size"],
         slice_mode=True, slice_config=dict(max_slice_nums=IMAGE["max_slice_nums"], patch_size=IMAGE["patch_size"],
                                            scale_resolution=IMAGE["scale_resolution"]),
         batch_vision_input=True, use_image_id=True, drop_vision_last_layer=False),
-        {"vision_config": "siglip_vision_model"}, base="qwen2", class_name="MiniCPMVConfig")
+        {"vision_config": "siglip_vision_model", "audio_config": "whisper"}, base="qwen2",
+        class_name="MiniCPMOConfig" if audio else "MiniCPMVConfig")
     (out / "processing_tiny.py").write_text(PROCESSOR_SOURCE)
+    processor = "TinyMiniCPMOProcessor" if audio else "TinyMiniCPMVProcessor"
     auto_map = {"AutoImageProcessor": "processing_tiny.TinyMiniCPMVImageProcessor",
-                "AutoProcessor": "processing_tiny.TinyMiniCPMVProcessor"}
+                "AutoProcessor": f"processing_tiny.{processor}"}
     write_json(out / "preprocessor_config.json", dict(IMAGE, image_processor_type="TinyMiniCPMVImageProcessor",
-                                                      processor_class="TinyMiniCPMVProcessor", auto_map=auto_map))
-    write_json(out / "processor_config.json", dict(processor_class="TinyMiniCPMVProcessor",
+                                                      processor_class=processor, auto_map=auto_map))
+    write_json(out / "processor_config.json", dict(processor_class=processor,
                                                    auto_map={"AutoProcessor": auto_map["AutoProcessor"]}))
+    if audio:
+        import json
+
+        from transformers import WhisperFeatureExtractor
+
+        (out / "tokenization_tiny.py").write_text(TOKENIZER_SOURCE)
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config["auto_map"] = {"AutoTokenizer": [None, "tokenization_tiny.TinyMiniCPMTokenizerFast"]}
+        write_json(out / "tokenizer_config.json", config)
+
+        WhisperFeatureExtractor(feature_size=MINICPMO_AUDIO["num_mel_bins"]).save_pretrained(out)
+        # save_pretrained writes preprocessor_config.json: the image processor's comes back, under its own name
+        extractor = (out / "preprocessor_config.json").read_text()
+        (out / "feature_extractor_config.json").write_text(extractor)
+        write_json(out / "preprocessor_config.json", dict(IMAGE, image_processor_type="TinyMiniCPMVImageProcessor",
+                                                          processor_class=processor, auto_map=auto_map))
     v = MINICPMV_VISION
     e, inter, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
     h = TEXT["hidden_size"]
@@ -192,5 +269,20 @@ def build_tiny_minicpmv(out: Path, seed: int = 0) -> Path:
         layernorm(shapes, "resampler." + norm, h)
     shapes["resampler.proj"] = (h, h)
     llama_lm_shapes(shapes, "llm.", len(fast), qkv_bias=True)
+    if audio:
+        _audio_shapes(shapes, h)
     save_random(out, shapes, seed)
     return finish(out)
+
+
+def _audio_shapes(shapes: dict, hidden: int) -> None:
+    """The Whisper encoder as transformers names it (`apm.`), the projection to the LM, as vLLM loads them."""
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    config = WhisperConfig(**{k: v for k, v in MINICPMO_AUDIO.items() if k != "model_type"})
+    for name, tensor in WhisperEncoder(config).state_dict().items():
+        shapes["apm." + name] = tuple(tensor.shape)
+    out_dim = MINICPMO_AUDIO["encoder_ffn_dim"] // 4
+    linear(shapes, "audio_projection_layer.linear1", hidden, out_dim, bias=True)
+    linear(shapes, "audio_projection_layer.linear2", hidden, hidden, bias=True)
