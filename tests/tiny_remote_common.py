@@ -7,6 +7,11 @@ multimodal processor itself; what a tiny checkpoint still lacks is usually only 
 the checkpoint -- `configuration_tiny.py`, below, one generic class -- and point `auto_map` at it:
 `--trust-remote-code` then loads *our* file, never the model repository's code.
 
+Where vLLM takes the processor from the checkpoint and neither vLLM nor transformers has it (Kimi-VL,
+Keye-VL, MiniCPM-V/o), the checkpoint also carries our own minimal processor / image processor /
+tokenizer class (`processing_tiny.py`, `tokenization_tiny.py`, in tests/tiny_remote_kimi.py,
+tiny_remote_keye.py, tiny_remote_minicpm.py), written from what vLLM's model file reads of it.
+
 Weights are written from (name, shape) tables in the hub's layout (what vLLM's `load_weights`
 reads), with the helpers of tests/tiny_vllm_family.py; the language models are the standard
 Llama / Qwen2 layouts.
