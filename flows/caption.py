@@ -67,8 +67,7 @@ def vlm_caption(job: CaptionJob) -> dict:
     """Caption every item under `job.source` (or of `job.manifest`) and write JSON Lines
     results to `job.output`: one record per (item, question)."""
     configure_logging()
-    ensure_vllm_imported()  # before any thread of this flow imports a part of it
-    plan = make_plan(job)  # every check that needs no engine; the run's locations, recipe, model
+    plan = make_plan(job)  # every check that needs no engine (vLLM not imported); locations, recipe, model
     run_id = job.partition.run_id if job.partition else _run_id()
     log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
@@ -82,13 +81,15 @@ def caption_job(plan: RunPlan, run_id: str, log) -> dict:
     job, recipe, fingerprint = plan.job, plan.recipe, plan.fingerprint
     own, children = job.partition, []
     if job.fan_out > 1:
-        # The children are asked for before this run starts its own engine, so all start together.
+        # The children are asked for first, before this process imports vLLM and starts its
+        # engine: a child's worker, process and imports then overlap the parent's own start.
         own = Partition(index=0, count=job.fan_out, run_id=run_id, fingerprint=fingerprint)
         wait_for_orphans(job.partition_deployment, job.output, fingerprint)
         child_jobs = {i: job.model_copy(update={"fan_out": 1, "partition": own.model_copy(update={"index": i})})
                       .model_dump(mode="json") for i in range(1, job.fan_out)}
         children = start_children(job.partition_deployment, child_jobs, run_label,
                                   attempt=flow_run.run_count or 1, parent_run_id=run_id)
+    ensure_vllm_imported()  # before any thread of this flow imports a part of it
     try:
         stats, engine, shared = caption_shards(PartitionRun(plan, run_id, own, log))
     except Exception:

@@ -147,7 +147,7 @@ def test_rerun_after_a_worker_dies_completes_without_duplicates(stack, s3_client
     reports = s3_client.list_objects_v2(Bucket=BUCKET, Prefix=f"captions/partitions/{first_id[:8]}")["Contents"]
     (orphan_report,) = [json.loads(s3_client.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read())
                         for o in reports]
-    assert orphan_report["retaken"] > 0 and orphan_report["shards"] > orphan_report["retaken"]
+    assert orphan_report["retaken"] > 0 and orphan_report["shards"] >= orphan_report["retaken"]
     rerun_manifest = next(m for m in manifests(s3_client).values() if m["run_id"].startswith(rerun_id[:8]))
     assert rerun_manifest["counts"]["skipped_already_done"] >= len(partial)
     assert rerun_manifest["counts"]["processed"] == len(keys) - rerun_manifest["counts"]["skipped_already_done"]
