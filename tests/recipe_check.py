@@ -2,6 +2,7 @@
 
     python -m tests.recipe_check processing [NAME ...]            # vLLM's processor, no engine (seconds)
     python -m tests.recipe_check engine [NAME ...] --out FILE     # the flow with a real engine (GPU)
+    python -m tests.recipe_check engine --rows FILE --update      # record a GPU run's rows (its --out file)
 
 `processing` applies vLLM's own multimodal processor for the checkpoint (as vLLM's tests in
 `tests/models/multimodal/processing` do) to the prompt the recipe builds, with the media the flow
@@ -177,8 +178,11 @@ def run_processing(names: list[str] | None, modalities: list[str] | None, root: 
     return rows
 
 
-def update_checks_file(check: str, rows: list[CaseResult], command: str) -> None:
-    """Replace these cases' rows in recipes/checks.json (other cases' rows stay)."""
+def update_checks_file(check: str, rows: list[CaseResult], command: str, device: str | None = None,
+                       adding: bool = False) -> None:
+    """Replace these cases' rows in recipes/checks.json (other cases' rows stay). `device`: the engine
+    run's device where it ran elsewhere (rows brought back); `adding`: these rows join the recorded
+    run's (its date and command stay, this one's are appended)."""
     from recipes.table import CHECKS_FILE, load_checks
 
     data = load_checks()
@@ -188,8 +192,15 @@ def update_checks_file(check: str, rows: list[CaseResult], command: str) -> None
     if check == "engine" and rows:
         import vllm
 
-        data["engine_run"] = {"device": _device_name(), "vllm": vllm.__version__,
-                              "date": time.strftime("%Y-%m-%d"), "command": command.replace(" --update", "")}
+        run = {"device": device or _device_name(), "vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"),
+               "command": command.replace(" --update", "")}
+        old = data["engine_run"]
+        if adding and old:
+            run = {**old, "date": old["date"] if run["date"] in old["date"] else f"{old['date']} and {run['date']}",
+                   "command": f"{old['command']}; on {run['date']}"
+                              + (f" ({run['device']})" if run["device"] != old.get("device") else "")
+                              + f": {run['command']}"}
+        data["engine_run"] = run
     CHECKS_FILE.write_text(json.dumps(data, indent=1) + "\n")
 
 
@@ -209,8 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="engine cases run side by side (engine check)")
     parser.add_argument("--update", action="store_true",
                         help="write the rows into recipes/checks.json (the recipes page's source)")
+    parser.add_argument("--rows", type=Path, help="take the rows from a file an earlier run wrote with --out (a "
+                        "GPU run's, brought back) instead of running the checks; with --update, record them")
+    parser.add_argument("--device-name", help="with --rows: the device the rows' run had (e.g. 'NVIDIA H100 80GB HBM3')")
+    parser.add_argument("--command", help="with --rows: the command that made them (recorded with the engine rows)")
     args = parser.parse_args(argv)
-    if args.check == "processing":
+    if args.rows:
+        rows = [CaseResult(**row) for row in json.loads(args.rows.read_text()) if row["check"] == args.check]
+    elif args.check == "processing":
         rows = run_processing(args.names or None, args.modality, args.checkpoints)
     else:
         from tests.recipe_engine_check import run_engine_checks
@@ -219,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     if args.update:
-        update_checks_file(args.check, rows, " ".join(["python -m tests.recipe_check", *(argv or sys.argv[1:])]))
+        command = args.command or " ".join(["python -m tests.recipe_check", *(argv or sys.argv[1:])])
+        update_checks_file(args.check, rows, command, device=args.device_name, adding=bool(args.rows))
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)}/{len(rows)} ok", file=sys.stderr)
     return 1 if failed else 0
