@@ -205,8 +205,9 @@ def _build(out: Path, seed: int, audio: bool = False) -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     # bos: vLLM's vendored processor puts the tokenizer's bos id before the text it converts.
-    fast, ids = tokenizer(out, MINICPMV_SPECIALS + (AUDIO_SPECIALS if audio else []), bos="<|im_start|>", eos="<|im_end|>", pad="<|endoftext|>",
-                          unk="<unk>", chat_template=chatml_template("You are a helpful assistant."))
+    fast, ids = tokenizer(out, MINICPMV_SPECIALS + (AUDIO_SPECIALS if audio else []), bos="<|im_start|>",
+                          eos="<|im_end|>", pad="<|endoftext|>", unk="<unk>",
+                          chat_template=chatml_template("You are a helpful assistant."))
     text = text_config(fast, ids, "qwen2", "Qwen2ForCausalLM", eos="<|im_end|>")
     write_remote_config(out, dict(
         text, model_type="minicpmo" if audio else "minicpmv", architectures=["MiniCPMO" if audio else "MiniCPMV"],
