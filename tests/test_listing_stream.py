@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import tasks.sources.formats as formats
 import tasks.sources.listing as listing
 from tasks.sources.items import ObjectRef
 from tasks.sources.formats import SourceSpec
@@ -39,7 +40,7 @@ class SyntheticStorage:
 @pytest.fixture
 def storage(monkeypatch):
     def use(store: SyntheticStorage) -> SyntheticStorage:
-        monkeypatch.setattr(listing, "open_storage", lambda uri: store)
+        monkeypatch.setattr(formats, "source_storage", lambda uri: store)  # what SourceSpec.storage opens
         return store
     return use
 
@@ -73,15 +74,15 @@ def test_the_first_shard_comes_while_the_listing_goes_on(storage):
 
 def _peak_while_consuming(count: int) -> int:
     store = SyntheticStorage(count)
-    listing_open = listing.open_storage
-    listing.open_storage = lambda uri: store
+    source_open = formats.source_storage
+    formats.source_storage = lambda uri: store
     try:
         tracemalloc.start()
         seen = sum(len(shard.items) for shard in _stream())
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
     finally:
-        listing.open_storage = listing_open
+        formats.source_storage = source_open
     assert seen == count
     return peak
 

@@ -23,8 +23,7 @@ from tasks.settings import get_settings
 from tasks.sources.fetch import MediaFetcher, TooLargeError
 from tasks.sources.items import Shard, WorkItem
 from tasks.sources.formats import SourceSpec
-from tasks.sources.manifest import manifest_base
-from tasks.sources.storage import ShortBodyError, open_storage
+from tasks.sources.storage import ShortBodyError
 
 
 @dataclass(frozen=True)
@@ -197,15 +196,12 @@ class ItemPreparer:
         prepared.decode_s = time.perf_counter() - started
 
 
-def fetch_base(source: SourceSpec) -> str:
-    return manifest_base(source.uri) if source.is_manifest else source.uri
-
-
 @task(name="prepare-shard", cache_policy=NONE, persist_result=False)
 def prepare_shard(source: SourceSpec, shard: Shard, done: DoneIndex, questions: tuple[str, ...],
                   options: MediaOptions) -> PreparedShard:
-    """Fetch (bounded concurrency and bytes), hash and decode one shard; skip what is done."""
-    preparer = ItemPreparer(MediaFetcher(open_storage(fetch_base(source))), done, questions, options)
+    """Fetch (bounded concurrency and bytes), hash and decode one shard; skip what is done. Keys
+    are read from the source's storage (a manifest's folder), other buckets' URIs one per bucket."""
+    preparer = ItemPreparer(MediaFetcher(source.storage), done, questions, options)
     prepared = PreparedShard(shard)
     workers = max(1, min(get_settings().fetch_concurrency, len(shard.items)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 from tasks.settings import get_settings
 from tasks.sources.items import ObjectRef
 from tasks.sources.parquet_source import ParquetCellRef, read_cell
-from tasks.sources.storage import Storage, open_storage
+from tasks.sources.storage import Storage, shared_s3_storage
 from tasks.sources.webdataset import TarMemberRef, read_member
 
 
@@ -48,7 +48,7 @@ class MediaFetcher:
     def _bucket(self, bucket: str) -> Storage:
         with self._lock:
             if bucket not in self._buckets:
-                self._buckets[bucket] = open_storage(f"s3://{bucket}/")
+                self._buckets[bucket] = shared_s3_storage(bucket, "")  # one per bucket per process
             return self._buckets[bucket]
 
 

@@ -4,6 +4,9 @@
 tar, a prefix of tars, or a brace pattern (`shards/{00000..00099}.tar`). `parquet` is a Parquet
 file or prefix with a column of media. `auto` picks from the location (`.tar`, `.parquet`,
 braces) or, for a prefix, from the objects on the first page of its listing.
+
+`source_storage` is the one place a source's location is opened: a `SourceSpec`'s and a
+`FileSet`'s `storage`, and the format's detection, go through it.
 """
 
 from __future__ import annotations
@@ -15,11 +18,17 @@ from typing import Literal
 
 from tasks.sources.braces import check_pattern, expand_braces, has_braces, literal_prefix
 from tasks.sources.items import ObjectRef
-from tasks.sources.storage import StorageError, open_storage
+from tasks.sources.storage import Storage, StorageError, open_storage, split_parent
 
 SourceFormat = Literal["auto", "files", "webdataset", "parquet"]
 SUFFIX = {"webdataset": ".tar", "parquet": ".parquet"}
 DETECT_PAGE = 1000  # objects looked at to tell a prefix of tars or Parquet files from media
+
+
+def source_storage(uri: str) -> Storage:
+    """The storage of a source's folder or bucket prefix (one per S3 location per process,
+    `tasks/sources/storage.py`)."""
+    return open_storage(uri)
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,11 @@ class FileSet:
     base: str
     pattern: str | None
     suffix: str
+
+    @property
+    def storage(self) -> Storage:
+        """Where the files are (`base`)."""
+        return source_storage(self.base)
 
 
 def split_location(uri: str) -> tuple[str, str | None]:
@@ -65,7 +79,7 @@ def detect_format(uri: str, requested: str, is_manifest: bool) -> str:
     if named or has_braces(uri):
         return named or "webdataset"
     try:
-        names = [ref.key for ref in itertools.islice(open_storage(uri).iter_objects(), DETECT_PAGE)]
+        names = [ref.key for ref in itertools.islice(source_storage(uri).iter_objects(), DETECT_PAGE)]
     except Exception:  # noqa: BLE001 - the preflight check says what is wrong with the location
         return "files"
     if any(name.endswith(".tar") for name in names):
@@ -84,7 +98,7 @@ def file_set(uri: str, fmt: str) -> FileSet:
 
 def iter_files(files: FileSet, glob: str | None = None, log=None) -> Iterator[ObjectRef]:
     """The shard files, in listing order, each with its size and etag."""
-    storage = open_storage(files.base)
+    storage = files.storage
     if files.pattern is None:
         yield from (ref for ref in storage.iter_objects(glob) if ref.key.endswith(files.suffix))
         return
@@ -119,3 +133,18 @@ class SourceSpec:
     @property
     def files(self) -> FileSet:
         return FileSet(self.uri, self.pattern, SUFFIX[self.format])
+
+    @property
+    def base(self) -> str:
+        """The folder or prefix the items' relative keys are under: a manifest's own folder."""
+        return split_parent(self.uri)[0] if self.is_manifest else self.uri
+
+    @property
+    def manifest_name(self) -> str:
+        """A manifest's file name within `base`."""
+        return split_parent(self.uri)[1]
+
+    @property
+    def storage(self) -> Storage:
+        """The source's storage (at `base`): listed, and read for the items' media."""
+        return source_storage(self.base)

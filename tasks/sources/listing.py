@@ -22,13 +22,12 @@ from tasks.sources.groups import folder_groups
 from tasks.sources.items import Shard, WorkItem
 from tasks.sources.manifest import read_manifest
 from tasks.sources.parquet_source import iter_parquet_items
-from tasks.sources.storage import open_storage
 from tasks.sources.webdataset import iter_webdataset_items
 
 
 def iter_items(source: SourceSpec) -> Iterator[WorkItem]:
     if source.is_manifest:
-        yield from read_manifest(source.uri)
+        yield from read_manifest(source.storage, source.uri)
         return
     if source.format == "webdataset":
         yield from iter_webdataset_items(source.files, source.modality, source.glob, get_logger(source=source.uri))
@@ -36,7 +35,7 @@ def iter_items(source: SourceSpec) -> Iterator[WorkItem]:
     if source.format == "parquet":
         yield from iter_parquet_items(source.files, source.column, source.glob, get_logger(source=source.uri))
         return
-    objects = open_storage(source.uri).iter_objects(source.glob)
+    objects = source.storage.iter_objects(source.glob)
     if source.modality == "multi-image":
         yield from folder_groups(objects)
         return

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.storage import StorageError, open_storage, split_parent
+from tasks.sources.storage import Storage, StorageError, split_parent
 
 
 class ManifestLine(BaseModel):
@@ -42,9 +42,9 @@ def manifest_base(manifest_uri: str) -> str:
     return split_parent(manifest_uri)[0]
 
 
-def read_manifest(manifest_uri: str) -> Iterator[WorkItem]:
-    folder, name = split_parent(manifest_uri)
-    storage = open_storage(folder)
+def read_manifest(storage: Storage, manifest_uri: str) -> Iterator[WorkItem]:
+    """The manifest's items; `storage` is its folder (`manifest_base`)."""
+    name = split_parent(manifest_uri)[1]
     try:
         text = storage.read(name).decode("utf-8")
     except FileNotFoundError as exc:

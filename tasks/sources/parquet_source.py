@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from tasks.sources.formats import FileSet, first_file, iter_files
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.ranged import open_seekable
-from tasks.sources.storage import Storage, StorageError, open_storage
+from tasks.sources.storage import Storage, StorageError
 
 DEFAULT_COLUMNS = ("image", "jpg", "png", "webp", "url", "URL", "uri", "path")  # tried when no column is given
 BATCH_ROWS = 256
@@ -71,7 +71,7 @@ def check_parquet_source(files: FileSet, column: str | None) -> str:
     first = first_file(files)
     if first is None:
         raise StorageError(f"{files.base}{files.pattern or ''}: no {files.suffix} file there")
-    storage = open_storage(files.base)
+    storage = files.storage
     try:
         schema = _parquet_file(storage, first).schema_arrow
     except Exception as exc:  # noqa: BLE001 - said as what it is
@@ -80,7 +80,7 @@ def check_parquet_source(files: FileSet, column: str | None) -> str:
 
 
 def iter_parquet_items(files: FileSet, column: str | None, glob: str | None = None, log=None) -> Iterator[WorkItem]:
-    storage = open_storage(files.base)
+    storage = files.storage
     for ref in iter_files(files, glob, log):
         yield from file_items(storage, ref, column)
 
@@ -199,7 +199,7 @@ def cell_ref(storage: Storage, key: str, size: int, etag: str, column: str | Non
     file, _, row = key.rpartition("/")
     if not row.isdigit() or not column:
         return None
-    file_size, group_rows = _layout(storage.uri, file, etag.rpartition(":")[0])  # the file's etag: a new file, a new read
+    file_size, group_rows = _layout(storage, file, etag.rpartition(":")[0])  # the file's etag: a new file, a new read
     start, wanted = 0, int(row)
     for group, rows in enumerate(group_rows):
         if wanted < start + rows:
@@ -210,9 +210,9 @@ def cell_ref(storage: Storage, key: str, size: int, etag: str, column: str | Non
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(uri: str, file: str, file_etag: str) -> tuple[int, tuple[int, ...]]:
-    """A file's size and its row groups' row counts (read once per file, not per cell)."""
-    storage = open_storage(uri)
+def _layout(storage: Storage, file: str, file_etag: str) -> tuple[int, tuple[int, ...]]:
+    """A file's size and its row groups' row counts (read once per file, not per cell; the
+    storage is the run's one for its source)."""
     folder = file.rpartition("/")[0]
     listed = next((r for r in storage.iter_objects(prefix=f"{folder}/" if folder else "") if r.key == file), None)
     if listed is None:

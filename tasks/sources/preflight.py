@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from tasks.sources.formats import source_storage
 from tasks.sources.storage import Storage, StorageError, open_storage, split_parent
 
 PROBE_PREFIX = ".vlm-caption-probe-"
@@ -64,11 +65,11 @@ def check_source(uri: str, *, is_manifest: bool, source_format: str = "files",
     if is_manifest:
         folder, name = split_parent(uri)
         with storage_errors(uri, "looking for the manifest"):
-            if not open_storage(folder).exists(name):
+            if not source_storage(folder).exists(name):
                 raise StorageError(f"{uri}: manifest not found")
         return None
     with storage_errors(uri, "listing the source"):
-        storage = open_storage(uri)
+        storage = source_storage(uri)
         next(iter(storage.iter_objects()), None)  # one page is enough to prove access
     return None
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tasks.sources.formats import FileSet, iter_files
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.ranged import open_seekable
-from tasks.sources.storage import Storage, open_storage
+from tasks.sources.storage import Storage
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "mkv", "avi")
@@ -66,7 +66,7 @@ class _Sample:
 
 
 def iter_webdataset_items(files: FileSet, modality: str, glob: str | None = None, log=None) -> Iterator[WorkItem]:
-    storage = open_storage(files.base)
+    storage = files.storage
     for tar in iter_files(files, glob, log):
         yield from tar_items(storage, tar, modality)
 
