@@ -99,7 +99,7 @@ def caption_job(plan: RunPlan, run_id: str, log) -> dict:
         raise
     mine = stats.report(own.index if own else 0, engine, **(shared or {}), **_where())
     if job.partition is not None:  # a child: the parent writes the run's one manifest
-        write_partition_report(job.output, run_id, mine)
+        write_partition_report(plan.output, run_id, mine)
         summary = stats.summary()
         publish_summary({**summary, "recipe": recipe.name, "partition": f"{own.index + 1}/{own.count}",
                          **(shared or {})}, stats.samples)
@@ -109,13 +109,13 @@ def caption_job(plan: RunPlan, run_id: str, log) -> dict:
     manifest = stats.manifest(run_id=run_id, parameters=job.model_dump(mode="json"),
                               fingerprint=fingerprint, engine=engine,
                               partitions=[p.brief() for p in partitions])
-    manifest_uri = write_manifest(job.output, run_id, manifest)
+    manifest_uri = write_manifest(plan.output, run_id, manifest)
     summary = stats.summary()
     # Every final result of the output as one Parquet file; a failure is recorded, not raised.
-    manifest["parquet"] = export_after_run(job.output)
+    manifest["parquet"] = export_after_run(plan.output, job.output)
     # A page to look at: a sample of the run's items, thumbnails and captions; next to the manifest.
-    manifest["gallery"] = gallery_after_run(job, run_id, fingerprint, stats.parts)
-    write_manifest(job.output, run_id, manifest)
+    manifest["gallery"] = gallery_after_run(plan, run_id, stats.parts)
+    write_manifest(plan.output, run_id, manifest)
     summary["parquet"] = manifest["parquet"].get("path")
     summary["gallery"] = manifest["gallery"].get("path")
     publish_summary({**summary, "recipe": recipe.name, "model": engine["model"] if engine else plan.model,
@@ -153,7 +153,7 @@ def merge_children(plan: RunPlan, run_id: str, children, stats: RunStats, log) -
         return "COMPLETED"
 
     states = wait_for_children(children, run_here)
-    reports = read_partition_reports(job.output, run_id, [c.index for c in children if c.index not in taken_over])
+    reports = read_partition_reports(plan.output, run_id, [c.index for c in children if c.index not in taken_over])
     reports.update(taken_over)
     merged = []
     for child in children:

@@ -293,9 +293,12 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tasks.results.parquet import export_parquet
+    from tasks.results.parquet import PARQUET_KEY, export_parquet
+    from tasks.sources.storage import open_storage, split_parent
 
-    report = export_parquet(args.output, args.to)
+    out = open_storage(args.output)  # an output that is not there is an error, not made
+    parent, key = split_parent(args.to) if args.to else (None, PARQUET_KEY)
+    report = export_parquet(out, open_storage(parent, create=True) if parent else out, key)
     print(json.dumps(report, indent=2))
     return 0 if report["complete"] else 1
 

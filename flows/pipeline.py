@@ -73,7 +73,7 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | Non
 
 def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, dict | None]:
     job = run.job
-    done = load_done_index(job.output, run.fingerprint)
+    done = load_done_index(run.plan.output, run.fingerprint)
     stream = listing(run)
     try:
         # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
@@ -92,7 +92,7 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
     while claims is not None and (retaken := claims.retake()) is not None:
         if retaken:  # a partition that is gone left these: captioned here, from a fresh listing
             # What it wrote before it went (a part without its done mark) is on the done-index now.
-            pipeline.done = load_done_index(job.output, run.fingerprint)
+            pipeline.done = load_done_index(run.plan.output, run.fingerprint)
             again = listing(run)
             try:
                 pipeline.run(shard for shard in again if shard.index in retaken)
@@ -242,7 +242,7 @@ class ShardPipeline:
         if records:
             stats.mark_result()
         done_key = self.claims.done_key(shard.index) if self.claims is not None else None
-        self.writes.append(write_shard.submit(self.job.output, run.fingerprint, run.parts_id, shard.index,
+        self.writes.append(write_shard.submit(run.plan.output, run.fingerprint, run.parts_id, shard.index,
                                               opaque(records), done_key))
         while len(self.writes) > self.depth:  # keep only the writes still in flight
             stats.parts.append(self.writes.popleft().result())

@@ -19,7 +19,7 @@ from flows.params import CaptionJob
 from recipes import Recipe, RecipeError, get_recipe
 from tasks.results.records import job_fingerprint
 from tasks.sources.formats import SourceSpec, split_location
-from tasks.sources.storage import Storage, StorageError, open_storage
+from tasks.sources.storage import Storage, StorageError
 
 
 class PreflightError(RecipeError):
@@ -93,7 +93,3 @@ def source_spec(job: CaptionJob) -> SourceSpec:
                           column=job.column)
     return SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
 
-
-def output_store(uri: str) -> Storage:
-    """The output's storage (made if a folder), shared in this process."""
-    return open_storage(uri, create=True)

@@ -16,10 +16,11 @@ import time
 
 def load(out: str) -> None:
     from tasks.results.done_index import load_done_index
+    from tasks.sources.storage import open_storage
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     began = time.perf_counter()
-    done = load_done_index.fn(out, "f" * 16)
+    done = load_done_index.fn(open_storage(out, create=True), "f" * 16)
     print(json.dumps({"records": len(done), "load_s": round(time.perf_counter() - began, 2),
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
                       "rss_before_load_mb": before // 1024, "index_mb": round(done.nbytes / 2**20, 1)}))
@@ -28,9 +29,11 @@ def load(out: str) -> None:
 def main(total: int, out: str, s3: bool = False) -> None:
     from tests.test_done_index import _record
     from tasks.results.writers import write_shard
+    from tasks.sources.storage import open_storage
 
+    store = open_storage(out, create=True)
     for shard, start in enumerate(range(0, total, 64)):
-        write_shard.fn(out, "f" * 16, "scale", shard, [_record(i) for i in range(start, min(start + 64, total))])
+        write_shard.fn(store, "f" * 16, "scale", shard, [_record(i) for i in range(start, min(start + 64, total))])
     if not s3:
         _load_in_child(out, {})
         return

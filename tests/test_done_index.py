@@ -12,8 +12,14 @@ from tasks.results.layout import part_key
 from tasks.results.records import ResultRecord
 from tasks.results.writers import write_shard
 from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.storage import Storage, open_storage
 
 FP = "f" * 16
+
+
+def _out(folder) -> Storage:
+    """The output's storage, as a run's plan hands it to the writers and the done-index."""
+    return open_storage(str(folder), create=True)
 
 
 def _record(i: int, question: str = "q", error=None) -> ResultRecord:
@@ -30,12 +36,12 @@ def _item(i: int, etag: str | None = None) -> WorkItem:
 def test_sidecars_are_read_and_a_changed_part_is_parsed(tmp_path, prefect_api):
     out = tmp_path / "out"
     retryable = {"kind": "fetch", "message": "timeout", "retryable": True}
-    write_shard.fn(str(out), FP, "run1", 0, [_record(0), _record(1), _record(2, error=retryable)])
-    write_shard.fn(str(out), FP, "run1", 1, [_record(3), _record(3, question="other")])
+    write_shard.fn(_out(out), FP, "run1", 0, [_record(0), _record(1), _record(2, error=retryable)])
+    write_shard.fn(_out(out), FP, "run1", 1, [_record(3), _record(3, question="other")])
     part0 = out / part_key(FP, "run1", 0)
     assert (out / sidecar_key(part_key(FP, "run1", 0))).stat().st_size == 16 + 2 * ROW.itemsize  # final rows only
 
-    done = load_done_index.fn(str(out), FP)
+    done = load_done_index.fn(_out(out), FP)
     assert len(done) == 4
     assert done.pending_by_listing(_item(0), ("q", "new")) == ("new",)
     assert done.pending_by_listing(_item(2), ("q",)) == ("q",)  # a retryable failure is not done
@@ -45,20 +51,20 @@ def test_sidecars_are_read_and_a_changed_part_is_parsed(tmp_path, prefect_api):
 
     # A part cut short (its sidecar no longer matches its size) is parsed: what it lost is redone.
     part0.write_bytes(part0.read_bytes().split(b"\n", 1)[0] + b"\n")
-    done = load_done_index.fn(str(out), FP)
+    done = load_done_index.fn(_out(out), FP)
     assert done.pending_by_listing(_item(0), ("q",)) == () and done.pending_by_listing(_item(1), ("q",)) == ("q",)
     # A part written before sidecars existed is parsed too.
     (out / sidecar_key(part_key(FP, "run1", 1))).unlink()
-    assert len(load_done_index.fn(str(out), FP)) == 3
+    assert len(load_done_index.fn(_out(out), FP)) == 3
 
 
 def test_100k_earlier_results_load_fast_in_bounded_memory(tmp_path, prefect_api):
     out, per_part, total = tmp_path / "out", 64, 100_000
     for shard, start in enumerate(range(0, total, per_part)):
-        write_shard.fn(str(out), FP, "big", shard, [_record(i) for i in range(start, min(start + per_part, total))])
+        write_shard.fn(_out(out), FP, "big", shard, [_record(i) for i in range(start, min(start + per_part, total))])
     tracemalloc.start()
     began = time.perf_counter()
-    done = load_done_index.fn(str(out), FP)
+    done = load_done_index.fn(_out(out), FP)
     seconds = time.perf_counter() - began
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
@@ -89,50 +95,46 @@ class CountingStorage:
         return self.inner.read(key)
 
 
-def _load_counting(out, monkeypatch) -> tuple[DoneIndex, list[str]]:
-    import tasks.results.done_index as done_index
-    from tasks.sources.storage import open_storage
-
-    storage = CountingStorage(open_storage(str(out), create=True))
-    monkeypatch.setattr(done_index, "open_storage", lambda uri, create=False: storage)
-    return load_done_index.fn(str(out), FP), storage.reads
+def _load_counting(out) -> tuple[DoneIndex, list[str]]:
+    storage = CountingStorage(_out(out))
+    return load_done_index.fn(storage, FP), storage.reads
 
 
-def test_a_long_history_is_compacted_into_one_object_and_stays_exact(tmp_path, prefect_api, monkeypatch):
+def test_a_long_history_is_compacted_into_one_object_and_stays_exact(tmp_path, prefect_api):
     from tasks.results.done_index import COMPACT_AFTER
 
     out = tmp_path / "out"
     for shard in range(COMPACT_AFTER + 6):
-        write_shard.fn(str(out), FP, "old", shard, [_record(2 * shard), _record(2 * shard + 1)])
+        write_shard.fn(_out(out), FP, "old", shard, [_record(2 * shard), _record(2 * shard + 1)])
     total = 2 * (COMPACT_AFTER + 6)
     broken = out / part_key(FP, "broken", 0)
     broken.write_bytes(b"\xff\xfe not text")  # unreadable, and no sidecar
-    done, reads = _load_counting(out, monkeypatch)  # every sidecar read, then compacted
+    done, reads = _load_counting(out)  # every sidecar read, then compacted
     assert len(done) == total and len(reads) == COMPACT_AFTER + 6 + 1
     compacted = sorted((out / "results" / FP).glob("*.vidx"))
     assert len(compacted) == 1
 
     # One object for the whole history; the part that could not be read is tried again.
-    done, reads = _load_counting(out, monkeypatch)
+    done, reads = _load_counting(out)
     assert len(done) == total and reads == [f"results/{FP}/{compacted[0].name}", part_key(FP, "broken", 0)]
     broken.unlink()
 
     # Parts written since are read beside it; a part cut short is parsed, and one deleted no
     # longer counts, though the compacted index still lists their rows.
-    write_shard.fn(str(out), FP, "new", 0, [_record(total)])
+    write_shard.fn(_out(out), FP, "new", 0, [_record(total)])
     part0 = out / part_key(FP, "old", 0)
     part0.write_bytes(part0.read_bytes().split(b"\n", 1)[0] + b"\n")  # keeps record 0, loses 1
     (out / part_key(FP, "old", 1)).unlink()  # records 2 and 3
-    done, reads = _load_counting(out, monkeypatch)
+    done, reads = _load_counting(out)
     assert len(reads) == 4  # the compacted index, the new part's sidecar, part 0's (stale) and part 0
     assert len(done) == total + 1 - 3
     assert [done.pending_by_listing(_item(i), ("q",)) for i in (0, 1, 2, 4, total)] == [(), ("q",), ("q",), (), ()]
 
     # A damaged compacted index is passed over (the sidecars answer), then replaced.
     compacted[0].write_bytes(b"garbage")
-    done, reads = _load_counting(out, monkeypatch)
+    done, reads = _load_counting(out)
     assert len(done) == total + 1 - 3 and len(reads) > COMPACT_AFTER
     assert [p.name for p in (out / "results" / FP).glob("*.vidx")] != [compacted[0].name]
     assert len(list((out / "results" / FP).glob("*.vidx"))) == 1
-    done, reads = _load_counting(out, monkeypatch)
+    done, reads = _load_counting(out)
     assert len(done) == total + 1 - 3 and len(reads) == 1

@@ -37,13 +37,26 @@ def _records(s3_client, prefix: str) -> list[dict]:
     return records
 
 
-def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client, tiny_llava):
+def _count_s3_clients(monkeypatch) -> list:
+    """Every S3 client made in this process from now on, counted from none: the shared ones an
+    earlier test left are dropped (for this test only)."""
+    import tasks.sources.storage as storage
+
+    made, make = [], storage.make_s3_client
+    monkeypatch.setattr(storage, "_shared_clients", {})
+    monkeypatch.setattr(storage, "_shared_stores", {})
+    monkeypatch.setattr(storage, "make_s3_client", lambda: made.append(1) or make())
+    return made
+
+
+def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client, tiny_llava, monkeypatch):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId,
                                                 LogFilter, LogFilterFlowRunId)
     from prefect.logging.handlers import APILogHandler
 
     objects = _upload_images(s3_client)
+    clients = _count_s3_clients(monkeypatch)
     job = CaptionJob(
         source=f"s3://{BUCKET}/images/", output=f"s3://{BUCKET}/captions/", recipe="llava",
         model=str(tiny_llava), shard_size=6, sampling={"max_tokens": 8},
@@ -124,6 +137,10 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
             if kind[run_.id] == "write-shard":
                 assert [kind[i.id] for i in run_.task_inputs["records"]] == ["generate-shard"]
 
+    # One S3 client for the whole run (source and output share it): the listing, 4 shards'
+    # fetches, parts and sidecars, the done-index, two manifest writes, the export, the gallery.
+    assert len(clients) == 1
+
     # Same parameters again: everything is already done; nothing recomputed or duplicated.
     again = vlm_caption(job)
     assert again["listed"] == 20 and again["skipped_already_done"] == 20 and again["processed"] == 0
@@ -154,6 +171,7 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
     for record in _records_lenient(s3_client, "captions/results/"):
         valid.append(record["key"])
     assert sorted(valid) == sorted([k.removeprefix("images/") for k in objects] + ["new.png"])  # each once
+    assert len(clients) == 1  # four runs in this process, still the one client
 
 
 def _records_lenient(s3_client, prefix: str) -> list[dict]:

@@ -16,6 +16,7 @@ from tasks.results.layout import part_key
 from tasks.results.parquet import PARQUET_KEY, export_after_run, export_parquet
 from tasks.results.records import ResultRecord
 from tasks.results.writers import write_manifest, write_shard
+from tasks.sources.storage import Storage, open_storage
 
 FP = "0123456789abcdef"
 RUN1 = "aaaa1111-20260101T000000"
@@ -31,8 +32,14 @@ def record(key: str, run_id: str, text: str | None = "a cat", error: dict | None
                         fingerprint=FP, run_id=run_id)
 
 
+def out(output) -> Storage:
+    """The output's storage, as a run's plan hands it down."""
+    return open_storage(str(output), create=True)
+
+
 def write_history(output: str) -> None:
     """Run 1: a, b (a final error), c (a retryable error); run 2 computes a again."""
+    output = out(output)
     write_shard.fn(output, FP, RUN1, 0, [
         record("a.jpg", RUN1, "first caption"),
         record("b.jpg", RUN1, None, {"kind": "decode", "message": "not an image", "retryable": False}),
@@ -64,7 +71,7 @@ def test_folder_export_reads_back_with_datasets_pyarrow_and_pandas(tmp_path):
 
     output = str(tmp_path / "out")
     write_history(output)
-    report = export_parquet(output, row_group_rows=2)
+    report = export_parquet(out(output), row_group_rows=2)
     path = Path(output) / PARQUET_KEY
     assert report["path"] == str(path) and report["rows"] == 3 and report["complete"]
     # run 2's rows have no source: said in the report, not left blank without a word
@@ -89,16 +96,16 @@ def test_extra_record_fields_become_string_columns(tmp_path, monkeypatch):
         monkeypatch.setattr(parquet, "ResultRecord", extended)
     output = str(tmp_path / "out")
     fields = {**record("a.jpg", RUN1).model_dump(), "structured": {"animal": "cat", "count": 2}}
-    write_shard.fn(output, FP, RUN1, 0, [extended(**fields)])
-    report = export_parquet(output)
+    write_shard.fn(out(output), FP, RUN1, 0, [extended(**fields)])
+    report = export_parquet(out(output))
     rows = pq.read_table(report["path"]).to_pylist()
     assert json.loads(rows[0]["structured"]) == {"animal": "cat", "count": 2}
 
 
 def test_part_cut_short_or_unreadable_is_not_exported_as_complete(tmp_path):
     output = tmp_path / "out"
-    write_shard.fn(str(output), FP, RUN1, 0, [record("a.jpg", RUN1), record("b.jpg", RUN1)])
-    write_shard.fn(str(output), FP, RUN1, 1, [record("z.jpg", RUN1)])
+    write_shard.fn(out(output), FP, RUN1, 0, [record("a.jpg", RUN1), record("b.jpg", RUN1)])
+    write_shard.fn(out(output), FP, RUN1, 1, [record("z.jpg", RUN1)])
     cut = output / part_key(FP, RUN1, 0)
     body = cut.read_bytes()
     cut.write_bytes(body[: len(body.splitlines(keepends=True)[0]) + 20])  # a.jpg whole, b.jpg cut mid-line
@@ -106,7 +113,7 @@ def test_part_cut_short_or_unreadable_is_not_exported_as_complete(tmp_path):
     broken.write_bytes(b"\xff\xfe not utf-8")
     (output / sidecar_key(part_key(FP, RUN1, 1))).unlink()
 
-    report = export_parquet(str(output))
+    report = export_parquet(out(output))
     assert report["complete"] is False
     assert str(cut) in report["damaged_parts"] and str(broken) in report["skipped_parts"]
     assert [row["key"] for row in pq.read_table(report["path"]).to_pylist()] == ["a.jpg"]
@@ -119,13 +126,13 @@ def test_s3_export(s3_client, tmp_path):
     s3_client.create_bucket(Bucket="parquet-out")
     output = "s3://parquet-out/runs/"
     write_history(output)
-    report = export_parquet(output)
+    report = export_parquet(out(output))
     assert report["path"] == f"s3://parquet-out/runs/{PARQUET_KEY}" and report["complete"]
     body = s3_client.get_object(Bucket="parquet-out", Key=f"runs/{PARQUET_KEY}")["Body"].read()
     import pyarrow as pa
 
     check_rows(pq.read_table(pa.BufferReader(body)).to_pylist())
-    report = export_parquet(output, to="s3://parquet-out/elsewhere/r.parquet")
+    report = export_parquet(out(output), open_storage("s3://parquet-out/elsewhere/"), "r.parquet")
     body = s3_client.get_object(Bucket="parquet-out", Key="elsewhere/r.parquet")["Body"].read()
     local = tmp_path / "r.parquet"
     local.write_bytes(body)
@@ -153,7 +160,7 @@ def test_export_failure_at_run_end_is_recorded_not_raised(tmp_path, monkeypatch)
         raise OSError("disk full")
 
     monkeypatch.setattr(parquet, "export_parquet", broken)
-    assert export_after_run.fn(str(tmp_path)) == {"error": "OSError: disk full"}
+    assert export_after_run.fn(out(tmp_path), str(tmp_path)) == {"error": "OSError: disk full"}
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -162,20 +169,23 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
     the manifest and the summary, and the run still returns."""
     import flows.caption as caption
     from flows.params import CaptionJob
+    from flows.plan import RunPlan, source_spec
     from recipes import get_recipe
     from tasks.observability import get_logger
     from tasks.results.report import RunStats
 
     output = str(tmp_path / "out")
     (tmp_path / "src").mkdir()
-    job = CaptionJob(source=str(tmp_path / "src"), output=output, recipe="llava")
+    job = CaptionJob(source=str(tmp_path / "src"), output=output, recipe="llava", source_format="files")
+    plan = RunPlan(job=job, recipe=get_recipe("llava"), model="tiny-llava", fingerprint=FP, source=source_spec(job),
+                   output=out(output))
     records = [record("a.jpg", RUN1), record("b.jpg", RUN1, None, {"kind": "decode", "message": "bad"})]
 
     def shards(run):
-        write_shard.fn(output, FP, RUN1, 0, records)
+        write_shard.fn(out(output), FP, RUN1, 0, records)
         stats = RunStats()
         stats.add(2, 0, records)
-        return stats, None
+        return stats, None, None  # counts, engine, claims' figures
 
     monkeypatch.setattr(caption, "caption_shards", shards)
     monkeypatch.setattr(caption, "write_manifest", write_manifest.fn)
@@ -184,7 +194,7 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
     monkeypatch.setattr(caption, "emit", lambda *args, **kwargs: None)
     if fails:
         monkeypatch.setattr(parquet, "export_parquet", lambda output: 1 / 0)
-    summary = caption.caption_job(job, get_recipe("llava"), RUN1, "tiny-llava", FP, get_logger())
+    summary = caption.caption_job(plan, RUN1, get_logger())
     manifest = json.loads((Path(output) / "manifests" / f"{RUN1}.json").read_text())
     assert manifest["counts"]["processed"] == 2 and summary["processed"] == 2
     if fails:

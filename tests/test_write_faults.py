@@ -21,6 +21,7 @@ import pytest
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
 from tasks.results import done_index
+from tasks.sources.storage import open_storage
 from tests.fault_proxy import WRITE_KINDS, FaultProxy
 from tests.images import image_bytes
 from tests.test_storage_faults import _through
@@ -111,7 +112,7 @@ def test_write_faults_lose_duplicate_and_half_write_nothing(prefect_api, bucket,
     _, length = done_index.COMPACT_HEADER.unpack_from(data)
     covered = json.loads(data[done_index.COMPACT_HEADER.size:done_index.COMPACT_HEADER.size + length])
     assert len(covered) == COUNT // 2
-    assert len(done_index.load_done_index.fn(job.output, rerun["fingerprint"])) == COUNT
+    assert len(done_index.load_done_index.fn(open_storage(job.output, create=True), rerun["fingerprint"])) == COUNT
 
     manifests = [json.loads(_read(client, k)) for k in _keys(client, "out/manifests/") if k.endswith(".json")]
     assert len(manifests) == 2 and all(m["parquet"].get("complete") for m in manifests), manifests

@@ -36,7 +36,7 @@ from tasks.observability import get_logger
 from tasks.results.layout import compacted_index_key, results_prefix
 from tasks.results.records import ResultRecord
 from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.storage import Storage, open_storage
+from tasks.sources.storage import Storage
 
 ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])
 SIDECAR_MAGIC = b"VLMIDX1\0"
@@ -135,11 +135,10 @@ class DoneIndex:
 
 
 @task(name="load-done-index", cache_policy=NONE, persist_result=False, retries=2)
-def load_done_index(output_uri: str, fingerprint: str) -> DoneIndex:
+def load_done_index(out: Storage, fingerprint: str) -> DoneIndex:
     """Results that earlier runs with this fingerprint finished for good (captioned, or failed
-    in a way a rerun would only repeat). A part that cannot be read is skipped with a warning
-    naming it; its items are computed again."""
-    out = open_storage(output_uri, create=True)
+    in a way a rerun would only repeat), in the output `out` (`RunPlan.output`). A part that
+    cannot be read is skipped with a warning naming it; its items are computed again."""
     objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
     parts = [ref for key, ref in objects.items() if key.endswith(".jsonl")]
     log = get_logger(fingerprint=fingerprint)

@@ -21,11 +21,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from tasks.results.gallery_page import GalleryItem, render_gallery
 from tasks.results.layout import manifest_key, results_prefix
 from tasks.results.records import ResultRecord
-from tasks.sources.storage import key_within, open_storage
+from tasks.sources.storage import Storage, key_within
+
+if TYPE_CHECKING:
+    from flows.plan import RunPlan
+    from tasks.sources.formats import SourceSpec
 
 THUMB_PIXELS = 160
 THUMB_QUALITY = 70
@@ -168,7 +173,7 @@ def _make_pictures(items: list[GalleryItem], picture: Callable[[GalleryItem], tu
         closed.set()
 
 
-def run_records(output_uri: str, parts: list[str], fingerprint: str,
+def run_records(out: Storage, parts: list[str], fingerprint: str,
                 unreadable: list[str] | None = None) -> Iterator[ResultRecord]:
     """The records of the run's parts; when the run wrote none (everything was done), those of
     every part of its result set, so a rerun's page still shows the results. A part that cannot
@@ -176,7 +181,6 @@ def run_records(output_uri: str, parts: list[str], fingerprint: str,
     from tasks.observability import get_logger
     from tasks.results.done_index import parse_records
 
-    out = open_storage(output_uri, create=True)
     keys = [key_within(out, p) for p in parts]
     if not keys:
         keys = sorted(r.key for r in out.iter_objects(prefix=results_prefix(fingerprint)) if r.key.endswith(".jsonl"))
@@ -192,20 +196,16 @@ def run_records(output_uri: str, parts: list[str], fingerprint: str,
         yield from parse_records(lines)[0]
 
 
-def media_fetcher(job) -> Callable[[ResultRecord], bytes | None]:
-    """How to read an item's (first) image or video again for its picture, for the job's kind of
-    source."""
+def media_fetcher(source: SourceSpec) -> Callable[[ResultRecord], bytes | None]:
+    """How to read an item's (first) image or video again for its picture, for the run's kind of
+    source (from its storage, as the captioning read it)."""
     from tasks.sources.fetch import MediaFetcher
-    from tasks.sources.formats import split_location
     from tasks.sources.items import ObjectRef
-    from tasks.sources.manifest import manifest_base
     from tasks.sources.parquet_source import cell_ref
     from tasks.sources.webdataset import member_ref
 
-    fmt = job.source_format
-    base = (split_location(job.location)[0] if fmt in ("webdataset", "parquet")
-            else manifest_base(job.manifest) if job.manifest else job.location)
-    storage = open_storage(base)
+    fmt = source.format
+    storage = source.storage
     fetcher = MediaFetcher(storage)
 
     def fetch(record: ResultRecord) -> bytes | None:
@@ -213,7 +213,7 @@ def media_fetcher(job) -> Callable[[ResultRecord], bytes | None]:
         if fmt == "webdataset":
             ref = member_ref(member.key, member.size, member.etag)
         elif fmt == "parquet" and member.key == record.key:  # a bytes cell (a URL cell's key is the URL)
-            ref = cell_ref(storage, member.key, member.size, member.etag, job.column)
+            ref = cell_ref(storage, member.key, member.size, member.etag, source.column)
         else:
             ref = ObjectRef(member.key, member.size, member.etag)
         return fetcher.read(ref) if ref is not None else None
@@ -221,18 +221,20 @@ def media_fetcher(job) -> Callable[[ResultRecord], bytes | None]:
     return fetch
 
 
-def gallery_after_run(job, run_id: str, fingerprint: str, parts: list[str]) -> dict:
+def gallery_after_run(plan: RunPlan, run_id: str, parts: list[str]) -> dict:
     """Write the run's gallery next to its manifest and link it from a Prefect artifact; a
-    failure is reported in the manifest, never raised (the captions are written already)."""
+    failure is reported in the manifest, never raised (the captions are written already). From
+    the plan: the output, the source (for the pictures), the fingerprint and the job's title."""
+    job, fingerprint = plan.job, plan.fingerprint
     if job.gallery_items <= 0:
         return {"path": None}
     from tasks.observability import get_logger
     from tasks.settings import get_settings
 
     try:
-        out = open_storage(job.output, create=True)
+        out = plan.output
         unreadable: list[str] = []
-        page, shown = build_gallery(run_records(job.output, parts, fingerprint, unreadable), media_fetcher(job),
+        page, shown = build_gallery(run_records(out, parts, fingerprint, unreadable), media_fetcher(plan.source),
                                     job.gallery_items, f"vlm-caption · {job.recipe} · {job.location}",
                                     {"run": run_id, "fingerprint": fingerprint}, get_settings().gallery_fetch_s)
         out.write(gallery_key(run_id), page.encode())

@@ -38,7 +38,7 @@ from tasks.results.done_index import _parse_part, _read_sidecar, parse_records, 
 from tasks.results.layout import manifest_key
 from tasks.results.records import ResultRecord
 from tasks.sources.items import ObjectRef
-from tasks.sources.storage import Storage, open_storage, split_parent
+from tasks.sources.storage import Storage
 
 PARQUET_KEY = "parquet/results.parquet"
 ROW_GROUP_ROWS = 8192
@@ -202,19 +202,16 @@ def iter_row_batches(out: Storage, log=None, report: dict | None = None,
         yield batch
 
 
-def export_parquet(output_uri: str, to: str | None = None, *, row_group_rows: int = ROW_GROUP_ROWS) -> dict:
-    """Write the output's final records as one Parquet file (default <output>/parquet/results.parquet)
-    and return a report: where, rows, row groups, seconds, and any damaged or skipped parts."""
+def export_parquet(out: Storage, target: Storage | None = None, target_key: str = PARQUET_KEY, *,
+                   row_group_rows: int = ROW_GROUP_ROWS) -> dict:
+    """Write the output `out`'s final records as one Parquet file, `target_key` in `target`
+    (default `out`, <output>/parquet/results.parquet), and return a report: where, rows, row
+    groups, seconds, and any damaged or skipped parts."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     started = time.perf_counter()
-    out = open_storage(output_uri)
-    if to:
-        parent, name = split_parent(to)
-        target, target_key = open_storage(parent, create=True), name
-    else:
-        target, target_key = open_storage(output_uri, create=True), PARQUET_KEY
+    target = out if target is None else target
     log = get_logger()
     report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
     schema = _schema()
@@ -239,11 +236,12 @@ def export_parquet(output_uri: str, to: str | None = None, *, row_group_rows: in
 
 
 @task(name="export-parquet", cache_policy=NONE, persist_result=False)
-def export_after_run(output_uri: str) -> dict:
-    """The end-of-run export. A failure is logged and returned as `{"error": ...}`, never raised:
-    the run's captions are in its JSON Lines parts, and `vlm-caption export` makes the file later."""
+def export_after_run(out: Storage, output_uri: str) -> dict:
+    """The end-of-run export into the run's output `out` (`output_uri` as the job names it, for
+    the message). A failure is logged and returned as `{"error": ...}`, never raised: the run's
+    captions are in its JSON Lines parts, and `vlm-caption export` makes the file later."""
     try:
-        return export_parquet(output_uri)
+        return export_parquet(out)
     except Exception as exc:  # noqa: BLE001 - the parts are written; the export is a convenience
         get_logger().warning("Parquet export failed; the JSON Lines parts are complete. Run "
                              f"`vlm-caption export {output_uri}` to try again", error=f"{type(exc).__name__}: {exc}")

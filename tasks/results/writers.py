@@ -20,7 +20,7 @@ from tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
 from tasks.results.layout import manifest_key, part_key, partition_report_key
 from tasks.results.records import ResultRecord
 from tasks.results.report import PartitionReport
-from tasks.sources.storage import Storage, open_storage
+from tasks.sources.storage import Storage
 
 
 class DiskFullError(OSError):
@@ -63,13 +63,13 @@ def _unless_disk_full(task, task_run, state) -> bool:
 
 @task(name="write-shard", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2,
       retry_condition_fn=_unless_disk_full)
-def write_shard(output_uri: str, fingerprint: str, parts_id: str, shard_index: int,
+def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
                 records: list[ResultRecord], done_key: str | None = None) -> str | None:
     """One JSON Lines file per shard, written atomically, then its done-index sidecar (a part
     whose sidecar is missing is parsed instead). Nothing to write, no file. Then `done_key`, the
     shard's claim marked done for the other partitions of a fan-out (tasks/claims.py): only
-    after its part, so a partition that dies between the two has the shard redone, never lost."""
-    out = open_storage(output_uri, create=True)
+    after its part, so a partition that dies between the two has the shard redone, never lost.
+    `out` is the run's output (`RunPlan.output`)."""
     written = None
     if records:
         key = part_key(fingerprint, parts_id, shard_index)
@@ -84,24 +84,21 @@ def write_shard(output_uri: str, fingerprint: str, parts_id: str, shard_index: i
 
 @task(name="write-manifest", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2,
       retry_condition_fn=_unless_disk_full)
-def write_manifest(output_uri: str, run_id: str, manifest: dict) -> str:
-    out = open_storage(output_uri, create=True)
+def write_manifest(out: Storage, run_id: str, manifest: dict) -> str:
     write_object(out, manifest_key(run_id), json.dumps(manifest, indent=2, default=str).encode())
     return out.describe(manifest_key(run_id))
 
 
 @task(name="write-partition-report", cache_policy=NONE, persist_result=False, retries=3,
       retry_delay_seconds=2, retry_condition_fn=_unless_disk_full)
-def write_partition_report(output_uri: str, run_id: str, report: PartitionReport) -> str:
+def write_partition_report(out: Storage, run_id: str, report: PartitionReport) -> str:
     """A child run's accounting, for the parent's single manifest (flow results are not shared)."""
-    out = open_storage(output_uri, create=True)
     write_object(out, partition_report_key(run_id, report.index), report.model_dump_json(indent=2).encode())
     return out.describe(partition_report_key(run_id, report.index))
 
 
 @task(name="read-partition-reports", cache_policy=NONE, persist_result=False, retries=2)
-def read_partition_reports(output_uri: str, run_id: str, indexes: list[int]) -> dict[int, PartitionReport]:
+def read_partition_reports(out: Storage, run_id: str, indexes: list[int]) -> dict[int, PartitionReport]:
     """The reports the children wrote; a child that died before writing one is simply absent."""
-    out = open_storage(output_uri, create=True)
     return {index: PartitionReport.model_validate_json(out.read(partition_report_key(run_id, index)))
             for index in indexes if out.exists(partition_report_key(run_id, index))}

@@ -1,9 +1,10 @@
 """Object storage behind one small interface: S3-compatible buckets and local folders.
 
-`open_storage("s3://bucket/prefix/")` or `open_storage("/data/images")` returns a `Storage`
-rooted at that location. Keys are relative to the root. Listing is lazy (paginated for S3,
-a sorted walk for folders); writes are atomic (a single PUT, or temp file + rename); a part of
-an object is read with `read_range` (a ranged GET, or a seek), with the same retries as `read`.
+`open_storage` of `s3://bucket/prefix/` or `/data/images` returns a `Storage` rooted at that
+location. Keys are relative to the root. Listing is lazy (paginated for S3, a sorted walk for
+folders); writes are atomic (a single PUT, or temp file + rename); a part of an object is read
+with `read_range` (a ranged GET, or a seek), with the same retries as `read`. A run opens its
+source and output once, in pre-flight (`flows/plan.py`), and hands the storages down.
 
 S3 credentials come from a prefect-aws credentials block when one is named (settings
 `VLM_CAPTION_AWS_CREDENTIALS_BLOCK` / `VLM_CAPTION_MINIO_CREDENTIALS_BLOCK`), otherwise from the
