@@ -113,6 +113,9 @@ OTHER_VARIABLES: dict[str, tuple[str, str]] = {
         "unset", "`vlm-caption bench --source s3`: an `s3://bucket/prefix` on a real endpoint to serve the "
         "bench's items from (credentials and `VLM_CAPTION_S3_ENDPOINT_URL` from the environment). Unset: a "
         "loopback moto server in a process of its own."),
+    "VLM_CAPTION_BENCH_RESULT": (
+        "unset", "Set by `vlm-caption bench` for each phase's process (not by users): the file the phase writes "
+        "its figures to (JSON), read back by the bench."),
     "VLM_CAPTION_TEST_SERVER_START_S": (
         "`300`", "Tests only: how long `tests/test_prefect_ui.py` waits for `vlm-caption server` to answer."),
 }

@@ -114,7 +114,10 @@ def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava)
 
 def test_rerun_after_a_worker_dies_completes_without_duplicates(stack, s3_client, tiny_llava):
     keys = upload(s3_client, "more", 40)
-    job = job_for("more", tiny_llava, shard_size=1)
+    # One sequence at a time, so the run is still going when a first part shows (the partitions
+    # claim shards as fast as a feed fills; a 40-way batch would end in one step).
+    job = job_for("more", tiny_llava, shard_size=1, sampling={"max_tokens": 16},
+                  engine_overrides={"kv_cache_memory_bytes": 512 * 1024**2, "max_num_seqs": 1})
     first_id = stack.run_deployment("vlm-caption/prod", job)
 
     # Wait until the parent run has captioned something of its own partition, then kill its worker.

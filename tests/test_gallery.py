@@ -152,3 +152,19 @@ def test_gallery_in_headless_chromium(tmp_path: Path):
     assert len(colors) > 50  # thumbnails drawn, not a blank page
     red = sum(count for count, (r, g, b) in colors if r > 180 and g < 80 and b < 80)
     assert red > 50  # the failed item's red border and message
+
+
+def test_a_picture_that_cannot_be_fetched_is_counted_on_the_page_and_logged(caplog):
+    """A read that fails (the object is gone since, access denied) shows a placeholder; the page's
+    header says how many pictures were not fetched, and the run's log names them."""
+    records = [record(f"img/{i}.jpg") for i in range(4)]
+
+    def fetch(r):
+        if r.key == "img/1.jpg":
+            raise PermissionError("access denied")
+        return image_bytes("JPEG", size=(64, 48))
+
+    page, shown = build_gallery(records, fetch, 10, "run", {"run": "r"})
+    assert shown == 4 and page.count("data:image/jpeg;base64,") == 3
+    assert "pictures not fetched: 1" in page
+    assert '<div class="item" data-key="img/1.jpg"><div class="placeholder">image</div>' in page

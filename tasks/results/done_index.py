@@ -20,7 +20,6 @@ with the same size, so deleting or rewriting a part is seen as before.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import struct
@@ -197,8 +196,10 @@ def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndar
         log.warning("could not write the compacted done-index", index=out.describe(key), error=str(exc))
         return
     for stale in older:  # a load running beside this one may have removed it already
-        with contextlib.suppress(Exception):
+        try:
             out.delete(stale)
+        except Exception as exc:  # noqa: BLE001 - left behind, it is read once more by the next load
+            log.warning("could not remove a replaced done-index", index=out.describe(stale), error=str(exc))
     log.info("done-index compacted", index=out.describe(key), parts=len(parts), replaced=len(older))
 
 

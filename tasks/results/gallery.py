@@ -123,11 +123,13 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
     bytes. Pictures not made within `fetch_s` seconds show placeholders."""
     items = sample_items(records, limit)
     video_slots = threading.BoundedSemaphore(VIDEO_SLOTS)
+    unfetched: list[str] = []  # items whose media could not be read again (each shows a placeholder)
 
     def read(record: ResultRecord) -> bytes | None:
         try:
             return fetch(record)
-        except Exception:  # noqa: BLE001 - a picture is a nicety; its record says what went wrong
+        except Exception as exc:  # noqa: BLE001 - a picture is a nicety: a placeholder, counted and logged below
+            unfetched.append(f"{record.key}: {type(exc).__name__}: {exc}")
             return None
 
     def picture(item: GalleryItem) -> tuple[str | None, list[str]]:
@@ -142,6 +144,12 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
         return thumbnail(data) if data else None, []
 
     _make_pictures(items, picture, fetch_s)
+    if unfetched:
+        from tasks.observability import get_logger
+
+        get_logger().warning("gallery: media could not be read again for their pictures (placeholders shown)",
+                             items=len(unfetched), first=unfetched[:3])
+        summary = {**summary, "pictures not fetched": len(unfetched)}
     return render_gallery(items, title, summary), len(items)
 
 

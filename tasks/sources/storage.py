@@ -13,6 +13,7 @@ standard AWS chain (environment, profile, instance role). They are never logged.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import os
@@ -92,33 +93,33 @@ class LocalStorage:
             handle.seek(start)
             return handle.read(length)
 
-    def write(self, key: str, data: bytes) -> None:
+    @contextlib.contextmanager
+    def _staged(self, key: str, data: bytes) -> Iterator[tuple[str, Path]]:
+        """`data` in a temporary file beside `key`'s path (its folders made), and that path;
+        the temporary name is gone afterwards, moved or linked into place or not."""
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
-            os.replace(tmp, path)  # atomic: readers see the old file or the new one
-        except BaseException:
+            yield tmp, path
+        finally:
             Path(tmp).unlink(missing_ok=True)
-            raise
+
+    def write(self, key: str, data: bytes) -> None:
+        with self._staged(key, data) as (tmp, path):
+            os.replace(tmp, path)  # atomic: readers see the old file or the new one
 
     def create(self, key: str, data: bytes) -> bool:
         """Write `key` only if it does not exist (True), atomically: of several writers on this
         file system exactly one gets True, and readers see the whole object or none."""
-        path = self.root / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.link(tmp, path)  # fails if the name exists; the complete file appears at once
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        with self._staged(key, data) as (tmp, path):
+            try:
+                os.link(tmp, path)  # fails if the name exists; the complete file appears at once
+                return True
+            except FileExistsError:
+                return False
 
     def exists(self, key: str) -> bool:
         return (self.root / key).exists()
