@@ -26,7 +26,7 @@ from tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 from tests.tiny_vllm_family import _finish, _layernorm, _linear, _save_random, _write_json
 
 __all__ = ["CONFIG_FILE", "TEXT", "chatml_template", "done", "finish", "layernorm", "linear", "llama_lm_shapes",
-           "save_random", "tokenizer", "write_json", "write_remote_config"]
+           "save_random", "siglip_tower_shapes", "tokenizer", "write_json", "write_remote_config"]
 
 done = lambda out: (Path(out) / "model.safetensors").exists() and (Path(out) / "TINY_RANDOM_WEIGHTS").exists()  # noqa: E731
 finish, layernorm, linear, save_random, write_json = _finish, _layernorm, _linear, _save_random, _write_json
@@ -156,3 +156,23 @@ def text_config(fast, ids: dict, model_type: str, architecture: str, *, eos: str
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def siglip_tower_shapes(shapes: dict, prefix: str, vision: dict, *, packing: bool = False) -> None:
+    """A SigLIP vision tower's weights under `prefix` (`...vision_model.`): patch and position
+    embeddings (and NaViT's packing positions), the encoder layers, the post-layernorm."""
+    e, inter, p = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    shapes[prefix + "embeddings.patch_embedding.weight"] = (e, 3, p, p)
+    shapes[prefix + "embeddings.patch_embedding.bias"] = (e,)
+    shapes[prefix + "embeddings.position_embedding.weight"] = ((vision["image_size"] // p) ** 2, e)
+    if packing:
+        shapes[prefix + "embeddings.packing_position_embedding.weight"] = (32768, e)
+    for i in range(vision["num_hidden_layers"]):
+        layer = f"{prefix}encoder.layers.{i}."
+        layernorm(shapes, layer + "layer_norm1", e)
+        layernorm(shapes, layer + "layer_norm2", e)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            linear(shapes, layer + "self_attn." + proj, e, e, bias=True)
+        linear(shapes, layer + "mlp.fc1", inter, e, bias=True)
+        linear(shapes, layer + "mlp.fc2", e, inter, bias=True)
+    layernorm(shapes, prefix + "post_layernorm", e)

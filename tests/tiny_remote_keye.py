@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.tiny_remote_common import (TEXT, chatml_template, done, finish, layernorm, linear, llama_lm_shapes,
-                                      save_random, text_config, tokenizer, write_json, write_remote_config)
+                                      save_random, siglip_tower_shapes, text_config, tokenizer, write_json,
+                                      write_remote_config)
 
 KEYE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>", "<think>", "</think>"]
@@ -157,19 +158,7 @@ def _build(out: Path, seed: int, model_type: str, architecture: str, v1_5: bool 
     e, inter, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
     shapes: dict = {}
     vm = "visual.vision_model."
-    shapes[vm + "embeddings.patch_embedding.weight"] = (e, 3, p, p)
-    shapes[vm + "embeddings.patch_embedding.bias"] = (e,)
-    shapes[vm + "embeddings.position_embedding.weight"] = ((v["image_size"] // p) ** 2, e)
-    shapes[vm + "embeddings.packing_position_embedding.weight"] = (32768, e)
-    for i in range(v["num_hidden_layers"]):
-        layer = f"{vm}encoder.layers.{i}."
-        layernorm(shapes, layer + "layer_norm1", e)
-        layernorm(shapes, layer + "layer_norm2", e)
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            linear(shapes, layer + "self_attn." + proj, e, e, bias=True)
-        linear(shapes, layer + "mlp.fc1", inter, e, bias=True)
-        linear(shapes, layer + "mlp.fc2", e, inter, bias=True)
-    layernorm(shapes, vm + "post_layernorm", e)
+    siglip_tower_shapes(shapes, vm, v, packing=True)
     layernorm(shapes, "mlp_AR.pre_norm", 4 * e if v1_5 else e)
     linear(shapes, "mlp_AR.linear_1", 4 * e, 4 * e, bias=True)
     linear(shapes, "mlp_AR.linear_2", TEXT["hidden_size"], 4 * e, bias=True)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.tiny_remote_common import (TEXT, chatml_template, done, finish, layernorm, linear, llama_lm_shapes,
-                                      save_random, text_config, tokenizer, write_json, write_remote_config)
+                                      save_random, siglip_tower_shapes, text_config, tokenizer, write_json,
+                                      write_remote_config)
 
 MINICPMV_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<image>", "</image>", "<slice>",
                      "</slice>", "<image_id>", "</image_id>", "<ref>", "</ref>", "<box>", "</box>"]
@@ -248,18 +249,7 @@ def _build(out: Path, seed: int, audio: bool = False) -> Path:
     e, inter, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
     h = TEXT["hidden_size"]
     shapes: dict = {}
-    shapes["vpm.embeddings.patch_embedding.weight"] = (e, 3, p, p)
-    shapes["vpm.embeddings.patch_embedding.bias"] = (e,)
-    shapes["vpm.embeddings.position_embedding.weight"] = ((v["image_size"] // p) ** 2, e)
-    for i in range(v["num_hidden_layers"]):
-        layer = f"vpm.encoder.layers.{i}."
-        layernorm(shapes, layer + "layer_norm1", e)
-        layernorm(shapes, layer + "layer_norm2", e)
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            linear(shapes, layer + "self_attn." + proj, e, e, bias=True)
-        linear(shapes, layer + "mlp.fc1", inter, e, bias=True)
-        linear(shapes, layer + "mlp.fc2", e, inter, bias=True)
-    layernorm(shapes, "vpm.post_layernorm", e)
+    siglip_tower_shapes(shapes, "vpm.", v)
     # The resampler: QUERY_NUM queries of the LM's width over the tower's keys (one 128-wide head).
     shapes["resampler.query"] = (QUERY_NUM, h)
     linear(shapes, "resampler.kv_proj", h, e)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.tiny_remote_common import (TEXT, done, finish, layernorm, linear, llama_lm_shapes, save_random,
+                                      siglip_tower_shapes,
                                       tokenizer, write_json, write_remote_config)
 
 # --- dots.ocr -------------------------------------------------------------------------------------
@@ -247,18 +248,7 @@ def build_tiny_ovis2_5(out: Path, seed: int = 0) -> Path:
     e, inter, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
     shapes: dict = {}
     vm = "visual_tokenizer.vit.vision_model."
-    shapes[vm + "embeddings.patch_embedding.weight"] = (e, 3, p, p)
-    shapes[vm + "embeddings.patch_embedding.bias"] = (e,)
-    shapes[vm + "embeddings.position_embedding.weight"] = ((v["image_size"] // p) ** 2, e)
-    for i in range(v["num_hidden_layers"]):
-        layer = f"{vm}encoder.layers.{i}."
-        layernorm(shapes, layer + "layer_norm1", e)
-        layernorm(shapes, layer + "layer_norm2", e)
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            linear(shapes, layer + "self_attn." + proj, e, e, bias=True)
-        linear(shapes, layer + "mlp.fc1", inter, e, bias=True)
-        linear(shapes, layer + "mlp.fc2", e, inter, bias=True)
-    layernorm(shapes, vm + "post_layernorm", e)
+    siglip_tower_shapes(shapes, vm, v)
     head = OVIS_VISUAL_VOCAB - 4  # Ovis2.5 keeps 4 indicator tokens
     linear(shapes, "visual_tokenizer.head.0", head, e * v["hidden_stride"] ** 2)
     layernorm(shapes, "visual_tokenizer.head.1", head)
