@@ -114,10 +114,10 @@ def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava)
 
 def test_rerun_after_a_worker_dies_completes_without_duplicates(stack, s3_client, tiny_llava):
     keys = upload(s3_client, "more", 40)
-    # One sequence at a time, 96 tokens each, so the run is still going when its first part shows
+    # One sequence at a time, 160 tokens each, so the run is still going when its first part shows
     # (the parent claims the feed's worth of shards at once; a 40-way batch of 8 tokens ended in
     # one step, and 16 tokens one at a time in 4 s, on an idle machine).
-    job = job_for("more", tiny_llava, shard_size=1, sampling={"max_tokens": 96, "ignore_eos": True},
+    job = job_for("more", tiny_llava, shard_size=1, sampling={"max_tokens": 160, "ignore_eos": True},
                   engine_overrides={"kv_cache_memory_bytes": 512 * 1024**2, "max_num_seqs": 1})
     first_id = stack.run_deployment("vlm-caption/prod", job)
 
