@@ -126,33 +126,47 @@ def build_tiny_llava_next_video(out: Path, seed: int = 0) -> Path:
 # ---- LLaVA-OneVision and R-4B (SigLIP-so400m 384/14 + Qwen LM, anyres_max_9 tiling) ----------------
 def _onevision(out: Path, seed: int, text_config_cls: str, architectures: list[str] | None = None) -> Path:
     import transformers
-    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
-                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor,
-                              SiglipVisionConfig)
+    from transformers import LlavaOnevisionForConditionalGeneration
 
     _start(out, seed)
-    fast, ids = _tokenizer(out, [*CHATML, "<image>", "<video>"], eos="<|im_end|>", pad="<|endoftext|>",
-                           extra={"chat_template": ONEVISION_CHAT_TEMPLATE})
-    side = 384
-    text_cls = getattr(transformers, text_config_cls)
-    config = LlavaOnevisionConfig(
-        vision_config=SiglipVisionConfig(**VISION, image_size=side, patch_size=14, vision_use_head=False),
-        text_config=text_cls(**_text(fast, ids, None, "<|im_end|>")),
-        image_token_index=ids["<image>"], video_token_index=ids["<video>"], image_grid_pinpoints=ONEVISION_PINPOINTS,
-        vision_feature_layer=-1, vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
-    )
+    fast, config = onevision_config(out, getattr(transformers, text_config_cls))
     model = LlavaOnevisionForConditionalGeneration(config)
     if architectures == ["RForConditionalGeneration"]:
         _rvl_projector(model, config)
     _save(model, out, hub_layout=True, architectures=architectures)
-    size = {"height": side, "width": side}
+    save_onevision_processor(out, fast)
+    return out
+
+
+ONEVISION_SIDE = 384
+
+
+def onevision_config(out: Path, text_cls):
+    """LLaVA-OneVision's tokenizer (written to `out`) and config, its LM of class `text_cls`
+    (also Bee's, tests/tiny_remote_native.py)."""
+    from transformers import LlavaOnevisionConfig, SiglipVisionConfig
+
+    fast, ids = _tokenizer(out, [*CHATML, "<image>", "<video>"], eos="<|im_end|>", pad="<|endoftext|>",
+                           extra={"chat_template": ONEVISION_CHAT_TEMPLATE})
+    config = LlavaOnevisionConfig(
+        vision_config=SiglipVisionConfig(**VISION, image_size=ONEVISION_SIDE, patch_size=14, vision_use_head=False),
+        text_config=text_cls(**_text(fast, ids, None, "<|im_end|>")),
+        image_token_index=ids["<image>"], video_token_index=ids["<video>"], image_grid_pinpoints=ONEVISION_PINPOINTS,
+        vision_feature_layer=-1, vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
+    )
+    return fast, config
+
+
+def save_onevision_processor(out: Path, fast) -> None:
+    from transformers import LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor
+
+    size = {"height": ONEVISION_SIDE, "width": ONEVISION_SIDE}
     LlavaOnevisionProcessor(
         image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=ONEVISION_PINPOINTS),
         video_processor=LlavaOnevisionVideoProcessor(size=size),
-        tokenizer=fast, num_image_tokens=(side // 14) ** 2, vision_feature_select_strategy="full",
+        tokenizer=fast, num_image_tokens=(ONEVISION_SIDE // 14) ** 2, vision_feature_select_strategy="full",
         chat_template=ONEVISION_CHAT_TEMPLATE,
     ).save_pretrained(out)
-    return out
 
 
 def _rvl_projector(model, config) -> None:

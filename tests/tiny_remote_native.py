@@ -106,35 +106,18 @@ def build_tiny_bee(out: Path, seed: int = 0) -> Path:
         return out
     import json
 
-    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
-                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor,
-                              Qwen3Config, SiglipVisionConfig)
+    from transformers import LlavaOnevisionForConditionalGeneration, Qwen3Config
 
-    from tests.tiny_llava_family import (CHATML, ONEVISION_CHAT_TEMPLATE, ONEVISION_PINPOINTS, VISION, _save,
-                                         _start, _text, _tokenizer)
+    from tests.tiny_llava_family import _save, _start, onevision_config, save_onevision_processor
     from tests.tiny_remote_common import write_remote_config
 
     # LLaVA-OneVision's tiny build (tests/tiny_llava_family.py) with Bee's projector and a Qwen3 LM.
     _start(out, seed)
-    fast, ids = _tokenizer(out, [*CHATML, "<image>", "<video>"], eos="<|im_end|>", pad="<|endoftext|>",
-                           extra={"chat_template": ONEVISION_CHAT_TEMPLATE})
-    side = 384
-    config = LlavaOnevisionConfig(
-        vision_config=SiglipVisionConfig(**VISION, image_size=side, patch_size=14, vision_use_head=False),
-        text_config=Qwen3Config(**_text(fast, ids, None, "<|im_end|>")),
-        image_token_index=ids["<image>"], video_token_index=ids["<video>"], image_grid_pinpoints=ONEVISION_PINPOINTS,
-        vision_feature_layer=-1, vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
-    )
+    fast, config = onevision_config(out, Qwen3Config)
     model = LlavaOnevisionForConditionalGeneration(config)
     _bee_projector(model, config)
     _save(model, out, hub_layout=True)
-    size = {"height": side, "width": side}
-    LlavaOnevisionProcessor(
-        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=ONEVISION_PINPOINTS),
-        video_processor=LlavaOnevisionVideoProcessor(size=size),
-        tokenizer=fast, num_image_tokens=(side // 14) ** 2, vision_feature_select_strategy="full",
-        chat_template=ONEVISION_CHAT_TEMPLATE,
-    ).save_pretrained(out)
+    save_onevision_processor(out, fast)
     config = json.loads((out / "config.json").read_text())
     config.update(model_type="bee", architectures=["BeeForConditionalGeneration"])
     write_remote_config(out, config, {}, base="llava_onevision", class_name="BeeConfig")
