@@ -30,6 +30,7 @@ from flows.params import CaptionJob, Partition
 from flows.pipeline import PartitionRun, caption_shards
 from flows.plan import RunPlan, make_plan
 from tasks.concurrency import one_run_per_job
+from tasks.engine.host_share import current_cpus, format_cpu_list, take_cpu_share
 from tasks.engine.vllm_engine import ensure_vllm_imported
 from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
@@ -37,6 +38,7 @@ from tasks.results.gallery import gallery_after_run
 from tasks.results.parquet import export_after_run
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
+from tasks.settings import get_settings
 
 
 def run_label(job: dict) -> str:
@@ -59,7 +61,16 @@ def _where() -> dict:
     """Which worker, host and GPU ran this partition (shown in the manifest)."""
     return {"flow_run_id": str(flow_run.id) if flow_run.id else None,
             "worker": os.environ.get("PREFECT__WORKER_NAME"), "host": socket.gethostname(),
-            "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": current_cpus()}
+
+
+def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
+    """A partition of a fanned-out run keeps to its GPU's share of the host's cores
+    (tasks/engine/host_share.py). Before vLLM (torch) is imported in this process: `vlm-caption
+    run` and the bench call it before they import vLLM on a thread, the flow again (a no-op then)."""
+    if job.fan_out <= 1 and job.partition is None:
+        return None, "not a partition of a fanned-out run"
+    return take_cpu_share(get_settings().cpu_share)
 
 
 @flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False)
@@ -70,6 +81,9 @@ def vlm_caption(job: CaptionJob) -> dict:
     plan = make_plan(job)  # every check that needs no engine (vLLM not imported); locations, recipe, model
     run_id = job.partition.run_id if job.partition else _run_id()
     log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
+    cpus, why = take_partition_cores(job)
+    if cpus is not None:
+        log.info("keeping to cores", cpus=format_cpu_list(cpus), why=why)
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
     lease = one_run_per_job(plan.fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
     with lease:

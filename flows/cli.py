@@ -247,10 +247,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.server import check_api_reachable
 
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
-    from flows.caption import vlm_caption
+    from flows.caption import take_partition_cores, vlm_caption
     from tasks.engine.vllm_engine import import_vllm_in_background
     from tasks.terminal import print_run_end, run_terminal
 
+    take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
     import_vllm_in_background()  # while Prefect's embedded server starts
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         summary = vlm_caption(job)
@@ -280,6 +281,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
+                          fan_out_env=tuple(args.fan_out_env),
                           profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw,
                           processor_device=args.processor_device,
                           json_schema=json.dumps(schema) if schema is not None else None))

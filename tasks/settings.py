@@ -59,6 +59,14 @@ class Settings(BaseSettings):
         0, description="Processes that render requests (the model's HF processor) beside the engine; 0: in the "
         "engine's process, as vLLM does. Turns vLLM's multimodal processor cache off. For long runs of heavy "
         "processors.")
+    # Two engines on one host, each sizing its threads to every core, did 36 img/s per GPU where
+    # one alone did 41 (tasks/engine/host_share.py). A partition of a fanned-out run keeps to its
+    # GPU's share of the host's cores.
+    cpu_share: str = Field(
+        "auto", description="Cores a partition of a fanned-out run keeps to. auto: when it sees one GPU "
+        "(CUDA_VISIBLE_DEVICES=i) of a host with several, that GPU's share of the host's physical cores; all: "
+        "every core; or a list like 0-15,32-47. A run that is not fanned out keeps every core.",
+        pattern=r"^\s*(auto|all|\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*)\s*$")
     # Media
     decode_processes: int | None = Field(
         None, description="Processes of the image decode pool. Unset: one per core this process may use (cpuset, "

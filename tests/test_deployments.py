@@ -18,6 +18,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from tasks.engine.host_share import current_cpus
 from tests.images import image_bytes
 from tests.postgres import BUCKET, FINAL, _descendants
 
@@ -99,6 +100,8 @@ def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava)
     assert manifest["counts"]["processed"] == 13 and manifest["counts"]["failed"] == 1
     workers = {p["worker"]: p["devices"] for p in manifest["partitions"]}
     assert workers == {"gpu0": "0", "gpu1": "1"}  # the two partitions ran on the two workers
+    # No NVIDIA host here: each partition kept every core (VLM_CAPTION_CPU_SHARE=auto splits a GPU host's).
+    assert {p["cpus"] for p in manifest["partitions"]} == {current_cpus()}
     assert {p["state"] for p in manifest["partitions"]} == {"COMPLETED"}
     assert sum(p["shards"] for p in manifest["partitions"]) == 7  # 13 objects in shards of 2
     assert all(p["engine_ready_at"] for p in manifest["partitions"] if p["shards"])

@@ -20,6 +20,7 @@ class BenchConfig:
     modality: str = "image"  # or "video" (clips of `frames` sampled frames) or "multi-image" (pairs)
     frames: int = 16
     flow_env: tuple[str, ...] = ()  # "NAME=VALUE[,NAME=VALUE]": one more flow phase each
+    fan_out_env: tuple[str, ...] = ()  # the same, one more fan-out each (the run's and its workers' settings)
     profile: bool = False  # record each flow phase and its children with py-spy (--gil), if installed
     # "embedded": each flow phase starts Prefect's embedded server, as `vlm-caption run` does;
     # "server": one `prefect server start` for all phases, as a deployment's run sees its server.

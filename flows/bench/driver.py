@@ -135,7 +135,7 @@ def raw_slice(items: list, index: int, count: int) -> list:
 
 def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> dict[str, Any]:
     started = _process_started()
-    from flows.caption import vlm_caption
+    from flows.caption import take_partition_cores, vlm_caption
     from flows.params import CaptionJob
     from tasks.engine.vllm_engine import import_vllm_in_background
 
@@ -149,7 +149,8 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
                      modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE,
                      sampling=cfg.sampling(), fan_out=fan_out, processor_device=cfg.processor_device,
                      json_schema=cfg.structured())
-    import_vllm_in_background()  # as `vlm-caption run` does
+    take_partition_cores(job)  # as `vlm-caption run` does, before it imports vLLM
+    import_vllm_in_background()
     summary = vlm_caption(job)
     from tasks.sources.storage import open_storage, split_parent
 
@@ -421,12 +422,17 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             result = run_phase("flow", cfg, folder, model, overrides, profiles[i], phase_env)
             report["flow_env"][overrides] = {**result, "ratio_over_raw": ratios(result, raw)}
             write_report(report, work)
-        if cfg.gpus > 1:
-            with partition_workers(cfg.gpus, work, phase_env):
-                result = run_phase("fan-out", cfg, folder, model, env=phase_env)
-            report["fan_out"] = {**result, "gpus": cfg.gpus, "ratio_over_flow": ratios(result, report["flow"])}
+        for overrides in ("", *cfg.fan_out_env) if cfg.gpus > 1 else ():
+            settings = dict(pair.split("=", 1) for pair in overrides.split(",") if pair)
+            with partition_workers(cfg.gpus, work, {**phase_env, **settings}):
+                result = run_phase("fan-out", cfg, folder, model, env={**phase_env, **settings})
+            result = {**result, "gpus": cfg.gpus, "ratio_over_flow": ratios(result, report["flow"])}
             if "raw_n" in report:  # its headline: ready_to_last_items_per_s, the fan-out over raw, N processes
-                report["fan_out"]["ratio_over_raw_n"] = ratios(result, report["raw_n"])
+                result["ratio_over_raw_n"] = ratios(result, report["raw_n"])
+            if overrides:
+                report.setdefault("fan_out_env", {})[overrides] = result
+            else:
+                report["fan_out"] = result
             write_report(report, work)
     report["engine_ready_after_raw_s"] = engine_ready_gaps(report)
     if cfg.profile:  # one per flow phase: the default first, then each --flow-env

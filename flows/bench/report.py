@@ -131,6 +131,8 @@ def print_table(report: dict[str, Any], path: Path) -> None:
         if "ratio_over_raw_n" in fan_out:
             fan_ratios.append((f"/ raw {fan_out['gpus']} processes", fan_out["ratio_over_raw_n"]))
         columns.append((f"flow on {fan_out['gpus']} GPUs", fan_out, fan_ratios))
+        columns += [(f"{fan_out['gpus']} GPUs, {env}", result, [("/ flow", result["ratio_over_flow"])])
+                    for env, result in report.get("fan_out_env", {}).items()]
     table.add_column("metric")
     for name, _, ratio_columns in columns:
         table.add_column(name, justify="right")

@@ -53,6 +53,7 @@ class PartitionReport(Tally):
     worker: str | None = None  # the Prefect worker that ran it
     host: str | None = None
     devices: str | None = None  # CUDA_VISIBLE_DEVICES of the worker
+    cpus: str | None = None  # the cores it kept to (tasks/engine/host_share.py), as a cpulist
     state: str = "COMPLETED"
     engine: dict[str, Any] | None = None
     shards: int = 0  # shards it claimed (tasks/claims.py), retaken ones included
@@ -60,7 +61,7 @@ class PartitionReport(Tally):
 
     def brief(self) -> dict[str, Any]:
         return {**self.model_dump(include={"index", "state", "flow_run_id", "worker", "host", "devices",
-                                           "listed", "processed", "succeeded", "generate_from", "generate_to",
+                                           "cpus", "listed", "processed", "succeeded", "generate_from", "generate_to",
                                            "shards", "retaken"}),
                 "failed": sum(self.failures_by_kind.values()),
                 "generate_items_per_s": self.generate_items_per_s(),
