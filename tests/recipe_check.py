@@ -16,6 +16,7 @@ recipe's engine arguments and stop tokens, 8 tokens out. Both write the same row
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -92,6 +93,27 @@ def recipe_prompt(recipe, modality: str, checkpoint: Path) -> str:
     return built.requests[0].prompt
 
 
+@contextlib.contextmanager
+def model_classes_inspected_here():
+    """vLLM inspects a model class (multimodal? which interfaces?) in a new Python process the first
+    time a machine meets it, so as not to initialize CUDA in its caller, and caches the answer under
+    VLLM_CACHE_ROOT/modelinfos: on a fresh machine (CI's) that is vLLM and torch imported again for
+    every architecture, about 10 s each on 2 cores, some 50 times. The processor check imports the
+    model class here anyway (vLLM's processor registry lives on it), so here it is inspected too: the
+    same answer, cached the same way. (vLLM without this function: inspected its own way.)"""
+    from vllm.model_executor.models import registry
+
+    in_subprocess = getattr(registry, "_run_in_subprocess", None)
+    if in_subprocess is None:
+        yield
+        return
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = in_subprocess
+
+
 def check_processing(recipe_name: str, modality: str, checkpoint: Path, architecture: str = "") -> CaseResult:
     """vLLM's processor on the recipe's prompt and media; ok when every item's placeholders expanded."""
     from recipes import get_recipe
@@ -108,7 +130,8 @@ def check_processing(recipe_name: str, modality: str, checkpoint: Path, architec
         kind = MEDIA_KIND[modality]
         media = {kind: sample_media(modality, recipe.needs_video_metadata)}
         processor_args = {key: args[key] for key in PROCESSOR_ARGS if key in args}
-        processed = process(str(checkpoint), prompt, media, **processor_args)
+        with model_classes_inspected_here():
+            processed = process(str(checkpoint), prompt, media, **processor_args)
         placeholders = processed["mm_placeholders"].get(kind, [])
         expected = GROUP_SIZE if modality == "multi-image" else 1
         if len(placeholders) != expected or any(p.length <= 0 for p in placeholders):
