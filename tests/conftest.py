@@ -28,9 +28,9 @@ pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect serv
 # together; seconds from `--durations` on the 2-core CI machine. Modules not named here take under
 # 40 s each and follow in file order.
 STACK_MODULES = ("test_deployments", "test_api_outage")  # tests/postgres.py: prefect_stack
-LONGEST_FIRST = {"prefect-stack": 500, "test_bench": 300, "test_recipe_checks": 240, "test_storage_faults": 190,
+LONGEST_FIRST = {"prefect-stack": 500, "test_bench": 300, "test_storage_faults": 190,
                  "test_media_flow": 100, "test_demo": 95, "test_real_processors": 90, "test_prefect_ui": 90,
-                 "test_preflight": 70, "test_concurrency": 60, "test_render_pool": 55}
+                 "test_preflight": 70, "test_concurrency": 60, "test_recipe_checks": 60, "test_render_pool": 55}
 
 
 def schedule_unit(nodeid: str) -> str:
