@@ -31,7 +31,7 @@ from flows.pipeline import PartitionRun, caption_shards
 from flows.plan import RunPlan, make_plan
 from tasks.concurrency import one_run_per_job
 from tasks.engine.host_share import current_cpus, format_cpu_list, take_cpu_share
-from tasks.engine.vllm_engine import ensure_vllm_imported
+from tasks.engine.vllm_engine import ensure_vllm_imported, import_vllm_in_background
 from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
 from tasks.results.gallery import gallery_after_run
@@ -78,10 +78,13 @@ def vlm_caption(job: CaptionJob) -> dict:
     """Caption every item under `job.source` (or of `job.manifest`) and write JSON Lines
     results to `job.output`: one record per (item, question)."""
     configure_logging()
-    plan = make_plan(job)  # every check that needs no engine (vLLM not imported); locations, recipe, model
+    cpus, why = take_partition_cores(job)  # before torch is imported: its threads are sized to these cores
+    # vLLM is imported while the plan is made: a child partition's worker process got here with
+    # nothing imported, and the import (10-20 s on a GPU host) is most of its lag behind the parent.
+    import_vllm_in_background()
+    plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
     run_id = job.partition.run_id if job.partition else _run_id()
     log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
-    cpus, why = take_partition_cores(job)
     if cpus is not None:
         log.info("keeping to cores", cpus=format_cpu_list(cpus), why=why)
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.

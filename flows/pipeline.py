@@ -179,7 +179,8 @@ class ShardPipeline:
         """Shards in the engine at once: from the engine's batch (once it is up) and the decoded
         bytes of the shards prepared so far."""
         job = self.job
-        return feed_depth(job.modality, job.shard_size, len(job.questions_to_ask), self.sizing, self.mean_shard_bytes)
+        return feed_depth(job.modality, job.shard_size, len(job.questions_to_ask), self.sizing, self.mean_shard_bytes,
+                          shared=self.claims is not None, request_tokens=self.stats.tokens_per_request())
 
     def size_feed(self, prepared) -> None:
         """Count a prepared shard's decoded media, which bounds the feed's depth."""

@@ -46,7 +46,8 @@ def shards_holding(requests: int, shard_size: int, questions: int) -> int:
 
 
 def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | None,
-               shard_media_bytes: float | None = None) -> int:
+               shard_media_bytes: float | None = None, shared: bool = False,
+               request_tokens: float | None = None) -> int:
     """Shards whose requests are in the engine at once (`VLM_CAPTION_FEED_DEPTH` wins). Counted
     in shards but sized in requests and bytes: on an H100 (7B, 1920x1080) 6 shards of 64 kept
     the batch full (1.06x raw vLLM) while 6 shards of 16 starved it (0.92x). So images get at
@@ -54,14 +55,26 @@ def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | No
     and FEED_REQUESTS (one per item and question), as far as their decoded media fit in
     `feed_media_bytes` (`shard_media_bytes`: a prepared shard's, on average; never fewer than
     2 shards, or the engine would drain between them); videos and groups get 2 shards, their
-    frames being large. `sizing`: the engine's (None before it is up)."""
+    frames being large. `sizing`: the engine's (None before it is up).
+
+    `shared`: the run's shards are shared with other partitions by claims (tasks/claims.py), and
+    every shard in the feed is one the others cannot take. Such a feed aims at twice what the
+    engine runs at once, from its KV cache and `request_tokens` (a finished request's prompt and
+    output tokens on average): a 7B model on an H100 runs about 175 photos at once, not its
+    `max_num_seqs` of 1024. Until a shard has finished (or the engine is up), FEED_ITEMS. On two
+    H100s with 3,072 photos the deep feed let the first partition claim 34 of the 48 shards
+    while its engine started, and the second GPU idled for half the run."""
     settings = get_settings()
     if settings.feed_depth:
         return max(1, settings.feed_depth)
     if modality != "image":
         return 2
     seqs = (sizing or {}).get("max_num_seqs") or 0
-    if sizing:
+    if shared:
+        kv_tokens = (sizing or {}).get("kv_cache_tokens") or 0
+        running = min(seqs, int(kv_tokens // request_tokens)) if request_tokens and kv_tokens else 0
+        requests = max(min(FEED_ITEMS, running), min(FEED_REQUESTS, 2 * running)) if running else FEED_ITEMS
+    elif sizing:
         requests = max(min(FEED_ITEMS, seqs), min(FEED_REQUESTS, 2 * seqs))
     else:  # before the engine is up: the most it could take, once a shard's bytes bound it
         requests = FEED_REQUESTS if shard_media_bytes else FEED_ITEMS

@@ -36,8 +36,11 @@ def import_vllm_in_background() -> None:
     on a GPU host) on a thread, for a caller about to wait on something else first:
     `vlm-caption run` waits for Prefect's embedded server, which starts in a process of its own.
     The flow's first step joins it (`ensure_vllm_imported`). The process also joins it before it
-    exits, so an early error never tears down an interpreter mid-import."""
+    exits, so an early error never tears down an interpreter mid-import. A second call (the flow
+    after `vlm-caption run`) joins the first's."""
     global _IMPORTING
+    if _IMPORTING is not None:
+        return
     _IMPORTING = threading.Thread(target=_import_vllm, name="vllm-import", daemon=True)
     _IMPORTING.start()
     atexit.register(_IMPORTING.join)

@@ -76,6 +76,10 @@ class RunStats(Tally):
         if self.first_result_s is None:
             self.first_result_s = round(time.time() - self.started, 3)
 
+    def tokens_per_request(self) -> float | None:
+        """Prompt and output tokens of a successful request, on average (None before the first)."""
+        return (self.prompt_tokens + self.output_tokens) / self.succeeded if self.succeeded else None
+
     @property
     def failed(self) -> int:
         return sum(self.failures_by_kind.values())
