@@ -25,12 +25,12 @@ pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect serv
 # once nearly halve the wall time. A unit of work is a module, so its module fixtures and the
 # engines its flows start in-process are made once; the Prefect stack's two modules are one unit,
 # so there is one server with its workers. The longest units go first, so the two workers finish
-# together; seconds from `--durations` on the 2-core CI machine. Modules not named here take under
-# 40 s each and follow in file order.
+# together; seconds from `--durations` of a fresh .ci/run on a 2-core machine. Modules not named here
+# take under 40 s each and follow in file order.
 STACK_MODULES = ("test_deployments", "test_api_outage")  # tests/postgres.py: prefect_stack
-LONGEST_FIRST = {"prefect-stack": 500, "test_bench": 300, "test_storage_faults": 190,
-                 "test_media_flow": 100, "test_demo": 95, "test_real_processors": 90, "test_prefect_ui": 90,
-                 "test_preflight": 70, "test_concurrency": 60, "test_recipe_checks": 60, "test_render_pool": 55}
+LONGEST_FIRST = {"prefect-stack": 630, "test_bench": 440, "test_storage_faults": 300, "test_media_flow": 170,
+                 "test_demo": 150, "test_real_processors": 130, "test_prefect_ui": 95, "test_render_pool": 80,
+                 "test_concurrency": 65, "test_storage": 45}
 
 
 def schedule_unit(nodeid: str) -> str:
