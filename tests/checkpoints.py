@@ -71,6 +71,7 @@ BUILDERS: dict[str, str] = {
     "keye_vl1_5": "tests.tiny_remote_keye:build_tiny_keye_vl1_5",
     "minicpmv": "tests.tiny_remote_minicpm:build_tiny_minicpmv",
     "minicpmo": "tests.tiny_remote_minicpm:build_tiny_minicpmo",
+    "nemotron_vl": "tests.tiny_remote_nemotron:build_tiny_nemotron_vl",
 }
 
 # recipe -> the architecture whose tiny checkpoint its checks run on
@@ -89,7 +90,7 @@ RECIPE_CHECKPOINTS: dict[str, str] = {
     "internvl_chat": "internvl_chat", "h2ovl_chat": "h2ovl_chat", "NVLM_D": "nvlm_d", "skywork_chat": "skywork_chat",
     "aria": "aria", "interns1": "interns1", "dots_ocr": "dots_ocr", "glm4v": "glm4v_chatglm",
     "ovis": "ovis", "ovis2_5": "ovis2_5", "bee": "bee", "kimi_vl": "kimi_vl", "keye_vl": "keye_vl", "keye_vl1_5": "keye_vl1_5",
-    "minicpmv": "minicpmv", "minicpmo": "minicpmo",
+    "minicpmv": "minicpmv", "minicpmo": "minicpmo", "nemotron_vl": "nemotron_vl",
 }
 
 # (recipe, modality) -> architecture, where a modality's recipe names another model than the recipe's

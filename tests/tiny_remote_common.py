@@ -8,9 +8,11 @@ the checkpoint -- `configuration_tiny.py`, below, one generic class -- and point
 `--trust-remote-code` then loads *our* file, never the model repository's code.
 
 Where vLLM takes the processor from the checkpoint and neither vLLM nor transformers has it (Kimi-VL,
-Keye-VL, MiniCPM-V/o), the checkpoint also carries our own minimal processor / image processor /
-tokenizer class (`processing_tiny.py`, `tokenization_tiny.py`, in tests/tiny_remote_kimi.py,
-tiny_remote_keye.py, tiny_remote_minicpm.py), written from what vLLM's model file reads of it.
+Keye-VL, MiniCPM-V/o, Nemotron-VL), the checkpoint also carries our own minimal processor / image
+processor / tokenizer class (`processing_tiny.py`, `tokenization_tiny.py`, `image_processing_tiny.py`, in
+tests/tiny_remote_kimi.py, tiny_remote_keye.py, tiny_remote_minicpm.py, tiny_remote_nemotron.py), written
+from what vLLM's model file reads of it; where vLLM builds the vision tower from the checkpoint's code
+(Nemotron-VL), a minimal tower with the interface vLLM calls (`modeling_tiny.py`).
 
 Weights are written from (name, shape) tables in the hub's layout (what vLLM's `load_weights`
 reads), with the helpers of tests/tiny_vllm_family.py; the language models are the standard
@@ -39,7 +41,9 @@ TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
 CONFIG_FILE = "configuration_tiny.py"
 # Our own config class, written into the checkpoint for a model_type transformers does not know.
 # Sub-configs (vision_config, llm_config, ...) become transformers' class for their model_type
-# where it has one (qwen2, llama, ...), else a plain PretrainedConfig with the same attributes.
+# where it has one (qwen2, llama, ...), else a plain PretrainedConfig with the same attributes (and, where
+# the sub-config's `auto_map` names a model class in the checkpoint, the checkpoint's folder as its
+# name_or_path, where AutoModel.from_config looks for that class).
 CONFIG_SOURCE = '''"""A minimal config class for a tiny random-weight test checkpoint (vlm-caption tests/tiny_remote_common.py).
 
 Not the model repository's code: it only holds config.json's values as attributes."""
@@ -50,11 +54,13 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 SUB_CONFIGS = __SUB_CONFIGS__
 
 
-def _sub_config(value, default_type):
+def _sub_config(value, default_type, name_or_path):
     value = dict(value)
     model_type = value.pop("model_type", None) or default_type
     if model_type in CONFIG_MAPPING:
         return CONFIG_MAPPING[model_type](**value)
+    if "auto_map" in value:  # its model class is another of the checkpoint's files: found from its folder
+        value["name_or_path"] = name_or_path
     config = PretrainedConfig(**value)
     config.model_type = model_type
     return config
@@ -67,7 +73,7 @@ class __CLASS__(__BASE__):
         for key, default_type in SUB_CONFIGS.items():
             value = kwargs.pop(key, None)
             if isinstance(value, dict):
-                value = _sub_config(value, default_type)
+                value = _sub_config(value, default_type, kwargs.get("name_or_path", ""))
             setattr(self, key, value)
         super().__init__(**kwargs)
 '''
