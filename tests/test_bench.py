@@ -97,8 +97,8 @@ def test_each_modality_reaches_raw_as_its_example_builds_it(tmp_path, modality):
     from PIL import Image
 
     from flows.bench.config import BenchConfig
-    from flows.bench.driver import example_media
     from flows.bench.media import GROUP_SIZE, bench_items, make_bench_media
+    from flows.bench.phases import example_media
 
     cfg = BenchConfig(workdir=str(tmp_path), modality=modality, images=3, width=64, height=48, frames=4)
     items = bench_items(cfg, make_bench_media(cfg, tmp_path))
@@ -118,7 +118,7 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
     apart by what it runs (the engine core, the decode pool) and summarized on its own."""
     from flows.bench.report import profile_summary
 
-    flow = 'process 10:"python -m flows.bench.driver flow"'
+    flow = 'process 10:"python -m flows.bench.phases flow"'
     core = f'{flow};process 11:"python -c from multiprocessing.spawn import spawn_main"'
     (tmp_path / "p.txt").write_text("\n".join([
         f"{flow};thread (10): MainThread;<module> (bench.py:1);phase_flow (bench.py:2);wait (threading.py:3) 30",
@@ -156,7 +156,8 @@ def test_raw_n_processes_are_one_phase_from_the_first_engine_ready_to_the_last_r
     """Raw, N processes as the report shows it, from each process's times (unix): items/s from
     the first engine ready to the last result, while generating (the first request to the last
     result), each process's own engine-ready time and rate; times from the phase's start."""
-    from flows.bench.driver import raw_n_figures, raw_slice
+    from flows.bench.driver import raw_n_figures
+    from flows.bench.phases import raw_slice
 
     assert [raw_slice(list(range(5)), i, 2) for i in range(2)] == [[0, 1], [2, 3, 4]]
     t0 = 1000.0
@@ -176,7 +177,8 @@ def test_raw_n_processes_are_one_phase_from_the_first_engine_ready_to_the_last_r
 def test_a_fan_outs_first_engine_and_last_result_come_from_its_partitions():
     """The earliest engine ready of the run's own and its partitions' (a partition's report may
     lack it), the latest result of the run's window and its partitions'."""
-    from flows.bench.driver import engine_ready_gaps, first_ready_last_result
+    from flows.bench.driver import engine_ready_gaps
+    from flows.bench.phases import first_ready_last_result
 
     briefs = [{"engine_ready_at": 5.0, "generate_to": 9.0}, {"engine_ready_at": 3.0, "generate_to": 11.0}, {}]
     assert first_ready_last_result({"ready_at": 5.0}, [6.0, 9.0], briefs) == (3.0, 11.0)
