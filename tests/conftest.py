@@ -12,7 +12,7 @@ import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("VLM_CAPTION_LOG_FORMAT", "json")
-# A Prefect home of this test process's own: the xdist workers (-n 3, pyproject.toml) would
+# A Prefect home of this test process's own: the two xdist workers (-n 2, pyproject.toml) would
 # otherwise share ~/.prefect's SQLite database and the job slots kept beside it.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"vlm-caption-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
 
@@ -20,9 +20,9 @@ from tests.checkpoints import build_checkpoint  # noqa: E402
 
 pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect server
 
-# The suite runs on three xdist workers (pyproject.toml: -n 3): most tests wait (on Prefect's
-# server, a lease, an outage, a heartbeat, a subprocess) much of the time, so on a 2-core machine
-# a third worker fills the waits (fresh .ci/run, 2026-11-26: 1229 s with two workers). A unit of work is a module, so its module fixtures and the
+# The suite runs on two xdist workers (pyproject.toml: -n 2): most tests wait (on Prefect's
+# server, a lease, an outage, a subprocess) about half the time, so on a 2-core machine two at
+# once nearly halve the wall time. A unit of work is a module, so its module fixtures and the
 # engines its flows start in-process are made once; the Prefect stack's two modules are one unit,
 # so there is one server with its workers. The longest units go first, so the two workers finish
 # together; seconds from `--durations` of a fresh .ci/run on a 2-core machine. Modules not named here
