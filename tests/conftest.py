@@ -22,7 +22,8 @@ pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect serv
 
 # The suite runs on two xdist workers (pyproject.toml: -n 2): most tests wait (on Prefect's
 # server, a lease, an outage, a subprocess) about half the time, so on a 2-core machine two at
-# once nearly halve the wall time. A unit of work is a module, so its module fixtures and the
+# once nearly halve the wall time. Three were slower (fresh .ci/run, 2026-11-26: 1342 s against
+# 1229 s with two): what is left is CPU. A unit of work is a module, so its module fixtures and the
 # engines its flows start in-process are made once; the Prefect stack's two modules are one unit,
 # so there is one server with its workers. The longest units go first, so the two workers finish
 # together; seconds from `--durations` of a fresh .ci/run on a 2-core machine. Modules not named here
