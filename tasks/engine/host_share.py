@@ -13,6 +13,7 @@ count) then follows. `VLM_CAPTION_CPU_SHARE` turns it off (`all`) or names the c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -104,10 +105,10 @@ def cores_for_partition(setting: str) -> tuple[list[int] | None, str]:
 def keep_to_cores(cpus: list[int]) -> None:
     """Pin every thread of this process (new threads and child processes inherit it) to `cpus`."""
     for task in os.listdir("/proc/self/task"):
-        try:
+        # Only a thread that ended since the listing is passed over: it has nothing left to pin.
+        # Any other refusal (a core outside the cpuset) reaches take_cpu_share's message.
+        with contextlib.suppress(ProcessLookupError):
             os.sched_setaffinity(int(task), cpus)
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
-            continue
     os.sched_setaffinity(0, cpus)
 
 
