@@ -130,7 +130,9 @@ class PrefectStack:
                                   # leases survive the outage test's restart, as `vlm-caption server` sets
                                   PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASES_ON_DISK,
                                   # a dead run's deployment concurrency slot is freed after 30 s, not 5 min
-                                  PREFECT_SERVER_CONCURRENCY_INITIAL_DEPLOYMENT_LEASE_DURATION="30")
+                                  PREFECT_SERVER_CONCURRENCY_INITIAL_DEPLOYMENT_LEASE_DURATION="30",
+                                  # and expired leases (the job's slot too) are looked for every 2 s, not 15
+                                  PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="2")
         deadline = time.time() + 300  # the first `uv tool run` on a fresh machine downloads Prefect
         while time.time() < deadline:
             if self.healthy():

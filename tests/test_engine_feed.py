@@ -223,10 +223,13 @@ def test_the_feed_depth_keeps_twice_the_engines_batch_of_images_in_flight(monkey
     assert feed_depth("image", 1024, 1, engine, 16 * photos) == 2  # never so few that the engine drains
     assert feed_depth("video", 16, 1, engine) == feed_depth("multi-image", 16, 1, engine) == 2
     # Shards shared with other partitions: twice what the engine runs at once, from its KV cache
-    # and a finished request's tokens; FEED_ITEMS before either is known.
+    # and a finished request's tokens; before a request has finished, twice its batch, at most
+    # FEED_ITEMS; before the engine is up, 6 shards (what it claims then, the others cannot take).
     h100_7b = {"max_num_seqs": 1024, "kv_cache_tokens": 116_000}
-    assert feed_depth("image", 64, 1, None, crops, shared=True) == FEED_ITEMS // 64 == 8
-    assert feed_depth("image", 64, 1, h100_7b, crops, shared=True) == 8  # no request finished yet
+    assert feed_depth("image", 64, 1, None, crops, shared=True) == 6
+    assert feed_depth("image", 1, 1, None, shared=True) == 6  # not FEED_ITEMS shards of one item
+    assert feed_depth("image", 64, 1, h100_7b, crops, shared=True) == FEED_ITEMS // 64 == 8  # none finished yet
+    assert feed_depth("image", 1, 1, {"max_num_seqs": 1}, shared=True) == 6  # one at a time: the floor
     assert feed_depth("image", 64, 1, h100_7b, crops, shared=True, request_tokens=640) == 6  # 181 at once
     assert feed_depth("image", 16, 1, h100_7b, crops, shared=True, request_tokens=640) == 2 * 181 // 16 + 1 == 23
     tiny = {"max_num_seqs": 1024, "kv_cache_tokens": 4_000_000}  # the batch, not the cache, bounds it

@@ -61,9 +61,12 @@ def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | No
     every shard in the feed is one the others cannot take. Such a feed aims at twice what the
     engine runs at once, from its KV cache and `request_tokens` (a finished request's prompt and
     output tokens on average): a 7B model on an H100 runs about 175 photos at once, not its
-    `max_num_seqs` of 1024. Until a shard has finished (or the engine is up), FEED_ITEMS. On two
-    H100s with 3,072 photos the deep feed let the first partition claim 34 of the 48 shards
-    while its engine started, and the second GPU idled for half the run."""
+    `max_num_seqs` of 1024. Once the engine is up and until a request has finished, twice its
+    batch, at most FEED_ITEMS; before it is up, the floor of 6 shards: a claim made while the
+    engine starts is one a partition that is already generating cannot take. On two H100s with
+    3,072 photos the deep feed let the first partition claim 34 of the 48 shards while its
+    engine started, and the second GPU idled for half the run; on CPU with shards of one item,
+    FEED_ITEMS let the first partition claim all 40 before the second had listed the source."""
     settings = get_settings()
     if settings.feed_depth:
         return max(1, settings.feed_depth)
@@ -73,7 +76,10 @@ def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | No
     if shared:
         kv_tokens = (sizing or {}).get("kv_cache_tokens") or 0
         running = min(seqs, int(kv_tokens // request_tokens)) if request_tokens and kv_tokens else 0
-        requests = max(min(FEED_ITEMS, running), min(FEED_REQUESTS, 2 * running)) if running else FEED_ITEMS
+        if running:
+            requests = max(min(FEED_ITEMS, running), min(FEED_REQUESTS, 2 * running))
+        else:  # up with nothing finished yet: its batch bounds it; not up: the floor below
+            requests = min(FEED_ITEMS, 2 * seqs)
     elif sizing:
         requests = max(min(FEED_ITEMS, seqs), min(FEED_REQUESTS, 2 * seqs))
     else:  # before the engine is up: the most it could take, once a shard's bytes bound it
