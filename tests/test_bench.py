@@ -19,11 +19,11 @@ def _bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads((tmp_path / "bench" / "bench.json").read_text())
 
 
-def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_path):
-    """The one bench smoke CI runs (each phase starts an engine). Raw vLLM as the video example
-    runs it (Qwen2-VL clips), the flow reading them from the bench's loopback S3 server (a process
-    of its own) against the bench's own Prefect server, one more flow phase from `--flow-env`,
-    then `--gpus 2`: raw, 2 processes (two raw scripts at once, one per device, half the clips
+def test_bench_compares_raw_flow_and_a_fan_out_on_videos_from_s3(tmp_path):
+    """The one bench smoke CI runs (each phase starts an engine, so `--flow-env`'s extra phase is
+    left to test_variants_get_their_own_columns). Raw vLLM as the video example runs it (Qwen2-VL
+    clips), the flow reading them from the bench's loopback S3 server (a process of its own)
+    against the bench's own Prefect server, then `--gpus 2`: raw, 2 processes (two raw scripts at once, one per device, half the clips
     each) and the flow fanned out over two devices (the run on device 0, a worker for device 1
     running the partition deployment, which reads the loopback server's credentials block), all
     answering in the built-in tags schema (vLLM's structured outputs in raw and flow alike): every
@@ -35,7 +35,7 @@ def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_p
     from flows.params import TAGS_SCHEMA
 
     done, report = _bench(tmp_path, "--recipe", "qwen2_vl", "--modality", "video", "--frames", "4", "--images", "4",
-                          "--source", "s3", "--flow-env", "VLM_CAPTION_FEED_DEPTH=1", "--json-schema", "tags",
+                          "--source", "s3", "--json-schema", "tags",
                           "--gpus", "2")
     assert "flow / raw" in done.stdout and "flow on 2 GPUs" in done.stdout
     assert "raw, 2 processes" in done.stdout and "/ raw 2 processes" in done.stdout
@@ -43,9 +43,9 @@ def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_p
     assert json.loads(report["config"]["json_schema"]) == TAGS_SCHEMA
     # 3 tokens of a random-weight model rarely close the JSON: such answers are the flow's
     # structured_output errors, yet count as answered (items/s below), as raw counts every output.
-    (variant,) = report["flow_env"].values()
+    assert report["flow_env"] == {}
     fan_out, raw_n = report["fan_out"], report["raw_n"]
-    for phase in (report["raw"], raw_n, report["flow"], variant, fan_out):
+    for phase in (report["raw"], raw_n, report["flow"], fan_out):
         assert phase["items"] == 4
         assert phase["generate_items_per_s"] > 0 and phase["wall_s"] > 0
         assert phase["output_tokens_per_s"] > 0 and phase["peak_rss_mb"] > 0
@@ -64,7 +64,6 @@ def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_p
     ratio = report["ratio_flow_over_raw"]
     assert ratio["generate_items_per_s"] == round(report["flow"]["generate_items_per_s"]
                                                   / report["raw"]["generate_items_per_s"], 3)
-    assert variant["ratio_over_raw"]["generate_items_per_s"] > 0
     assert report["flow"]["prefect_api"].startswith("http://127.0.0.1:")  # --gpus: the bench's own server
     assert [(p["index"], p["devices"], p["worker"]) for p in fan_out["partitions"]] == [
         (0, "0", None), (1, "1", "bench-gpu1")]  # partition 1 ran on the worker, not taken over
@@ -87,6 +86,40 @@ def test_bench_compares_raw_flow_a_variant_and_a_fan_out_on_videos_from_s3(tmp_p
         assert json.loads(log.with_suffix(".gpu.json").read_text()) == []
     assert len(list((tmp_path / "bench").glob("raw-n[01]-*.log"))) == 2  # each raw process's own output
     assert json.loads(next((tmp_path / "bench").glob("raw-n-*.gpu.json")).read_text()) == []
+
+
+def test_variants_get_their_own_columns(tmp_path, capsys):
+    """`--flow-env` and `--fan-out-env` phases as the table shows them: each its own column with
+    its ratio (over raw for a flow variant, over the one-GPU flow for a fan-out variant), and the
+    settings as the column's name; `--flow-env` values reach BenchConfig as typed."""
+    import argparse
+
+    from flows.bench.cli import add_bench_arguments
+    from flows.bench.report import print_table
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--flow-env", "VLM_CAPTION_FEED_DEPTH=1,VLM_CAPTION_RENDER_PROCESSES=0",
+                              "--fan-out-env", "VLM_CAPTION_CPU_SHARE=all"])
+    assert args.flow_env == ["VLM_CAPTION_FEED_DEPTH=1,VLM_CAPTION_RENDER_PROCESSES=0"]
+    assert args.fan_out_env == ["VLM_CAPTION_CPU_SHARE=all"]
+    phase = lambda rate: {"generate_items_per_s": rate, "wall_s": 10.0}  # noqa: E731
+    report = {"config": {"images": 4, "modality": "image", "width": 96, "height": 64}, "device": "cpu",
+              "raw": phase(2.0), "flow": phase(3.0), "ratio_flow_over_raw": {"generate_items_per_s": 1.5},
+              "flow_env": {args.flow_env[0]: {**phase(4.0), "ratio_over_raw": {"generate_items_per_s": 2.0}}},
+              "fan_out": {**phase(5.0), "gpus": 2, "ratio_over_flow": {"generate_items_per_s": 1.667},
+                          "partitions": []},
+              "fan_out_env": {args.fan_out_env[0]: {**phase(4.5), "gpus": 2,
+                                                    "ratio_over_flow": {"generate_items_per_s": 1.5}}}}
+    print_table(report, tmp_path / "bench.json")
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "metric" in line)
+    assert [name.strip() for name in header.strip("┃ ").split("┃")] == [
+        "metric", "raw (example's way)", "flow", "flow / raw", args.flow_env[0], "/ raw", "flow on 2 GPUs",
+        "/ flow", "2 GPUs, VLM_CAPTION_CPU_SHARE=all", "/ flow"]
+    row = next(line for line in out.splitlines() if "generate_items_per_s" in line)
+    assert [cell.strip() for cell in row.strip("│ ").split("│")] == [
+        "generate_items_per_s", "2.00", "3.00", "1.50", "4.00", "2.00", "5.00", "1.67", "4.50", "1.50"]
 
 
 @pytest.mark.parametrize("modality", ["image", "video", "multi-image"])

@@ -143,8 +143,9 @@ def print_table(report: dict[str, Any], path: Path) -> None:
         for _, result, ratio_columns in columns:
             cells += [_fmt(result.get(metric))] + [_fmt(values.get(metric)) for _, values in ratio_columns]
         table.add_row(metric, *cells)
-    # Not a terminal (a log, CI): wide enough that metric names and headers are not cut.
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    # Not a terminal (a log, CI): as wide as the table needs, so that metric names and headers
+    # (a --flow-env column is named by its settings) are not cut; the table is no wider than that.
+    Console(width=None if sys.stdout.isatty() else 10_000).print(table)
     for proc in report.get("raw_n", {}).get("processes", []):
         start, end = proc["generate_window_s"]
         print(f"raw process {proc['index']} on GPU {proc['devices']}: {proc['items']} items, engine ready at "
