@@ -71,6 +71,14 @@ class Settings(BaseSettings):
     decode_processes: int | None = Field(
         None, description="Processes of the image decode pool. Unset: one per core this process may use (cpuset, "
         "taskset); 0: decode in the fetch threads.")
+    # Videos are decoded one at a time per process (tasks/media/video.py). About 41 ms for 32 frames
+    # of 640x480 on this 2-core machine, 24 clips/s, which is where one H100 stopped on Qwen2-VL-2B
+    # video (25.4 clips/s, GPU 60% busy). In the pool, clips decode in parallel, but each pool
+    # process imports vLLM's loader (about 10 s and 0.4 GB each). Off until a GPU run shows it pays:
+    # `vlm-caption bench ... --modality video --flow-env VLM_CAPTION_VIDEO_DECODE_IN_POOL=true`.
+    video_decode_in_pool: bool = Field(
+        False, description="Decode videos in the decode pool's processes, several at once (each pool process "
+        "then imports vLLM's video loader); off: one at a time per process, in the fetch threads.")
     # How much lower the decode workers' CPU priority is than the flow's (Unix `nice`): with one
     # worker per core they would otherwise take cores from vLLM's engine-core scheduler and from
     # the feed, and the GPU waits on a busy CPU (H100, tiny LLaVA, 512 photos at 1920x1080:

@@ -63,6 +63,45 @@ def test_the_pool_returns_every_image_in_order(monkeypatch):
     get_settings.cache_clear()
 
 
+def test_videos_are_decoded_in_the_pools_processes(monkeypatch):
+    """With VLM_CAPTION_VIDEO_DECODE_IN_POOL a video is decoded in a pool process, not by the
+    fetch thread that asked (a process decodes one video at a time): the frames are those this
+    process would decode, a broken clip is the same error record; without it, or with
+    VLM_CAPTION_DECODE_PROCESSES=0, the caller decodes."""
+    import numpy as np
+    import pytest
+
+    import tasks.media.pool as pool
+    from tasks.media.image import MediaError
+    from tasks.media.video import VideoLimits, decode_video
+    from tasks.settings import get_settings
+    from tests.images import video_bytes
+
+    limits, clip = VideoLimits(max_seconds=600, max_frame_pixels=10**7), video_bytes(frames=16, seed=3)
+    here = decode_video(clip, num_frames=4, limits=limits)
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("decoded in the caller's process")
+
+    monkeypatch.setattr(pool, "decode_video", not_here)  # the pool's processes import their own
+    monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "1")  # one pool process: one import of vLLM
+    get_settings.cache_clear()
+    with pytest.raises(AssertionError, match="caller"):  # off by default
+        pool.decode_video_pooled(clip, num_frames=4, limits=limits)
+    monkeypatch.setenv("VLM_CAPTION_VIDEO_DECODE_IN_POOL", "true")
+    get_settings.cache_clear()
+    pooled = pool.decode_video_pooled(clip, num_frames=4, limits=limits)
+    assert np.array_equal(pooled.frames, here.frames) and pooled.metadata == here.metadata
+    with pytest.raises(MediaError) as broken:
+        pool.decode_video_pooled(b"not a video at all", num_frames=4, limits=limits)
+    assert broken.value.error.kind == "decode" and broken.value.error.message
+    monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "0")
+    get_settings.cache_clear()
+    with pytest.raises(AssertionError, match="caller"):
+        pool.decode_video_pooled(clip, num_frames=4, limits=limits)
+    get_settings.cache_clear()
+
+
 def test_the_processor_sees_the_pixels_it_would_have_made_itself():
     """CLIP's processor over the shrunk and cropped image gives the pixel values it gives over
     the original: same size, same crop offsets (one pixel of rounding would shift the grid)."""

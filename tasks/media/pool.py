@@ -1,5 +1,5 @@
-"""Decode (and shrink) images in a pool of processes sized to the cores, so decoding runs in
-parallel, outside the GIL that vLLM's request processing and Prefect share."""
+"""Decode (and shrink) images and videos in a pool of processes sized to the cores, so decoding
+runs in parallel, outside the GIL that vLLM's request processing and Prefect share."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import threading
 from concurrent.futures import Executor, ProcessPoolExecutor
 
 from tasks.media.image import MediaError, decode_image
-from tasks.media.resize import ImageResize
+from tasks.media.resize import ImageResize, ProcessorResize
+from tasks.media.video import DecodedVideo, VideoLimits, decode_video
 from tasks.settings import get_settings
 
 _POOL: Executor | None = None
@@ -25,6 +26,14 @@ def decode_job(data: bytes, max_pixels: int, target: ImageResize | None):
     except MediaError as exc:
         return None, exc.error
     return (target.apply(image) if target else image), None
+
+
+def decode_video_job(data: bytes, num_frames: int, limits: VideoLimits, resize: ProcessorResize | None):
+    """Runs in a pool process: (video, None) or (None, error), as `decode_job`."""
+    try:
+        return decode_video(data, num_frames=num_frames, limits=limits, resize=resize), None
+    except MediaError as exc:
+        return None, exc.error
 
 
 def _lower_priority(niceness: int) -> None:
@@ -77,3 +86,17 @@ def decode_images(blobs: list[bytes], max_pixels: int, target: ImageResize | Non
         images.append(image)
     return images
 
+
+
+def decode_video_pooled(data: bytes, *, num_frames: int, limits: VideoLimits,
+                        resize: ProcessorResize | None = None) -> DecodedVideo:
+    """One video, decoded (and its frames resized) in the pool with VLM_CAPTION_VIDEO_DECODE_IN_POOL,
+    else here. A process decodes one video at a time (tasks/media/video.py), so without the pool a
+    process's clips are decoded one after another (tasks/settings.py says what that costs)."""
+    pool = decode_pool() if get_settings().video_decode_in_pool else None
+    if pool is None:
+        return decode_video(data, num_frames=num_frames, limits=limits, resize=resize)
+    video, error = pool.submit(decode_video_job, data, num_frames, limits, resize).result()
+    if error is not None:
+        raise MediaError(error)
+    return video

@@ -14,9 +14,9 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from tasks.media.image import MediaError
-from tasks.media.pool import decode_images
+from tasks.media.pool import decode_images, decode_video_pooled
 from tasks.media.resize import ImageResize, ProcessorResize
-from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits, decode_video
+from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits
 from tasks.results.done_index import DoneIndex
 from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
 from tasks.settings import get_settings
@@ -186,8 +186,8 @@ class ItemPreparer:
         started = time.perf_counter()
         try:
             if self.options.modality == "video":
-                prepared.media = decode_video(blobs[0], num_frames=self.options.num_frames,
-                                              limits=self.video_limits, resize=self.options.frame_resize)
+                prepared.media = decode_video_pooled(blobs[0], num_frames=self.options.num_frames,
+                                                     limits=self.video_limits, resize=self.options.frame_resize)
             else:
                 images = decode_images(blobs, self.max_image_pixels, self.options.resize)
                 prepared.media = images if self.options.modality == "multi-image" else images[0]

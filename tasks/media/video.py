@@ -13,7 +13,8 @@ from tasks.results.records import ItemError
 
 DEFAULT_NUM_FRAMES = 16  # the examples' --num-frames
 # One video decode at a time per process: a decode holds a whole video's bytes and frames, and
-# OpenCV already spreads one decode over the cores.
+# OpenCV spreads one decode over the cores. With VLM_CAPTION_VIDEO_DECODE_IN_POOL the flow decodes
+# in the decode pool's processes (tasks/media/pool.py), several clips at once, one in each.
 _DECODE_LOCK = threading.Lock()
 
 

@@ -6,16 +6,15 @@ folders); writes are atomic (a single PUT, or temp file + rename); a part of an 
 with `read_range` (a ranged GET, or a seek), with the same retries as `read`. A run opens its
 source and output once, in pre-flight (`flows/plan.py`), and hands the storages down.
 
-S3 credentials come from a prefect-aws credentials block when one is named (settings
-`VLM_CAPTION_AWS_CREDENTIALS_BLOCK` / `VLM_CAPTION_MINIO_CREDENTIALS_BLOCK`), otherwise from the
-standard AWS chain (environment, profile, instance role). They are never logged.
+One S3Storage per location and one boto3 client per process serve every read and write
+(`shared_s3_storage`); how a client is made, from a prefect-aws block or the AWS chain, is in
+`tasks/sources/s3_client.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
 import os
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 from tasks.sources.items import ObjectRef
+from tasks.sources.s3_client import make_s3_client
 from tasks.settings import get_settings
 
 
@@ -270,52 +270,6 @@ def shared_s3_storage(bucket: str, prefix: str) -> S3Storage:
         if store is None:
             store = _shared_stores[(key, bucket, prefix)] = S3Storage(bucket, prefix, client=client)
         return store
-
-
-def make_s3_client():
-    """A boto3 S3 client from a Prefect credentials block or the standard AWS chain. The
-    credentials it resolves are registered for scrubbing from every log line."""
-    client = _make_s3_client()
-    # What the client signs with, whatever its source (block, environment, profile, role).
-    credentials = getattr(getattr(client, "_request_signer", None), "_credentials", None)
-    if credentials is not None:
-        from tasks.observability import register_secret
-
-        frozen = credentials.get_frozen_credentials()
-        register_secret(frozen.access_key, frozen.secret_key, frozen.token)
-    return client
-
-
-@functools.lru_cache(maxsize=8)
-def credentials_block(kind: str, name: str):
-    """A prefect-aws credentials block, loaded from the Prefect API once per process. Every write
-    opens a client; loading the block each time made every write fail while the API was away (a
-    server restart mid-run), and cost a request per results part."""
-    import prefect_aws
-
-    return getattr(prefect_aws, kind).load(name)
-
-
-def _make_s3_client():
-    from botocore.config import Config
-
-    settings = get_settings()
-    config = Config(retries={"max_attempts": settings.s3_max_attempts, "mode": "adaptive"},
-                    max_pool_connections=64, read_timeout=settings.s3_read_timeout_s,
-                    connect_timeout=min(settings.s3_read_timeout_s, 60))
-    if settings.minio_credentials_block:
-        creds = credentials_block("MinIOCredentials", settings.minio_credentials_block)
-        return creds.get_client("s3")
-    if settings.aws_credentials_block:
-        creds = credentials_block("AwsCredentials", settings.aws_credentials_block)
-        if settings.s3_endpoint_url:
-            return creds.get_boto3_session().client(
-                "s3", endpoint_url=settings.s3_endpoint_url, config=config
-            )
-        return creds.get_s3_client()  # the block's own client parameters (endpoint_url, config)
-    import boto3
-
-    return boto3.session.Session().client("s3", endpoint_url=settings.s3_endpoint_url, config=config)
 
 
 def split_parent(uri: str) -> tuple[str, str]:
