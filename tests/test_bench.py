@@ -23,13 +23,13 @@ def test_bench_compares_raw_flow_and_a_fan_out_on_videos_from_s3(tmp_path):
     """The one bench smoke CI runs (each phase starts an engine, so `--flow-env`'s extra phase is
     left to test_variants_get_their_own_columns). Raw vLLM as the video example runs it (Qwen2-VL
     clips), the flow reading them from the bench's loopback S3 server (a process of its own)
-    against the bench's own Prefect server, then `--gpus 2`: raw, 2 processes (two raw scripts at once, one per device, half the clips
-    each) and the flow fanned out over two devices (the run on device 0, a worker for device 1
-    running the partition deployment, which reads the loopback server's credentials block), all
-    answering in the built-in tags schema (vLLM's structured outputs in raw and flow alike): every
-    item answered by each, the ratios and the JSON written, each partition and each raw process on
-    its own device with its engine-ready time, the fan-out over raw, 2 processes, the worker
-    stopped, no made-up GPU figure."""
+    against the bench's own Prefect server, then `--gpus 2`: raw, 2 processes (two raw scripts at
+    once, one per device, half the clips each) and the flow fanned out over two devices (the run on
+    device 0, a worker for device 1 running the partition deployment, which reads the loopback
+    server's credentials block), all answering in the built-in tags schema (vLLM's structured
+    outputs in raw and flow alike): every item answered by each, the ratios and the JSON written,
+    each partition and each raw process on its own device with its engine-ready time, the fan-out
+    over raw, 2 processes, the worker stopped, no made-up GPU figure."""
     import psutil
 
     from flows.params import TAGS_SCHEMA

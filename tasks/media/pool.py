@@ -1,5 +1,6 @@
-"""Decode (and shrink) images and videos in a pool of processes sized to the cores, so decoding
-runs in parallel, outside the GIL that vLLM's request processing and Prefect share."""
+"""Decode (and shrink) images, and videos with VLM_CAPTION_VIDEO_DECODE_IN_POOL, in a pool of
+processes sized to the cores, so decoding runs in parallel, outside the GIL that vLLM's request
+processing and Prefect share."""
 
 from __future__ import annotations
 
@@ -85,7 +86,6 @@ def decode_images(blobs: list[bytes], max_pixels: int, target: ImageResize | Non
             raise MediaError(error)
         images.append(image)
     return images
-
 
 
 def decode_video_pooled(data: bytes, *, num_frames: int, limits: VideoLimits,

@@ -27,9 +27,9 @@ def make_s3_client():
 
 @functools.lru_cache(maxsize=8)
 def credentials_block(kind: str, name: str):
-    """A prefect-aws credentials block, loaded from the Prefect API once per process. Every write
-    opens a client; loading the block each time made every write fail while the API was away (a
-    server restart mid-run), and cost a request per results part."""
+    """A prefect-aws credentials block, loaded from the Prefect API once per process: a client is
+    made again for other settings (a test's endpoint), and when writes each made one, loading the
+    block each time made every write fail while the API was away (a server restart mid-run)."""
     import prefect_aws
 
     return getattr(prefect_aws, kind).load(name)
