@@ -30,7 +30,7 @@ pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect serv
 # take under 40 s each and follow in file order.
 STACK_MODULES = ("test_deployments", "test_api_outage")  # tests/postgres.py: prefect_stack
 LONGEST_FIRST = {"prefect-stack": 600, "test_bench": 370, "test_storage_faults": 300, "test_media_flow": 170,
-                 "test_demo": 150, "test_real_processors": 130, "test_prefect_ui": 95, "test_render_pool": 80,
+                 "test_demo": 150, "test_real_processors": 90, "test_prefect_ui": 95, "test_render_pool": 80,
                  "test_concurrency": 65, "test_storage": 45}
 
 

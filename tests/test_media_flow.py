@@ -234,6 +234,7 @@ def test_a_manifest_of_groups_with_per_item_questions_and_gemma3_chat(prefect_ap
                                  ("pair", "Same place?")]
         for key in (("mixed", "Compare them."), ("mixed", "What differs?"), ("pair", "Same place?")):
             assert found[key]["error"] is None and found[key]["output_tokens"] > 0, found[key]["error"]
+            assert found[key]["prompt_tokens"] > len(found[key]["prompt"]) // 8  # the images were expanded
         assert [m["key"] for m in found[("mixed", "What differs?")]["members"]] == lines[0]["media"]
         missing = found[("missing", "Anything?")]["error"]
         assert missing["kind"] == "fetch" and missing["retryable"] is True  # a rerun tries it again

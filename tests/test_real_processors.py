@@ -15,9 +15,9 @@ from tests.checkpoints import build_checkpoint
 # architecture (checkpoint builder) -> (recipe, modalities run through vLLM). Every recipe's
 # prompts meet vLLM's processor in tests/test_recipe_checks.py (no engine, seconds each) and an
 # engine on a GPU (python -m tests.recipe_check engine); CI starts CPU engines only for one of
-# each kind of prompt: a plain placeholder, Qwen's video with its grid, chat parts for a group.
+# each kind of prompt: Qwen's image and video with their grids, chat parts for a group. LLaVA's
+# plain placeholder is every flow test's (tests/test_e2e_flow.py checks its 64 image tokens).
 MATRIX = {
-    "llava": ("llava", ["image"]),
     "qwen2_vl": ("qwen2_vl", ["image", "video"]),
     "gemma3": ("gemma3", ["multi-image", "image"]),  # engine sized by the first
 }
