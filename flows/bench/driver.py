@@ -67,13 +67,18 @@ def _read_result(path: Path, phase: str, returncode: int, stderr: str) -> dict[s
     return result
 
 
+def env_settings(overrides: str) -> dict[str, str]:
+    """`--flow-env` / `--fan-out-env`'s "NAME=VALUE[,NAME=VALUE]" as environment entries."""
+    return dict(pair.split("=", 1) for pair in overrides.split(",") if pair)
+
+
 def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overrides: str = "",
               profile: Path | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
     """One phase in a child process; `env`: where its Prefect API and its S3 endpoint are."""
     result_file = Path(cfg.workdir).resolve() / f"{phase}-result.json"
     result_file.unlink(missing_ok=True)
     env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", RESULT_FILE: str(result_file),
-           **dict(pair.split("=", 1) for pair in env_overrides.split(",") if pair)}
+           **env_settings(env_overrides)}
     if cfg.gpus > 1:  # every phase's own engine on GPU 0; a fan-out's workers have the others
         env["CUDA_VISIBLE_DEVICES"] = "0"
     command = [sys.executable, "-m", "flows.bench.phases", phase, json.dumps(asdict(cfg)), str(folder), model]
@@ -230,7 +235,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             report["flow_env"][overrides] = {**result, "ratio_over_raw": ratios(result, raw)}
             write_report(report, work)
         for overrides in ("", *cfg.fan_out_env) if cfg.gpus > 1 else ():
-            settings = dict(pair.split("=", 1) for pair in overrides.split(",") if pair)
+            settings = env_settings(overrides)
             with partition_workers(cfg.gpus, work, {**phase_env, **settings}):
                 result = run_phase("fan-out", cfg, folder, model, env={**phase_env, **settings})
             result = {**result, "gpus": cfg.gpus, "ratio_over_flow": ratios(result, report["flow"])}
