@@ -28,9 +28,9 @@ from prefect.runtime import flow_run
 
 from flows.params import CaptionJob, Partition
 from flows.pipeline import PartitionRun, caption_shards
-from flows.plan import RunPlan, make_plan
+from flows.plan import RunPlan, make_plan, take_partition_cores
 from tasks.concurrency import one_run_per_job
-from tasks.engine.host_share import current_cpus, format_cpu_list, take_cpu_share
+from tasks.engine.host_share import current_cpus, format_cpu_list
 from tasks.engine.vllm_engine import ensure_vllm_imported, import_vllm_in_background
 from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
@@ -38,7 +38,6 @@ from tasks.results.gallery import gallery_after_run
 from tasks.results.parquet import export_after_run
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
-from tasks.settings import get_settings
 
 
 def run_label(job: dict) -> str:
@@ -62,15 +61,6 @@ def _where() -> dict:
     return {"flow_run_id": str(flow_run.id) if flow_run.id else None,
             "worker": os.environ.get("PREFECT__WORKER_NAME"), "host": socket.gethostname(),
             "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": current_cpus()}
-
-
-def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
-    """A partition of a fanned-out run keeps to its GPU's share of the host's cores
-    (tasks/engine/host_share.py). Before vLLM (torch) is imported in this process: `vlm-caption
-    run` and the bench call it before they import vLLM on a thread, the flow again (a no-op then)."""
-    if job.fan_out <= 1 and job.partition is None:
-        return None, "not a partition of a fanned-out run"
-    return take_cpu_share(get_settings().cpu_share)
 
 
 @flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False)

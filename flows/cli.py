@@ -247,12 +247,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.server import check_api_reachable
 
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
-    from flows.caption import take_partition_cores, vlm_caption
+    from flows.plan import take_partition_cores
     from tasks.engine.vllm_engine import import_vllm_in_background
-    from tasks.terminal import print_run_end, run_terminal
 
     take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
-    import_vllm_in_background()  # while Prefect's embedded server starts
+    # vLLM's import (most of the time to the engine's start) runs while the flow's modules are
+    # imported and Prefect's embedded server starts.
+    import_vllm_in_background()
+    from flows.caption import vlm_caption
+    from tasks.terminal import print_run_end, run_terminal
+
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         summary = vlm_caption(job)
     print_run_end(summary, job.output, log_path, args.log_format)

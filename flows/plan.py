@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 from flows.params import CaptionJob
 from recipes import Recipe, RecipeError, get_recipe
+from tasks.engine.host_share import take_cpu_share
 from tasks.results.records import job_fingerprint
+from tasks.settings import get_settings
 from tasks.sources.formats import SourceSpec, split_location
 from tasks.sources.storage import Storage, StorageError
 
@@ -93,3 +95,13 @@ def source_spec(job: CaptionJob) -> SourceSpec:
                           column=job.column)
     return SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
 
+
+
+def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
+    """A partition of a fanned-out run keeps to its GPU's share of the host's cores
+    (tasks/engine/host_share.py). Before vLLM (torch) is imported in this process: `vlm-caption
+    run` and the bench call it right after the plan, then start vLLM's import before Prefect's;
+    the flow calls it again (a no-op then). Here, not in flows/caption.py: that imports Prefect."""
+    if job.fan_out <= 1 and job.partition is None:
+        return None, "not a partition of a fanned-out run"
+    return take_cpu_share(get_settings().cpu_share)

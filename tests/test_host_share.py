@@ -57,7 +57,7 @@ def test_auto_takes_a_share_only_for_one_gpu_of_a_host_with_several(monkeypatch,
 
 PROBE = """
 import json, os, sys, threading
-from flows.caption import take_partition_cores
+from flows.plan import take_partition_cores
 from flows.params import CaptionJob, Partition
 from tasks.media.pool import usable_cores
 

@@ -156,7 +156,6 @@ def no_flow(monkeypatch):
     caption = types.ModuleType("flows.caption")
     # A summary shaped like the flow's (an empty run), so the CLI's end-of-run summary is exercised too.
     caption.vlm_caption = lambda job: calls.append(job) or {**RunStats().summary(), "fingerprint": "f" * 12}
-    caption.take_partition_cores = lambda job: (None, "a stand-in")
     engine = types.ModuleType("tasks.engine.vllm_engine")
     engine.import_vllm_in_background = lambda: None
     monkeypatch.setitem(sys.modules, "flows.caption", caption)

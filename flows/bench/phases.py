@@ -96,8 +96,8 @@ def raw_slice(items: list, index: int, count: int) -> list:
 
 def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> dict[str, Any]:
     started = _process_started()
-    from flows.caption import take_partition_cores, vlm_caption
     from flows.params import CaptionJob
+    from flows.plan import take_partition_cores
     from tasks.engine.vllm_engine import import_vllm_in_background
 
     source, output = str(folder), str(Path(cfg.workdir) / f"out-{int(time.time())}")
@@ -110,8 +110,10 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
                      modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE,
                      sampling=cfg.sampling(), fan_out=fan_out, processor_device=cfg.processor_device,
                      json_schema=cfg.structured())
-    take_partition_cores(job)  # as `vlm-caption run` does, before it imports vLLM
+    take_partition_cores(job)  # as `vlm-caption run` does: the cores, vLLM's import, then Prefect's
     import_vllm_in_background()
+    from flows.caption import vlm_caption
+
     summary = vlm_caption(job)
     from tasks.sources.storage import open_storage, split_parent
 
