@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from flows import cli
@@ -14,6 +15,27 @@ from tests.terminal_io import assert_quiet_terminal
 # Two processes that spin for at most 15 minutes: the 2-core machine is busy while the
 # embedded Prefect server creates its fresh database (which took over Prefect's 20 s default).
 BUSY = "import time\nend = time.time() + 900\nwhile time.time() < end:\n    pass\n"
+# The load stops once the demo's flow run has begun: Prefect logs this after the embedded server
+# has migrated its fresh database and answered the run's creation, which is the start this test
+# loads. Spinning through the rest (the engine's start and the run) starved the other xdist
+# worker of a 2-core CI machine for ~2 min and showed nothing more.
+SERVER_UP = "Beginning flow run"
+
+
+def _wait_for_the_server_or_the_end(demo: subprocess.Popen, logs: Path, timeout: float) -> None:
+    """Until the run's log (the demo's quiet terminal writes Prefect's lines there) says the flow
+    run began, or the demo ended, or `timeout` passed."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and demo.poll() is None:
+        if any(SERVER_UP in log.read_text(errors="replace") for log in logs.glob("run-*.log")):
+            return
+        time.sleep(0.5)
+
+
+def _stop(load: list[subprocess.Popen]) -> None:
+    for proc in load:
+        proc.kill()
+        proc.wait()
 
 
 def test_demo_first_run_on_a_busy_machine_with_a_fresh_prefect_home(tmp_path):
@@ -23,14 +45,21 @@ def test_demo_first_run_on_a_busy_machine_with_a_fresh_prefect_home(tmp_path):
     env.update({"HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "fresh-prefect-home")})
     load = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2)]
     try:
-        done = subprocess.run(
-            [str(exe), "demo", "--dir", str(tmp_path / "demo"), "--images", "3"],
-            capture_output=True, text=True, timeout=1200, env=env,
-        )
+        with open(tmp_path / "demo.out", "w") as out, open(tmp_path / "demo.err", "w") as err:
+            demo = subprocess.Popen([str(exe), "demo", "--dir", str(tmp_path / "demo"), "--images", "3"],
+                                    stdout=out, stderr=err, env=env)
+            try:
+                _wait_for_the_server_or_the_end(demo, tmp_path / "demo" / "results" / "logs", timeout=900)
+                _stop(load)
+                demo.wait(timeout=1200)
+            finally:
+                if demo.poll() is None:
+                    demo.kill()
+                    demo.wait()
     finally:
-        for proc in load:
-            proc.kill()
-            proc.wait()
+        _stop(load)
+    done = subprocess.CompletedProcess(demo.args, demo.returncode, (tmp_path / "demo.out").read_text(),
+                                       (tmp_path / "demo.err").read_text())
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RANDOM-WEIGHT" in done.stdout and "CAPTIONS ARE NOISE" in done.stdout
     results = tmp_path / "demo" / "results" / "results"
