@@ -131,6 +131,10 @@ class PrefectStack:
                                   PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASES_ON_DISK,
                                   # a dead run's deployment concurrency slot is freed after 30 s, not 5 min
                                   PREFECT_SERVER_CONCURRENCY_INITIAL_DEPLOYMENT_LEASE_DURATION="30",
+                                  # a run held back by the deployment's limit (the rerun after a
+                                  # worker died) asks again every 5 s, not 30: it still waits for
+                                  # the dead run's slot, but starts within 5 s of its release
+                                  PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS="5",
                                   # and expired leases (the job's slot too) are looked for every 2 s, not 15
                                   PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="2")
         deadline = time.time() + 300  # the first `uv tool run` on a fresh machine downloads Prefect
