@@ -22,6 +22,7 @@ from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
 from tasks.claims import ShardClaims
 from tasks.engine.vllm_engine import Sampling
+from tasks.media.pool import start_decode_pool
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, emit
 from tasks.results.done_index import DoneIndex, load_done_index
@@ -196,6 +197,7 @@ class ShardPipeline:
         if self.starting is None and any(self.done.pending_by_listing(item, item.questions or job.questions_to_ask)
                                          for item in shard.items):
             self.starting = start_engine.submit(self.options.spec)
+            start_decode_pool(job.modality)  # its processes start beside the engine
         preparing = prepare_shard.submit(self.partition_run.plan.source, opaque(shard), opaque(self.done),
                                          job.questions_to_ask, self.media)
         self.preparing.add(preparing)

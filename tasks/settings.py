@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -71,14 +72,17 @@ class Settings(BaseSettings):
     decode_processes: int | None = Field(
         None, description="Processes of the image decode pool. Unset: one per core this process may use (cpuset, "
         "taskset); 0: decode in the fetch threads.")
-    # Videos are decoded one at a time per process (tasks/media/video.py). About 41 ms for 32 frames
-    # of 640x480 on this 2-core machine, 24 clips/s, which is where one H100 stopped on Qwen2-VL-2B
-    # video (25.4 clips/s, GPU 60% busy). In the pool, clips decode in parallel, but each pool
-    # process imports vLLM's loader (about 10 s and 0.4 GB each). Off until a GPU run shows it pays:
-    # `vlm-caption bench ... --modality video --flow-env VLM_CAPTION_VIDEO_DECODE_IN_POOL=true`.
-    video_decode_in_pool: bool = Field(
-        False, description="Decode videos in the decode pool's processes, several at once (each pool process "
-        "then imports vLLM's video loader); off: one at a time per process, in the fetch threads.")
+    # Videos are decoded one at a time per process (tasks/media/video.py): about 41 ms for 32
+    # frames of 640x480, 24 clips/s, which is where one GPU stopped on Qwen2-VL-2B video. In the
+    # pool, clips decode in parallel (each pool process imports vLLM's loader, about 10 s and
+    # 0.4 GB, while the engine starts). Measured (2x H200, 1,024 clips, 2026-11-26): one GPU 23.1
+    # -> 26.7 clips/s, two GPUs 26.9 -> 37.1. On a 2-core CPU it costs (22.7 against 24.1 clips/s:
+    # OpenCV already spreads one decode over both cores, and the CPU engine needs them), so `auto`
+    # pools only where the engine has a GPU.
+    video_decode_in_pool: bool | Literal["auto"] = Field(
+        "auto", description="Decode videos in the decode pool's processes, several at once (each pool process "
+        "then imports vLLM's video loader); false: one at a time per process, in the fetch threads; auto: in "
+        "the pool where this process sees a CUDA GPU.")
     # How much lower the decode workers' CPU priority is than the flow's (Unix `nice`): with one
     # worker per core they would otherwise take cores from vLLM's engine-core scheduler and from
     # the feed, and the GPU waits on a busy CPU (H100, tiny LLaVA, 512 photos at 1920x1080:

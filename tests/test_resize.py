@@ -64,10 +64,11 @@ def test_the_pool_returns_every_image_in_order(monkeypatch):
 
 
 def test_videos_are_decoded_in_the_pools_processes(monkeypatch):
-    """With VLM_CAPTION_VIDEO_DECODE_IN_POOL a video is decoded in a pool process, not by the
-    fetch thread that asked (a process decodes one video at a time): the frames are those this
-    process would decode, a broken clip is the same error record; without it, or with
-    VLM_CAPTION_DECODE_PROCESSES=0, the caller decodes."""
+    """Where VLM_CAPTION_VIDEO_DECODE_IN_POOL says (by default, `auto`: where a GPU is seen) a
+    video is decoded in a pool process, not by the fetch thread that asked (a process decodes one
+    video at a time): the frames are those this process would decode, a broken clip is the same
+    error record; on a machine without a GPU, with `false`, or with VLM_CAPTION_DECODE_PROCESSES=0,
+    the caller decodes. A video run starts the pool's processes beside the engine."""
     import numpy as np
     import pytest
 
@@ -86,19 +87,33 @@ def test_videos_are_decoded_in_the_pools_processes(monkeypatch):
     monkeypatch.setattr(pool, "decode_video", not_here)  # the pool's processes import their own
     monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "1")  # one pool process: one import of vLLM
     get_settings.cache_clear()
-    with pytest.raises(AssertionError, match="caller"):  # off by default
+    monkeypatch.setattr(pool, "_sees_a_gpu", lambda: False)
+    with pytest.raises(AssertionError, match="caller"):  # auto, and no GPU: here
         pool.decode_video_pooled(clip, num_frames=4, limits=limits)
     monkeypatch.setenv("VLM_CAPTION_VIDEO_DECODE_IN_POOL", "true")
     get_settings.cache_clear()
+    monkeypatch.setattr(pool, "_POOL", None)  # a pool made now is made for videos
+    pool.start_decode_pool("video")
+    assert len(pool._POOL._processes) == 1  # started before any clip, its loader imported as it starts
     pooled = pool.decode_video_pooled(clip, num_frames=4, limits=limits)
     assert np.array_equal(pooled.frames, here.frames) and pooled.metadata == here.metadata
     with pytest.raises(MediaError) as broken:
         pool.decode_video_pooled(b"not a video at all", num_frames=4, limits=limits)
     assert broken.value.error.kind == "decode" and broken.value.error.message
+    monkeypatch.setenv("VLM_CAPTION_VIDEO_DECODE_IN_POOL", "auto")
+    monkeypatch.setattr(pool, "_sees_a_gpu", lambda: True)
+    get_settings.cache_clear()
+    assert pool.videos_in_pool()  # auto, on a GPU host: in the pool
+    monkeypatch.setenv("VLM_CAPTION_VIDEO_DECODE_IN_POOL", "false")
+    get_settings.cache_clear()
+    with pytest.raises(AssertionError, match="caller"):
+        pool.decode_video_pooled(clip, num_frames=4, limits=limits)
+    monkeypatch.setenv("VLM_CAPTION_VIDEO_DECODE_IN_POOL", "true")
     monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "0")
     get_settings.cache_clear()
     with pytest.raises(AssertionError, match="caller"):
         pool.decode_video_pooled(clip, num_frames=4, limits=limits)
+    pool._POOL.shutdown()
     get_settings.cache_clear()
 
 

@@ -1,10 +1,11 @@
-"""Decode (and shrink) images, and videos with VLM_CAPTION_VIDEO_DECODE_IN_POOL, in a pool of
-processes sized to the cores, so decoding runs in parallel, outside the GIL that vLLM's request
-processing and Prefect share."""
+"""Decode (and shrink) images, and videos where VLM_CAPTION_VIDEO_DECODE_IN_POOL says (by default
+where a GPU is seen), in a pool of processes sized to the cores, so decoding runs in parallel,
+outside the GIL that vLLM's request processing and Prefect share."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing
 import os
 import threading
@@ -12,7 +13,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 
 from tasks.media.image import MediaError, decode_image
 from tasks.media.resize import ImageResize, ProcessorResize
-from tasks.media.video import DecodedVideo, VideoLimits, decode_video
+from tasks.media.video import DecodedVideo, VideoLimits, decode_video, video_loader
 from tasks.settings import get_settings
 
 _POOL: Executor | None = None
@@ -37,11 +38,32 @@ def decode_video_job(data: bytes, num_frames: int, limits: VideoLimits, resize: 
         return None, exc.error
 
 
-def _lower_priority(niceness: int) -> None:
+def _start_worker(niceness: int, videos: bool) -> None:
     """Pool initializer: decoding is work ahead of the engine; it yields the CPU to the engine's
-    scheduler and the feed rather than competing with them for cores."""
+    scheduler and the feed rather than competing with them for cores. A pool that decodes videos
+    imports vLLM's loader here, as the process starts (while the engine starts), not at its
+    first clip."""
     if niceness > 0 and hasattr(os, "nice"):
         os.nice(niceness)
+    if videos:
+        video_loader()
+
+
+def videos_in_pool() -> bool:
+    """Whether this process decodes videos in the pool (VLM_CAPTION_VIDEO_DECODE_IN_POOL; `auto`:
+    where it sees a CUDA GPU, whose engine outruns one decode at a time)."""
+    setting = get_settings().video_decode_in_pool
+    return _sees_a_gpu() if setting == "auto" else bool(setting)
+
+
+@functools.cache
+def _sees_a_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no usable torch: no GPU either
+        return False
 
 
 def decode_processes() -> int:
@@ -67,10 +89,21 @@ def decode_pool() -> Executor | None:
             # spawn: the flow process holds threads (Prefect, vLLM's client); forking them is unsafe.
             _POOL = ProcessPoolExecutor(max_workers=decode_processes(),
                                         mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_lower_priority,
-                                        initargs=(get_settings().decode_niceness,))
+                                        initializer=_start_worker,
+                                        initargs=(get_settings().decode_niceness, videos_in_pool()))
             atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
         return _POOL
+
+
+def start_decode_pool(modality: str) -> None:
+    """For a video run that decodes in the pool: start every pool process now, beside the
+    engine's start, so their imports of vLLM's loader are over before the first shard's clips
+    (2x H200, Qwen2-VL-2B: started at the first clip, they held the first generation back 14 s
+    after the engine was up). The pool starts a process per task submitted while none is idle."""
+    if modality != "video" or not videos_in_pool() or (pool := decode_pool()) is None:
+        return
+    for _ in range(decode_processes()):
+        pool.submit(os.getpid)
 
 
 def decode_images(blobs: list[bytes], max_pixels: int, target: ImageResize | None):
@@ -90,10 +123,9 @@ def decode_images(blobs: list[bytes], max_pixels: int, target: ImageResize | Non
 
 def decode_video_pooled(data: bytes, *, num_frames: int, limits: VideoLimits,
                         resize: ProcessorResize | None = None) -> DecodedVideo:
-    """One video, decoded (and its frames resized) in the pool with VLM_CAPTION_VIDEO_DECODE_IN_POOL,
-    else here. A process decodes one video at a time (tasks/media/video.py), so without the pool a
+    """One video, decoded (and its frames resized) in the pool where `videos_in_pool`, else here. A process decodes one video at a time (tasks/media/video.py), so without the pool a
     process's clips are decoded one after another (tasks/settings.py says what that costs)."""
-    pool = decode_pool() if get_settings().video_decode_in_pool else None
+    pool = decode_pool() if videos_in_pool() else None
     if pool is None:
         return decode_video(data, num_frames=num_frames, limits=limits, resize=resize)
     video, error = pool.submit(decode_video_job, data, num_frames, limits, resize).result()
