@@ -70,8 +70,8 @@ class Settings(BaseSettings):
         pattern=r"^\s*(auto|all|\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*)\s*$")
     # Media
     decode_processes: int | None = Field(
-        None, description="Processes of the image decode pool. Unset: one per core this process may use (cpuset, "
-        "taskset); 0: decode in the fetch threads.")
+        None, description="Processes of the decode pool. Unset: one per core this process may use (cpuset, "
+        "taskset), at most 16 for a pool made for videos; 0: decode in the fetch threads.")
     # Videos are decoded one at a time per process (tasks/media/video.py): about 41 ms for 32
     # frames of 640x480, 24 clips/s, which is where one GPU stopped on Qwen2-VL-2B video. In the
     # pool, clips decode in parallel (each pool process imports vLLM's loader, about 10 s and

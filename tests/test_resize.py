@@ -134,3 +134,27 @@ def test_the_processor_sees_the_pixels_it_would_have_made_itself():
         assert shrunk.size == (336, 336)
         original, ours = (np.asarray(processor(im, return_tensors="np")["pixel_values"]) for im in (image, shrunk))
         assert original.shape == ours.shape and float(np.abs(original - ours).mean()) < 1e-3, (width, height)
+
+
+def test_a_pool_made_for_videos_is_capped_and_an_image_pool_is_not(monkeypatch):
+    """Each process of a video pool holds vLLM's loader (about 0.4 GB): one per core of a big host
+    would be tens of GB. Unless VLM_CAPTION_DECODE_PROCESSES names a number, a pool made for videos
+    has at most VIDEO_POOL_PROCESSES; an image pool one per core. (No process is started here.)"""
+    import tasks.media.pool as pool
+    from tasks.settings import get_settings
+
+    monkeypatch.delenv("VLM_CAPTION_DECODE_PROCESSES", raising=False)
+    monkeypatch.setattr(pool, "usable_cores", lambda: 40)
+    get_settings.cache_clear()
+    sizes = {}
+    for for_videos in (True, False):
+        monkeypatch.setattr(pool, "_POOL", None)
+        sizes[for_videos] = pool.decode_pool(for_videos=for_videos)._max_workers
+        pool._POOL.shutdown()
+    assert sizes == {True: pool.VIDEO_POOL_PROCESSES, False: 40}
+    monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "24")
+    get_settings.cache_clear()
+    monkeypatch.setattr(pool, "_POOL", None)
+    assert pool.decode_pool(for_videos=True)._max_workers == 24  # the user's number holds
+    pool._POOL.shutdown()
+    get_settings.cache_clear()

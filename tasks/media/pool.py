@@ -79,18 +79,28 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def decode_pool() -> Executor | None:
-    """The process's pool (None with VLM_CAPTION_DECODE_PROCESSES=0: decode in the caller)."""
+# A pool made for videos holds vLLM's loader (torch) in each process, about 0.4 GB: one per core
+# of a 64-core host would be 26 GB. Sixteen decode far more clips than a GPU takes (a clip of 32
+# 640x480 frames is about 41 ms on one core; 2x H200 took 37 clips/s with 16 per partition).
+VIDEO_POOL_PROCESSES = 16
+
+
+def decode_pool(for_videos: bool = False) -> Executor | None:
+    """The process's pool (None with VLM_CAPTION_DECODE_PROCESSES=0: decode in the caller). Made
+    first for videos, it has at most VIDEO_POOL_PROCESSES unless the setting names a number, and
+    its processes import vLLM's video loader as they start."""
     global _POOL
     if decode_processes() <= 0:
         return None
     with _LOCK:
         if _POOL is None:
+            workers = decode_processes()
+            if for_videos and get_settings().decode_processes is None:
+                workers = min(workers, VIDEO_POOL_PROCESSES)
             # spawn: the flow process holds threads (Prefect, vLLM's client); forking them is unsafe.
-            _POOL = ProcessPoolExecutor(max_workers=decode_processes(),
-                                        mp_context=multiprocessing.get_context("spawn"),
+            _POOL = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                         initializer=_start_worker,
-                                        initargs=(get_settings().decode_niceness, videos_in_pool()))
+                                        initargs=(get_settings().decode_niceness, for_videos))
             atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
         return _POOL
 
@@ -100,9 +110,9 @@ def start_decode_pool(modality: str) -> None:
     engine's start, so their imports of vLLM's loader are over before the first shard's clips
     (2x H200, Qwen2-VL-2B: started at the first clip, they held the first generation back 14 s
     after the engine was up). The pool starts a process per task submitted while none is idle."""
-    if modality != "video" or not videos_in_pool() or (pool := decode_pool()) is None:
+    if modality != "video" or not videos_in_pool() or (pool := decode_pool(for_videos=True)) is None:
         return
-    for _ in range(decode_processes()):
+    for _ in range(pool._max_workers):  # noqa: SLF001 - the pool's own size, capped for videos or not
         pool.submit(os.getpid)
 
 
@@ -125,7 +135,7 @@ def decode_video_pooled(data: bytes, *, num_frames: int, limits: VideoLimits,
                         resize: ProcessorResize | None = None) -> DecodedVideo:
     """One video, decoded (and its frames resized) in the pool where `videos_in_pool`, else here. A process decodes one video at a time (tasks/media/video.py), so without the pool a
     process's clips are decoded one after another (tasks/settings.py says what that costs)."""
-    pool = decode_pool() if videos_in_pool() else None
+    pool = decode_pool(for_videos=True) if videos_in_pool() else None
     if pool is None:
         return decode_video(data, num_frames=num_frames, limits=limits, resize=resize)
     video, error = pool.submit(decode_video_job, data, num_frames, limits, resize).result()
