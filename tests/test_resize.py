@@ -93,6 +93,7 @@ def test_videos_are_decoded_in_the_pools_processes(monkeypatch):
     monkeypatch.setenv("VLM_CAPTION_VIDEO_DECODE_IN_POOL", "true")
     get_settings.cache_clear()
     monkeypatch.setattr(pool, "_POOL", None)  # a pool made now is made for videos
+    monkeypatch.setattr(pool, "_POOL_SIZE", 0)
     pool.start_decode_pool("video")
     assert len(pool._POOL._processes) == 1  # started before any clip, its loader imported as it starts
     pooled = pool.decode_video_pooled(clip, num_frames=4, limits=limits)
@@ -145,16 +146,19 @@ def test_a_pool_made_for_videos_is_capped_and_an_image_pool_is_not(monkeypatch):
 
     monkeypatch.delenv("VLM_CAPTION_DECODE_PROCESSES", raising=False)
     monkeypatch.setattr(pool, "usable_cores", lambda: 40)
+    monkeypatch.setattr(pool, "_POOL_SIZE", 0)
     get_settings.cache_clear()
     sizes = {}
     for for_videos in (True, False):
         monkeypatch.setattr(pool, "_POOL", None)
-        sizes[for_videos] = pool.decode_pool(for_videos=for_videos)._max_workers
+        pool.decode_pool(for_videos=for_videos)
+        sizes[for_videos] = pool._POOL_SIZE
         pool._POOL.shutdown()
     assert sizes == {True: pool.VIDEO_POOL_PROCESSES, False: 40}
     monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "24")
     get_settings.cache_clear()
     monkeypatch.setattr(pool, "_POOL", None)
-    assert pool.decode_pool(for_videos=True)._max_workers == 24  # the user's number holds
+    pool.decode_pool(for_videos=True)
+    assert pool._POOL_SIZE == 24  # the user's number holds
     pool._POOL.shutdown()
     get_settings.cache_clear()

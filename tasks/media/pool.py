@@ -17,6 +17,7 @@ from tasks.media.video import DecodedVideo, VideoLimits, decode_video, video_loa
 from tasks.settings import get_settings
 
 _POOL: Executor | None = None
+_POOL_SIZE = 0
 _LOCK = threading.Lock()
 
 
@@ -89,7 +90,7 @@ def decode_pool(for_videos: bool = False) -> Executor | None:
     """The process's pool (None with VLM_CAPTION_DECODE_PROCESSES=0: decode in the caller). Made
     first for videos, it has at most VIDEO_POOL_PROCESSES unless the setting names a number, and
     its processes import vLLM's video loader as they start."""
-    global _POOL
+    global _POOL, _POOL_SIZE
     if decode_processes() <= 0:
         return None
     with _LOCK:
@@ -101,6 +102,7 @@ def decode_pool(for_videos: bool = False) -> Executor | None:
             _POOL = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                         initializer=_start_worker,
                                         initargs=(get_settings().decode_niceness, for_videos))
+            _POOL_SIZE = workers
             atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
         return _POOL
 
@@ -112,7 +114,7 @@ def start_decode_pool(modality: str) -> None:
     after the engine was up). The pool starts a process per task submitted while none is idle."""
     if modality != "video" or not videos_in_pool() or (pool := decode_pool(for_videos=True)) is None:
         return
-    for _ in range(pool._max_workers):  # noqa: SLF001 - the pool's own size, capped for videos or not
+    for _ in range(_POOL_SIZE):
         pool.submit(os.getpid)
 
 
@@ -133,8 +135,9 @@ def decode_images(blobs: list[bytes], max_pixels: int, target: ImageResize | Non
 
 def decode_video_pooled(data: bytes, *, num_frames: int, limits: VideoLimits,
                         resize: ProcessorResize | None = None) -> DecodedVideo:
-    """One video, decoded (and its frames resized) in the pool where `videos_in_pool`, else here. A process decodes one video at a time (tasks/media/video.py), so without the pool a
-    process's clips are decoded one after another (tasks/settings.py says what that costs)."""
+    """One video, decoded (and its frames resized) in the pool where `videos_in_pool`, else here.
+    A process decodes one video at a time (tasks/media/video.py), so without the pool a process's
+    clips are decoded one after another (tasks/settings.py says what that costs)."""
     pool = decode_pool(for_videos=True) if videos_in_pool() else None
     if pool is None:
         return decode_video(data, num_frames=num_frames, limits=limits, resize=resize)
