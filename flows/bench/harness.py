@@ -165,15 +165,15 @@ def partition_workers(gpus: int, work: Path, api_env: dict[str, str]):
     env = {**os.environ, **api_env, "VLM_CAPTION_HOME": str(REPO), "PREFECT_CLI_PROMPT": "false",
            "PREFECT_WORKER_QUERY_SECONDS": "2"}  # a child run starts within 2 s of being created
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    # Each step is a Prefect CLI process (10-20 s each on a busy 2-core machine); what does not
+    # depend on another runs beside it: the credentials block beside the pool, then the
+    # deployment beside the workers (which need the pool, not the deployment).
+    first = [_prefect_cli(["work-pool", "create", BENCH_POOL, "--type", "process", "--overwrite",
+                           "--base-job-template", "deployments/base-job-templates/process-gpu.json"], env)]
     if api_env.get("VLM_CAPTION_BENCH_S3") == LOOPBACK_S3:
-        _save_loopback_credentials(env)
-    for args in (["work-pool", "create", BENCH_POOL, "--type", "process", "--overwrite",
-                  "--base-job-template", "deployments/base-job-templates/process-gpu.json"],
-                 ["deploy", "--prefect-file", "deployments/prefect.yaml", "--name", "partition"]):
-        done = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env,
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"prefect {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        first.append(_save_loopback_credentials(env))
+    _finish(first)
+    deploying = _prefect_cli(["deploy", "--prefect-file", "deployments/prefect.yaml", "--name", "partition"], env)
     workers = []
     for gpu in range(1, gpus):
         log = open(work / f"worker-gpu{gpu}.log", "wb")
@@ -182,6 +182,7 @@ def partition_workers(gpus: int, work: Path, api_env: dict[str, str]):
              "--name", f"bench-gpu{gpu}", "--type", "process"], cwd=REPO, env={**env, "CUDA_VISIBLE_DEVICES": str(gpu)},
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
     try:
+        _finish([deploying])
         yield
     finally:
         for worker, log in workers:
@@ -189,12 +190,29 @@ def partition_workers(gpus: int, work: Path, api_env: dict[str, str]):
             log.close()
 
 
-def _save_loopback_credentials(env: dict[str, str]) -> None:
+def _prefect_cli(args: list[str], env: dict[str, str]) -> tuple[str, subprocess.Popen]:
+    """`prefect <args>`, started; `_finish` waits for it."""
+    return f"prefect {' '.join(args)}", subprocess.Popen(
+        [sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+
+def _save_loopback_credentials(env: dict[str, str]) -> tuple[str, subprocess.Popen]:
     code = ("import os; from prefect_aws import AwsCredentials\n"
             f"AwsCredentials(aws_access_key_id=os.environ['AWS_ACCESS_KEY_ID'], "
             f"aws_secret_access_key=os.environ['AWS_SECRET_ACCESS_KEY'], region_name='us-east-1')"
             f".save({S3_BLOCK!r}, overwrite=True)")
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True)
+    return f"saving the {S3_BLOCK} block", subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+
+
+def _finish(steps: list[tuple[str, subprocess.Popen]]) -> None:
+    """Wait for each started step; the first that failed raises with its output's tail."""
+    outputs = [(what, proc, proc.communicate()[0]) for what, proc in steps]
+    for what, proc, output in outputs:
+        if proc.returncode != 0:
+            raise RuntimeError(f"{what} failed:\n{output[-4000:]}")
 
 
 def _stop_tree(proc: subprocess.Popen) -> None:
