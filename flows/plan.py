@@ -96,7 +96,6 @@ def source_spec(job: CaptionJob) -> SourceSpec:
     return SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
 
 
-
 def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
     """A partition of a fanned-out run keeps to its GPU's share of the host's cores
     (tasks/engine/host_share.py). Before vLLM (torch) is imported in this process: `vlm-caption
