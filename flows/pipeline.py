@@ -26,6 +26,7 @@ from tasks.media.pool import start_decode_pool
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, emit
 from tasks.results.done_index import DoneIndex, load_done_index
+from tasks.results.layout import partition_parts_id
 from tasks.results.report import RunStats
 from tasks.results.writers import write_shard
 from tasks.settings import get_settings
@@ -56,7 +57,7 @@ class PartitionRun:
     @property
     def parts_id(self) -> str:
         """Names this partition's result parts (`part-<parts_id>-<shard>.jsonl`)."""
-        return f"{self.run_id}-p{self.partition.index}" if self.partition else self.run_id
+        return partition_parts_id(self.run_id, self.partition.index) if self.partition else self.run_id
 
 
 def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | None]:

@@ -105,6 +105,9 @@ def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava)
     assert {p["state"] for p in manifest["partitions"]} == {"COMPLETED"}
     assert sum(p["shards"] for p in manifest["partitions"]) == 7  # 13 objects in shards of 2
     assert all(p["engine_ready_at"] for p in manifest["partitions"] if p["shards"])
+    # The Parquet export finds the source of the partitions' rows in the run's one manifest.
+    assert not [run for run in manifest["parquet"].get("runs_without_source", {})
+                if run.startswith(manifest["run_id"])], manifest["parquet"]
     assert {"vlm-caption-summary", "vlm-caption-progress"} <= stack.artifacts_of(parent_id)
 
     # The server's scheduler has put the coming nights on the calendar: 02:00 in Berlin.

@@ -86,6 +86,25 @@ def test_folder_export_reads_back_with_datasets_pyarrow_and_pandas(tmp_path):
     assert frame.set_index("key").loc["b.jpg", "error_kind"] == "decode"
 
 
+def test_a_fanned_out_runs_rows_get_the_source_from_its_one_manifest(tmp_path):
+    """Each partition of a fanned-out run names its records `<run_id>-p<N>` (which partition
+    captioned the item); the run writes one manifest, under its own id. Every row gets the
+    source from it, and the report names no run without one (found on four H200s: every row of
+    a fan-out had an empty source, and a warning per partition)."""
+    from tasks.results.layout import partition_parts_id
+
+    output = out(tmp_path / "out")
+    for index, key in enumerate(["a.jpg", "b.jpg"]):
+        parts_id = partition_parts_id(RUN1, index)
+        write_shard.fn(output, FP, parts_id, index, [record(key, parts_id, f"caption {index}")])
+    write_manifest.fn(output, RUN1, {"run_id": RUN1, "parameters": {"source": "s3://media/photos/"}})
+    report = export_parquet(output)
+    assert report["rows"] == 2 and "runs_without_source" not in report
+    rows = by_key(pq.read_table(Path(tmp_path / "out") / PARQUET_KEY).to_pylist())
+    assert {key: (row["run_id"], row["source"]) for key, row in rows.items()} == {
+        "a.jpg": (f"{RUN1}-p0", "s3://media/photos/"), "b.jpg": (f"{RUN1}-p1", "s3://media/photos/")}
+
+
 def test_extra_record_fields_become_string_columns(tmp_path, monkeypatch):
     """A field another feature adds to the record (e.g. `structured`) is a JSON string column."""
     from pydantic import create_model

@@ -35,7 +35,7 @@ from prefect.cache_policies import NONE
 
 from tasks.observability import get_logger
 from tasks.results.done_index import _parse_part, _read_sidecar, parse_records, sidecar_key
-from tasks.results.layout import manifest_key
+from tasks.results.layout import manifest_key, run_of
 from tasks.results.records import ResultRecord
 from tasks.sources.items import ObjectRef
 from tasks.sources.storage import Storage
@@ -124,14 +124,16 @@ class _Sources:
     def __call__(self, run_id: str) -> str | None:
         if run_id not in self.known:
             try:
-                parameters = json.loads(self.out.read(manifest_key(run_id))).get("parameters") or {}
+                # A fanned-out run's partitions name their records `<run_id>-p<N>`; the run's
+                # one manifest is under its own id.
+                parameters = json.loads(self.out.read(manifest_key(run_of(run_id)))).get("parameters") or {}
                 self.known[run_id] = parameters.get("source") or parameters.get("manifest")
             except Exception as exc:  # noqa: BLE001 - a run that wrote no manifest (killed): no source column
                 self.known[run_id] = None
                 reason = f"{type(exc).__name__}: {exc}"
                 self.report.setdefault("runs_without_source", {})[run_id] = reason
                 self.log.warning("run's manifest unreadable; its rows have no source", run_id=run_id,
-                                 manifest=self.out.describe(manifest_key(run_id)), error=reason)
+                                 manifest=self.out.describe(manifest_key(run_of(run_id))), error=reason)
         return self.known[run_id]
 
 
