@@ -54,11 +54,11 @@ def place_processor(recipe: Recipe, requested: str, *, gpu: bool,
                               "use processor_device=auto (or cpu)")
         return ProcessorPlacement("cpu", "no GPU on this machine")
     if recipe.needs_remote_code:
-        return ProcessorPlacement("cpu", f"recipe {recipe.name!r}'s processor is the model repository's own code")
+        return ProcessorPlacement("cpu", f"the processor of recipe {recipe.name!r} is the model repository's own code")
     if requested == "cuda":
         return ProcessorPlacement("cuda", "asked for (processor_device=cuda)")
     if not recipe.processor_on_gpu:
-        return ProcessorPlacement("cpu", f"recipe {recipe.name!r}'s processor is not checked on the GPU "
+        return ProcessorPlacement("cpu", f"the processor of recipe {recipe.name!r} is not checked on the GPU "
                                          "(processor_device=cuda tries it)")
     return ProcessorPlacement("cuda", f"recipe {recipe.name!r} has a fast (torch) processor and a GPU is present")
 
