@@ -3,7 +3,7 @@
     results/<fingerprint>/part-<parts_id>-<shard>.jsonl one record per (item, question); parts_id
                                                         is the run's id, or <run_id>-p<N> for
                                                         partition N of a fanned-out run
-    results/<fingerprint>/part-<run_id>-<shard>.idx     its done-index rows (tasks/results/done_index.py)
+    results/<fingerprint>/part-<parts_id>-<shard>.idx   its done-index rows (tasks/results/done_index.py)
     results/<fingerprint>/index-<stamp>.vidx           many parts' rows in one object (the same)
     manifests/<run_id>.json                             written when the run ends
     partitions/<run_id>/pNNN.json                       a fanned-out child's report

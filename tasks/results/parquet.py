@@ -122,19 +122,20 @@ class _Sources:
         self.out, self.known, self.log, self.report = out, {}, log, report
 
     def __call__(self, run_id: str) -> str | None:
-        if run_id not in self.known:
+        # A fanned-out run's partitions name their records `<run_id>-p<N>`; the run's one
+        # manifest is under its own id, read once for all of them.
+        run = run_of(run_id)
+        if run not in self.known:
             try:
-                # A fanned-out run's partitions name their records `<run_id>-p<N>`; the run's
-                # one manifest is under its own id.
-                parameters = json.loads(self.out.read(manifest_key(run_of(run_id)))).get("parameters") or {}
-                self.known[run_id] = parameters.get("source") or parameters.get("manifest")
+                parameters = json.loads(self.out.read(manifest_key(run))).get("parameters") or {}
+                self.known[run] = parameters.get("source") or parameters.get("manifest")
             except Exception as exc:  # noqa: BLE001 - a run that wrote no manifest (killed): no source column
-                self.known[run_id] = None
+                self.known[run] = None
                 reason = f"{type(exc).__name__}: {exc}"
-                self.report.setdefault("runs_without_source", {})[run_id] = reason
-                self.log.warning("run's manifest unreadable; its rows have no source", run_id=run_id,
-                                 manifest=self.out.describe(manifest_key(run_of(run_id))), error=reason)
-        return self.known[run_id]
+                self.report.setdefault("runs_without_source", {})[run] = reason
+                self.log.warning("run's manifest unreadable; its rows have no source", run_id=run,
+                                 manifest=self.out.describe(manifest_key(run)), error=reason)
+        return self.known[run]
 
 
 def _winners(out: Storage, parts: list[ObjectRef], keys: set[str], log, report) -> list[np.ndarray]:
