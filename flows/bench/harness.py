@@ -192,9 +192,7 @@ def partition_workers(gpus: int, work: Path, api_env: dict[str, str]):
 
 def _prefect_cli(args: list[str], env: dict[str, str]) -> tuple[str, subprocess.Popen]:
     """`prefect <args>`, started; `_finish` waits for it."""
-    return f"prefect {' '.join(args)}", subprocess.Popen(
-        [sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    return _start(f"prefect {' '.join(args)}", ["-m", "prefect", *args], env)
 
 
 def _save_loopback_credentials(env: dict[str, str]) -> tuple[str, subprocess.Popen]:
@@ -202,9 +200,13 @@ def _save_loopback_credentials(env: dict[str, str]) -> tuple[str, subprocess.Pop
             f"AwsCredentials(aws_access_key_id=os.environ['AWS_ACCESS_KEY_ID'], "
             f"aws_secret_access_key=os.environ['AWS_SECRET_ACCESS_KEY'], region_name='us-east-1')"
             f".save({S3_BLOCK!r}, overwrite=True)")
-    return f"saving the {S3_BLOCK} block", subprocess.Popen(
-        [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+    return _start(f"saving the {S3_BLOCK} block", ["-c", code], env)
+
+
+def _start(what: str, args: list[str], env: dict[str, str]) -> tuple[str, subprocess.Popen]:
+    """This Python with `args`, started in the repository, its output kept for `_finish`."""
+    return what, subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(steps: list[tuple[str, subprocess.Popen]]) -> None:

@@ -13,8 +13,9 @@ from tasks.results.records import ItemError
 
 DEFAULT_NUM_FRAMES = 16  # the examples' --num-frames
 # One video decode at a time per process: a decode holds a whole video's bytes and frames, and
-# OpenCV spreads one decode over the cores. With VLM_CAPTION_VIDEO_DECODE_IN_POOL the flow decodes
-# in the decode pool's processes (tasks/media/pool.py), several clips at once, one in each.
+# OpenCV spreads one decode over the cores. Where VLM_CAPTION_VIDEO_DECODE_IN_POOL says (by default
+# where a GPU is seen) the flow decodes in the decode pool's processes (tasks/media/pool.py),
+# several clips at once, one in each.
 _DECODE_LOCK = threading.Lock()
 
 
