@@ -239,3 +239,46 @@ def test_skip_raw_and_skip_raw_n_reach_the_config(flags, skip_raw, skip_raw_n):
     cfg = BenchConfig(workdir="bench", gpus=args.gpus, skip_raw=args.skip_raw)
     assert (cfg.skip_raw, cfg.skip_raw_n, cfg.runs_raw_n()) == (skip_raw, skip_raw_n, not skip_raw_n)
     assert not BenchConfig(workdir="bench").runs_raw_n()  # one GPU: no raw, N processes
+
+
+def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_path, monkeypatch, capsys):
+    """`--warm-up`: raw over the first WARM_UP_ITEMS items runs before raw and the flow (so each
+    finds the host's kernels compiled), its figures kept apart as `warm_up` and printed as not
+    compared; without the flag no such phase runs. Without an engine: each phase's process is
+    stood in for."""
+    import argparse
+    import contextlib
+
+    from flows.bench import driver, phases
+    from flows.bench.cli import add_bench_arguments
+    from flows.bench.config import WARM_UP_ITEMS, BenchConfig
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    assert parser.parse_args(["--warm-up"]).warm_up and not parser.parse_args([]).warm_up
+    ran = []
+
+    def fake_phase(phase, cfg, folder, model, *args, **kwargs):
+        ran.append(phase)
+        return {"items": WARM_UP_ITEMS if phase == "warm-up" else cfg.images, "engine_ready_s": 9.0,
+                "wall_s": 12.0, "generate_items_per_s": 2.0}
+
+    monkeypatch.setattr(driver, "run_phase", fake_phase)
+    monkeypatch.setattr(driver, "prefect_api", lambda *a: contextlib.nullcontext({}))
+    monkeypatch.setattr(driver, "make_bench_media", lambda cfg, work: work)
+    for warm_up in (True, False):
+        ran.clear()
+        report = driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", images=1024, warm_up=warm_up))
+        assert ran == (["warm-up"] if warm_up else []) + ["raw", "flow"]
+        assert ("warm_up" in report) is warm_up
+    ran.clear()
+    report = driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", images=1024, warm_up=True))
+    assert report["warm_up"] == {"items": WARM_UP_ITEMS, "engine_ready_s": 9.0, "wall_s": 12.0}
+    assert "warm-up (raw, 16 items, not compared): engine ready at 9.00 s" in capsys.readouterr().out
+    # the phase's own process takes the first 16 of 1,024 items, as raw takes a slice
+    taken = {}
+    monkeypatch.setattr(phases, "phase_raw", lambda cfg, folder, model, part=None, **kw: taken.update(part=part) or {})
+    monkeypatch.setenv(phases.RESULT_FILE, str(tmp_path / "result.json"))
+    monkeypatch.setattr(phases, "_torch_gpu_peak_mb", lambda: None)
+    phases.child_main("warm-up", json.dumps({"workdir": str(tmp_path), "images": 1024}), str(tmp_path), "m")
+    assert phases.raw_slice(list(range(1024)), *taken["part"]) == list(range(WARM_UP_ITEMS))

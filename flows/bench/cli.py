@@ -64,5 +64,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --gpus N: leave out \"raw, N processes\" (N raw vLLM scripts started at "
                         "once, one per GPU, each given 1/N of the items), which a --gpus run otherwise "
                         "runs and puts the fan-out over")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="first run raw vLLM over a few items, not compared: on a fresh host the first engine "
+                        "compiles its kernels (minutes on a GPU), so without it the first phase's engine-ready "
+                        "time is not comparable with the others'")
     parser.add_argument("--json-schema", metavar="FILE|tags",
                         help="both phases answer in JSON matching this schema (vLLM's structured outputs)")

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.bench.config import BenchConfig
+from flows.bench.config import WARM_UP_ITEMS, BenchConfig
 from flows.bench.media import GROUP_SIZE, bench_items, make_bench_tars
 
 RESULT_FILE = "VLM_CAPTION_BENCH_RESULT"  # where a phase's process writes its figures (JSON)
@@ -198,6 +198,8 @@ def child_main(phase: str, config_json: str, folder: str, model: str) -> None:
     elif phase.startswith("raw-n:"):  # "raw-n:i:n": the i-th process of raw, N processes
         _, index, count = phase.split(":")
         result = phase_raw(cfg, Path(folder), model, part=(int(index), int(count)))
+    elif phase == "warm-up":  # the first WARM_UP_ITEMS items, as raw takes them
+        result = phase_raw(cfg, Path(folder), model, part=(0, max(1, cfg.images // WARM_UP_ITEMS)))
     elif phase == "raw-same":
         result = phase_raw(cfg, Path(folder), model, processor_device=cfg.processor_device)
     else:

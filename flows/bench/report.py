@@ -156,6 +156,9 @@ def print_table(report: dict[str, Any], path: Path) -> None:
         print(f"partition {part['index']} on GPU {part['devices']} ({part['worker'] or 'the run itself'}): "
               f"{part['processed']} items, engine ready at {_fmt(part['engine_ready_s'])} s, generated from "
               f"{_fmt(start)} s to {_fmt(end)} s at {_fmt(part['generate_items_per_s'])} items/s")
+    if "warm_up" in report:
+        print(f"warm-up (raw, {report['warm_up']['items']} items, not compared): engine ready at "
+              f"{_fmt(report['warm_up']['engine_ready_s'])} s")
     gaps = report.get("engine_ready_after_raw_s") or {}
     if gaps:
         print("engine ready later than raw's, each from its phase's start: " + ", ".join(
