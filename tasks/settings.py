@@ -78,7 +78,10 @@ class Settings(BaseSettings):
     # 0.4 GB, while the engine starts). Measured (2x H200, 1,024 clips, 2026-11-26): one GPU 23.1
     # -> 26.7 clips/s, two GPUs 26.9 -> 37.1. On a 2-core CPU it costs (22.7 against 24.1 clips/s:
     # OpenCV already spreads one decode over both cores, and the CPU engine needs them), so `auto`
-    # pools only where the engine has a GPU.
+    # pools only where the engine has a GPU. Those figures were before the frames came back
+    # through shared memory: the pool's result pipe had carried about 30 clips/s at most
+    # (tasks/media/shared_frames.py); on the 2-core machine the pool now decodes 25 clips/s of
+    # Qwen2-VL-size frames against 18-21 in the fetch threads (CPU engine apart).
     video_decode_in_pool: bool | Literal["auto"] = Field(
         "auto", description="Decode videos in the decode pool's processes, several at once (each pool process "
         "then imports vLLM's video loader); false: one at a time per process, in the fetch threads; auto: in "
@@ -90,6 +93,13 @@ class Settings(BaseSettings):
     decode_niceness: int = Field(
         10, description="How much lower the decode workers' CPU priority is than the flow's (Unix `nice`), so "
         "they never take a core from vLLM's scheduler or the feed; 0: the same.")
+    # Threads each decode process gives torch (the processor's resize) and OpenCV. Their default
+    # is one per core in every process: a pool of one process per core then runs cores x cores
+    # threads, and torch's OpenMP threads spin while they wait for work, taking the cores from
+    # the other processes (PyTorch's DataLoader workers keep to one thread for the same reason).
+    decode_threads: int = Field(
+        1, description="Threads each decode-pool process gives torch and OpenCV (the pool is the parallelism); "
+        "0: the libraries' own default, one per core.")
     max_image_pixels: int = Field(
         64_000_000, description="Largest image decoded (decompression bombs); a bigger one is an error record.")
     max_video_seconds: float = Field(

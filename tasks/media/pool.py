@@ -8,11 +8,13 @@ import atexit
 import functools
 import multiprocessing
 import os
+import sys
 import threading
 from concurrent.futures import Executor, ProcessPoolExecutor
 
 from tasks.media.image import MediaError, decode_image
 from tasks.media.resize import ImageResize, ProcessorResize
+from tasks.media.shared_frames import share_frames, taken
 from tasks.media.video import DecodedVideo, VideoLimits, decode_video, video_loader
 from tasks.settings import get_settings
 
@@ -32,22 +34,41 @@ def decode_job(data: bytes, max_pixels: int, target: ImageResize | None):
 
 
 def decode_video_job(data: bytes, num_frames: int, limits: VideoLimits, resize: ProcessorResize | None):
-    """Runs in a pool process: (video, None) or (None, error), as `decode_job`."""
+    """Runs in a pool process: (video, None) or (None, error), as `decode_job`. The frames travel
+    in shared memory where there is room (tasks/media/shared_frames.py): the pool's one result
+    pipe carried about 30 clips/s whatever the processes."""
     try:
-        return decode_video(data, num_frames=num_frames, limits=limits, resize=resize), None
+        video = decode_video(data, num_frames=num_frames, limits=limits, resize=resize)
     except MediaError as exc:
         return None, exc.error
+    video.frames = share_frames(video.frames)
+    return video, None
 
 
-def _start_worker(niceness: int, videos: bool) -> None:
+def _start_worker(niceness: int, videos: bool, threads: int = 0) -> None:
     """Pool initializer: decoding is work ahead of the engine; it yields the CPU to the engine's
-    scheduler and the feed rather than competing with them for cores. A pool that decodes videos
-    imports vLLM's loader here, as the process starts (while the engine starts), not at its
-    first clip."""
+    scheduler and the feed rather than competing with them for cores, and each process keeps to
+    `threads` threads (VLM_CAPTION_DECODE_THREADS; 0: the libraries' defaults). A pool that
+    decodes videos imports vLLM's loader here, as the process starts (while the engine starts),
+    not at its first clip."""
     if niceness > 0 and hasattr(os, "nice"):
         os.nice(niceness)
+    if threads > 0:
+        keep_to_threads(threads)
     if videos:
         video_loader()
+        if threads > 0:
+            keep_to_threads(threads)  # torch and OpenCV as the loader imported them
+
+
+def keep_to_threads(threads: int) -> None:
+    """Torch's and OpenCV's threads in this process: set on the modules already imported, and in
+    the environment each reads as it is first imported."""
+    os.environ["OMP_NUM_THREADS"] = os.environ["OPENCV_FOR_THREADS_NUM"] = str(threads)
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.set_num_threads(threads)
+    if (cv2 := sys.modules.get("cv2")) is not None:
+        cv2.setNumThreads(threads)
 
 
 def videos_in_pool() -> bool:
@@ -101,7 +122,8 @@ def decode_pool(for_videos: bool = False) -> Executor | None:
             # spawn: the flow process holds threads (Prefect, vLLM's client); forking them is unsafe.
             _POOL = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                         initializer=_start_worker,
-                                        initargs=(get_settings().decode_niceness, for_videos))
+                                        initargs=(get_settings().decode_niceness, for_videos,
+                                                  get_settings().decode_threads))
             _POOL_SIZE = workers
             atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
         return _POOL
@@ -144,4 +166,5 @@ def decode_video_pooled(data: bytes, *, num_frames: int, limits: VideoLimits,
     video, error = pool.submit(decode_video_job, data, num_frames, limits, resize).result()
     if error is not None:
         raise MediaError(error)
+    video.frames = taken(video.frames)
     return video
