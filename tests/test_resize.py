@@ -174,7 +174,7 @@ def test_a_pool_made_for_videos_is_capped_and_an_image_pool_is_not(monkeypatch):
     get_settings.cache_clear()
 
 
-def test_frames_cross_through_shared_memory_only_where_there_is_room(monkeypatch):
+def test_frames_cross_through_shared_memory_only_where_there_is_room(monkeypatch, caplog):
     """A decoded clip's frames go from a pool process to the caller in a shared-memory block,
     read back equal and the block removed; where /dev/shm lacks room (a Docker container's 64 MB),
     or for nothing at all, the frames themselves go (through the pool's pipe, as before)."""
@@ -194,7 +194,14 @@ def test_frames_cross_through_shared_memory_only_where_there_is_room(monkeypatch
         shared_memory.SharedMemory(name=handle.name)
     assert shared.share_frames(frames[:0]).shape == (0, 6, 8, 3)  # nothing to hand over: as it is
     monkeypatch.setattr(shared, "shm_free_bytes", lambda: shared.SHM_HEADROOM + frames.nbytes - 1)
-    assert shared.share_frames(frames) is frames and shared.taken(frames) is frames
+    monkeypatch.setattr(shared, "_WARNED", [])
+    with caplog.at_level("WARNING", logger=shared.__name__):
+        assert shared.share_frames(frames) is frames and shared.taken(frames) is frames
+        monkeypatch.setattr(shared, "shm_free_bytes", lambda: 0)
+        shared.share_frames(frames)
+    said = ("/dev/shm has 1024 MB free: decoded clips come back from the decode pool through its pipe (about 30 "
+            "clips/s); give the container more (docker run --shm-size 16g, or --ipc=host)")
+    assert [r.getMessage() for r in caplog.records] == [said]  # once, with what to do
 
 
 def test_a_decode_process_keeps_torch_and_opencv_to_its_threads(monkeypatch):

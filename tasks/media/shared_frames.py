@@ -15,6 +15,7 @@ SIGBUS, so below SHM_HEADROOM the frames go through the pipe as before.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -48,7 +49,10 @@ class SharedFrames:
 def share_frames(frames):
     """`frames` (a numpy array) in a new shared-memory block, or `frames` themselves where
     /dev/shm lacks the room (the caller's `taken` then leaves them as they are)."""
-    if not frames.nbytes or shm_free_bytes() < frames.nbytes + SHM_HEADROOM:
+    if not frames.nbytes:
+        return frames
+    if (free := shm_free_bytes()) < frames.nbytes + SHM_HEADROOM:
+        _warn_once(free)
         return frames
     import numpy as np
 
@@ -66,6 +70,18 @@ def share_frames(frames):
 def taken(frames):
     """The array `share_frames` handed over, read back here (or the array itself)."""
     return frames.take() if isinstance(frames, SharedFrames) else frames
+
+
+_WARNED: list[int] = []  # the free space this process warned about, once
+
+
+def _warn_once(free: int) -> None:
+    if _WARNED:
+        return
+    _WARNED.append(free)
+    logging.getLogger(__name__).warning(
+        "/dev/shm has %d MB free: decoded clips come back from the decode pool through its pipe (about 30 "
+        "clips/s); give the container more (docker run --shm-size 16g, or --ipc=host)", free >> 20)
 
 
 def shm_free_bytes() -> int:
