@@ -119,6 +119,7 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
         try:
             yield log_path
         finally:
+            _release_engine()  # else vLLM ends its processes at exit, a warning on the terminal
             _stop_embedded_prefect_servers(servers_before)  # else each says so at exit, on the terminal
             _terminal = None
             sys.stdout.flush()
@@ -141,6 +142,20 @@ def run_terminal(output: str, *, verbose: bool, log_format: str | None) -> Itera
 
     with quiet_terminal(log_file_for(output, get_settings().log_dir)) as log_path:
         yield log_path
+
+
+def _release_engine() -> None:
+    """The run's engine shut down now, into the log: at exit vLLM's process manager may say, on
+    the terminal, that it force-killed an engine process slow to end (seen on a busy 2-core CI
+    machine). Nothing is imported for a run that started no engine."""
+    engine = sys.modules.get("tasks.engine.vllm_engine")
+    if engine is None:
+        return
+    try:
+        engine.release_engines()
+    except Exception as exc:  # noqa: BLE001 - the run is over: nothing here may fail it
+        print(f"vlm-caption: the engine not shut down now ({type(exc).__name__}: {exc}); it is as the process "
+              "ends", file=sys.stderr)  # the run's log
 
 
 def _embedded_prefect_servers() -> dict[int, Any]:

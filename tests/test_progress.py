@@ -144,6 +144,31 @@ def test_a_quiet_run_stops_only_the_embedded_server_it_started(tmp_path, monkeyp
     assert Server.stopped == ["the run's"]
 
 
+def test_a_quiet_run_shuts_its_engine_down_into_the_log(tmp_path):
+    """The engine is released inside the redirect: what vLLM says as it ends the engine's
+    processes (a force kill under load) goes to the run's log, not the terminal after the summary."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    log = tmp_path / "run.log"
+    script = f"""
+import sys
+from pathlib import Path
+import tasks.engine.vllm_engine as engine
+from tasks.terminal import quiet_terminal
+engine.release_engines = lambda: print("WARNING vllm.v1.utils - [shutdown] force killing", file=sys.stderr)
+with quiet_terminal(Path({str(log)!r})):
+    pass
+engine.release_engines = lambda: None  # at exit: nothing more
+print("the summary")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert "force killing" not in done.stdout + done.stderr and "force killing" in log.read_text()
+
+
 def test_a_long_label_leaves_the_counts_on_the_line(monkeypatch):
     from rich.console import Console
 
