@@ -193,8 +193,15 @@ def test_frames_cross_through_shared_memory_only_where_there_is_room(monkeypatch
     with pytest.raises(FileNotFoundError):  # removed once read
         shared_memory.SharedMemory(name=handle.name)
     assert shared.share_frames(frames[:0]).shape == (0, 6, 8, 3)  # nothing to hand over: as it is
+    def refused(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as full:  # filled up after the check: the pipe, not a failed item
+        full.setattr(shared.shared_memory, "SharedMemory", refused)
+        assert shared.share_frames(frames) is frames
     monkeypatch.setattr(shared, "shm_free_bytes", lambda: shared.SHM_HEADROOM + frames.nbytes - 1)
     monkeypatch.setattr(shared, "_WARNED", [])
+    caplog.clear()
     with caplog.at_level("WARNING", logger=shared.__name__):
         assert shared.share_frames(frames) is frames and shared.taken(frames) is frames
         monkeypatch.setattr(shared, "shm_free_bytes", lambda: 0)

@@ -56,7 +56,11 @@ def share_frames(frames):
         return frames
     import numpy as np
 
-    block = shared_memory.SharedMemory(create=True, size=frames.nbytes)
+    try:
+        block = shared_memory.SharedMemory(create=True, size=frames.nbytes)
+    except OSError:  # /dev/shm filled up meanwhile, or is not ours to write: through the pipe
+        _warn_once(shm_free_bytes())
+        return frames
     try:
         np.ndarray(frames.shape, frames.dtype, buffer=block.buf)[...] = frames
     except BaseException:
