@@ -160,11 +160,16 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
         f"{core};thread (11): MainThread;run_engine_core (vllm/v1/engine/core.py:1);schedule (scheduler.py:7) 60",
         f"{core};thread (11): MainThread;run_engine_core (vllm/v1/engine/core.py:1);"
         f"EngineCore.__init__ (vllm/v1/engine/core.py:90);capture_model (gpu_model_runner.py:4) 20",
+        # both pools' initializers are `_start_worker`: each pool is told by its module
+        f"{flow};process 13:\"spawn\";thread (13): MainThread;_start_worker (tasks/media/pool.py:58);"
+        f"video_loader (tasks/media/video.py:52);_find_and_load (<frozen importlib._bootstrap>:1) 2",
+        f"{flow};process 14:\"spawn\";thread (14): MainThread;_start_worker (tasks/engine/render.py:80) 1",
     ]))
     summary = profile_summary(tmp_path / "p.txt")
-    assert summary["samples"] == 120
-    core_row, flow_row = summary["processes"]
-    assert (core_row["role"], core_row["samples"], core_row["share_of_all_pct"]) == ("vllm engine core", 80, 66.7)
+    assert summary["samples"] == 123
+    core_row, flow_row, decode_row, render_row = summary["processes"]
+    assert (decode_row["role"], render_row["role"]) == ("decode pool", "render pool")
+    assert (core_row["role"], core_row["samples"], core_row["share_of_all_pct"]) == ("vllm engine core", 80, 65.0)
     assert core_row["starting_pct"] == 25.0  # the engine's construction (CUDA-graph capture) is start-up
     assert core_row["by_function_pct"] == {"schedule (scheduler.py:7)": 75.0}
     assert flow_row["importing_pct"] == 12.5 and flow_row["by_function_pct"] == {

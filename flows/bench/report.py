@@ -22,9 +22,11 @@ def write_report(report: dict[str, Any], work: Path) -> Path:
 
 
 # What a process is, told by a function only it runs (py-spy names spawned children by their
-# command line, which is the same for every multiprocessing child).
+# command line, which is the same for every multiprocessing child). The two pools' initializers
+# share a name (`_start_worker`), so a pool is told by its module: a video decode pool spends
+# most of its samples in its initializer, importing vLLM's loader.
 PROCESS_ROLES = (("phase_flow", "flow"), ("phase_raw", "raw"), ("run_engine_core", "vllm engine core"),
-                 ("decode_job", "decode pool"), ("_start_worker", "render pool"))
+                 ("(tasks/media/pool.py:", "decode pool"), ("(tasks/engine/render.py:", "render pool"))
 
 
 # Stacks that are start-up, not the steady state: imports, and the engine core's construction (the
