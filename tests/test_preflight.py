@@ -53,6 +53,34 @@ def test_unknown_engine_argument_names_close_matches(prefect_api, tmp_path, no_e
     assert not (tmp_path / "out").exists()
 
 
+def test_the_engine_argument_names_are_engine_args_fields():
+    """The names a misspelled override is checked against are read from vLLM's source without
+    importing vLLM, and without `ast`, whose parse fails when vLLM's import thread parses at the
+    same time: they must be exactly `EngineArgs`' fields."""
+    import dataclasses
+    import io
+    import tokenize
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from tasks.engine.arguments import class_fields, engine_argument_names
+
+    assert engine_argument_names() == {field.name for field in dataclasses.fields(EngineArgs)}
+    source = (
+        "class Other:\n    nope: int = 1\n"
+        "@dataclass\nclass EngineArgs:\n"
+        '    """Docstring.\n    not_a_field: str\n    """\n'
+        "    model: str = 'x'  # a comment\n"
+        "    limits: dict[str, int] = field(\n        default_factory=dict)\n"
+        "    kept: ClassVar[int] = 0\n"
+        "    if TYPE_CHECKING:\n        hidden: int\n"
+        "    def method(self, inner: int):\n        local: int = 1\n"
+        "    last: 'Optional[int]' = None\n"
+        "after: int = 2\n")
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    assert list(class_fields(tokens, "EngineArgs")) == ["model", "limits", "last"]
+
+
 def test_missing_folder_and_bucket_and_manifest(prefect_api, tmp_path, s3_client, no_engine):
     with pytest.raises(StorageError, match="no such folder"):
         run(source=str(tmp_path / "nope"), output=str(tmp_path / "out"))
