@@ -105,10 +105,11 @@ def prefect_api():
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    """moto's standalone S3 server on loopback, reached over real HTTP by boto3."""
+    """moto's standalone S3 server on loopback (its conditional PUTs atomic, as S3's are:
+    flows/bench/loopback_s3.py), reached over real HTTP by boto3."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-m", "flows.bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"

@@ -105,7 +105,7 @@ def s3_source(folder: Path, work: Path):
         env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
                "VLM_CAPTION_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "VLM_CAPTION_BENCH_S3": LOOPBACK_S3}
         log = open(work / "moto-server.log", "wb")
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        server = subprocess.Popen([sys.executable, "-m", "flows.bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
                                   stdout=log, stderr=subprocess.STDOUT)
         _wait_until(lambda: _healthy(env["VLM_CAPTION_S3_ENDPOINT_URL"], path="/moto-api/"), server,
                     f"the moto S3 server did not start; see {work / 'moto-server.log'}")
