@@ -95,7 +95,8 @@ def engine_argument_names() -> frozenset[str]:
 
     Read with `tokenize`, not `ast`: Python 3.11's AST constructor keeps its recursion depth in
     state that threads share, and vLLM's import, on its own thread from the flow's start, parses
-    its config classes with `ast` -- two parses at once failed a fresh CI run with "SystemError:
+    source with `ast` over a hundred times (torch's overloads and dynamo polyfills, pydantic's
+    field docstrings, torchcodec) -- two parses at once failed a fresh CI run with "SystemError:
     AST constructor recursion depth mismatch"."""
     import importlib.util
 
