@@ -7,8 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tokenize
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,51 +89,18 @@ def check_engine_overrides(overrides: dict[str, Any]) -> None:
 def engine_argument_names() -> frozenset[str]:
     """The fields of vLLM's `EngineArgs`, read from its source without importing vLLM (which takes
     20 s on a small machine; a misspelled argument must cost the user under a second). Checked
-    against `dataclasses.fields(EngineArgs)` in the tests.
-
-    Read with `tokenize`, not `ast`: Python 3.11's AST constructor keeps its recursion depth in
-    state that threads share, and vLLM's import, on its own thread from the flow's start, parses
-    source with `ast` over a hundred times (torch's overloads and dynamo polyfills, pydantic's
-    field docstrings, torchcodec) -- two parses at once failed a fresh CI run with "SystemError:
-    AST constructor recursion depth mismatch"."""
+    against `dataclasses.fields(EngineArgs)` in the tests. (`ast.parse` runs one at a time once
+    vLLM is imported on a thread: `serialize_ast_parse` in tasks/engine/vllm_engine.py.)"""
+    import ast
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")
     source = Path(spec.origin).parent / "engine" / "arg_utils.py"
-    with tokenize.open(source) as text:
-        return frozenset(class_fields(tokenize.generate_tokens(text.readline), "EngineArgs"))
-
-
-def class_fields(tokens: Iterable[tokenize.TokenInfo], class_name: str) -> Iterator[str]:
-    """The names annotated at the top level of a module-level class's body (`name: type [=
-    default]`), ClassVars left out, from the module's tokens."""
-    import keyword
-
-    depth = 0  # indented blocks open at the current token
-    body: int | None = None  # the class body's depth, once the class line has been read
-    line: list[tokenize.TokenInfo] = []  # the logical line being read
-    for token in tokens:
-        if token.type == tokenize.INDENT:
-            depth += 1
-        elif token.type == tokenize.DEDENT:
-            depth -= 1
-            if body is not None and depth < body:
-                return
-        elif token.type in (tokenize.NL, tokenize.COMMENT):
-            continue
-        elif token.type != tokenize.NEWLINE:
-            line.append(token)
-        else:
-            words = [t.string for t in line]
-            if body is None:
-                if depth == 0 and words[:2] == ["class", class_name]:
-                    body = 1
-            elif (depth == body and len(words) > 1 and words[1] == ":" and line[0].type == tokenize.NAME
-                  and not keyword.iskeyword(words[0])):
-                annotation = words[2:words.index("=")] if "=" in words else words[2:]
-                if "ClassVar" not in annotation:
-                    yield words[0]
-            line = []
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    (engine_args,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineArgs"]
+    return frozenset(node.target.id for node in engine_args.body
+                     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                     and "ClassVar" not in ast.unparse(node.annotation))
 
 
 def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, Any]:

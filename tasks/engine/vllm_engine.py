@@ -41,6 +41,7 @@ def import_vllm_in_background() -> None:
     global _IMPORTING
     if _IMPORTING is not None:
         return
+    serialize_ast_parse()
     _IMPORTING = threading.Thread(target=_import_vllm, name="vllm-import", daemon=True)
     _IMPORTING.start()
     atexit.register(_IMPORTING.join)
@@ -58,6 +59,33 @@ def ensure_vllm_imported() -> None:
 
 
 _IMPORTING: threading.Thread | None = None
+
+
+def serialize_ast_parse() -> None:
+    """One `ast.parse` at a time in this process, from here on (Python before 3.13).
+
+    Python 3.11's AST constructor keeps its recursion depth in state that threads share, so two
+    parses at once can fail with "SystemError: AST constructor recursion depth mismatch" (a fresh
+    CI run, 2026-11-27). vLLM's import parses source over a hundred times (torch's overloads and
+    dynamo polyfills, pydantic's field docstrings, torchcodec) on its thread, while the caller
+    imports Prefect and the flow's modules, which parse too (pydantic, 26 times). Every one of
+    them calls `ast.parse` through the module, so a lock around it covers them all; an import's
+    own compile makes no AST objects and needs none."""
+    import ast
+    import functools
+    import sys
+
+    if sys.version_info >= (3, 13) or getattr(ast.parse, "serialized", False):
+        return
+    parse, lock = ast.parse, threading.RLock()
+
+    @functools.wraps(parse)
+    def serialized(*args, **kwargs):
+        with lock:
+            return parse(*args, **kwargs)
+
+    serialized.serialized = True
+    ast.parse = serialized
 
 
 def _import_vllm() -> None:
