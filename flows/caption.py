@@ -31,7 +31,7 @@ from flows.pipeline import PartitionRun, caption_shards
 from flows.plan import RunPlan, make_plan, take_partition_cores
 from tasks.concurrency import one_run_per_job
 from tasks.engine.host_share import current_cpus, format_cpu_list
-from tasks.engine.vllm_engine import ensure_vllm_imported, import_vllm_in_background
+from tasks.engine.vllm_import import ensure_vllm_imported, import_vllm_in_background
 from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
 from tasks.results.gallery import gallery_after_run

@@ -248,7 +248,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
     from flows.plan import take_partition_cores
-    from tasks.engine.vllm_engine import import_vllm_in_background
+    from tasks.engine.vllm_import import import_vllm_in_background
 
     take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
     # vLLM's import (most of the time to the engine's start) runs while the flow's modules are

@@ -156,10 +156,10 @@ def no_flow(monkeypatch):
     caption = types.ModuleType("flows.caption")
     # A summary shaped like the flow's (an empty run), so the CLI's end-of-run summary is exercised too.
     caption.vlm_caption = lambda job: calls.append(job) or {**RunStats().summary(), "fingerprint": "f" * 12}
-    engine = types.ModuleType("tasks.engine.vllm_engine")
-    engine.import_vllm_in_background = lambda: None
+    engine = types.ModuleType("tasks.engine.vllm_import")
+    engine.import_vllm_in_background = engine.ensure_vllm_imported = lambda: None
     monkeypatch.setitem(sys.modules, "flows.caption", caption)
-    monkeypatch.setitem(sys.modules, "tasks.engine.vllm_engine", engine)
+    monkeypatch.setitem(sys.modules, "tasks.engine.vllm_import", engine)
     return calls
 
 

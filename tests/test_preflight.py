@@ -74,7 +74,7 @@ def test_ast_parse_runs_one_at_a_time_once_vllm_imports_on_a_thread(monkeypatch)
     import threading
     import time
 
-    from tasks.engine import vllm_engine
+    from tasks.engine import vllm_import
 
     running, most = 0, 0
     guard = threading.Lock()
@@ -99,10 +99,10 @@ def test_ast_parse_runs_one_at_a_time_once_vllm_imports_on_a_thread(monkeypatch)
     monkeypatch.setattr(ast, "parse", slow_parse)
     parse_at_once()
     assert most > 1  # the check can see overlapping parses
-    monkeypatch.setattr(vllm_engine, "_IMPORTING", None)
-    monkeypatch.setattr(vllm_engine, "_import_vllm", lambda: None)
-    vllm_engine.import_vllm_in_background()
-    vllm_engine.ensure_vllm_imported()
+    monkeypatch.setattr(vllm_import, "_IMPORTING", None)
+    monkeypatch.setattr(vllm_import, "_import_vllm", lambda: None)
+    vllm_import.import_vllm_in_background()
+    vllm_import.ensure_vllm_imported()
     most = 0
     parse_at_once()
     assert most == 1 and ast.parse.serialized

@@ -98,7 +98,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
     started = _process_started()
     from flows.params import CaptionJob
     from flows.plan import take_partition_cores
-    from tasks.engine.vllm_engine import import_vllm_in_background
+    from tasks.engine.vllm_import import import_vllm_in_background
 
     source, output = str(folder), str(Path(cfg.workdir) / f"out-{int(time.time())}")
     if cfg.source == "s3":  # uploaded by the driver (flows/bench/harness.py, s3_source)

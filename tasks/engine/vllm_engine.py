@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,78 +21,9 @@ from recipes.requests import prompt_text, resolve_stop_ids
 from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
 from tasks.engine.feed import EngineDied, EngineFeed
 from tasks.engine.render import RenderJob, RenderPool
+from tasks.engine.vllm_import import ensure_vllm_imported
 from tasks.results.records import GenerationOutput
 from tasks.settings import get_settings
-
-# Importing vLLM otherwise runs logging.config.dictConfig, which shuts down every handler in the
-# process -- Prefect's API log handler included, whose flush then deadlocks inside a running
-# flow. With this, vLLM's warnings still reach the root logger that Prefect configures.
-os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-
-
-def import_vllm_in_background() -> None:
-    """Start importing vLLM (torch, CUDA, transformers, its kernels: 8 s on a laptop CPU, more
-    on a GPU host) on a thread, for a caller about to wait on something else first:
-    `vlm-caption run` waits for Prefect's embedded server, which starts in a process of its own.
-    The flow's first step joins it (`ensure_vllm_imported`). The process also joins it before it
-    exits, so an early error never tears down an interpreter mid-import. A second call (the flow
-    after `vlm-caption run`) joins the first's."""
-    global _IMPORTING
-    if _IMPORTING is not None:
-        return
-    serialize_ast_parse()
-    _IMPORTING = threading.Thread(target=_import_vllm, name="vllm-import", daemon=True)
-    _IMPORTING.start()
-    atexit.register(_IMPORTING.join)
-
-
-def ensure_vllm_imported() -> None:
-    """vLLM imported before the flow's threads start: the engine's start, the fetch threads (the
-    video loader) and the render pool all import parts of it, and transformers' lazy modules
-    fail ("cannot import name 'AutoTokenizer'") when two threads import them at once. Joins
-    `import_vllm_in_background` when it was started, imports here otherwise."""
-    if _IMPORTING is None:
-        _import_vllm()
-    else:
-        _IMPORTING.join()
-
-
-_IMPORTING: threading.Thread | None = None
-
-
-def serialize_ast_parse() -> None:
-    """One `ast.parse` at a time in this process, from here on (Python before 3.13).
-
-    Python 3.11's AST constructor keeps its recursion depth in state that threads share, so two
-    parses at once can fail with "SystemError: AST constructor recursion depth mismatch" (a fresh
-    CI run, 2026-11-27). vLLM's import parses source over a hundred times (torch's overloads and
-    dynamo polyfills, pydantic's field docstrings, torchcodec) on its thread, while the caller
-    imports Prefect and the flow's modules, which parse too (pydantic, 26 times). Every one of
-    them calls `ast.parse` through the module, so a lock around it covers them all; an import's
-    own compile makes no AST objects and needs none."""
-    import ast
-    import functools
-    import sys
-
-    if sys.version_info >= (3, 13) or getattr(ast.parse, "serialized", False):
-        return
-    parse, lock = ast.parse, threading.RLock()
-
-    @functools.wraps(parse)
-    def serialized(*args, **kwargs):
-        with lock:
-            return parse(*args, **kwargs)
-
-    serialized.serialized = True
-    ast.parse = serialized
-
-
-def _import_vllm() -> None:
-    with contextlib.suppress(Exception):  # the engine's own import reports any failure
-        import vllm.engine.arg_utils  # noqa: F401
-        import vllm.multimodal.video  # noqa: F401
-        from vllm import LLM  # noqa: F401
-
 
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_MAX_TOKENS = 256
@@ -126,6 +56,7 @@ class EngineRequest:
 
 class CaptionEngine:
     def __init__(self, spec: EngineSpec):
+        ensure_vllm_imported()  # with VLLM_CONFIGURE_LOGGING set (tasks/engine/vllm_import.py)
         from vllm import LLM
         from vllm.platforms import current_platform
 
