@@ -12,6 +12,11 @@ import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("VLM_CAPTION_LOG_FORMAT", "json")
+# vLLM's CPU backend pins each engine's compute threads to core 0 (its "auto" binding keeps core 1
+# for the engine's scheduler), so two engines at once -- the two xdist workers', raw's two
+# processes, a fan-out's partitions -- share core 0 while core 1 waits. Unbound, the OS spreads
+# them: the bench smoke alone went from 241 s to 222 s, its "raw, 2 processes" from 55.5 to 42.9 s.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 # A Prefect home of this test process's own: the two xdist workers (-n 2, pyproject.toml) would
 # otherwise share ~/.prefect's SQLite database and the job slots kept beside it.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"vlm-caption-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
