@@ -65,7 +65,6 @@ def test_the_engine_argument_names_are_engine_args_fields():
     assert engine_argument_names() == {field.name for field in dataclasses.fields(EngineArgs)}
 
 
-@pytest.mark.skipif(sys.version_info >= (3, 13), reason="Python 3.13 keeps the depth per parse")
 def test_ast_parse_runs_one_at_a_time_once_vllm_imports_on_a_thread(monkeypatch):
     """Python 3.11's AST constructor shares its recursion depth between threads: vLLM's import
     thread and the caller's imports (each parsing with `ast`) failed a CI run with "AST

@@ -48,7 +48,7 @@ _IMPORTING: threading.Thread | None = None
 
 
 def serialize_ast_parse() -> None:
-    """One `ast.parse` at a time in this process, from here on (Python before 3.13).
+    """One `ast.parse` at a time in this process, from here on.
 
     Python 3.11's AST constructor keeps its recursion depth in state that threads share, so two
     parses at once can fail with "SystemError: AST constructor recursion depth mismatch" (a fresh
@@ -59,9 +59,8 @@ def serialize_ast_parse() -> None:
     own compile makes no AST objects and needs none."""
     import ast
     import functools
-    import sys
 
-    if sys.version_info >= (3, 13) or getattr(ast.parse, "serialized", False):
+    if getattr(ast.parse, "serialized", False):
         return
     parse, lock = ast.parse, threading.RLock()
 
