@@ -90,7 +90,7 @@ def engine_argument_names() -> frozenset[str]:
     """The fields of vLLM's `EngineArgs`, read from its source without importing vLLM (which takes
     20 s on a small machine; a misspelled argument must cost the user under a second). Checked
     against `dataclasses.fields(EngineArgs)` in the tests. (`ast.parse` runs one at a time once
-    vLLM is imported on a thread: `serialize_ast_parse` in tasks/engine/vllm_engine.py.)"""
+    vLLM is imported on a thread: `serialize_ast_parse` in tasks/engine/vllm_import.py.)"""
     import ast
     import importlib.util
 

@@ -200,8 +200,8 @@ class S3Storage:
     def create(self, key: str, data: bytes) -> bool:
         """Write `key` only if it does not exist (True): a conditional PUT (`If-None-Match: *`,
         which AWS S3 and MinIO grant atomically; bare moto does not, see flows/bench/loopback_s3.py),
-        so of several writers exactly one gets True. A retry
-        of our own PUT whose first answer was lost finds our bytes there: that is ours too."""
+        so of several writers exactly one gets True. A retry of our own PUT whose first answer was
+        lost finds our bytes there: that is ours too."""
         from botocore.exceptions import ClientError
 
         try:
