@@ -198,10 +198,9 @@ class S3Storage:
         self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
 
     def create(self, key: str, data: bytes) -> bool:
-        """Write `key` only if it does not exist (True): a conditional PUT (`If-None-Match: *`,
-        which AWS S3 and MinIO grant atomically; bare moto does not, see flows/bench/loopback_s3.py),
-        so of several writers exactly one gets True. A retry of our own PUT whose first answer was
-        lost finds our bytes there: that is ours too."""
+        """Write `key` only if it does not exist (True): a conditional PUT (`If-None-Match: *`; atomic
+        on AWS S3 and MinIO, not on bare moto: flows/bench/loopback_s3.py), so one writer gets True.
+        A retry of our own PUT whose first answer was lost finds our bytes there: that is ours too."""
         from botocore.exceptions import ClientError
 
         try:
