@@ -17,6 +17,12 @@ os.environ.setdefault("VLM_CAPTION_LOG_FORMAT", "json")
 # processes, a fan-out's partitions -- share core 0 while core 1 waits. Unbound, the OS spreads
 # them: the bench smoke alone went from 241 s to 222 s, its "raw, 2 processes" from 55.5 to 42.9 s.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# Each engine's core runs in the process that made it, not in two processes of its own: vLLM on
+# CPU spawns an engine-core process and a worker process, each importing vLLM and torch again
+# (about 8 s of CPU each). A tiny engine was ready in 10.5 s instead of 27.6 s (same outputs), and
+# tests/test_media_flow.py took 87 s instead of 124. The GPU default (an engine process) is what
+# tests/test_engine_faults.py kills, so that module asks for it.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # A Prefect home of this test process's own: the two xdist workers (-n 2, pyproject.toml) would
 # otherwise share ~/.prefect's SQLite database and the job slots kept beside it.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"vlm-caption-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")

@@ -12,9 +12,32 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
+from tasks.engine.vllm_engine import release_engines
 from tests.images import image_bytes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines_in_their_own_process():
+    """vLLM's engine core in a process of its own, as on a GPU: this module kills that process
+    (the suite runs tiny engines in-process, tests/conftest.py). vLLM caches its settings once an
+    engine starts, so the cache is dropped around the module, and so is any engine made without."""
+    import vllm.envs
+
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    release_engines()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    vllm.envs.disable_envs_cache()
+    yield
+    release_engines()
+    if saved is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+    vllm.envs.disable_envs_cache()
 
 
 def _records(out: Path) -> list[dict]:

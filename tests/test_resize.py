@@ -3,6 +3,9 @@ processors whose first step is a plain downscale; never enlarged; others are lef
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 from tasks.media.pool import decode_images, decode_pool
 from tasks.media.resize import ProcessorResize, ResizeTarget, resize_target
@@ -211,23 +214,21 @@ def test_frames_cross_through_shared_memory_only_where_there_is_room(monkeypatch
     assert [r.getMessage() for r in caplog.records] == [said]  # once, with what to do
 
 
-def test_a_decode_process_keeps_torch_and_opencv_to_its_threads(monkeypatch):
+def test_a_decode_process_keeps_torch_and_opencv_to_its_threads():
     """VLM_CAPTION_DECODE_THREADS: each decode process gives torch and OpenCV that many threads
     (set on what is imported, and in the environment for what is imported later): with their
     defaults, one per core in every pool process, a 32-core host's 16-process pool decoded
-    27.6 clips/s on one GPU's 16 cores, 31.6 at one thread each."""
-    import cv2
-    import torch
-
-    from tasks.media.pool import keep_to_threads
-
-    torch_threads, cv2_threads = torch.get_num_threads(), cv2.getNumThreads()
-    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # restored after the test
-    monkeypatch.setenv("OPENCV_FOR_THREADS_NUM", "8")
-    try:
-        keep_to_threads(1)
-        assert (torch.get_num_threads(), cv2.getNumThreads()) == (1, 1)
-        assert os.environ["OMP_NUM_THREADS"] == os.environ["OPENCV_FOR_THREADS_NUM"] == "1"
-    finally:
-        torch.set_num_threads(torch_threads)
-        cv2.setNumThreads(cv2_threads)
+    27.6 clips/s on one GPU's 16 cores, 31.6 at one thread each. Checked in a new process, as
+    the pool's are spawned: an engine in this one (the tests run vLLM's engine core in-process)
+    has replaced torch.set_num_threads with a no-op, as vLLM's CPU worker does."""
+    code = ("import os, cv2, torch\n"
+            "from tasks.media.pool import keep_to_threads\n"
+            "assert cv2.getNumThreads() == 8\n"
+            "keep_to_threads(1)\n"
+            "print(torch.get_num_threads(), cv2.getNumThreads(),"
+            " os.environ['OMP_NUM_THREADS'], os.environ['OPENCV_FOR_THREADS_NUM'])\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "8", "OPENCV_FOR_THREADS_NUM": "8"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "1", "1", "1"]  # from the environment's 8 to one each
