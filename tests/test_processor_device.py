@@ -76,20 +76,37 @@ def test_on_cpu_nothing_changes():
 
 def test_cpu_engines_start_without_inductor_unless_the_user_keeps_it(monkeypatch):
     """vLLM compiles its CPU sampler even under enforce_eager (20 s of each engine start on 2
-    cores); the engine's spawned processes read TORCH_COMPILE_DISABLE from the environment."""
+    cores); the engine's spawned processes read TORCH_COMPILE_DISABLE from the environment, and
+    an engine core in this process (torch imported, the variable read) from torch's config."""
+    import torch._dynamo.config as dynamo
+
     from tasks.engine.arguments import eager_engine_processes
 
     recipe = get_recipe("llava")
     cpu_args = engine_plan(EngineSpec.build("llava", model="/none"), recipe, on_cpu=True)[0]
     gpu_args = engine_plan(EngineSpec.build("llava", model="/none"), recipe, on_cpu=False)[0]
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    monkeypatch.setattr(dynamo, "disable", False)  # restored after the test
     eager_engine_processes(gpu_args, on_cpu=False)
-    assert "TORCH_COMPILE_DISABLE" not in os.environ  # a GPU engine compiles as vLLM decides
-    eager_engine_processes(cpu_args, on_cpu=True)
-    assert cpu_args["enforce_eager"] is True and os.environ["TORCH_COMPILE_DISABLE"] == "1"
+    assert "TORCH_COMPILE_DISABLE" not in os.environ and not dynamo.disable  # a GPU engine compiles as vLLM decides
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
     eager_engine_processes(cpu_args, on_cpu=True)
-    assert os.environ["TORCH_COMPILE_DISABLE"] == "0"
+    assert os.environ["TORCH_COMPILE_DISABLE"] == "0" and not dynamo.disable  # the user keeps the compile
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE")
+    eager_engine_processes(cpu_args, on_cpu=True)
+    assert cpu_args["enforce_eager"] is True and os.environ["TORCH_COMPILE_DISABLE"] == "1" and dynamo.disable
+
+
+def test_cpu_engines_skip_the_multimodal_memory_profile_unless_the_job_asks_for_it():
+    """On CPU the KV cache is sized in bytes, so vLLM's start-up run of the vision encoder over its
+    largest dummy batch measures nothing; a GPU engine still profiles, and the job's engine
+    overrides win."""
+    recipe = get_recipe("qwen2_vl")
+    cpu_args = engine_plan(EngineSpec.build("qwen2_vl", modality="video", model="/none"), recipe, on_cpu=True)[0]
+    gpu_args = engine_plan(EngineSpec.build("qwen2_vl", modality="video", model="/none"), recipe, on_cpu=False)[0]
+    asked = EngineSpec.build("qwen2_vl", modality="video", model="/none", engine_overrides={"skip_mm_profiling": False})
+    assert cpu_args["skip_mm_profiling"] is True and "skip_mm_profiling" not in gpu_args
+    assert engine_plan(asked, recipe, on_cpu=True)[0]["skip_mm_profiling"] is False
 
 
 def test_a_job_takes_the_processor_device_from_the_command_line():
