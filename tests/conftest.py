@@ -37,12 +37,12 @@ pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect serv
 # 1229 s with two): what is left is CPU. A unit of work is a module, so its module fixtures and the
 # engines its flows start in-process are made once; the Prefect stack's two modules are one unit,
 # so there is one server with its workers. The longest units go first, so the two workers finish
-# together; seconds from `--durations` of a fresh .ci/run on a 2-core machine. Modules not named here
-# take under 40 s each and follow in file order.
+# together; seconds from `--durations` of a fresh .ci/run on a 2-core machine (2026-11-27, 827 s).
+# Modules not named here take under 30 s each and follow in file order.
 STACK_MODULES = ("test_deployments", "test_api_outage")  # tests/postgres.py: prefect_stack
-LONGEST_FIRST = {"prefect-stack": 600, "test_bench": 370, "test_storage_faults": 300, "test_media_flow": 170,
-                 "test_demo": 150, "test_real_processors": 90, "test_prefect_ui": 95, "test_render_pool": 80,
-                 "test_concurrency": 65, "test_storage": 45}
+LONGEST_FIRST = {"prefect-stack": 420, "test_bench": 220, "test_storage_faults": 170, "test_prefect_ui": 85,
+                 "test_media_flow": 80, "test_demo": 80, "test_engine_faults": 70, "test_concurrency": 45,
+                 "test_recipe_checks": 45, "test_real_processors": 40, "test_render_pool": 30}
 
 
 def schedule_unit(nodeid: str) -> str:
