@@ -27,16 +27,12 @@ def engines_in_their_own_process():
     engine starts, so the cache is dropped around the module, and so is any engine made without."""
     import vllm.envs
 
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     release_engines()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    vllm.envs.disable_envs_cache()
-    yield
-    release_engines()
-    if saved is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        vllm.envs.disable_envs_cache()
+        yield
+        release_engines()
     vllm.envs.disable_envs_cache()
 
 
