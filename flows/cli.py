@@ -243,7 +243,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **_job_fields(args))
     # Every check that needs no engine, before Prefect starts: each problem one line, all at once.
     # The flow makes the plan again in its own process (a deployment run has had no CLI).
-    job = make_plan(job).job
+    plan = make_plan(job)
+    job = plan.job
     from flows.server import check_api_reachable
 
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
@@ -254,10 +255,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     # vLLM's import (most of the time to the engine's start) runs while the flow's modules are
     # imported and Prefect's embedded server starts.
     import_vllm_in_background()
-    from flows.caption import vlm_caption
+    from flows.caption import start_engine_first, vlm_caption
     from tasks.terminal import print_run_end, run_terminal
 
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
+        start_engine_first(plan)  # its build overlaps Prefect's start and the flow run's
         summary = vlm_caption(job)
     print_run_end(summary, job.output, log_path, args.log_format)
     return 0

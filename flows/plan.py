@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 from flows.params import CaptionJob
 from recipes import Recipe, RecipeError, get_recipe
+from tasks.engine.arguments import EngineSpec
 from tasks.engine.host_share import take_cpu_share
+from tasks.results.layout import results_prefix
 from tasks.results.records import job_fingerprint
 from tasks.settings import get_settings
 from tasks.sources.formats import SourceSpec, split_location
@@ -42,6 +44,9 @@ class RunPlan:
     fingerprint: str  # which results this run's are interchangeable with
     source: SourceSpec
     output: Storage  # where results, manifests, the gallery and Parquet go; partitions coordinate here
+    # The engine to build, where the job alone decides it (image, video). Multi-image sizes vLLM's
+    # per-prompt image limit from the largest group listed, so that one is known after the listing.
+    engine: EngineSpec | None = None
 
 
 def make_plan(job: CaptionJob) -> RunPlan:
@@ -73,7 +78,34 @@ def make_plan(job: CaptionJob) -> RunPlan:
         raise PreflightError([str(problem) for problem in problems])
     model = recipe.model_for(job.modality, job.model)
     return RunPlan(job=resolved, recipe=recipe, model=model, fingerprint=fingerprint_of(resolved, recipe, model),
-                   source=source_spec(resolved), output=output)
+                   source=source_spec(resolved), output=output,
+                   engine=None if resolved.modality == "multi-image" else engine_spec(resolved))
+
+
+def engine_spec(job: CaptionJob, images: int = 1) -> EngineSpec:
+    """The engine for this job; `images` is vLLM's per-prompt image limit (multi-image)."""
+    return EngineSpec.build(job.recipe, modality=job.modality, model=job.model, engine_overrides=job.engine_overrides,
+                            trust_remote_code=job.trust_remote_code, images=images,
+                            processor_device=job.processor_device)
+
+
+def engine_first(plan: RunPlan) -> EngineSpec | None:
+    """The engine to start before anything else of the run, or None.
+
+    A job whose output holds no result of its fingerprint yet has every item still to do, so its
+    engine is started at once, beside Prefect's start, the job's slot and the listing (the engine's
+    start is most of a short run). A job with earlier results (a nightly rerun) starts its engine at
+    the first item the listing shows is not done, so a night with nothing new starts none. The
+    partitions of a fan-out follow their parent's finding."""
+    if plan.engine is None:
+        return None
+    if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
+        return plan.engine if plan.job.partition.engine_first else None
+    history = plan.output.iter_objects(prefix=results_prefix(plan.fingerprint))
+    try:
+        return None if next(iter(history), None) is not None else plan.engine
+    finally:
+        getattr(history, "close", lambda: None)()
 
 
 def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str) -> str:

@@ -40,12 +40,13 @@ def _records(s3_client, prefix: str) -> list[dict]:
 def _count_s3_clients(monkeypatch) -> list:
     """Every S3 client made in this process from now on, counted from none: the shared ones an
     earlier test left are dropped (for this test only)."""
+    import tasks.sources.s3_client as s3_client
     import tasks.sources.storage as storage
 
-    made, make = [], storage.make_s3_client
-    monkeypatch.setattr(storage, "_shared_clients", {})
+    made, make = [], s3_client.make_s3_client
+    monkeypatch.setattr(s3_client, "_shared_clients", {})
     monkeypatch.setattr(storage, "_shared_stores", {})
-    monkeypatch.setattr(storage, "make_s3_client", lambda: made.append(1) or make())
+    monkeypatch.setattr(s3_client, "make_s3_client", lambda: made.append(1) or make())
     return made
 
 
@@ -121,6 +122,11 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
         ours = [log.message for log in logs if log.name == "vlm_caption"]
         assert any(message.startswith("shard done shard=") for message in ours), ours[:5]
         assert not any(message.startswith("{") for message in ours), ours[:5]
+        # A job with no result yet starts building its engine before the done-index is read and
+        # the listing begins ("run started" follows both), not at the first listed shard.
+        ordered = [log.message for log in sorted(logs, key=lambda log: log.timestamp) if log.name == "vlm_caption"]
+        first = next(i for i, message in enumerate(ordered) if message.startswith("engine starting first"))
+        assert first < next(i for i, message in enumerate(ordered) if message.startswith("run started"))
         # Every shard (4, fewer than the feed holds) was being fetched and decoded before the
         # first went to the engine, not one at a time behind it. (Not timed against start-engine:
         # an engine an earlier test left in this process is ready at once.)
@@ -148,7 +154,14 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
 
     # A new object is the only thing the next run computes.
     s3_client.put_object(Bucket=BUCKET, Key="images/new.png", Body=image_bytes("PNG", color=(1, 2, 3)))
-    third = vlm_caption(job)
+    third_state = vlm_caption(job, return_state=True)
+    third = third_state.result()
+    # With results already there, the engine waited for the listing to show the new object.
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[third_state.state_details.flow_run_id])))
+    assert not any(log.message.startswith("engine starting first") for log in logs)
     assert third["processed"] == 1 and third["succeeded"] == 1 and third["skipped_already_done"] == 20
     assert len(_records(s3_client, "captions/results/")) == 21
 

@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,14 +219,55 @@ def render_processes() -> int:
 
 _ENGINES: dict[EngineSpec, CaptionEngine] = {}
 _LOCK = threading.Lock()
+_EARLY: dict[EngineSpec, Future] = {}  # engines being built ahead of their first use
+_EARLY_LOCK = threading.Lock()  # not _LOCK, which a build holds throughout
+
+
+def start_engine_early(spec: EngineSpec) -> None:
+    """Build the process's engine for `spec` on a thread of its own, while the caller goes on
+    (Prefect's start, the flow run, the listing). The first `get_engine(spec)` waits for it and
+    raises what the build raised; a second call for the same spec does nothing."""
+    with _EARLY_LOCK:
+        if spec in _ENGINES or spec in _EARLY:
+            return
+        building = _EARLY[spec] = Future()
+
+    def build() -> None:
+        try:
+            building.set_result(_engine_for(spec))
+        except BaseException as exc:  # noqa: BLE001 - handed to the first get_engine, which raises it
+            building.set_exception(exc)
+
+    threading.Thread(target=build, name="engine-start", daemon=True).start()
+
+
+def discard_early_engine() -> bool:
+    """A run that found nothing to do lets go of the engine it started early: released as soon
+    as its build ends (a build cannot be stopped half-way), without waiting for it here. True if
+    there was one."""
+    with _EARLY_LOCK:
+        early = list(_EARLY.values())
+        _EARLY.clear()
+    for building in early:
+        building.add_done_callback(lambda done: done.exception() is None and release_engines())
+    return bool(early)
 
 
 def get_engine(spec: EngineSpec) -> CaptionEngine:
-    """The process's engine for `spec`, built on first use and reused afterwards.
+    """The process's engine for `spec`, built on first use (or by `start_engine_early`) and
+    reused afterwards.
 
     A worker serves one model at a time: asking for another spec releases the old engine. An
     engine whose process died (killed, out of memory) is replaced by a new one.
     """
+    with _EARLY_LOCK:
+        building = _EARLY.pop(spec, None)
+    if building is not None:
+        building.result()  # the early build's error is this call's
+    return _engine_for(spec)
+
+
+def _engine_for(spec: EngineSpec) -> CaptionEngine:
     with _LOCK:
         engine = _ENGINES.get(spec)
         if engine is None or engine.dead:
