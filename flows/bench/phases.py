@@ -97,7 +97,7 @@ def raw_slice(items: list, index: int, count: int) -> list:
 def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> dict[str, Any]:
     started = _process_started()
     from flows.params import CaptionJob
-    from flows.plan import take_partition_cores
+    from flows.plan import make_plan, take_partition_cores
     from tasks.engine.vllm_import import import_vllm_in_background
 
     source, output = str(folder), str(Path(cfg.workdir) / f"out-{int(time.time())}")
@@ -110,11 +110,13 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
                      modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE,
                      sampling=cfg.sampling(), fan_out=fan_out, processor_device=cfg.processor_device,
                      json_schema=cfg.structured())
-    take_partition_cores(job)  # as `vlm-caption run` does: the cores, vLLM's import, then Prefect's
+    plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect
+    take_partition_cores(job)
     import_vllm_in_background()
-    from flows.caption import vlm_caption
+    from flows.caption import start_engine_first, vlm_caption
 
-    summary = vlm_caption(job)
+    start_engine_first(plan)
+    summary = vlm_caption(plan.job)
     from tasks.sources.storage import open_storage, split_parent
 
     folder_uri, name = split_parent(summary["manifest"])
