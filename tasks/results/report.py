@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tasks.results.records import ResultRecord
+from tasks.sources.s3_client import describe_shared_client
 
 MAX_FAILURES_LISTED = 10_000
 SAMPLE_CAPTIONS = 5
@@ -156,6 +157,7 @@ class RunStats(Tally):
             "partitions": partitions or [],
             "parameters": parameters,
             "engine": engine,
+            "s3": describe_shared_client(),  # retries, timeouts, pool of this process's S3 client (None: folders)
             "versions": versions(),
         }
 

@@ -19,6 +19,7 @@ from typing import Literal
 from tasks.sources.braces import check_pattern, expand_braces, has_braces, literal_prefix
 from tasks.sources.items import ObjectRef
 from tasks.sources.storage import Storage, StorageError, open_storage, split_parent
+from tasks.sources.transient import retry_transient
 
 SourceFormat = Literal["auto", "files", "webdataset", "parquet"]
 SUFFIX = {"webdataset": ".tar", "parquet": ".parquet"}
@@ -70,7 +71,9 @@ def format_of_location(uri: str) -> str | None:
 
 
 def detect_format(uri: str, requested: str, is_manifest: bool) -> str:
-    """`requested` unless it is `auto`: then from the location, or from the first listed page."""
+    """`requested` unless it is `auto`: then from the location, or from the first listed page. A
+    page that cannot be listed raises (a guess of `files` would caption a prefix of tars as
+    images, and those errors are final); pre-flight says what is wrong with the location."""
     if requested != "auto":
         return requested
     if is_manifest:
@@ -78,10 +81,8 @@ def detect_format(uri: str, requested: str, is_manifest: bool) -> str:
     named = format_of_location(uri)
     if named or has_braces(uri):
         return named or "webdataset"
-    try:
-        names = [ref.key for ref in itertools.islice(source_storage(uri).iter_objects(), DETECT_PAGE)]
-    except Exception:  # noqa: BLE001 - the preflight check says what is wrong with the location
-        return "files"
+    names = retry_transient(lambda: [ref.key for ref in itertools.islice(source_storage(uri).iter_objects(),
+                                                                        DETECT_PAGE)], f"{uri}: first page")
     if any(name.endswith(".tar") for name in names):
         return "webdataset"  # (img2dataset writes .parquet and .json beside its tars)
     if names and all(name.endswith(".parquet") for name in names):

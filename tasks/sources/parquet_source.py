@@ -24,6 +24,7 @@ from tasks.sources.formats import FileSet, first_file, iter_files
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.ranged import open_seekable
 from tasks.sources.storage import Storage, StorageError
+from tasks.sources.transient import is_transient, retry_transient
 
 DEFAULT_COLUMNS = ("image", "jpg", "png", "webp", "url", "URL", "uri", "path")  # tried when no column is given
 BATCH_ROWS = 256
@@ -73,8 +74,10 @@ def check_parquet_source(files: FileSet, column: str | None) -> str:
         raise StorageError(f"{files.base}{files.pattern or ''}: no {files.suffix} file there")
     storage = files.storage
     try:
-        schema = _parquet_file(storage, first).schema_arrow
-    except Exception as exc:  # noqa: BLE001 - said as what it is
+        schema = retry_transient(lambda: _parquet_file(storage, first).schema_arrow, storage.describe(first.key))
+    except Exception as exc:  # noqa: BLE001 - said as what it is; a store's failure is pre-flight's to explain
+        if is_transient(exc):
+            raise
         raise StorageError(f"{storage.describe(first.key)}: not a readable Parquet file ({exc})") from exc
     return choose_column(schema.names, column, storage.describe(first.key))
 
@@ -86,14 +89,18 @@ def iter_parquet_items(files: FileSet, column: str | None, glob: str | None = No
 
 
 def file_items(storage: Storage, ref: ObjectRef, column: str | None) -> Iterator[WorkItem]:
-    """One item per row, a row group at a time; a file that cannot be read or lacks the column
-    is one item naming the problem."""
+    """One item per row, a row group at a time; a file that is not Parquet or lacks the column
+    is one item naming the problem (a final `bad_input` record). A read of the store that keeps
+    failing transiently (a timeout, throttling) is raised, never made into that record: the
+    listing resumes after the items it handed over (`ShardStream`), or the run stops with it."""
     import pyarrow as pa
 
     try:
-        parquet = _parquet_file(storage, ref)
+        parquet = retry_transient(lambda: _parquet_file(storage, ref), storage.describe(ref.key))
         name = choose_column(parquet.schema_arrow.names, column, storage.describe(ref.key))
-    except Exception as exc:  # noqa: BLE001 - this file's problem, not the run's
+    except Exception as exc:  # noqa: BLE001 - this file's problem, not the run's, unless the store's
+        if is_transient(exc):
+            raise
         yield WorkItem(ref.key, (ParquetCellRef(f"{ref.key}/-", 0, f"{ref.etag}:-", file=ref.key),),
                        problem=str(exc) if isinstance(exc, StorageError) else f"{ref.key}: unreadable ({exc})")
         return

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tasks.sources.formats import source_storage
-from tasks.sources.storage import Storage, StorageError, open_storage, split_parent
+from tasks.sources.storage import Storage, StorageError, error_code, open_storage, split_parent
+from tasks.sources.transient import is_transient
 
 PROBE_PREFIX = ".vlm-caption-probe-"
 
@@ -23,12 +24,14 @@ def storage_errors(uri: str, doing: str) -> Iterator[None]:
     except StorageError:
         raise
     except Exception as exc:  # noqa: BLE001 - translated below, or re-raised
-        raise StorageError(_explain(uri, doing, exc)) from exc
+        error = StorageError(_explain(uri, doing, exc))
+        error.permanent = not is_transient(exc)  # a store that kept failing may answer a retry of the run
+        raise error from exc
 
 
 def _explain(uri: str, doing: str, exc: Exception) -> str:
     name = type(exc).__name__
-    code = getattr(exc, "response", {}).get("Error", {}).get("Code", "") if hasattr(exc, "response") else ""
+    code = error_code(exc)
     if name in ("NoCredentialsError", "PartialCredentialsError"):
         return (f"{uri}: no S3 credentials while {doing}. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                 "(or a profile or instance role), or name a prefect-aws block in "
@@ -39,6 +42,9 @@ def _explain(uri: str, doing: str, exc: Exception) -> str:
         return f"{uri}: access denied while {doing} ({code}); check the credentials and the bucket policy"
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionError"):
         return f"{uri}: cannot reach the S3 endpoint while {doing} ({exc}); check VLM_CAPTION_S3_ENDPOINT_URL"
+    if is_transient(exc):
+        return (f"{uri}: the store kept failing while {doing} ({name}: {exc}), past the S3 client's "
+                "retries (VLM_CAPTION_S3_MAX_ATTEMPTS); it may pass: run the job again")
     if isinstance(exc, PermissionError):
         return f"{uri}: permission denied while {doing} ({exc})"
     if isinstance(exc, (NotADirectoryError, FileExistsError, FileNotFoundError)):
@@ -80,7 +86,8 @@ def resolve_source(job):
     wrong column is one message naming the columns there are."""
     from tasks.sources.formats import detect_format
 
-    fmt = detect_format(job.location, job.source_format, job.manifest is not None)
+    with storage_errors(job.location, "listing the source to tell its format"):
+        fmt = detect_format(job.location, job.source_format, job.manifest is not None)
     column = check_source(job.location, is_manifest=job.manifest is not None, source_format=fmt, column=job.column)
     return job.model_copy(update={"source_format": fmt, "column": column if fmt == "parquet" else None})
 

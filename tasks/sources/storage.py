@@ -7,8 +7,8 @@ with `read_range` (a ranged GET, or a seek), with the same retries as `read`. A 
 source and output once, in pre-flight (`flows/plan.py`), and hands the storages down.
 
 One S3Storage per location and one boto3 client per process serve every read and write
-(`shared_s3_storage`); how a client is made, from a prefect-aws block or the AWS chain, is in
-`tasks/sources/s3_client.py`.
+(`shared_s3_storage`; the client: `tasks/sources/s3_client.py`). Which failures may pass when
+tried again: `tasks/sources/transient.py`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 from tasks.sources.items import ObjectRef
-from tasks.sources.s3_client import make_s3_client
-from tasks.settings import get_settings
+from tasks.sources.s3_client import shared_s3_client
 
 
 class StorageError(ValueError):
@@ -37,6 +36,11 @@ class ShortBodyError(OSError):
 
 
 SHORT_BODY_ATTEMPTS = 5
+
+
+def error_code(exc: BaseException) -> str:
+    """The store's error code of a botocore `ClientError` (`NoSuchKey`, `SlowDown`), else ''."""
+    return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code", "")
 
 
 class Storage(Protocol):
@@ -80,7 +84,7 @@ class LocalStorage:
                 relative = path.relative_to(self.root).as_posix()
                 if _matches(relative, glob):
                     stat = path.stat()
-                    yield ObjectRef(relative, stat.st_size, f"{stat.st_size:x}-{stat.st_mtime_ns:x}")
+                    yield ObjectRef(relative, stat.st_size, f"{stat.st_size:x}-{stat.st_mtime_ns:x}", stat.st_mtime)
 
     def read(self, key: str) -> bytes:
         return (self.root / key).read_bytes()
@@ -136,7 +140,7 @@ class S3Storage:
         self.bucket = bucket
         self.prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
         self.uri = f"s3://{bucket}/{self.prefix}"
-        self._client = client or make_s3_client()
+        self._client = client or shared_s3_client()
 
     def iter_objects(self, glob: str | None = None, prefix: str = "") -> Iterator[ObjectRef]:
         paginator = self._client.get_paginator("list_objects_v2")
@@ -147,7 +151,8 @@ class S3Storage:
                     relative = key[len(self.prefix):]
                     if not relative or key.endswith("/") or not _matches(relative, glob):
                         continue
-                    yield ObjectRef(relative, int(obj["Size"]), obj.get("ETag", "").strip('"'))
+                    yield ObjectRef(relative, int(obj["Size"]), obj.get("ETag", "").strip('"'),
+                                    obj["LastModified"].timestamp() if "LastModified" in obj else None)
         except self._client.exceptions.NoSuchBucket as exc:
             raise StorageError(f"{self.uri}: bucket {self.bucket!r} does not exist") from exc
 
@@ -159,14 +164,12 @@ class S3Storage:
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """`length` bytes from `start` (one ranged GET); fewer only where the object ends first,
         none where it ends before `start`. Retried like `read`."""
-        from botocore.exceptions import ClientError
-
         if length <= 0:
             return b""
         try:
             return self._get(key, Range=f"bytes={start}-{start + length - 1}")
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+        except self._client.exceptions.ClientError as exc:
+            if error_code(exc) == "InvalidRange":
                 return b""  # the range starts past the end of the object
             raise
 
@@ -201,15 +204,12 @@ class S3Storage:
         """Write `key` only if it does not exist (True): a conditional PUT (`If-None-Match: *`; atomic
         on AWS S3 and MinIO, not on bare moto: flows/bench/loopback_s3.py), so one writer gets True.
         A retry of our own PUT whose first answer was lost finds our bytes there: that is ours too."""
-        from botocore.exceptions import ClientError
-
         try:
             self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data, IfNoneMatch="*")
             return True
-        except ClientError as exc:
+        except self._client.exceptions.ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if exc.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "ConditionalRequestConflict") \
-                    and status not in (409, 412):
+            if error_code(exc) not in ("PreconditionFailed", "ConditionalRequestConflict") and status not in (409, 412):
                 raise
         try:
             return self._get(key) == data
@@ -217,13 +217,11 @@ class S3Storage:
             return self.create(key, data)
 
     def exists(self, key: str) -> bool:
-        from botocore.exceptions import ClientError
-
         try:
             self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
             return True
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        except self._client.exceptions.ClientError as exc:
+            if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
 
@@ -244,31 +242,17 @@ def key_within(storage: Storage, uri: str) -> str:
 
 
 _shared_lock = threading.Lock()
-_shared_clients: dict[tuple, object] = {}
 _shared_stores: dict[tuple, S3Storage] = {}
 
 
-def _client_key() -> tuple:
-    """What a client is made from: the settings it reads and the AWS chain's environment. Another
-    endpoint, block or set of credentials (a test's, a profile switched) gets another client."""
-    settings = get_settings()
-    return (settings.s3_endpoint_url, settings.aws_credentials_block, settings.minio_credentials_block,
-            settings.s3_max_attempts, settings.s3_read_timeout_s,
-            tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
-
-
 def shared_s3_storage(bucket: str, prefix: str) -> S3Storage:
-    """One S3Storage per location and one client for all of them, per process. A boto3 client is
-    thread-safe and meant to be shared: its connection pool and the `adaptive` retry mode's
-    client-side rate limiting (what it learnt of throttling) then serve every read and write."""
-    key = _client_key()
+    """One S3Storage per location per process, all on the process's one client
+    (`tasks/sources/s3_client.py`'s `shared_s3_client`)."""
+    client = shared_s3_client()
     with _shared_lock:
-        client = _shared_clients.get(key)
-        if client is None:
-            client = _shared_clients[key] = make_s3_client()
-        store = _shared_stores.get((key, bucket, prefix))
+        store = _shared_stores.get((id(client), bucket, prefix))
         if store is None:
-            store = _shared_stores[(key, bucket, prefix)] = S3Storage(bucket, prefix, client=client)
+            store = _shared_stores[(id(client), bucket, prefix)] = S3Storage(bucket, prefix, client=client)
         return store
 
 

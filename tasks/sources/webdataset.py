@@ -9,7 +9,8 @@ from the listing, by content hash after a fetch.
 
 A tar cut short, a member past its end or a header that does not parse stops that tar there:
 the samples before it are items as usual, and the damage is one item with a `problem` (an
-error record), never a silent gap.
+error record), never a silent gap. A read of the store that fails (past the client's retries) is
+no damage: it is raised, and the listing resumes after the items it handed over (`ShardStream`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def tar_items(storage: Storage, tar: ObjectRef, modality: str) -> Iterator[WorkI
     with open_seekable(storage, tar.key, tar.size) as handle:
         try:
             archive = tarfile.open(fileobj=handle, mode="r:")
-        except tarfile.TarError as exc:
+        except tarfile.TarError as exc:  # a store's failure is not a TarError: raised, not recorded
             yield _defect(tar, 0, f"{tar.key}: not a readable tar ({exc})")
             return
         while (info := _next(archive)) is not None:
