@@ -35,7 +35,7 @@ from tasks.engine.vllm_import import ensure_vllm_imported, import_vllm_in_backgr
 from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
 from tasks.results.gallery import gallery_after_run
-from tasks.results.parquet import export_after_run
+from tasks.results.parquet_view import export_after_run
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
 
@@ -118,8 +118,8 @@ def caption_job(plan: RunPlan, run_id: str, log) -> dict:
                               partitions=[p.brief() for p in partitions])
     manifest_uri = write_manifest(plan.output, run_id, manifest)
     summary = stats.summary()
-    # Every final result of the output as one Parquet file; a failure is recorded, not raised.
-    manifest["parquet"] = export_after_run(plan.output, job.output)
+    # The run's new results added to the output's Parquet view; a failure is recorded, not raised.
+    manifest["parquet"] = export_after_run(plan.output, job.output, fingerprint, run_id, stats.parts)
     # A page to look at: a sample of the run's items, thumbnails and captions; next to the manifest.
     manifest["gallery"] = gallery_after_run(plan, run_id, stats.parts)
     write_manifest(plan.output, run_id, manifest)

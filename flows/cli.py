@@ -160,12 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--port", type=_port, default=4200, help="port (default 4200)")
 
-    export = sub.add_parser("export", help="write an output's results as one Parquet file (for datasets, "
-                            "pandas), as a run does at its end; exits 1 when a part was cut short or "
-                            "unreadable (the file holds the rest, the report names it)")
+    export = sub.add_parser("export", help="make an output's Parquet view (OUTPUT/parquet/, read as one dataset "
+                            "by datasets, pandas, DuckDB) again from every part, as one file; exits 1 when a "
+                            "part was cut short or unreadable (the file holds the rest, the report names it)")
     export.add_argument("output", help="the run's --out: s3://bucket/prefix/ or a local folder")
-    export.add_argument("--to", help="the Parquet file to write, s3:// or local "
-                        "(default: OUTPUT/parquet/results.parquet)")
+    how = export.add_mutually_exclusive_group()
+    how.add_argument("--to", help="write every final result as one Parquet file there instead, s3:// or local "
+                     "(the view is left as it is)")
+    how.add_argument("--compact", action="store_true", help="merge the view's files (one per run) into one, "
+                     "from the files alone (no part is read); run it while no run of the output is ending")
 
     recipes = sub.add_parser("recipes", help="list or inspect recipes")
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
@@ -301,14 +304,20 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tasks.results.parquet import PARQUET_KEY, export_parquet
+    from tasks.results.parquet import export_parquet
+    from tasks.results.parquet_view import compact_view, rebuild_view
     from tasks.sources.storage import open_storage, split_parent
 
     out = open_storage(args.output)  # an output that is not there is an error, not made
-    parent, key = split_parent(args.to) if args.to else (None, PARQUET_KEY)
-    report = export_parquet(out, open_storage(parent, create=True) if parent else out, key)
+    if args.compact:
+        report = compact_view(out)
+    elif args.to:
+        parent, key = split_parent(args.to)
+        report = export_parquet(out, open_storage(parent, create=True), key)
+    else:
+        report = rebuild_view(out)
     print(json.dumps(report, indent=2))
-    return 0 if report["complete"] else 1
+    return 0 if report.get("complete", True) else 1
 
 
 def validation_message(exc) -> str:

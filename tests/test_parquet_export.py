@@ -1,5 +1,7 @@
-"""The Parquet export (tasks/results/parquet.py): parts written with the project's own writer,
-read back with `datasets`, pyarrow and pandas. No engine starts."""
+"""The one-file Parquet export (tasks/results/parquet.py, `vlm-caption export OUTPUT --to PATH`)
+and the run's end step that adds to the view (tasks/results/parquet_view.py; the view itself is
+tests/test_parquet_view.py): parts written with the project's own writer, read back with
+`datasets`, pyarrow and pandas. No engine starts."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.cli import main
-from tasks.results import parquet
+from tasks.results import parquet, parquet_view
 from tasks.results.done_index import sidecar_key
-from tasks.results.layout import part_key
-from tasks.results.parquet import PARQUET_KEY, export_after_run, export_parquet
+from tasks.results.layout import part_key, run_parquet_key
+from tasks.results.parquet import export_parquet
+from tasks.results.parquet_view import export_after_run
 from tasks.results.records import ResultRecord
 from tasks.results.writers import write_manifest, write_shard
 from tasks.sources.storage import Storage, open_storage
@@ -21,6 +24,7 @@ from tasks.sources.storage import Storage, open_storage
 FP = "0123456789abcdef"
 RUN1 = "aaaa1111-20260101T000000"
 RUN2 = "0000ffff-20260102T000000"  # later, though its random prefix sorts first
+ONE_FILE = "export/results.parquet"  # where these tests write the one-file export, in the output
 
 
 def record(key: str, run_id: str, text: str | None = "a cat", error: dict | None = None,
@@ -71,8 +75,8 @@ def test_folder_export_reads_back_with_datasets_pyarrow_and_pandas(tmp_path):
 
     output = str(tmp_path / "out")
     write_history(output)
-    report = export_parquet(out(output), row_group_rows=2)
-    path = Path(output) / PARQUET_KEY
+    report = export_parquet(out(output), out(output), ONE_FILE, row_group_rows=2)
+    path = Path(output) / ONE_FILE
     assert report["path"] == str(path) and report["rows"] == 3 and report["complete"]
     # run 2's rows have no source: said in the report, not left blank without a word
     assert list(report["runs_without_source"]) == [RUN2] and "FileNotFoundError" in report["runs_without_source"][RUN2]
@@ -98,9 +102,9 @@ def test_a_fanned_out_runs_rows_get_the_source_from_its_one_manifest(tmp_path):
         parts_id = partition_parts_id(RUN1, index)
         write_shard.fn(output, FP, parts_id, index, [record(key, parts_id, f"caption {index}")])
     write_manifest.fn(output, RUN1, {"run_id": RUN1, "parameters": {"source": "s3://media/photos/"}})
-    report = export_parquet(output)
+    report = export_parquet(output, output, ONE_FILE)
     assert report["rows"] == 2 and "runs_without_source" not in report
-    rows = by_key(pq.read_table(Path(tmp_path / "out") / PARQUET_KEY).to_pylist())
+    rows = by_key(pq.read_table(Path(tmp_path / "out") / ONE_FILE).to_pylist())
     assert {key: (row["run_id"], row["source"]) for key, row in rows.items()} == {
         "a.jpg": (f"{RUN1}-p0", "s3://media/photos/"), "b.jpg": (f"{RUN1}-p1", "s3://media/photos/")}
 
@@ -116,7 +120,7 @@ def test_extra_record_fields_become_string_columns(tmp_path, monkeypatch):
     output = str(tmp_path / "out")
     fields = {**record("a.jpg", RUN1).model_dump(), "structured": {"animal": "cat", "count": 2}}
     write_shard.fn(out(output), FP, RUN1, 0, [extended(**fields)])
-    report = export_parquet(out(output))
+    report = export_parquet(out(output), out(output), ONE_FILE)
     rows = pq.read_table(report["path"]).to_pylist()
     assert json.loads(rows[0]["structured"]) == {"animal": "cat", "count": 2}
 
@@ -132,11 +136,11 @@ def test_part_cut_short_or_unreadable_is_not_exported_as_complete(tmp_path):
     broken.write_bytes(b"\xff\xfe not utf-8")
     (output / sidecar_key(part_key(FP, RUN1, 1))).unlink()
 
-    report = export_parquet(out(output))
+    report = export_parquet(out(output), out(output), ONE_FILE)
     assert report["complete"] is False
     assert str(cut) in report["damaged_parts"] and str(broken) in report["skipped_parts"]
     assert [row["key"] for row in pq.read_table(report["path"]).to_pylist()] == ["a.jpg"]
-    assert main(["export", str(output)]) == 1  # the CLI says so too
+    assert main(["export", str(output)]) == 1  # the CLI's rebuild of the view says so too
 
 
 def test_s3_export(s3_client, tmp_path):
@@ -145,13 +149,13 @@ def test_s3_export(s3_client, tmp_path):
     s3_client.create_bucket(Bucket="parquet-out")
     output = "s3://parquet-out/runs/"
     write_history(output)
-    report = export_parquet(out(output))
-    assert report["path"] == f"s3://parquet-out/runs/{PARQUET_KEY}" and report["complete"]
-    body = s3_client.get_object(Bucket="parquet-out", Key=f"runs/{PARQUET_KEY}")["Body"].read()
+    report = export_parquet(out(output), out(output), ONE_FILE)
+    assert report["path"] == f"s3://parquet-out/runs/{ONE_FILE}" and report["complete"]
+    body = s3_client.get_object(Bucket="parquet-out", Key=f"runs/{ONE_FILE}")["Body"].read()
     import pyarrow as pa
 
     check_rows(pq.read_table(pa.BufferReader(body)).to_pylist())
-    report = export_parquet(out(output), open_storage("s3://parquet-out/elsewhere/"), "r.parquet")
+    export_parquet(out(output), open_storage("s3://parquet-out/elsewhere/"), "r.parquet")
     body = s3_client.get_object(Bucket="parquet-out", Key="elsewhere/r.parquet")["Body"].read()
     local = tmp_path / "r.parquet"
     local.write_bytes(body)
@@ -166,7 +170,7 @@ def test_cli_export_to_a_path(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["path"] == str(target) and printed["rows"] == 3
     check_rows(pq.read_table(target).to_pylist())
-    assert not (Path(output) / PARQUET_KEY).exists()
+    assert not (Path(output) / "parquet").exists()  # the view is left as it is
 
 
 def test_cli_export_of_a_missing_folder_is_a_clear_error(tmp_path, capsys):
@@ -178,8 +182,8 @@ def test_export_failure_at_run_end_is_recorded_not_raised(tmp_path, monkeypatch)
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(parquet, "export_parquet", broken)
-    assert export_after_run.fn(out(tmp_path), str(tmp_path)) == {"error": "OSError: disk full"}
+    monkeypatch.setattr(parquet_view, "add_run", broken)
+    assert export_after_run.fn(out(tmp_path), str(tmp_path), FP, RUN1, ["a part"]) == {"error": "OSError: disk full"}
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -201,8 +205,8 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
     records = [record("a.jpg", RUN1), record("b.jpg", RUN1, None, {"kind": "decode", "message": "bad"})]
 
     def shards(run):
-        write_shard.fn(out(output), FP, RUN1, 0, records)
         stats = RunStats()
+        stats.parts.append(write_shard.fn(out(output), FP, RUN1, 0, records))  # as the pipeline names them
         stats.add(2, 0, records)
         return stats, None, None  # counts, engine, claims' figures
 
@@ -212,13 +216,13 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
     monkeypatch.setattr(caption, "publish_summary", lambda *args: None)
     monkeypatch.setattr(caption, "emit", lambda *args, **kwargs: None)
     if fails:
-        monkeypatch.setattr(parquet, "export_parquet", lambda output: 1 / 0)
+        monkeypatch.setattr(parquet_view, "add_run", lambda *args: 1 / 0)
     summary = caption.caption_job(plan, RUN1, get_logger())
     manifest = json.loads((Path(output) / "manifests" / f"{RUN1}.json").read_text())
     assert manifest["counts"]["processed"] == 2 and summary["processed"] == 2
     if fails:
         assert summary["parquet"] is None and manifest["parquet"] == {"error": "ZeroDivisionError: division by zero"}
     else:
-        assert summary["parquet"] == manifest["parquet"]["path"] == str(Path(output) / PARQUET_KEY)
+        assert summary["parquet"] == manifest["parquet"]["path"] == str(Path(output) / run_parquet_key(RUN1))
         assert manifest["parquet"]["rows"] == 2 and manifest["parquet"]["complete"]
         assert pq.read_table(manifest["parquet"]["path"]).column("error_kind").to_pylist() == [None, "decode"]

@@ -249,3 +249,38 @@ def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
         log.warning("results part has lines that are not records; they are ignored",
                     part=out.describe(part.key), bad_lines=bad)
     return index_rows(records)
+
+
+class PartRows:
+    """Each part's rows, as a load reads them, for views built on the parts (the Parquet view):
+    `parts` every part listed (key: ObjectRef); `rows` each readable part's rows, in its final
+    records' order; `resized` the parts whose sidecar was made from another body (cut short or
+    rewritten by hand since)."""
+
+    def __init__(self, parts: dict[str, ObjectRef], rows: dict[str, np.ndarray], resized: set[str]):
+        self.parts, self.rows, self.resized = parts, rows, resized
+
+
+def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
+    """What `load_done_index` reads (the latest compacted index, then the sidecars of the parts
+    it does not cover), kept per part; it writes no compacted index."""
+    objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
+    parts = {key: ref for key, ref in objects.items() if key.endswith(".jsonl")}
+    log = get_logger(fingerprint=fingerprint)
+    compacted = sorted(key for key in objects if key.endswith(".vidx"))
+    by_part = _read_compacted(out, compacted[-1], objects, log) if compacted else {}
+    resized: set[str] = set()
+
+    def rows_of(part: ObjectRef) -> np.ndarray | None:
+        if sidecar_key(part.key) in objects:
+            rows = _read_sidecar(out, sidecar_key(part.key), part.size)
+            if rows is not None:
+                return rows
+            resized.add(part.key)
+        return _parse_part(out, part, log)
+
+    rest = [part for key, part in parts.items() if key not in by_part]
+    with ThreadPoolExecutor(READERS) as pool:
+        read = list(pool.map(rows_of, rest))
+    by_part.update((part.key, rows) for part, rows in zip(rest, read) if rows is not None)
+    return PartRows(parts, by_part, resized)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from tasks.results.gallery_page import GalleryItem, render_gallery
-from tasks.results.layout import manifest_key, results_prefix
+from tasks.results.layout import manifest_key
 from tasks.results.records import ResultRecord
 from tasks.sources.storage import Storage, key_within
 
@@ -181,18 +181,15 @@ def _make_pictures(items: list[GalleryItem], picture: Callable[[GalleryItem], tu
         closed.set()
 
 
-def run_records(out: Storage, parts: list[str], fingerprint: str,
-                unreadable: list[str] | None = None) -> Iterator[ResultRecord]:
-    """The records of the run's parts; when the run wrote none (everything was done), those of
-    every part of its result set, so a rerun's page still shows the results. A part that cannot
-    be read is logged and added to `unreadable` (the page says how many it could not show)."""
+def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = None) -> Iterator[ResultRecord]:
+    """The records of the run's own parts, nothing else: the page costs what the run added, never
+    the history (a run that wrote nothing shows no item; earlier runs' pages show theirs). A part
+    that cannot be read is logged and added to `unreadable` (the page says how many it could not
+    show)."""
     from tasks.observability import get_logger
     from tasks.results.done_index import parse_records
 
-    keys = [key_within(out, p) for p in parts]
-    if not keys:
-        keys = sorted(r.key for r in out.iter_objects(prefix=results_prefix(fingerprint)) if r.key.endswith(".jsonl"))
-    for key in keys:
+    for key in (key_within(out, p) for p in parts):
         try:
             lines = out.read(key).decode("utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
@@ -242,7 +239,7 @@ def gallery_after_run(plan: RunPlan, run_id: str, parts: list[str]) -> dict:
     try:
         out = plan.output
         unreadable: list[str] = []
-        page, shown = build_gallery(run_records(out, parts, fingerprint, unreadable), media_fetcher(plan.source),
+        page, shown = build_gallery(run_records(out, parts, unreadable), media_fetcher(plan.source),
                                     job.gallery_items, f"vlm-caption · {job.recipe} · {job.location}",
                                     {"run": run_id, "fingerprint": fingerprint}, get_settings().gallery_fetch_s)
         out.write(gallery_key(run_id), page.encode())

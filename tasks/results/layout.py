@@ -7,6 +7,10 @@
     results/<fingerprint>/index-<stamp>.vidx           many parts' rows in one object (the same)
     manifests/<run_id>.json                             written when the run ends
     partitions/<run_id>/pNNN.json                       a fanned-out child's report
+    parquet/run-<run_id>.parquet                        the final results a run added (the Parquet
+                                                        view, tasks/results/parquet_view.py)
+    parquet/compacted-<stamp>-<tag>.parquet             many runs' rows, merged by compaction
+    parquet/results.parquet                             the view as older versions wrote it (one file)
 """
 
 import re
@@ -14,6 +18,9 @@ import time
 import uuid
 
 _PARTITION_SUFFIX = re.compile(r"-p\d+$")
+_PART_NAME = re.compile(r"^part-(.+)-\d{5}\.jsonl$")
+PARQUET_VIEW_PREFIX = "parquet/"
+LEGACY_PARQUET_KEY = "parquet/results.parquet"
 
 
 def results_prefix(fingerprint: str) -> str:
@@ -38,6 +45,21 @@ def partition_parts_id(run_id: str, index: int) -> str:
 def run_of(parts_id: str) -> str:
     """The run a record's `run_id` belongs to, whose manifest is under the run's own id."""
     return _PARTITION_SUFFIX.sub("", parts_id)
+
+
+def part_run(part: str) -> str | None:
+    """The run that wrote a results part (its key or name), or None for a name a run does not write."""
+    found = _PART_NAME.match(part.rsplit("/", 1)[-1])
+    return run_of(found.group(1)) if found else None
+
+
+def run_parquet_key(run_id: str) -> str:
+    return f"{PARQUET_VIEW_PREFIX}run-{run_id}.parquet"
+
+
+def compacted_parquet_key() -> str:
+    """Sorts by when it was written (UTC, then a random tag for two in the same second)."""
+    return f"{PARQUET_VIEW_PREFIX}compacted-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
 
 
 def manifest_key(run_id: str) -> str:

@@ -1,22 +1,21 @@
-"""Every final result of an output as one Parquet file, for `datasets`, pandas or DuckDB.
+"""An output's final results as Parquet rows, for `datasets`, pandas, pyarrow or DuckDB: the
+schema, the rules, and the one-file export (`vlm-caption export OUTPUT --to PATH`). The view a
+run keeps under <output>/parquet/, one file per run, is tasks/results/parquet_view.py.
 
-    <output>/parquet/results.parquet      (`vlm-caption export OUTPUT --to PATH` writes it elsewhere)
-
-The JSON Lines parts stay the truth and the unit of atomic, resumable writes; this file is a
-view of them, made again from scratch at the end of each run (or by `vlm-caption export`):
+The JSON Lines parts stay the truth and the unit of atomic, resumable writes; Parquet is a view:
 
 - it holds what the done-index counts (tasks/results/done_index.py): the final records (a
   caption, or an error a rerun would only repeat) of every readable part, under every
-  fingerprint; a part that cannot be read is left out and named in the export's report;
+  fingerprint; a part that cannot be read is left out and named in the report;
 - a result computed again by a later run (same fingerprint, item key and question, the
   done-index's key) appears once: the latest run's (the UTC stamp in the run id), then the
   later part name;
 - a part cut short (lines that are not records, or a body that no longer matches the size its
   sidecar was made from) contributes the records it still holds, which the done-index counts as
   done too, and is named in the report under `damaged_parts` with `complete: false`;
-- it is written part by part in row groups of ROW_GROUP_ROWS (memory: one part and one row
-  group, plus 16 bytes per result for the de-duplication), into a local temporary file, then
-  put in place with one atomic write through the storage interface (a folder or s3://).
+- a file is written in row groups of ROW_GROUP_ROWS (memory: one part and one row group, plus
+  16 bytes per result for the de-duplication), into a local temporary file, then put in place
+  with one atomic write through the storage interface (a folder or s3://).
 """
 
 from __future__ import annotations
@@ -25,14 +24,11 @@ import json
 import re
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from prefect import task
-from prefect.cache_policies import NONE
-
 from tasks.observability import get_logger
 from tasks.results.done_index import _parse_part, _read_sidecar, parse_records, sidecar_key
 from tasks.results.layout import manifest_key, run_of
@@ -40,10 +36,10 @@ from tasks.results.records import ResultRecord
 from tasks.sources.items import ObjectRef
 from tasks.sources.storage import Storage
 
-PARQUET_KEY = "parquet/results.parquet"
 ROW_GROUP_ROWS = 8192
 TIMING_KEYS = ("fetch_s", "decode_s", "generate_s")
 _STAMP = re.compile(r"(\d{8}T\d{6})")
+RESIZED = "its done-index sidecar was made from another body (cut short or rewritten)"
 
 # Record fields with a column of their own; every other field of ResultRecord (e.g. `structured`)
 # becomes a string column: the value as it is when a string, else as JSON.
@@ -138,94 +134,118 @@ class _Sources:
         return self.known[run]
 
 
-def _winners(out: Storage, parts: list[ObjectRef], keys: set[str], log, report) -> list[np.ndarray]:
-    """For each part, the ordinals (among its final records) of the results that are the latest.
-
-    Pass one reads the done-index sidecars (a few bytes a part) or, without a valid one, parses
-    the part; the rows are keyed as the done-index keys results, in the part's record order."""
-    keyed, ranks, ordinals = [], [], []
-    for rank, part in enumerate(parts):
-        rows = None
-        if sidecar_key(part.key) in keys:
-            rows = _read_sidecar(out, sidecar_key(part.key), part.size)
-            if rows is None:
-                report["damaged_parts"][out.describe(part.key)] = \
-                    "its done-index sidecar was made from another body (cut short or rewritten)"
-        if rows is None:
-            rows = _parse_part(out, part, log)
-        if rows is None:
-            report["skipped_parts"][out.describe(part.key)] = "unreadable"
-            rows = np.empty(0, dtype=[("key", "<u8")])
-        keyed.append(rows["key"].astype(np.uint64))
-        ranks.append(np.full(len(rows), rank, np.uint32))
-        ordinals.append(np.arange(len(rows), dtype=np.uint32))
+def latest_ordinals(keyed: list[np.ndarray]) -> list[np.ndarray]:
+    """Given each part's result keys in record order (parts oldest first), the ordinals in each
+    part of the results that are the latest: a key's last record in the newest part holding it."""
     if not keyed:
         return []
-    key, rank, ordinal = np.concatenate(keyed), np.concatenate(ranks), np.concatenate(ordinals)
+    key = np.concatenate([k.astype(np.uint64) for k in keyed])
+    rank = np.concatenate([np.full(len(k), i, np.uint32) for i, k in enumerate(keyed)])
+    ordinal = np.concatenate([np.arange(len(k), dtype=np.uint32) for k in keyed])
     order = np.lexsort((ordinal, rank, key))  # by key, then oldest to newest
     key, rank, ordinal = key[order], rank[order], ordinal[order]
     last = np.ones(len(key), bool)
     last[:-1] = key[1:] != key[:-1]
     rank, ordinal = rank[last], ordinal[last]
-    return [np.sort(ordinal[rank == i]) for i in range(len(parts))]
+    return [np.sort(ordinal[rank == i]) for i in range(len(keyed))]
 
 
-def iter_row_batches(out: Storage, log=None, report: dict | None = None,
-                     rows_per_batch: int = ROW_GROUP_ROWS) -> Iterator[list[dict[str, Any]]]:
-    """The rows of the export in batches of at most rows_per_batch, part by part."""
-    log = log or get_logger()
-    report = report if report is not None else {"damaged_parts": {}, "skipped_parts": {}}
+def _winners(out: Storage, parts: list[ObjectRef], keys: set[str], log, report) -> list[np.ndarray]:
+    """For each part, the ordinals (among its final records) of the results that are the latest.
+
+    Pass one reads the done-index sidecars (a few bytes a part) or, without a valid one, parses
+    the part; the rows are keyed as the done-index keys results, in the part's record order."""
+    keyed = []
+    for part in parts:
+        rows = None
+        if sidecar_key(part.key) in keys:
+            rows = _read_sidecar(out, sidecar_key(part.key), part.size)
+            if rows is None:
+                report["damaged_parts"][out.describe(part.key)] = RESIZED
+        if rows is None:
+            rows = _parse_part(out, part, log)
+        if rows is None:
+            report["skipped_parts"][out.describe(part.key)] = "unreadable"
+            rows = np.empty(0, dtype=[("key", "<u8")])
+        keyed.append(rows["key"])
+    return latest_ordinals(keyed)
+
+
+def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], log, report: dict,
+                rows_per_batch: int = ROW_GROUP_ROWS) -> Iterator[list[dict[str, Any]]]:
+    """The rows of the chosen records, in batches of at most rows_per_batch: for each part, the
+    ordinals (among its final records, as its done-index rows count them) to take."""
     extra = [name for name in ResultRecord.model_fields if name not in _OWN]
     sources = _Sources(out, log, report)
-    by_fingerprint, keys = _list_parts(out)
     batch: list[dict[str, Any]] = []
-    for parts in by_fingerprint.values():
-        for part, wanted in zip(parts, _winners(out, parts, keys, log, report)):
-            if not len(wanted) or out.describe(part.key) in report["skipped_parts"]:
-                continue
-            try:
-                data = out.read(part.key)
-                records, bad = _final_records(data)
-            except (OSError, UnicodeDecodeError) as exc:
-                report["skipped_parts"][out.describe(part.key)] = f"unreadable: {exc}"
-                log.warning("results part unreadable; left out of the Parquet export",
-                            part=out.describe(part.key), error=str(exc))
-                continue
-            if bad or not data.endswith(b"\n"):
-                report["damaged_parts"][out.describe(part.key)] = f"{bad} line(s) are not records (cut short?)"
-            # Rows keyed in pass one come from the same body: each wanted ordinal names a record.
-            for ordinal in wanted:
-                if ordinal < len(records):
-                    record = records[ordinal]
-                    batch.append(_row(record, sources(record.run_id), extra))
-                if len(batch) >= rows_per_batch:
-                    yield batch
-                    batch = []
+    for part, wanted in chosen:
+        if not len(wanted) or out.describe(part.key) in report["skipped_parts"]:
+            continue
+        try:
+            data = out.read(part.key)
+            records, bad = _final_records(data)
+        except (OSError, UnicodeDecodeError) as exc:
+            report["skipped_parts"][out.describe(part.key)] = f"unreadable: {exc}"
+            log.warning("results part unreadable; left out of the Parquet export",
+                        part=out.describe(part.key), error=str(exc))
+            continue
+        if bad or not data.endswith(b"\n"):
+            report["damaged_parts"][out.describe(part.key)] = f"{bad} line(s) are not records (cut short?)"
+        # Rows keyed in pass one come from the same body: each wanted ordinal names a record.
+        for ordinal in wanted:
+            if ordinal < len(records):
+                record = records[ordinal]
+                batch.append(_row(record, sources(record.run_id), extra))
+            if len(batch) >= rows_per_batch:
+                yield batch
+                batch = []
     if batch:
         yield batch
 
 
-def export_parquet(out: Storage, target: Storage | None = None, target_key: str = PARQUET_KEY, *,
-                   row_group_rows: int = ROW_GROUP_ROWS) -> dict:
-    """Write the output `out`'s final records as one Parquet file, `target_key` in `target`
-    (default `out`, <output>/parquet/results.parquet), and return a report: where, rows, row
-    groups, seconds, and any damaged or skipped parts."""
+def iter_row_batches(out: Storage, log=None, report: dict | None = None,
+                     rows_per_batch: int = ROW_GROUP_ROWS) -> Iterator[list[dict[str, Any]]]:
+    """The rows of the export (every fingerprint's latest final results) in batches, part by part."""
+    log = log or get_logger()
+    report = report if report is not None else {"damaged_parts": {}, "skipped_parts": {}}
+    by_fingerprint, keys = _list_parts(out)
+    chosen = ((part, wanted) for parts in by_fingerprint.values()
+              for part, wanted in zip(parts, _winners(out, parts, keys, log, report)))
+    yield from select_rows(out, chosen, log, report, rows_per_batch)
+
+
+def write_rows(target: Storage, key: str, batches: Iterable[list[dict[str, Any]]], *,
+               row_group_rows: int = ROW_GROUP_ROWS, empty_too: bool = True) -> tuple[int, int]:
+    """Write the batches as one Parquet file of the export's schema, row group by row group
+    into a local temporary file, then put it in place with one atomic write (a PUT, or a temp
+    file and a rename); the rows and row groups written. With empty_too=False, no rows write
+    nothing."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    started = time.perf_counter()
-    target = out if target is None else target
-    log = get_logger()
-    report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
     schema = _schema()
     rows = groups = 0
     with tempfile.TemporaryDirectory(prefix="vlm-caption-parquet-") as tmp:
         path = Path(tmp) / "results.parquet"
         with pq.ParquetWriter(path, schema, compression="zstd") as writer:
-            for batch in iter_row_batches(out, log, report, row_group_rows):
+            for batch in batches:
                 writer.write_table(pa.Table.from_pylist(batch, schema=schema), row_group_size=row_group_rows)
                 rows, groups = rows + len(batch), groups + 1
-        target.write(target_key, path.read_bytes())  # one atomic write (a PUT, or temp file + rename)
+        if rows or empty_too:
+            target.write(key, path.read_bytes())
+    return rows, groups
+
+
+def export_parquet(out: Storage, target: Storage, target_key: str, *,
+                   row_group_rows: int = ROW_GROUP_ROWS) -> dict:
+    """Write the output `out`'s final records (every part, every fingerprint) as one Parquet
+    file, `target_key` in `target`, and return a report: where, rows, row groups, seconds, and
+    any damaged or skipped parts."""
+    started = time.perf_counter()
+    log = get_logger()
+    report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
+    rows, groups = write_rows(target, target_key, iter_row_batches(out, log, report, row_group_rows),
+                              row_group_rows=row_group_rows)
     complete = not report["damaged_parts"] and not report["skipped_parts"]
     result = {"path": target.describe(target_key), "rows": rows, "row_groups": groups, "complete": complete,
               "seconds": round(time.perf_counter() - started, 3),
@@ -236,16 +256,3 @@ def export_parquet(out: Storage, target: Storage | None = None, target_key: str 
         log.warning("results exported as Parquet without some parts", path=result["path"], rows=rows,
                     damaged=list(report["damaged_parts"]), skipped=list(report["skipped_parts"]))
     return result
-
-
-@task(name="export-parquet", cache_policy=NONE, persist_result=False)
-def export_after_run(out: Storage, output_uri: str) -> dict:
-    """The end-of-run export into the run's output `out` (`output_uri` as the job names it, for
-    the message). A failure is logged and returned as `{"error": ...}`, never raised: the run's
-    captions are in its JSON Lines parts, and `vlm-caption export` makes the file later."""
-    try:
-        return export_parquet(out)
-    except Exception as exc:  # noqa: BLE001 - the parts are written; the export is a convenience
-        get_logger().warning("Parquet export failed; the JSON Lines parts are complete. Run "
-                             f"`vlm-caption export {output_uri}` to try again", error=f"{type(exc).__name__}: {exc}")
-        return {"error": f"{type(exc).__name__}: {exc}"}
