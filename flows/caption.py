@@ -104,6 +104,7 @@ def caption_job(plan: RunPlan, run_id: str, log) -> dict:
             # ...and children no worker has started are called off, not waited for forever
             wait_for_children(children, run_here=lambda child: "CANCELLED", claim_message=CALLED_OFF)
         raise
+    stats.charge(engine)  # this partition's device-seconds, before the children's are added
     mine = stats.report(own.index if own else 0, engine, **(shared or {}), **_where())
     if job.partition is not None:  # a child: the parent writes the run's one manifest
         write_partition_report(plan.output, run_id, mine)
@@ -156,6 +157,7 @@ def merge_children(plan: RunPlan, run_id: str, children, stats: RunStats, log) -
             log.error("partition taken over from a child failed", partition=child.index, error=str(exc))
             taken_over[child.index] = PartitionReport(index=child.index, state="FAILED", **_where())
             return "FAILED"
+        child_stats.charge(engine)
         taken_over[child.index] = child_stats.report(child.index, engine, **(shared or {}), **_where())
         return "COMPLETED"
 

@@ -115,6 +115,18 @@ class Settings(BaseSettings):
     job_wait_s: float = Field(
         6 * 3600.0, description="Seconds a second run of the same job waits for the first (one run per job), "
         "then fails with a clear message.")
+    # Caption checks (tasks/results/quality.py) flag every record; asking again costs a second
+    # request for each looping or empty one, so it is the operator's choice.
+    retry_looping: bool = Field(
+        False, description="Ask once more, with a repetition penalty, for each caption that loops or is empty "
+        "(its record's `quality` flags), and keep the better answer (fewer flags); counted in the manifest as "
+        "`quality_retried` and `quality_fixed`.")
+    retry_repetition_penalty: float = Field(
+        1.3, description="vLLM's `repetition_penalty` for the re-ask of `VLM_CAPTION_RETRY_LOOPING` (1.0: none).")
+    gpu_hour_price: float | None = Field(
+        None, description="Price of one GPU (or, on a CPU host, one engine) per hour, in your currency: the "
+        "summary and the manifest then give the run's cost per 1,000 items from its device-seconds. Unset: no "
+        "cost, device-seconds only.")
     # Logging (on stderr, where a worker's log collector reads it)
     log_format: str = Field(
         "auto", description="Log lines on stderr: `json`, `console`, or `auto` (console on a terminal, JSON "

@@ -283,7 +283,8 @@ def summary_rows(summary: dict[str, Any], output: str, log_path: Path | None) ->
                   f"{summary['output_tokens_per_s']:.0f} output tokens/s)"),
         ("results", f"{output.rstrip('/')}/results/{summary['fingerprint']}/"),
     ]
-    rows += [(name, str(summary[name])) for name in ("manifest", "gallery", "parquet") if summary.get(name)]
+    rows += [(name, str(summary[name])) for name in ("quality", "cost", "manifest", "gallery", "parquet")
+             if summary.get(name)]
     if log_path is not None:
         rows.append(("log", str(log_path)))
     return rows

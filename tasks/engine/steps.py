@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from prefect import task
 from prefect.cache_policies import NONE
@@ -16,7 +16,9 @@ from tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
 from tasks.media.prepare import PreparedItem, PreparedShard
 from tasks.media.video import DecodedVideo
 from tasks.observability import get_logger
+from tasks.results.quality import better, caption_flags, wants_retry
 from tasks.results.records import GenerationOutput, ItemError, ResultRecord, structured_answer
+from tasks.settings import get_settings
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,10 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
     engine = get_engine(options.spec)
     ready = [(item, q) for item in prepared.items if item.error is None for q in item.questions]
     started = time.perf_counter()
-    outputs = engine.run([engine_request(item, q, options) for item, q in ready], options.sampling,
-                         options.method)
+    requests = [engine_request(item, q, options) for item, q in ready]
+    outputs = engine.run(requests, options.sampling, options.method)
+    retried = ask_again(engine, requests, outputs, options) if get_settings().retry_looping else {}
+    retried_for = {(id(item), q): retried[i] for i, (item, q) in enumerate(ready) if i in retried}
     per_request_s = (time.perf_counter() - started) / max(len(ready), 1)
     by_request = {(id(item), q): out for (item, q), out in zip(ready, outputs)}
     records = []
@@ -82,14 +86,34 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
             prompt = None if options.method == "chat" or item.error else engine.prompt_for(
                 question, len(item.members))
             records.append(make_record(item, question, output, prompt, engine.model, options.spec.recipe,
-                                       per_request_s, fingerprint, run_id, options.sampling.structured))
+                                       per_request_s, fingerprint, run_id, options.sampling.structured,
+                                       retried_for=retried_for.get((id(item), question))))
         item.media = None  # release the decoded pixels as soon as they are consumed
     return records
 
 
+def ask_again(engine, requests: list[EngineRequest], outputs: list[GenerationOutput],
+              options: GenerateOptions) -> dict[int, list[str]]:
+    """Ask once more, with a repetition penalty, for each answer that loops or is empty; an
+    answer the re-ask betters is replaced in `outputs`. Returns the first answers' flags by
+    request index, for every request asked again (its record's `retried_for`)."""
+    flagged = {i: flags for i, out in enumerate(outputs) if out.error is None
+               and wants_retry(flags := caption_flags(out.text, out.finish_reason))}
+    if not flagged:
+        return {}
+    sampling = replace(options.sampling, repetition_penalty=get_settings().retry_repetition_penalty)
+    again = engine.run([requests[i] for i in flagged], sampling, options.method)
+    for (i, flags), out in zip(flagged.items(), again):
+        if out.error is None and better(flags, caption_flags(out.text, out.finish_reason)):
+            outputs[i] = out
+    get_logger(recipe=options.spec.recipe).info("asked again for looping or empty captions", requests=len(flagged),
+                                                bettered=sum(outputs[i] is out for i, out in zip(flagged, again)))
+    return flagged
+
+
 def make_record(item: PreparedItem, question: str, output: GenerationOutput | None, prompt: str | None,
                 model: str, recipe: str, generate_s: float, fingerprint: str, run_id: str,
-                structured: dict | None = None) -> ResultRecord:
+                structured: dict | None = None, retried_for: list[str] | None = None) -> ResultRecord:
     error = item.error
     if output is not None and output.error is not None:
         error = ItemError("generate", output.error, retryable=False)
@@ -98,6 +122,8 @@ def make_record(item: PreparedItem, question: str, output: GenerationOutput | No
         answer, error = structured_answer(output.text, output.finish_reason, structured["json"])
     # A structured answer that does not parse keeps its raw text, to show where it went wrong.
     keep_text = output is not None and (error is None or error.kind == "structured_output")
+    # Only an answer is checked: a fetch, decode or engine error has no caption to judge.
+    flags = caption_flags(output.text, output.finish_reason, schema_failed=error is not None) if keep_text else None
     single = len(item.item.members) == 1 and item.item.members[0].key == item.item.id
     return ResultRecord(
         key=item.item.id, size=sum(max(m.size, 0) for m in item.members) if item.members else item.item.size,
@@ -112,6 +138,7 @@ def make_record(item: PreparedItem, question: str, output: GenerationOutput | No
         error=asdict(error) if error else None,
         members=None if single else item.members,
         video=item.video_info,
+        quality=flags or None, retried_for=retried_for,
         timings={"fetch_s": round(item.fetch_s, 4), "decode_s": round(item.decode_s, 4),
                  "generate_s": round(generate_s, 4) if output else 0.0},
         fingerprint=fingerprint, run_id=run_id,

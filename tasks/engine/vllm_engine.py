@@ -39,6 +39,8 @@ class Sampling:
     # A structured-output constraint: `StructuredOutputsParams` fields ({"json": schema},
     # {"regex": ...} or {"choice": [...]}, see `CaptionJob.structured_output`), or None for prose.
     structured: dict[str, Any] | None = field(default=None, hash=False)
+    # vLLM's repetition penalty (1.0: none); the re-ask of a looping caption sets it (tasks/engine/steps.py).
+    repetition_penalty: float | None = None
 
 
 @dataclass
@@ -121,6 +123,8 @@ class CaptionEngine:
             params["temperature"] = sampling.temperature
         if sampling.max_tokens is not None:
             params["max_tokens"] = sampling.max_tokens
+        if sampling.repetition_penalty is not None:
+            params["repetition_penalty"] = sampling.repetition_penalty
         if sampling.structured is not None:
             from vllm.sampling_params import StructuredOutputsParams
 

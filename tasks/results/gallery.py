@@ -56,16 +56,22 @@ def sample_items(records: Iterable[ResultRecord], limit: int, seed: int = 0) -> 
     pools: dict[bool, tuple[list[GalleryItem], list[int]]] = {True: ([], [0]), False: ([], [0])}
     for key, group in itertools.groupby(records, key=lambda r: r.key):
         item = GalleryItem(key, list(group))
-        chosen, seen = pools[item.failed]
+        worst = item.failed or flagged(item)  # a flagged caption is sampled, and shown, as a failure is
+        chosen, seen = pools[worst]
         seen[0] += 1
-        room = failed_cap if item.failed else limit
+        room = failed_cap if worst else limit
         if len(chosen) < room:
             chosen.append(item)
         elif (slot := rng.randrange(seen[0])) < room:
             chosen[slot] = item
     failed, good = pools[True][0], pools[False][0]
     items = failed + good[:max(0, limit - len(failed))]
-    return sorted(items, key=lambda item: (not item.failed, item.key))
+    return sorted(items, key=lambda item: (not item.failed, not flagged(item), item.key))
+
+
+def flagged(item: GalleryItem) -> bool:
+    """An item with a caption flagged by the caption checks (tasks/results/quality.py)."""
+    return any(r.quality for r in item.records)
 
 
 def _jpeg(image, limit: int = THUMB_BYTES) -> str | None:

@@ -72,6 +72,8 @@ def _item_html(item: GalleryItem) -> str:
         if record.error:
             kind, message = record.error.get("kind", "error"), record.error.get("message", "")
             parts.append(f'<div class="error">error: {html.escape(kind)}: {html.escape(_cut(message, 600))}</div>')
+        if record.quality:
+            parts.append(f'<div class="error quality">flagged: {html.escape(", ".join(record.quality))}</div>')
         if record.text:
             parts.append(f'<div class="caption">{html.escape(_cut(record.text))}</div>')
         if record.structured is not None:

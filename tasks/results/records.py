@@ -59,6 +59,11 @@ class ResultRecord(BaseModel):
     members: list[Member] | None = None  # a group's or a manifest line's objects, in order
     video: dict[str, Any] | None = None  # frames, duration_s, fps, width, height
     metadata: dict[str, Any] | None = None  # a WebDataset sample's .json/.txt, a Parquet row's other columns
+    # Caption checks (tasks/results/quality.py): looping, empty, truncated, schema; None when fine.
+    quality: list[str] | None = None
+    # The first answer's flags where it was asked again with other sampling (VLM_CAPTION_RETRY_LOOPING);
+    # `text` and `quality` are then the better of the two answers.
+    retried_for: list[str] | None = None
     timings: dict[str, float]
     fingerprint: str
     run_id: str

@@ -8,7 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from tasks.results.quality import RETRY_FLAGS
 from tasks.results.records import ResultRecord
+from tasks.settings import get_settings
 from tasks.sources.s3_client import describe_shared_client
 
 MAX_FAILURES_LISTED = 10_000
@@ -30,6 +32,16 @@ class Tally(BaseModel):
     generate_to: float | None = None
     failures_by_kind: dict[str, int] = Field(default_factory=dict)
     failures: list[dict[str, Any]] = Field(default_factory=list)
+    # Caption checks (tasks/results/quality.py): records by flag, the flagged ones listed, re-asks.
+    quality_by_flag: dict[str, int] = Field(default_factory=dict)
+    flagged: list[dict[str, Any]] = Field(default_factory=list)
+    quality_flagged: int = 0  # records with one flag or more
+    quality_retried: int = 0
+    quality_fixed: int = 0
+    # What the run cost: seconds its engines were held (engine ready to last result) times their
+    # devices (tensor parallel size), on `device` (cuda, cpu, ...). Summed over partitions.
+    device_s: float = 0.0
+    device: str | None = None
     samples: list[dict[str, str]] = Field(default_factory=list)
     parts: list[str] = Field(default_factory=list)
 
@@ -44,6 +56,14 @@ class Tally(BaseModel):
         """Widen the generating window to [started, ended] (epoch seconds)."""
         self.generate_from = started if self.generate_from is None else min(self.generate_from, started)
         self.generate_to = ended if self.generate_to is None else max(self.generate_to, ended)
+
+    def charge(self, engine: dict[str, Any] | None) -> None:
+        """This partition's device-seconds: from its engine being ready to its last result, times
+        the devices the engine spans. Called once, when the partition's work has ended."""
+        if not engine or engine.get("ready_at") is None or self.generate_to is None:
+            return
+        self.device_s = round(engine_devices(engine) * max(0.0, self.generate_to - engine["ready_at"]), 3)
+        self.device = (engine.get("sizing") or {}).get("device") or self.device
 
 
 class PartitionReport(Tally):
@@ -63,8 +83,9 @@ class PartitionReport(Tally):
     def brief(self) -> dict[str, Any]:
         return {**self.model_dump(include={"index", "state", "flow_run_id", "worker", "host", "devices",
                                            "cpus", "listed", "processed", "succeeded", "generate_from", "generate_to",
-                                           "shards", "retaken"}),
+                                           "shards", "retaken", "device_s", "device"}),
                 "failed": sum(self.failures_by_kind.values()),
+                "flagged": self.quality_flagged,
                 "generate_items_per_s": self.generate_items_per_s(),
                 "engine_ready_at": (self.engine or {}).get("ready_at")}
 
@@ -93,6 +114,7 @@ class RunStats(Tally):
         for record in records:
             self.prompt_tokens += record.prompt_tokens
             self.output_tokens += record.output_tokens
+            self.count_quality(record)
             if record.error is None:
                 self.succeeded += 1
                 if len(self.samples) < SAMPLE_CAPTIONS and record.text:
@@ -104,14 +126,31 @@ class RunStats(Tally):
             if len(self.failures) < MAX_FAILURES_LISTED:
                 self.failures.append({"key": record.key, "question": record.question, **record.error})
 
+    def count_quality(self, record: ResultRecord) -> None:
+        if record.retried_for:
+            self.quality_retried += 1
+            self.quality_fixed += not RETRY_FLAGS.intersection(record.quality or [])
+        if not record.quality:
+            return
+        self.quality_flagged += 1
+        for flag in record.quality:
+            self.quality_by_flag[flag] = self.quality_by_flag.get(flag, 0) + 1
+        if len(self.flagged) < MAX_FAILURES_LISTED:
+            self.flagged.append({"key": record.key, "question": record.question, "quality": record.quality})
+
     def report(self, index: int, engine: dict[str, Any] | None, **where: Any) -> PartitionReport:
         return PartitionReport(**self.model_dump(include=set(Tally.model_fields)), index=index,
                                engine=engine, **where)
 
     def absorb(self, report: PartitionReport) -> None:
         """Add a child partition's counts to this (the parent's) run."""
-        for name in ("listed", "skipped", "processed", "succeeded", "prompt_tokens", "output_tokens"):
+        for name in ("listed", "skipped", "processed", "succeeded", "prompt_tokens", "output_tokens",
+                     "quality_flagged", "quality_retried", "quality_fixed", "device_s"):
             setattr(self, name, getattr(self, name) + getattr(report, name))
+        self.device = self.device or report.device
+        for flag, count in report.quality_by_flag.items():
+            self.quality_by_flag[flag] = self.quality_by_flag.get(flag, 0) + count
+        self.flagged.extend(report.flagged[: max(MAX_FAILURES_LISTED - len(self.flagged), 0)])
         if report.generate_from is not None:
             self.mark_generating(report.generate_from, report.generate_to)
         for kind, count in report.failures_by_kind.items():
@@ -134,7 +173,14 @@ class RunStats(Tally):
             "output_tokens_per_s": round(self.output_tokens / self.generate_s, 1) if self.generate_s > 0 else 0.0,
             "generate_items_per_s": self.generate_items_per_s(),
             "first_result_s": self.first_result_s,
+            "quality": quality_line(self.quality_flagged, self.quality_by_flag, self.quality_retried, self.quality_fixed),
+            "cost": cost_line(self.cost()),
         }
+
+    def cost(self) -> dict[str, Any]:
+        """Device-seconds, what they made, and (with VLM_CAPTION_GPU_HOUR_PRICE) the price per 1,000 items."""
+        return run_cost(self.device_s, self.device, self.processed, self.output_tokens,
+                        get_settings().gpu_hour_price)
 
     def manifest(self, *, run_id: str, parameters: dict[str, Any], fingerprint: str,
                  engine: dict[str, Any] | None, partitions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -148,11 +194,15 @@ class RunStats(Tally):
                 "processed": self.processed, "succeeded": self.succeeded, "failed": self.failed,
                 "failed_by_kind": dict(self.failures_by_kind),
                 "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "quality": dict(self.quality_by_flag), "flagged": self.quality_flagged,
+                "quality_retried": self.quality_retried, "quality_fixed": self.quality_fixed,
             },
+            "cost": self.cost(),
             "throughput": self.summary(),
             # epoch seconds of the first request and the last result (over every partition)
             "generate_window": [self.generate_from, self.generate_to] if self.generate_from is not None else None,
             "failures": self.failures,
+            "flagged": self.flagged,  # records with quality flags: key, question, flags
             "parts": self.parts,
             "partitions": partitions or [],
             "parameters": parameters,
@@ -160,6 +210,45 @@ class RunStats(Tally):
             "s3": describe_shared_client(),  # retries, timeouts, pool of this process's S3 client (None: folders)
             "versions": versions(),
         }
+
+
+def engine_devices(engine: dict[str, Any]) -> int:
+    """Devices one engine spans: its tensor parallel size times its pipeline parallel size."""
+    args = engine.get("engine_args") or {}
+    return max(1, int(args.get("tensor_parallel_size") or 1)) * max(1, int(args.get("pipeline_parallel_size") or 1))
+
+
+def run_cost(device_s: float, device: str | None, items: int, output_tokens: int,
+             hour_price: float | None) -> dict[str, Any]:
+    """What the device time bought; the price per 1,000 items where a price per device-hour is set."""
+    per_s = (lambda n: round(n / device_s, 3)) if device_s > 0 else (lambda n: None)
+    cost = {"device": device, "device_s": round(device_s, 3), "items": items,
+            "items_per_device_s": per_s(items), "output_tokens_per_device_s": per_s(output_tokens),
+            "hour_price": hour_price, "per_1000_items": None}
+    if hour_price is not None and items and device_s > 0:
+        cost["per_1000_items"] = round(hour_price * device_s / 3600 / items * 1000, 6)
+    return cost
+
+
+def cost_line(cost: dict[str, Any]) -> str:
+    """The cost in one line: `12.4 GPU-s: 3.2 items/GPU-s, 410 output tokens/GPU-s; 0.0071 per 1,000 items`."""
+    if not cost["device_s"]:
+        return "no device time (nothing generated)"
+    unit = "GPU-s" if cost["device"] in (None, "cuda", "rocm") else f"{cost['device']}-s"
+    line = (f"{cost['device_s']:.1f} {unit}: {cost['items_per_device_s']:.3g} items/{unit}, "
+            f"{cost['output_tokens_per_device_s']:.4g} output tokens/{unit}")
+    if cost["per_1000_items"] is not None:
+        line += f"; {cost['per_1000_items']:.4g} per 1,000 items at {cost['hour_price']:g} per device-hour"
+    return line
+
+
+def quality_line(flagged: int, by_flag: dict[str, int], retried: int, fixed: int) -> str:
+    """The caption checks in one line: `2 flagged (looping 2, truncated 1); 2 asked again, 1 fixed`."""
+    if not flagged and not retried:
+        return "no caption flagged"
+    line = f"{flagged} flagged" + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(by_flag.items())) + ")"
+                                 if by_flag else "")
+    return line + (f"; {retried} asked again, {fixed} fixed" if retried else "")
 
 
 def versions() -> dict[str, str | None]:
