@@ -29,6 +29,7 @@ from prefect.runtime import flow_run
 from flows.params import CaptionJob, Partition
 from flows.pipeline import PartitionRun, caption_shards
 from flows.plan import RunPlan, make_plan, take_partition_cores
+from tasks.claims import remove_claims
 from tasks.concurrency import one_run_per_job
 from tasks.engine.host_share import current_cpus, format_cpu_list
 from tasks.engine.vllm_import import ensure_vllm_imported, import_vllm_in_background
@@ -114,6 +115,8 @@ def caption_job(plan: RunPlan, run_id: str, log) -> dict:
         return {**summary, "run_id": run_id, "partition": own.index, "fingerprint": fingerprint}
 
     partitions = [mine] + merge_children(plan, run_id, children, stats, log) if children else []
+    if own is not None:  # every partition has ended: the run's claims and shard plan go
+        remove_claims(plan.output, run_id)
     manifest = stats.manifest(run_id=run_id, parameters=job.model_dump(mode="json"),
                               fingerprint=fingerprint, engine=engine,
                               partitions=[p.brief() for p in partitions])

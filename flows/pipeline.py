@@ -31,8 +31,9 @@ from tasks.results.report import RunStats
 from tasks.results.writers import write_shard
 from tasks.settings import get_settings
 from tasks.sources.extras import annotate_records
+from tasks.shard_plan import SharedListing
 from tasks.sources.items import Shard
-from tasks.sources.listing import ShardStream
+from tasks.sources.listing import AlreadyDone, Listed, ShardStream
 
 RETAKE_POLL_S = 2.0  # how often a partition that has run out of shards looks at the others' claims
 
@@ -76,13 +77,13 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | Non
 def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, dict | None]:
     job = run.job
     done = load_done_index(run.plan.output, run.fingerprint)
-    stream = listing(run)
+    stream = listing(run, done, claims)
     try:
         # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
         # listing is read whole first; image and video start on the first shard listed.
         if job.modality == "multi-image":
-            shards: Iterable[Shard] = list(stream)
-            spec = engine_spec(job, shards)
+            shards: Iterable[Listed] = list(stream)
+            spec = engine_spec(job, [shard for shard in shards if isinstance(shard, Shard)])
         else:
             shards, spec = stream, engine_spec(job, [])
         run.log.info("run started", source=job.location, output=job.output, modality=job.modality,
@@ -95,9 +96,9 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
         if retaken:  # a partition that is gone left these: captioned here, from a fresh listing
             # What it wrote before it went (a part without its done mark) is on the done-index now.
             pipeline.done = load_done_index(run.plan.output, run.fingerprint)
-            again = listing(run)
+            again = listing(run, pipeline.done, claims)  # the run's plan, read again
             try:
-                pipeline.run(shard for shard in again if shard.index in retaken)
+                pipeline.run(shard for shard in again if isinstance(shard, Shard) and shard.index in retaken)
             finally:
                 again.close()
         else:
@@ -105,9 +106,16 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
     return pipeline.close()
 
 
-def listing(run: PartitionRun) -> ShardStream:
-    """The source's shards, streamed; every partition lists the same shards."""
-    return ShardStream(run.plan.source, run.job.shard_size, run.job.limit).start()
+def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None) -> ShardStream | SharedListing:
+    """The source's shards with work left, streamed, and between them the count of items already
+    done (`AlreadyDone`: no task run, claim or engine for them). A fanned-out run lists once, into
+    a shard plan every partition reads (tasks/shard_plan.py)."""
+    job = run.job
+    pending = lambda items: done.pending_mask(items, job.questions_to_ask)  # noqa: E731
+    if claims is None:
+        return ShardStream(run.plan.source, job.shard_size, job.limit, pending=pending).start()
+    return SharedListing(run.plan.output, run.run_id, claims, run.plan.source, job.shard_size, job.limit,
+                         pending).start()
 
 
 class ShardPipeline:
@@ -142,8 +150,9 @@ class ShardPipeline:
         self.generate_started: float | None = None
         self.ahead, self.in_flight, self.writes = deque(), deque(), deque()
 
-    def run(self, shards: Iterable[Shard]) -> None:
-        """Caption `shards` (called again for shards retaken from a partition that is gone)."""
+    def run(self, shards: Iterable[Listed]) -> None:
+        """Caption `shards` (called again for shards retaken from a partition that is gone); the
+        items already done that the listing hands over between them are counted."""
         self.listed = iter(shards)
         self.prepare_ahead()
         while self.ahead:
@@ -164,8 +173,17 @@ class ShardPipeline:
         items are being prepared at once (each shard being prepared has its own fetch threads)."""
         while ((len(self.ahead) < self.lookahead
                 or (len(self.ahead) + len(self.in_flight) <= self.depth and len(self.preparing) < self.filling))
-               and (following := next(self.listed, None)) is not None):
+               and (following := self.next_shard()) is not None):
             self.ahead.append((following, self.take(following)))
+
+    def next_shard(self) -> Shard | None:
+        """The listing's next shard; items already done it hands over are counted in-process."""
+        for listed in self.listed:
+            if not isinstance(listed, AlreadyDone):
+                return listed
+            self.stats.add(listed.items, listed.items, [])
+            self.progress.skip(listed.items)
+        return None
 
     @property
     def sizing(self) -> dict | None:
@@ -192,11 +210,11 @@ class ShardPipeline:
 
     def take(self, shard: Shard):
         """A shard from the listing: counted, its fetch and decode submitted, and the engine
-        started in the background at the first item not already done."""
+        started in the background at the first shard (the listing hands over only shards with
+        work left: a run with nothing new starts no engine and no decode pool)."""
         job = self.job
         self.progress.grow(len(shard.items))
-        if self.starting is None and any(self.done.pending_by_listing(item, item.questions or job.questions_to_ask)
-                                         for item in shard.items):
+        if self.starting is None:
             self.starting = start_engine.submit(self.options.spec)
             start_decode_pool(job.modality)  # its processes start beside the engine
         preparing = prepare_shard.submit(self.partition_run.plan.source, opaque(shard), opaque(self.done),
@@ -253,9 +271,9 @@ class ShardPipeline:
         stats.add(len(shard.items), prepared.skipped, records)
         failed = sum(1 for r in records if r.error)
         percent = self.progress.advance(len(shard.items), failed)
-        emit("shard.failed" if failed else "shard.completed", run.run_id, shard=shard.index,
-             partition=run.partition.index if run.partition else 0, objects=len(shard.items),
-             skipped=prepared.skipped, failed=failed)
+        if failed:  # the event an automation reacts to; a shard that went well is in the progress artifact
+            emit("shard.failed", run.run_id, shard=shard.index, partition=run.partition.index if run.partition else 0,
+                 objects=len(shard.items), skipped=prepared.skipped, failed=failed)
         run.log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
                      skipped=prepared.skipped, failed=failed, progress=percent)
 

@@ -1,7 +1,7 @@
 """How the partitions of a fanned-out run share its shards: claims in the output store.
 
-Every partition lists the whole source (the listing is deterministic: a bucket lists in key
-order, a folder is walked sorted), and before it fetches a shard it *claims* it: it creates
+The run's source is listed once, into a shard plan every partition reads (tasks/shard_plan.py:
+only the shards with work left are in it), and before it fetches a shard a partition *claims* it: it creates
 `claims/<run_id>/<shard>` with a conditional write (`Storage.create`: `If-None-Match: *` on
 S3, a hard link on a folder), which exactly one partition wins. A partition takes a new shard
 only when its pipeline has room for one, so a partition whose engine is ready late, or whose
@@ -17,13 +17,18 @@ for STALE_S seconds (a killed worker, a lost host), is claimed again (`<shard>.r
 again by a conditional write, so one partition retakes it) and captioned here. So the
 partitions finish together, and a partition that dies loses nothing.
 
-A claim names the shard's first and last item: a source that changed between two partitions'
-listings (objects added mid-run) is logged; no item is lost (the next run's done-index sees
-what no shard had), one may be captioned twice.
+A claim names the shard's first and last item: two partitions that see other items in a shard
+(a plan relisted by a partition that replaced a gone lister, over a source that changed) is
+logged; no item is lost (the next run's done-index sees what no shard had), one may be
+captioned twice.
+
+When the run has finished (the parent, after its children), `remove_claims` deletes the run's
+claims/ objects, so a nightly job leaves none behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 
 from tasks.observability import get_logger
 from tasks.sources.items import Shard
-from tasks.sources.storage import Storage
+from tasks.sources.storage import LocalStorage, Storage
 
 BEAT_S = 5.0
 STALE_S = 30.0  # a heartbeat unchanged this long (by the watcher's clock): its partition is gone
@@ -119,6 +124,9 @@ class ShardClaims:
         taken: set[int] = set()
         compared = False
         for shard in shards:
+            if not isinstance(shard, Shard):  # the items already done the listing counts: passed on
+                yield shard
+                continue
             if shard.index in taken:
                 continue
             if self.claim(shard, compare=not compared):
@@ -210,3 +218,20 @@ class ShardClaims:
         self.taken += len(retaken)
         self.retaken += len(retaken)
         return retaken
+
+
+def remove_claims(out: Storage, run_id: str) -> int:
+    """Delete the run's claims, done marks, heartbeats and shard plan once it has finished.
+    Best effort: what is left is a few bytes a shard, and names no later run reads."""
+    removed = 0
+    for ref in list(out.iter_objects(prefix=claims_prefix(run_id))):
+        try:
+            out.delete(ref.key)
+            removed += 1
+        except Exception as error:  # noqa: BLE001 - left behind, logged; the run's results do not depend on it
+            get_logger(run_id=run_id).warning("a claim was not removed", key=ref.key, error=str(error))
+    if isinstance(out, LocalStorage):  # a folder's claims/<run_id>/plan/ and claims/<run_id>/, now empty
+        for folder in (out.root / claims_prefix(run_id) / "plan", out.root / claims_prefix(run_id)):
+            with contextlib.suppress(OSError):  # not empty (a partition still writing): left as it is
+                folder.rmdir()
+    return removed

@@ -215,6 +215,14 @@ class Progress:
         self.listed += items
         self.terminal.grow(items)
 
+    def skip(self, items: int) -> None:
+        """Items the listing found already done: part of the artifact's progress at once. The
+        terminal counts this run's work only (its items/s and ETA are about what is new)."""
+        self.listed += items
+        self.done += items
+        if time.monotonic() - self.published_at >= self.ARTIFACT_INTERVAL_S:
+            self._publish()
+
     @property
     def percent(self) -> float:
         return round(100.0 * self.done / max(self.listed, 1), 1)

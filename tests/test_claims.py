@@ -138,3 +138,148 @@ def test_a_partition_that_says_it_finished_is_not_waited_for():
     # it ended (an engine that failed to start) with its shard unfinished: retaken at once
     other = ShardClaims(store, "run3", 0, stale_s=3600)
     assert other.retake() == [0]
+
+
+# ---- the shard plan: one listing per run, read by every partition (tasks/shard_plan.py) ----------
+
+class CountedSource:
+    """A source of `count` objects whose listings are counted."""
+
+    def __init__(self, count: int):
+        self.count, self.listings = count, 0
+
+    def iter_objects(self, glob=None, prefix=""):
+        self.listings += 1
+        for i in range(self.count):
+            yield ObjectRef(f"img/{i:05d}.jpg", 100, "e")
+
+
+@pytest.fixture
+def planned_source(monkeypatch):
+    """A source whose listing is counted, and list-source run on a thread (no flow here)."""
+    import tasks.sources.formats as formats
+    import tasks.sources.listing as listing
+    from tasks.sources.formats import SourceSpec
+
+    class OnAThread:
+        @staticmethod
+        def submit(stream):
+            threading.Thread(target=stream.produce, daemon=True).start()
+
+    monkeypatch.setattr(listing, "list_source", OnAThread)
+
+    def make(count: int):
+        source = CountedSource(count)
+        monkeypatch.setattr(formats, "source_storage", lambda uri: source)
+        return source, SourceSpec("s3://synthetic/")
+    return make
+
+
+def _every_third_done(items):
+    return [int(item.id[4:9]) % 3 != 0 for item in items]  # items 0, 3, 6, ... were done before
+
+
+def test_partitions_read_one_listing_through_the_plan_and_each_shard_is_taken_once(store, planned_source):
+    """Three partitions start together: the source is listed once, by the one that won the plan;
+    every partition reads the same shards from it, cut from the items with work left only; each
+    shard is claimed by one partition; the items already done are counted once, by the lister."""
+    from tasks.shard_plan import SharedListing
+    from tasks.sources.listing import AlreadyDone
+
+    source, spec = planned_source(1000)
+    taken: list[tuple[int, int, tuple[str, ...]]] = []
+    done_counted: dict[int, int] = {}
+    listers = []
+
+    def partition(index: int):
+        with ShardClaims(store, "run4", index, beat_s=0.2) as claims:
+            plan = SharedListing(store, "run4", claims, spec, 8, None, _every_third_done, poll_s=0.05).start()
+            listers.append(plan.lists)
+            done_counted[index] = 0
+            for listed in claims.claimed(plan):
+                if isinstance(listed, AlreadyDone):
+                    done_counted[index] += listed.items
+                    continue
+                taken.append((index, listed.index, tuple(item.id for item in listed.items)))
+                claims.mark_done(listed.index)
+            while claims.retake() is not None:
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=partition, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert source.listings == 1 and sorted(listers) == [False, False, True]
+    pending = [f"img/{i:05d}.jpg" for i in range(1000) if i % 3]
+    assert sorted(shard for _, shard, _ in taken) == list(range(-(-len(pending) // 8)))  # each shard once
+    assert sorted(key for *_, keys in taken for key in keys) == pending  # full shards of what is left
+    assert sum(done_counted.values()) == 334 and sorted(done_counted.values())[:2] == [0, 0]
+
+
+def test_a_partition_that_starts_late_reads_the_plan_and_lists_nothing(store, planned_source):
+    from tasks.shard_plan import SharedListing
+
+    source, spec = planned_source(100)
+    with ShardClaims(store, "run5", 0) as first:
+        list(SharedListing(store, "run5", first, spec, 10, None, lambda items: [True] * len(items)).start())
+    with ShardClaims(store, "run5", 1) as late:
+        plan = SharedListing(store, "run5", late, spec, 10, None, lambda items: [True] * len(items)).start()
+        assert [shard.index for shard in plan] == list(range(10)) and not plan.lists
+    assert source.listings == 1
+
+
+def test_a_lister_that_is_gone_is_replaced_after_the_shards_it_wrote(store, planned_source):
+    """The partition listing the source died after its first chunk: another lists the rest,
+    after the items that chunk covers, and every shard is in the plan once."""
+    import json
+
+    from tasks.shard_plan import PlanWriter, SharedListing
+
+    source, spec = planned_source(200)
+    everything = lambda items: [True] * len(items)  # noqa: E731
+    dead = PlanWriter(store, "run6", "p1", spec, 10, None, everything)
+    dead.put = _stop_after_first_chunk(dead)
+    store.create("claims/run6/plan/lister", json.dumps({"owner": "p1"}).encode())
+    dead.produce()
+    store.write("claims/run6/alive-p1.json", json.dumps({"beat": 1, "state": "finished", "partition": 1}).encode())
+    with ShardClaims(store, "run6", 0) as survivor:
+        plan = SharedListing(store, "run6", survivor, spec, 10, None, everything, poll_s=0.05).start()
+        shards = list(plan)
+        assert plan.lists  # it took the listing over
+    assert [shard.index for shard in shards] == list(range(20))
+    assert [item.id for shard in shards for item in shard.items] == [f"img/{i:05d}.jpg" for i in range(200)]
+    assert store.exists("claims/run6/plan/lister.r1") and source.listings == 2
+
+
+def _stop_after_first_chunk(writer):
+    from tasks.sources.listing import StreamClosed
+
+    put = writer.put
+
+    def put_until_a_chunk_is_written(thing):
+        if writer.chunk >= 1:
+            raise StreamClosed  # the process is gone
+        put(thing)
+        if thing is not None and len(writer._shards) == 3:
+            writer._write_chunk()
+    return put_until_a_chunk_is_written
+
+
+def test_a_finished_runs_claims_are_removed(store, planned_source):
+    from tasks.claims import remove_claims
+    from tasks.shard_plan import SharedListing
+
+    _, spec = planned_source(30)
+    with ShardClaims(store, "run7", 0) as claims:
+        for shard in claims.claimed(SharedListing(store, "run7", claims, spec, 10, None,
+                                                  lambda items: [True] * len(items)).start()):
+            claims.mark_done(shard.index)
+    with ShardClaims(store, "run8", 0) as other:  # another run's claims stay
+        other.claim(shards(1)[0])
+    assert remove_claims(store, "run7") >= 3 + 3 + 1 + 2  # claims, done marks, heartbeat, plan
+    assert list(store.iter_objects(prefix="claims/run7/")) == []
+    assert [ref.key for ref in store.iter_objects(prefix="claims/run8/")] == ["claims/run8/000000",
+                                                                             "claims/run8/alive-p0.json"]
+    if isinstance(store, LocalStorage):
+        assert not (store.root / "claims" / "run7").exists()

@@ -70,3 +70,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "time is not comparable with the others'")
     parser.add_argument("--json-schema", metavar="FILE|tags",
                         help="both phases answer in JSON matching this schema (vLLM's structured outputs)")
+    parser.add_argument("--history", type=int, default=0, metavar="N",
+                        help="instead: time a nightly `vlm-caption run` over N done results (synthesized as a run "
+                        "writes them), with nothing new and with 1%% new, against the same new items into an "
+                        "empty output (--source folder or s3, --shard-size, --max-tokens apply)")

@@ -54,6 +54,9 @@ class BenchConfig:
     # A JSON Schema (as JSON text) both phases constrain every answer to with vLLM's structured
     # outputs; generation then ends where the schema does (no ignore_eos). None: prose.
     json_schema: str | None = None
+    # N > 0: `--history N` (flows/bench/history.py): a nightly run over N done results, with
+    # nothing new and with 1% new, instead of the raw/flow comparison.
+    history: int = 0
 
     def structured(self) -> dict | None:
         """The schema as a dict, or None for prose."""

@@ -195,6 +195,10 @@ def build_checkpoint(work: Path, recipe: str, shape: str) -> str:
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    if cfg.history:
+        from flows.bench.history import run_history
+
+        return run_history(cfg)
     if cfg.source == "webdataset" and cfg.modality != "image":
         raise SystemExit("--source webdataset packs the bench's photos in tars: use it with --modality image")
     if cfg.gpus > 1 and cfg.source == "webdataset":

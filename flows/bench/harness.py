@@ -98,30 +98,51 @@ def s3_source(folder: Path, work: Path):
     way the endpoint is a process of its own, as a real one is (moto's threads in the flow's
     process took its GIL from the feed: 0.71x at 1920x1080, measured), and the items are
     uploaded once, before any phase. Yields the environment that points a phase at them."""
-    server, env = None, {}
     base = os.environ.get("VLM_CAPTION_BENCH_S3", "").rstrip("/")
-    if not base:
-        port = _free_port()
-        env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-               "VLM_CAPTION_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "VLM_CAPTION_BENCH_S3": LOOPBACK_S3}
-        log = open(work / "moto-server.log", "wb")
-        server = subprocess.Popen([sys.executable, "-m", "flows.bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=log, stderr=subprocess.STDOUT)
+    if base:
+        _upload(folder, f"{base}/images/", dict(os.environ))
+        yield {}
+        return
+    with loopback_s3(work) as env:
+        _upload(folder, f"{LOOPBACK_S3}/images/", {**os.environ, **env})
+        yield env
+
+
+@contextmanager
+def loopback_s3(work: Path):
+    """A moto S3 server in a process of its own with an empty bucket `bench`; yields the
+    environment that points a process at it (and this process's storage, while it lasts)."""
+    port = _free_port()
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+           "VLM_CAPTION_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "VLM_CAPTION_BENCH_S3": LOOPBACK_S3}
+    log = open(work / "moto-server.log", "wb")
+    server = subprocess.Popen([sys.executable, "-m", "flows.bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
         _wait_until(lambda: _healthy(env["VLM_CAPTION_S3_ENDPOINT_URL"], path="/moto-api/"), server,
                     f"the moto S3 server did not start; see {work / 'moto-server.log'}")
-        base = LOOPBACK_S3
         import boto3
 
         boto3.client("s3", endpoint_url=env["VLM_CAPTION_S3_ENDPOINT_URL"], region_name="us-east-1",
                      aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench")
-    try:
-        _upload(folder, f"{base}/images/", {**os.environ, **env})
-        yield env
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        from tasks.settings import get_settings
+
+        get_settings.cache_clear()
+        try:
+            yield env
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            get_settings.cache_clear()
     finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
-            log.close()
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
 
 
 def _upload(folder: Path, prefix: str, env: dict[str, str]) -> None:

@@ -11,7 +11,9 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Union
 
 from prefect import task
 from prefect.cache_policies import NONE
@@ -61,7 +63,21 @@ def up_to(items: Iterable[WorkItem], limit: int | None) -> Iterator[WorkItem]:
     return iter(items) if limit is None else itertools.islice(items, limit)
 
 
-class _Closed(Exception):
+@dataclass(frozen=True)
+class AlreadyDone:
+    """Items the listing found already done (every question, judged from the listing alone):
+    counted by the run, never made into a shard, a task run or a claim."""
+
+    items: int
+
+
+Listed = Union[Shard, AlreadyDone]  # what a listing hands over, in listing order
+PendingMask = Callable[[list[WorkItem]], Sequence[bool]]  # which of a batch of items have work left
+
+FILTER_BATCH = 1024  # items judged at once (DoneIndex.pending_mask); also how often done items are reported
+
+
+class StreamClosed(Exception):
     """The consumer went away."""
 
 
@@ -70,17 +86,25 @@ class ShardStream:
 
     A Prefect task (`list-source`) pages through the source in the background and hands over
     each shard as soon as it is full, at most `ahead` shards ahead of the captioning: the first
-    shard starts while the listing goes on, and memory does not grow with the bucket. The
-    partitions of a fan-out each list the same shards and claim them (tasks/claims.py)."""
+    shard starts while the listing goes on, and memory does not grow with the bucket.
+
+    With `pending`, items already done are left out and counted (`AlreadyDone`, handed over
+    between the shards), and the shards are cut from the items with work left only: a nightly
+    run over a history of millions makes shards (task runs, parts, claims) for what is new, full
+    ones wherever the new items are. A fanned-out run lists once and shares the shards through a
+    plan in the output store (`tasks/shard_plan.py`, the `sink`)."""
 
     ATTEMPTS = 3  # a listing that fails resumes after the items it already handed over
 
-    def __init__(self, source: SourceSpec, shard_size: int, limit: int | None, ahead: int = 4):
-        self.source, self.shard_size, self.limit = source, shard_size, limit
-        self.items_listed = 0  # handed over in shards, or waiting in the next one
-        self.shards_listed = 0
+    def __init__(self, source: SourceSpec, shard_size: int, limit: int | None, ahead: int = 4,
+                 pending: PendingMask | None = None, first_shard: int = 0, skip_items: int = 0):
+        self.source, self.shard_size, self.limit, self.pending = source, shard_size, limit, pending
+        self.items_listed = skip_items  # handed over (in shards or as done), or waiting in the next shard
+        self.shards_listed = first_shard
+        self.already_done = 0
         self.finished = False
         self._batch: list[WorkItem] = []
+        self._unjudged: list[WorkItem] = []
         self._queue: queue.Queue = queue.Queue(maxsize=ahead)
         self._closed = threading.Event()
 
@@ -92,7 +116,7 @@ class ShardStream:
         """The run stopped taking shards (it failed): let the listing task end, not block."""
         self._closed.set()
 
-    def __iter__(self) -> Iterator[Shard]:
+    def __iter__(self) -> Iterator[Listed]:
         while True:
             got = self._queue.get()
             if got is None:
@@ -106,56 +130,78 @@ class ShardStream:
         try:
             self._list_with_retries()
             self.finished = True
-            self._put(None)
-        except _Closed:
+            self.put(None)
+        except StreamClosed:
             return
         except BaseException as exc:
-            with contextlib.suppress(_Closed):
-                self._put(exc)  # the run stops with the listing's own error
+            with contextlib.suppress(StreamClosed):
+                self.put(exc)  # the run stops with the listing's own error
             raise
 
     def _list_with_retries(self) -> None:
         for attempt in range(1, self.ATTEMPTS + 1):
             try:
                 return self._list_from(self.items_listed)
-            except _Closed:
+            except StreamClosed:
                 raise
             except Exception as exc:  # noqa: BLE001 - a page that failed past the client's retries
                 if attempt == self.ATTEMPTS:
                     raise
+                self._unjudged = []  # listed again after the items already judged
                 get_logger(source=self.source.uri).warning(
                     "listing failed; resuming after the items already listed", attempt=attempt,
                     items_listed=self.items_listed, error=str(exc))
                 time.sleep(2 * attempt)
 
-    def _put(self, thing) -> None:
+    def put(self, thing) -> None:
         """Waits for room while the captioning is behind (nothing is dropped), until the run closes."""
         while not self._closed.is_set():
             with contextlib.suppress(queue.Full):  # no room within 0.5 s: see whether closed, try again
                 self._queue.put(thing, timeout=0.5)
                 return
-        raise _Closed
+        raise StreamClosed
 
     def _list_from(self, skip: int) -> None:
         items = up_to(iter_items(self.source), self.limit)
         for item in itertools.islice(items, skip, None):
+            if self.pending is None:
+                self._take([item])
+            else:
+                self._unjudged.append(item)
+                if len(self._unjudged) == FILTER_BATCH:
+                    self._judge()
+        if self._unjudged:
+            self._judge()
+        if self._batch:
+            self._hand_over()
+
+    def _judge(self) -> None:
+        batch, self._unjudged = self._unjudged, []
+        mask = self.pending(batch)
+        done = len(batch) - int(sum(bool(m) for m in mask))
+        self.items_listed += done
+        if done:
+            self.already_done += done
+            self.put(AlreadyDone(done))
+        self._take([item for item, left in zip(batch, mask) if left])
+
+    def _take(self, items: list[WorkItem]) -> None:
+        for item in items:
             self._batch.append(item)
             self.items_listed += 1
             if len(self._batch) == self.shard_size:
                 self._hand_over()
-        if self._batch:
-            self._hand_over()
 
     def _hand_over(self) -> None:
-        self._put(Shard(self.shards_listed, tuple(self._batch)))
-        self.shards_listed += 1
-        self._batch = []
+        shard = Shard(self.shards_listed, tuple(self._batch))
+        self.shards_listed, self._batch = self.shards_listed + 1, []
+        self.put(shard)
 
 
 @task(name="list-source", cache_policy=NONE, persist_result=False)
 def list_source(stream: ShardStream) -> dict:
     """Page through the source, cutting it into shards for the run as it goes."""
     stream.produce()
-    counts = {"items": stream.items_listed, "shards": stream.shards_listed}
+    counts = {"items": stream.items_listed, "shards": stream.shards_listed, "already_done": stream.already_done}
     get_logger(source=stream.source.uri).info("listed source", **counts)
     return counts

@@ -1,0 +1,229 @@
+"""`vlm-caption bench --history N`: what a nightly run costs over a history of N done results.
+
+It synthesizes a source of N small items and their N done results exactly as a run leaves them
+(parts of `--shard-size` records under results/<fingerprint>/ with their `.idx` sidecars, the
+compacted done-index a load of that many parts writes, the run's manifest), then times
+`vlm-caption run` over it, each run a process of its own with a fresh Prefect home, as a
+nightly `vlm-caption run` starts:
+
+- `nothing_new`: every item done;
+- `one_pct_new`: N/100 new items, spread evenly among the done ones (each sorts after a done one);
+- `new_only_empty_output`: the same new items alone, into an empty output (what they cost with
+  no history); the ratio line puts `one_pct_new - nothing_new` over it.
+
+Each run's figures: wall, the peak RSS of the run's process (and of its process tree), the task
+runs Prefect's server recorded and their states (read from the run's Prefect home's SQLite
+database), and how many events Prefect's server dropped (`Subscription queue is full` in the
+run's log). Items are hard links to one small JPEG (a listing reads names and sizes; a done
+item's bytes are never read), written with os-level calls: a million in about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from flows.bench.config import BenchConfig
+
+PER_FOLDER = 10_000  # items per source folder (a bucket's keys are flat; a folder's are not)
+HISTORY_RUN = "history0-20260101T000000"  # the run that "wrote" the synthesized results
+DROPPED = "Subscription queue is full"
+
+
+def run_history(cfg: BenchConfig) -> dict[str, Any]:
+    from flows.bench.driver import build_checkpoint
+    from flows.bench.harness import loopback_s3
+
+    work = Path(cfg.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    model = cfg.model or build_checkpoint(work, "llava", "tiny")
+    base = work / f"history-{cfg.history}-{cfg.source}"
+    shutil.rmtree(base, ignore_errors=True)
+    report: dict[str, Any] = {"history": cfg.history, "source": cfg.source, "shard_size": cfg.shard_size,
+                              "model": model}
+    with ExitStack() as serving:
+        env = serving.enter_context(loopback_s3(work)) if cfg.source == "s3" else {}
+        env = {**os.environ, **env}
+        where = Locations(base, cfg.source)
+        started = time.perf_counter()
+        new = synthesize(where, cfg, model, env)
+        report["synthesize_s"] = round(time.perf_counter() - started, 1)
+        report["nothing_new"] = timed_run(where.source, where.out, model, cfg, env, base / "prefect-1")
+        add_new_items(where, new, env)
+        report["one_pct_new"] = timed_run(where.source, where.out, model, cfg, env, base / "prefect-2")
+        report["new_only_empty_output"] = timed_run(where.new_source, where.new_out, model, cfg, env,
+                                                    base / "prefect-3")
+    extra = report["one_pct_new"]["wall_s"] - report["nothing_new"]["wall_s"]
+    report["ratio_new_over_empty"] = round(extra / report["new_only_empty_output"]["wall_s"], 3)
+    (work / f"bench-history-{cfg.history}-{cfg.source}.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    print(f"history {cfg.history:,} ({cfg.source}): nothing new {report['nothing_new']['wall_s']} s, "
+          f"{report['nothing_new']['peak_rss_mb']} MB; 1% new minus nothing new {extra:.1f} s over the same "
+          f"new items into an empty output {report['new_only_empty_output']['wall_s']} s: "
+          f"{report['ratio_new_over_empty']}x")
+    shutil.rmtree(base, ignore_errors=True)
+    return report
+
+
+class Locations:
+    """The bench's folders, or the same names under the loopback bucket."""
+
+    def __init__(self, base: Path, source: str):
+        self.base = base
+        self.folder = base / "src"
+        if source == "s3":
+            self.source, self.out = "s3://bench/history/src/", "s3://bench/history/out/"
+            self.new_source, self.new_out = "s3://bench/history/new/", "s3://bench/history/new-out/"
+        else:
+            self.source, self.out = str(base / "src"), str(base / "out")
+            self.new_source, self.new_out = str(base / "new"), str(base / "new-out")
+
+
+def item_key(i: int) -> str:
+    return f"d{i // PER_FOLDER:04d}/{i:08d}.jpg"
+
+
+def new_key(j: int) -> str:
+    """The j-th new item: sorts right after done item 100*j, so the new ones are spread evenly."""
+    return f"d{100 * j // PER_FOLDER:04d}/{100 * j:08d}n.jpg"
+
+
+def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, str]) -> list[str]:
+    """The source's N items and their N done results; returns the keys of the 1% to add later."""
+    from flows.params import CaptionJob
+    from flows.plan import make_plan
+    import numpy as np
+
+    from tasks.results.done_index import (ROW, SIDECAR_HEADER, SIDECAR_MAGIC, compacted_bytes, content_hash,
+                                          result_key, sidecar_key, signature_hash)
+    from tasks.results.layout import compacted_index_key, manifest_key, part_key
+    from tasks.results.records import ResultRecord, sha256_hex
+    from tasks.results.report import RunStats
+
+    photo = small_jpeg()
+    n = cfg.history
+    keys = [item_key(i) for i in range(n)]
+    etag = write_items(where, where.source, keys, photo, env)
+    job = CaptionJob(source=where.source, output=where.out, model=model, shard_size=cfg.shard_size,
+                     sampling={"max_tokens": cfg.max_tokens})
+    plan = make_plan(job)
+    out, question = plan.output, plan.job.questions_to_ask[0]
+    template = ResultRecord(key="\x00", size=len(photo), etag=etag, sha256=sha256_hex(photo), recipe=plan.recipe.name,
+                            model=plan.model, question=question, prompt="USER: <image>\nASSISTANT:",
+                            text="a small photo", finish_reason="length", prompt_tokens=70, output_tokens=8,
+                            timings={"fetch_s": 0.001, "decode_s": 0.001, "generate_s": 0.01},
+                            fingerprint=plan.fingerprint, run_id=HISTORY_RUN).model_dump_json()
+    signed, sha = signature_hash(((etag, len(photo)),)), content_hash(sha256_hex(photo))
+    covered: dict[str, tuple[int, np.ndarray]] = {}
+
+    def write_part(shard: int) -> None:
+        chunk = keys[shard * cfg.shard_size:(shard + 1) * cfg.shard_size]
+        body = "".join(template.replace('"\\u0000"', json.dumps(key)) + "\n" for key in chunk).encode()
+        rows = np.array([(result_key(key, question), signed, sha) for key in chunk], dtype=ROW)
+        key = part_key(plan.fingerprint, HISTORY_RUN, shard)
+        out.write(key, body)
+        out.write(sidecar_key(key), SIDECAR_HEADER.pack(SIDECAR_MAGIC, len(body)) + rows.tobytes())
+        covered[key] = (len(body), rows)
+
+    shards = -(-n // cfg.shard_size)
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(write_part, range(shards)))
+    out.write(compacted_index_key(plan.fingerprint), compacted_bytes(dict(sorted(covered.items()))))
+    stats = RunStats(listed=n, processed=n, succeeded=n, parts=[out.describe(k) for k in sorted(covered)])
+    manifest = stats.manifest(run_id=HISTORY_RUN, parameters=plan.job.model_dump(mode="json"),
+                              fingerprint=plan.fingerprint, engine=None)
+    out.write(manifest_key(HISTORY_RUN), json.dumps(manifest, indent=2).encode())
+    return [new_key(j) for j in range(max(1, n // 100))]
+
+
+def small_jpeg() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (96, 64), (90, 140, 200)).save(buffer, "JPEG", quality=80)
+    return buffer.getvalue()
+
+
+def write_items(where: Locations, uri: str, keys: list[str], photo: bytes, env: dict[str, str]) -> str:
+    """`keys` as items of the source at `uri`; returns the etag the listing gives them (all the
+    same: one inode in a folder, one body on S3)."""
+    if not uri.startswith("s3://"):
+        root = Path(uri)
+        original = where.base / "photo.jpg"
+        if not original.exists():
+            original.parent.mkdir(parents=True, exist_ok=True)
+            original.write_bytes(photo)
+        for folder in sorted({key.split("/", 1)[0] for key in keys}):
+            os.makedirs(root / folder, exist_ok=True)
+        prefix = str(root) + "/"
+        for key in keys:
+            os.link(original, prefix + key)
+        stat = original.stat()
+        return f"{stat.st_size:x}-{stat.st_mtime_ns:x}"
+    import hashlib
+
+    from tasks.sources.storage import open_storage
+
+    store = open_storage(uri, create=True)
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda key: store.write(key, photo), keys))
+    return hashlib.md5(photo).hexdigest()
+
+
+def add_new_items(where: Locations, keys: list[str], env: dict[str, str]) -> None:
+    """The night's new items: beside the history, and alone in a source of their own."""
+    photo = small_jpeg()
+    write_items(where, where.source, keys, photo, env)
+    write_items(where, where.new_source, keys, photo, env)
+
+
+def timed_run(source: str, out: str, model: str, cfg: BenchConfig, env: dict[str, str], home: Path) -> dict[str, Any]:
+    """`vlm-caption run` as a night's run starts it (its own process, a fresh Prefect home)."""
+    import psutil
+
+    exe = Path(sys.executable).with_name("vlm-caption")
+    log_dir = home / "logs"
+    command = [str(exe), "run", source, "--model", model, "--out", out, "--shard-size", str(cfg.shard_size),
+               "--max-tokens", str(cfg.max_tokens)]
+    run_env = {**env, "PREFECT_HOME": str(home), "VLM_CAPTION_LOG_DIR": str(log_dir), "HF_HUB_OFFLINE": "1"}
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watched, peak, tree_peak = psutil.Process(proc.pid), 0, 0
+    while proc.poll() is None:
+        try:
+            peak = max(peak, watched.memory_info().rss)
+            tree = [watched, *watched.children(recursive=True)]
+            tree_peak = max(tree_peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass  # a child ended between the listing and the read: the next sample has the rest
+        time.sleep(0.1)
+    wall = time.perf_counter() - started
+    output = proc.stdout.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"vlm-caption run failed (exit {proc.returncode}):\n{output[-4000:]}")
+    logs = "".join(p.read_text(errors="replace") for p in log_dir.rglob("*.log")) if log_dir.exists() else output
+    return {"wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20), "tree_peak_rss_mb": round(tree_peak / 2**20),
+            "task_runs": task_runs(home / "prefect.db"), "dropped_events": logs.count(DROPPED),
+            "summary": output.strip().splitlines()[-8:]}
+
+
+def task_runs(db: Path) -> dict[str, int]:
+    """The task runs the run's server recorded, by name and by final state."""
+    if not db.exists():
+        return {}
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("select name, state_type from task_run").fetchall()
+    names = Counter(name.rsplit("-", 1)[0] for name, _ in rows)  # "prepare-shard-3f2" -> "prepare-shard"
+    return {"total": len(rows), "by_state": dict(Counter(state for _, state in rows)), "by_name": dict(names)}

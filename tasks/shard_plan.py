@@ -1,0 +1,171 @@
+"""One listing per fanned-out run: the shard plan, shared by the partitions through the output store.
+
+The first partition to start wins `claims/<run_id>/plan/lister` (a conditional write, as a
+shard's claim) and lists the source, leaving out what is already done, into numbered chunks
+(`plan/000000.jsonl`, ...: a header line, then one line per shard), each written as soon as it
+holds CHUNK_SHARDS shards or CHUNK_S has passed, then `plan/end.json`. Every partition, the
+lister included, reads the shards from those chunks as they appear and claims each before taking
+it (tasks/claims.py), so the first shard starts while the listing goes on, a partition that
+starts late reads the plan instead of listing again, and the source is listed once per run.
+
+A chunk's header says how many items were listed through it and how many of them were already
+done; the lister's partition counts those (its report), so the run's counts add up once. A
+lister that is gone before `end.json` (its heartbeat stood still, or it said it finished) is
+replaced: the partition that wins `plan/lister.r1` lists again after the items the last chunk
+covers. A listing that fails writes `plan/failed.json`, and every partition stops with its message.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+from tasks.claims import ShardClaims, claims_prefix
+from tasks.observability import get_logger
+from tasks.sources.formats import SourceSpec
+from tasks.sources.items import ObjectRef, Shard, WorkItem
+from tasks.sources.listing import AlreadyDone, Listed, PendingMask, ShardStream, StreamClosed
+from tasks.sources.storage import Storage
+
+CHUNK_SHARDS = 16  # shards per chunk, at most
+CHUNK_S = 1.0  # a chunk is written at least this often while there is something to say
+POLL_S = 0.5  # how often a partition waiting for the next chunk lists the plan
+
+
+def plan_prefix(run_id: str) -> str:
+    return f"{claims_prefix(run_id)}plan/"
+
+
+def chunk_key(run_id: str, chunk: int) -> str:
+    return f"{plan_prefix(run_id)}{chunk:06d}.jsonl"
+
+
+def _item_json(item: WorkItem) -> list:
+    return [item.id, [[m.key, m.size, m.etag] for m in item.members], list(item.questions), item.metadata,
+            item.problem]
+
+
+def _item(row: list) -> WorkItem:
+    key, members, questions, metadata, problem = row
+    return WorkItem(key, tuple(ObjectRef(*m) for m in members), tuple(questions), metadata, problem)
+
+
+class PlanWriter(ShardStream):
+    """The lister's listing: what it hands over goes into the plan's chunks, not to a queue."""
+
+    def __init__(self, out: Storage, run_id: str, owner: str, source: SourceSpec, shard_size: int,
+                 limit: int | None, pending: PendingMask, resume: dict | None = None):
+        resume = resume or {}
+        super().__init__(source, shard_size, limit, pending=pending, first_shard=resume.get("next_shard", 0),
+                         skip_items=resume.get("listed", 0))
+        self.out, self.run_id, self.owner = out, run_id, owner
+        self.chunk = resume.get("next_chunk", 0)
+        self._shards: list[Shard] = []
+        self._done = 0
+        self._written_at = time.monotonic()
+
+    def put(self, thing) -> None:
+        if self._closed.is_set():
+            raise StreamClosed
+        if thing is None:
+            self._write_chunk()
+            self._create("end.json", {"chunks": self.chunk, "shards": self.shards_listed,
+                                      "listed": self.items_listed, "owner": self.owner})
+            return
+        if isinstance(thing, BaseException):
+            self._create("failed.json", {"error": f"{type(thing).__name__}: {thing}", "owner": self.owner})
+            return
+        if isinstance(thing, AlreadyDone):
+            self._done += thing.items
+        else:
+            self._shards.append(thing)
+        if len(self._shards) >= CHUNK_SHARDS or time.monotonic() - self._written_at >= CHUNK_S:
+            self._write_chunk()
+
+    def _write_chunk(self) -> None:
+        if not self._shards and not self._done:
+            return
+        # Items listed through this chunk: those of a shard still being filled come in the next.
+        listed = self.items_listed - len(self._batch)
+        header = {"owner": self.owner, "done": self._done, "listed": listed, "next_shard": self.shards_listed}
+        lines = [json.dumps(header)] + [json.dumps([s.index, [_item_json(i) for i in s.items]]) for s in self._shards]
+        self._create(f"{self.chunk:06d}.jsonl", {}, "\n".join(lines).encode())
+        self.chunk += 1
+        self._shards, self._done, self._written_at = [], 0, time.monotonic()
+
+    def _create(self, name: str, body: dict, data: bytes | None = None) -> None:
+        """A conditional write: a lister that was replaced meanwhile stops, it never overwrites."""
+        if not self.out.create(plan_prefix(self.run_id) + name, data if data is not None else json.dumps(body).encode()):
+            raise StreamClosed
+
+
+class SharedListing:
+    """A partition's shards from the run's plan (listing the source itself when it wins the plan)."""
+
+    def __init__(self, out: Storage, run_id: str, claims: ShardClaims, source: SourceSpec, shard_size: int,
+                 limit: int | None, pending: PendingMask, poll_s: float = POLL_S):
+        self.out, self.run_id, self.claims, self.poll_s = out, run_id, claims, poll_s
+        self.prefix = plan_prefix(run_id)
+        self._listing = dict(source=source, shard_size=shard_size, limit=limit, pending=pending)
+        self.writer: PlanWriter | None = None
+        self.lists = False  # this partition listed (some of) the source
+        self.log = get_logger(run_id=run_id, partition=claims.partition)
+
+    def start(self, resume: dict | None = None, generation: int = 0) -> SharedListing:
+        name = "lister" + (f".r{generation}" if generation else "")
+        if self.out.create(self.prefix + name, json.dumps({"owner": self.claims.owner}).encode()):
+            if generation:
+                self.log.warning("the partition listing the source is gone; this one lists the rest", resume=resume)
+            self.writer = PlanWriter(self.out, self.run_id, self.claims.owner, resume=resume, **self._listing)
+            self.writer.start()
+            self.lists = True
+        return self
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def __iter__(self) -> Iterator[Listed]:
+        chunk, header = 0, None
+        while True:
+            names = {ref.key[len(self.prefix):] for ref in self.out.iter_objects(prefix=self.prefix)}
+            if f"{chunk:06d}.jsonl" in names:
+                header, shards = self._read(chunk)
+                if header["owner"] == self.claims.owner and header["done"]:
+                    yield AlreadyDone(header["done"])
+                yield from shards
+                chunk += 1
+                continue
+            if "failed.json" in names:
+                failed = json.loads(self.out.read(self.prefix + "failed.json"))
+                raise RuntimeError(f"listing the source failed (partition {failed['owner']}): {failed['error']}")
+            if "end.json" in names:
+                if json.loads(self.out.read(self.prefix + "end.json"))["chunks"] <= chunk:
+                    return
+                continue  # the last chunks landed after this listing of the plan
+            self._replace_a_gone_lister(names, chunk, header)
+            time.sleep(self.poll_s)
+
+    def _read(self, chunk: int) -> tuple[dict, list[Shard]]:
+        lines = self.out.read(chunk_key(self.run_id, chunk)).decode().splitlines()
+        shards = [Shard(index, tuple(_item(row) for row in items)) for index, items in map(json.loads, lines[1:])]
+        return json.loads(lines[0]), shards
+
+    def _replace_a_gone_lister(self, names: set[str], chunk: int, header: dict | None) -> None:
+        generations = [int(name.rsplit(".r", 1)[1]) if ".r" in name else 0 for name in names
+                       if name.startswith("lister")]
+        if not generations:
+            return  # the lister's claim is being written
+        latest = max(generations)
+        name = "lister" + (f".r{latest}" if latest else "")
+        try:
+            owner = json.loads(self.out.read(self.prefix + name))["owner"]
+        except (OSError, ValueError, KeyError):
+            return  # seen next round
+        if owner == self.claims.owner or not self.claims.gone(owner):
+            return
+        resume = {"next_chunk": chunk, "listed": (header or {}).get("listed", 0),
+                  "next_shard": (header or {}).get("next_shard", 0)}
+        self.close()
+        self.start(resume, latest + 1)
