@@ -74,6 +74,22 @@ def test_sample_keeps_an_items_questions_together():
     assert gallery_key("abc") == "manifests/abc.html"
 
 
+def test_the_sample_is_drawn_from_the_runs_own_parts_never_the_history(tmp_path):
+    """A run that wrote parts samples them alone; one that wrote none (everything was done)
+    lists and reads nothing: its page costs what the run added, not the output's history."""
+    from tasks.results.gallery import run_records
+    from tasks.results.writers import write_shard
+    from tasks.sources.storage import open_storage
+    from tests.test_parquet_view import Watched
+
+    out = open_storage(str(tmp_path / "out"), create=True)
+    write_shard.fn(out, "f", "old-run", 0, [record("old.jpg")])
+    mine = write_shard.fn(out, "f", "this-run", 0, [record("new.jpg", question="q1"), record("new.jpg", question="q2")])
+    assert [(r.key, r.question) for r in run_records(out, [mine])] == [("new.jpg", "q1"), ("new.jpg", "q2")]
+    watched = Watched(out)
+    assert list(run_records(watched, [])) == [] and watched.calls == []
+
+
 def test_a_video_item_shows_a_strip_of_frames_and_a_bad_one_a_placeholder():
     clips = {"good.mp4": video_bytes(frames=40, fps=10, size=(320, 240)), "bad.mp4": b"not a video at all" * 50}
 

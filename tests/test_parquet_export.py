@@ -226,3 +226,11 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
         assert summary["parquet"] == manifest["parquet"]["path"] == str(Path(output) / run_parquet_key(RUN1))
         assert manifest["parquet"]["rows"] == 2 and manifest["parquet"]["complete"]
         assert pq.read_table(manifest["parquet"]["path"]).column("error_kind").to_pylist() == [None, "decode"]
+
+        # The same job again with nothing new: no Parquet file written, no part read for the gallery.
+        monkeypatch.setattr(caption, "caption_shards", lambda run: (RunStats(), None, None))
+        summary = caption.caption_job(plan, RUN2, get_logger())
+        manifest = json.loads((Path(output) / "manifests" / f"{RUN2}.json").read_text())
+        assert manifest["parquet"]["path"] is None and manifest["parquet"]["rows"] == 0 and summary["parquet"] is None
+        assert sorted(p.name for p in (Path(output) / "parquet").iterdir()) == [f"run-{RUN1}.parquet"]
+        assert manifest["gallery"]["items"] == 0

@@ -1,0 +1,252 @@
+"""The Parquet view (tasks/results/parquet_view.py): parts written as the writers write them
+(part, then its done-index sidecar), the view under <out>/parquet/ read as ONE dataset by
+pyarrow.dataset, pandas, `datasets` (and DuckDB where installed). After every step it holds
+exactly the done-index's results, each once, the latest. No engine starts."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as pads
+import pytest
+
+from flows.cli import main
+from tasks.results import parquet_view
+from tasks.results.done_index import load_part_rows, result_key
+from tasks.results.layout import LEGACY_PARQUET_KEY, partition_parts_id, run_parquet_key
+from tasks.results.parquet import export_parquet
+from tasks.results.parquet_view import add_run, compact_view
+from tasks.results.records import ResultRecord
+from tasks.results.writers import write_manifest, write_shard
+from tests.test_parquet_export import FP, RUN1, RUN2, out, record
+
+RUN3 = "cccc3333-20260103T000000"
+RUN4 = "dddd4444-20260104T000000"
+STAMP = re.compile(r"\d{8}T\d{6}")
+
+
+def reuploaded(key: str, run_id: str, text: str, **fields) -> ResultRecord:
+    """A result computed again because the object changed (another etag and content)."""
+    return record(key, run_id, text, **fields).model_copy(update={"etag": "new-" + key, "sha256": "t" * 64})
+
+
+def files(output) -> set[str]:
+    folder = Path(output) / "parquet"
+    return {p.name for p in folder.glob("*.parquet")} if folder.is_dir() else set()
+
+
+def view_rows(output) -> list[dict]:
+    return pads.dataset(str(Path(output) / "parquet"), format="parquet").to_table().to_pylist()
+
+
+def latest_results(output) -> dict[tuple[str, str, str], tuple[str, str | None]]:
+    """What the view must hold, read here from the parts themselves: each final record, the
+    latest run's (its stamp, then the part's name) where a result was computed more than once."""
+    parts = sorted(Path(output, "results").glob("*/*.jsonl"),
+                   key=lambda p: ((STAMP.search(p.name) or [""])[0], p.name))
+    latest = {}
+    for part in parts:
+        for line in part.read_text().splitlines():
+            try:
+                r = ResultRecord.model_validate_json(line)
+            except ValueError:
+                continue  # a line cut short
+            if r.is_final:
+                latest[(r.fingerprint, r.key, r.question or "")] = (r.run_id, r.text)
+    return latest
+
+
+def assert_view_is_the_done_index(output) -> list[dict]:
+    """The view read as one (pyarrow.dataset, pandas, DuckDB where installed) holds every result
+    the done-index counts, once, and it is the latest."""
+    rows = view_rows(output)
+    found = [(r["fingerprint"], r["key"], r["question"] or "") for r in rows]
+    assert len(found) == len(set(found)), f"a result appears twice: {sorted(found)}"
+    done = load_part_rows(out(output), FP).rows.values()
+    assert {result_key(key, question) for _, key, question in found} == set(np.concatenate(list(done))["key"].tolist())
+    assert {ident: (r["run_id"], r["caption"]) for ident, r in zip(found, rows)} == latest_results(output)
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.read_parquet(Path(output) / "parquet")
+    assert sorted(zip(frame["key"], frame["run_id"])) == sorted((r["key"], r["run_id"]) for r in rows)
+    try:
+        import duckdb
+    except ImportError:
+        return rows
+    (count,) = duckdb.sql(f"select count(*) from read_parquet('{output}/parquet/*.parquet')").fetchone()
+    assert count == len(rows)
+    return rows
+
+
+class Watched:
+    """A storage that records every call made to it (describe aside)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr) or name == "describe":
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+        return call
+
+
+def first_run(output) -> None:
+    """Run 1: a; b, a failure a rerun would only repeat; c, a retryable one (not in the view); d
+    asked a question of its own."""
+    o = out(output)
+    parts = [write_shard.fn(o, FP, RUN1, 0, [
+        record("a.jpg", RUN1, "first caption"),
+        record("b.jpg", RUN1, None, {"kind": "decode", "message": "not an image", "retryable": False}),
+        record("c.jpg", RUN1, None, {"kind": "fetch", "message": "timed out", "retryable": True}),
+    ]), write_shard.fn(o, FP, RUN1, 1, [record("d.jpg", RUN1, "a dog", question="What animal?")])]
+    write_manifest.fn(o, RUN1, {"run_id": RUN1, "parameters": {"source": "s3://media/photos/"}})
+    report = add_run(o, FP, RUN1, parts)
+    assert report["path"] == str(Path(output) / run_parquet_key(RUN1)) and report["rows"] == 3 and report["complete"]
+
+
+def test_the_view_grows_by_the_runs_results_and_holds_each_once(tmp_path):
+    output = tmp_path / "out"
+    first_run(output)
+    assert files(output) == {f"run-{RUN1}.parquet"}
+    assert_view_is_the_done_index(output)
+
+    # A rerun with nothing new: nothing listed, read or written; the view is as it was.
+    before = {p.name: p.stat().st_mtime_ns for p in (output / "parquet").iterdir()}
+    watched = Watched(out(output))
+    assert add_run(watched, FP, RUN2, [])["path"] is None
+    assert watched.calls == [] and {p.name: p.stat().st_mtime_ns for p in (output / "parquet").iterdir()} == before
+
+    # One object re-uploaded (a computed again), c's fetch succeeding now, e new: run 2's file
+    # holds the three, and run 1's file is rewritten without its a.
+    o = out(output)
+    part = write_shard.fn(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption"),
+                                            record("c.jpg", RUN2, "a cup"), record("e.jpg", RUN2, "an egg")])
+    report = add_run(o, FP, RUN2, [part])
+    assert report["rows"] == 3 and report["rewritten"] == {str(output / run_parquet_key(RUN1)): 1}
+    assert files(output) == {f"run-{RUN1}.parquet", f"run-{RUN2}.parquet"}
+    rows = {r["key"]: r for r in assert_view_is_the_done_index(output)}
+    assert (rows["a.jpg"]["caption"], rows["a.jpg"]["etag"]) == ("second caption", "new-a.jpg")
+
+    # Compaction: one file, the same rows, no part read.
+    report = compact_view(out(output))
+    assert len(report["merged"]) == 2 and report["rows"] == 5 and report["duplicates_dropped"] == 0
+    (merged,) = files(output)
+    assert merged.startswith("compacted-")
+    assert_view_is_the_done_index(output)
+
+    # A result the compacted file holds is computed again: that file is rewritten.
+    part = write_shard.fn(o, FP, RUN3, 0, [reuploaded("d.jpg", RUN3, "a wolf", question="What animal?")])
+    report = add_run(o, FP, RUN3, [part])
+    assert report["rewritten"] == {str(output / "parquet" / merged): 1}
+    assert files(output) == {merged, f"run-{RUN3}.parquet"}
+    assert {r["key"]: r["caption"] for r in assert_view_is_the_done_index(output)}["d.jpg"] == "a wolf"
+
+
+def test_a_result_left_twice_is_settled_by_compaction(tmp_path, monkeypatch):
+    """A run whose rewrite of an older file fails (or that dies between its own file and the
+    rewrite) says so in its report; compaction keeps the latest of the two."""
+    output = tmp_path / "out"
+    first_run(output)
+
+    def broken(*args):
+        raise OSError("access denied")
+
+    monkeypatch.setattr(parquet_view, "_drop_rows", broken)
+    part = write_shard.fn(out(output), FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption")])
+    report = add_run(out(output), FP, RUN2, [part])
+    assert report["not_rewritten"] == {str(output / run_parquet_key(RUN1)): "OSError: access denied"}
+    assert sorted(r["key"] for r in view_rows(output)) == ["a.jpg", "a.jpg", "b.jpg", "d.jpg"]
+
+    assert main(["export", str(output), "--compact"]) == 0
+    assert len(files(output)) == 1
+    rows = {r["key"]: r for r in assert_view_is_the_done_index(output)}
+    assert rows["a.jpg"]["run_id"] == RUN2
+
+
+def test_an_output_in_the_old_layout_reads_as_one_dataset_after_the_first_new_run(tmp_path):
+    """Older versions rebuilt parquet/results.parquet at each run's end. It stays in the view as
+    its first file; a result it holds that a run computes again is removed from it."""
+    from datasets import load_dataset
+
+    output = tmp_path / "out"
+    o = out(output)
+    first_run(output)
+    (output / "parquet" / f"run-{RUN1}.parquet").unlink()
+    export_parquet(o, o, LEGACY_PARQUET_KEY)  # the old layout
+    part = write_shard.fn(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption"), record("e.jpg", RUN2, "egg")])
+    report = add_run(o, FP, RUN2, [part])
+    assert report["rewritten"] == {str(output / LEGACY_PARQUET_KEY): 1}
+    assert files(output) == {"results.parquet", f"run-{RUN2}.parquet"}
+    rows = assert_view_is_the_done_index(output)
+    dataset = load_dataset("parquet", data_files=f"{output}/parquet/*.parquet", split="train",
+                           cache_dir=str(tmp_path / "hf-cache"))
+    assert sorted((r["key"], r["run_id"]) for r in dataset) == sorted((r["key"], r["run_id"]) for r in rows)
+    assert {r["key"]: r["source"] for r in dataset}["d.jpg"] == "s3://media/photos/"
+
+
+def test_a_fanned_out_run_adds_every_partitions_parts_each_result_once(tmp_path):
+    """Partition 1 wrote shard 1 and shard 2 and died before its report (its parts are not in
+    the run's list); partition 0 took shard 1 over and wrote it again. The run's file holds
+    shard 2's result and shard 1's once."""
+    output = tmp_path / "out"
+    o = out(output)
+    p0, p1 = partition_parts_id(RUN1, 0), partition_parts_id(RUN1, 1)
+    write_shard.fn(o, FP, p1, 1, [record("x.jpg", p1, "x by p1")])
+    write_shard.fn(o, FP, p1, 2, [record("y.jpg", p1, "y by p1")])
+    parts = [write_shard.fn(o, FP, p0, 0, [record("w.jpg", p0, "w")]),
+             write_shard.fn(o, FP, p0, 1, [record("x.jpg", p0, "x by p0")])]
+    report = add_run(o, FP, RUN1, parts)
+    assert report["rows"] == 3 and files(output) == {f"run-{RUN1}.parquet"}
+    assert sorted(r["key"] for r in assert_view_is_the_done_index(output)) == ["w.jpg", "x.jpg", "y.jpg"]
+
+
+def test_a_part_cut_short_since_has_its_records_replaced_and_the_cli_rebuilds_the_view(tmp_path, capsys):
+    """A part cut short by hand loses records; the next run computes them again. The view does
+    not hold them twice (the cut part's run file is checked against the new results), and
+    `vlm-caption export OUT` makes the view again from every part, as one file."""
+    output = tmp_path / "out"
+    o = out(output)
+    first_run(output)
+    cut = next((output / "results" / FP).glob(f"part-{RUN1}-00000.jsonl"))
+    cut.write_bytes(cut.read_bytes().splitlines(keepends=True)[0])  # a.jpg stays; b.jpg and c.jpg are lost
+    part = write_shard.fn(o, FP, RUN4, 0, [
+        record("b.jpg", RUN4, None, {"kind": "decode", "message": "not an image", "retryable": False})])
+    report = add_run(o, FP, RUN4, [part])
+    assert report["rewritten"] == {str(output / run_parquet_key(RUN1)): 1}
+    assert_view_is_the_done_index(output)
+
+    assert main(["export", str(output)]) == 1  # the cut part is named: the view holds what it still has
+    printed = json.loads(capsys.readouterr().out)
+    assert list(printed["damaged_parts"]) == [str(cut)] and printed["complete"] is False
+    assert len(printed["replaced"]) == 2 and printed["rows"] == 3
+    assert len(files(output)) == 1
+    assert_view_is_the_done_index(output)
+
+
+def test_s3_view(s3_client):
+    """The same on an object store: the run's file, the older one rewritten, read as one."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    s3_client.create_bucket(Bucket="view-out")
+    o = out("s3://view-out/runs/")
+    first = write_shard.fn(o, FP, RUN1, 0, [record("a.jpg", RUN1, "first"), record("b.jpg", RUN1, "bee")])
+    add_run(o, FP, RUN1, [first])
+    second = write_shard.fn(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second")])
+    report = add_run(o, FP, RUN2, [second])
+    assert report["path"] == f"s3://view-out/runs/{run_parquet_key(RUN2)}"
+    assert report["rewritten"] == {f"s3://view-out/runs/{run_parquet_key(RUN1)}": 1}
+    keys = [obj["Key"] for obj in s3_client.list_objects_v2(Bucket="view-out", Prefix="runs/parquet/")["Contents"]]
+    table = pa.concat_tables(pq.read_table(io.BytesIO(s3_client.get_object(Bucket="view-out", Key=key)["Body"].read()))
+                             for key in keys)
+    assert sorted(zip(table.column("key").to_pylist(), table.column("caption").to_pylist())) == [
+        ("a.jpg", "second"), ("b.jpg", "bee")]
