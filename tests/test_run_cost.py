@@ -1,0 +1,107 @@
+"""Issue 53 through the whole flow (a folder, the Prefect API, a real tiny LLaVA on CPU): a caption
+made to loop is flagged in its record, the manifest and the summary, the opt-in re-ask keeps the
+better answer, and the run says what it cost (device-seconds, and per 1,000 items at a price)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.engine.vllm_engine import CaptionEngine
+from tasks.results.records import GenerationOutput, sha256_hex
+from tasks.results.report import cost_line, run_cost
+from tasks.settings import get_settings
+from tests.images import image_bytes
+
+LOOP = "a cat and a cat and a cat and a cat and a cat and"
+MENDED = "A small coloured square on its own."
+
+
+def _records(output: Path) -> list[dict]:
+    return [json.loads(line) for part in sorted((output / "results").rglob("*.jsonl"))
+            for line in part.read_text().splitlines() if line]
+
+
+@pytest.fixture
+def settings_env(monkeypatch):
+    def apply(**values: str) -> None:
+        for name, value in values.items():
+            monkeypatch.setenv(f"VLM_CAPTION_{name.upper()}", value)
+        get_settings.cache_clear()
+
+    yield apply
+    get_settings.cache_clear()
+
+
+def test_cost_per_1000_items_from_device_seconds():
+    cost = run_cost(7200.0, "cuda", 4000, 1_000_000, hour_price=2.0)
+    assert cost["per_1000_items"] == pytest.approx(1.0)  # 2 GPU-hours at 2.0 for 4,000 items
+    assert cost["items_per_device_s"] == pytest.approx(0.556) and cost["output_tokens_per_device_s"] == 138.889
+    assert cost_line(cost) == ("7200.0 GPU-s: 0.556 items/GPU-s, 138.9 output tokens/GPU-s; "
+                               "1 per 1,000 items at 2 per device-hour")
+    assert run_cost(30.0, "cpu", 10, 100, None)["per_1000_items"] is None
+    assert cost_line(run_cost(30.0, "cpu", 10, 100, None)).startswith("30.0 cpu-s: 0.333 items/cpu-s")
+
+
+def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api, tiny_llava, tmp_path,
+                                                                    monkeypatch, settings_env):
+    from flows.caption import vlm_caption
+    from flows.params import CaptionJob
+    from tasks.terminal import print_summary
+
+    media = tmp_path / "media"
+    media.mkdir()
+    pictures = {f"{name}.jpg": image_bytes("JPEG", size=(72 + i, 64), color=(i * 50, 90, 200 - i * 40))
+                for i, name in enumerate(["a", "b", "loop", "mend"])}
+    for name, data in pictures.items():
+        (media / name).write_bytes(data)
+    # A recorded output: the engine's answer for loop.jpg loops whatever the sampling; mend.jpg's
+    # loops at first and mends when asked again with a repetition penalty.
+    loops, mends = sha256_hex(pictures["loop.jpg"]), sha256_hex(pictures["mend.jpg"])
+    real_run, asked = CaptionEngine.run, []
+
+    def run(self, requests, sampling, method="generate"):
+        outputs = real_run(self, requests, sampling, method)
+        asked.append((len(requests), sampling.repetition_penalty))
+        for i, request in enumerate(requests):
+            if request.uuids == loops or (request.uuids == mends and sampling.repetition_penalty is None):
+                outputs[i] = GenerationOutput(LOOP, "stop", outputs[i].prompt_tokens, 13)
+            elif request.uuids == mends:
+                outputs[i] = GenerationOutput(MENDED, "stop", outputs[i].prompt_tokens, 7)
+        return outputs
+
+    monkeypatch.setattr(CaptionEngine, "run", run)
+    settings_env(retry_looping="true", gpu_hour_price="2.5")
+
+    out = tmp_path / "out"
+    state = vlm_caption(CaptionJob(source=str(media), output=str(out), model=str(tiny_llava),
+                                   sampling={"max_tokens": 8}), return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    found = {r["key"]: r for r in _records(out)}
+    assert sorted(found) == ["a.jpg", "b.jpg", "loop.jpg", "mend.jpg"]
+    assert found["loop.jpg"]["text"] == LOOP and "looping" in found["loop.jpg"]["quality"]
+    assert found["loop.jpg"]["retried_for"] == ["looping"] and found["loop.jpg"]["error"] is None
+    assert found["mend.jpg"]["text"] == MENDED and found["mend.jpg"]["quality"] is None
+    assert found["mend.jpg"]["retried_for"] == ["looping"]
+    assert any(penalty == get_settings().retry_repetition_penalty for _, penalty in asked)
+
+    manifest = json.loads(Path(summary["manifest"]).read_text())
+    counts = manifest["counts"]
+    assert counts["quality"]["looping"] >= 1 and counts["flagged"] >= 1
+    assert counts["quality_retried"] >= 2 and counts["quality_fixed"] >= 1
+    assert {"key": "loop.jpg", "question": found["loop.jpg"]["question"],
+            "quality": found["loop.jpg"]["quality"]} in manifest["flagged"]
+    cost = manifest["cost"]
+    assert cost["device"] == "cpu" and cost["device_s"] > 0 and cost["items"] == 4
+    assert cost["hour_price"] == 2.5 and cost["per_1000_items"] == pytest.approx(
+        2.5 * cost["device_s"] / 3600 / 4 * 1000, rel=1e-3)
+
+    terminal = io.StringIO()
+    print_summary(summary, str(out), None, file=terminal)
+    lines = terminal.getvalue()
+    assert "  quality  " in lines and "looping" in lines and "asked again" in lines
+    assert "  cost     " in lines and "cpu-s" in lines and "per 1,000 items at 2.5 per device-hour" in lines
