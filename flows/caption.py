@@ -29,10 +29,12 @@ from prefect.runtime import flow_run
 from flows.params import CaptionJob, Partition
 from flows.pipeline import PartitionRun, caption_shards
 from flows.plan import RunPlan, make_plan, take_partition_cores
+from flows.run_state import fail_run, name_failed_run, run_label, run_name_from
 from tasks.claims import remove_claims
 from tasks.concurrency import one_run_per_job
 from tasks.engine.host_share import current_cpus, format_cpu_list
 from tasks.engine.vllm_import import ensure_vllm_imported, import_vllm_in_background
+from tasks.errors import UserError
 from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
 from tasks.results.gallery import gallery_after_run
@@ -41,16 +43,8 @@ from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
 
 
-def run_label(job: dict) -> str:
-    """`<recipe> · <source>`, and `[i/N]` for a partition of a fanned-out run."""
-    name = f"{job.get('recipe', 'llava')} · {job.get('source') or job.get('manifest') or '?'}"
-    part = job.get("partition")
-    return f"{name} [{part['index'] + 1}/{part['count']}]" if part else name
-
-
 def _run_name() -> str:
-    job = flow_run.parameters.get("job", {})
-    return run_label(job if isinstance(job, dict) else job.model_dump())
+    return run_name_from(flow_run.parameters)
 
 
 def _run_id() -> str:
@@ -64,10 +58,18 @@ def _where() -> dict:
             "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": current_cpus()}
 
 
-@flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False)
+@flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False, on_failure=[name_failed_run])
 def vlm_caption(job: CaptionJob) -> dict:
     """Caption every item under `job.source` (or of `job.manifest`) and write JSON Lines
     results to `job.output`: one record per (item, question)."""
+    try:
+        return run_job(job)
+    except UserError as exc:  # one line in the UI (and raised to an in-process caller); a permanent one not retried
+        return fail_run(exc)
+
+
+def run_job(job: CaptionJob) -> dict:
+    """The flow's body: the plan, the job's slot, the run."""
     configure_logging()
     cpus, why = take_partition_cores(job)  # before torch is imported: its threads are sized to these cores
     # vLLM is imported while the plan is made: a child partition's worker process got here with

@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from tasks.errors import UsageError, UserError
+
 DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
 
 
@@ -36,10 +38,6 @@ def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a port number, 1 to 65535")
     return int(text)
-
-
-class UsageError(ValueError):
-    """A job option the command line could not turn into a job field."""
 
 
 def _choices(text: str) -> list[str]:
@@ -287,6 +285,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--json-schema: {exc}") from None
     run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images,
+    if not (width.isdigit() and height.isdigit()):
+        raise UsageError(f"--size {args.size}: expected WIDTHxHEIGHT in pixels, e.g. 640x480")
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
@@ -340,28 +340,30 @@ def main(argv: list[str] | None = None) -> int:
         handler = handlers[args.command]
     try:
         return handler(args)
-    except Exception as exc:  # user-facing errors: one clear line, no traceback
-        from pydantic import ValidationError
+    except Exception as exc:
+        code = report_user_error(exc)
+        if code is None:
+            raise  # a bug: its traceback
+        return code
 
-        from flows.server import PrefectAPIUnreachable, ServerError
-        from recipes import RecipeError
-        from tasks.sources.storage import StorageError
 
-        if isinstance(exc, ValidationError):
-            print(f"vlm-caption: error: {validation_message(exc)}", file=sys.stderr)
-            return 2
-        if isinstance(exc, (RecipeError, StorageError, ServerError, UsageError)):
-            for problem in str(exc).splitlines():  # a pre-flight's problems, one line each
-                print(f"vlm-caption: error: {problem}", file=sys.stderr)
-            return 2
-        if isinstance(exc, PrefectAPIUnreachable):
-            print(f"vlm-caption: error: {exc}", file=sys.stderr)
-            return 3
-        if isinstance(exc, RuntimeError) and "ephemeral Prefect API server" in str(exc):
-            timeout = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
-            print(f"vlm-caption: error: {EMBEDDED_SERVER_HINT.format(timeout=timeout)}", file=sys.stderr)
-            return 3
-        raise
+def report_user_error(exc: Exception) -> int | None:
+    """A user's error as one line per problem on stderr (no traceback); its exit code
+    (tasks/errors.py; docs/operations.md, "Exit codes"). None for anything else."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        lines, code = validation_message(exc).split("\n  "), UsageError.exit_code
+    elif isinstance(exc, UserError):
+        lines, code = exc.lines(), exc.exit_code
+    elif isinstance(exc, RuntimeError) and "ephemeral Prefect API server" in str(exc):
+        timeout = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+        lines, code = [EMBEDDED_SERVER_HINT.format(timeout=timeout)], 3
+    else:
+        return None
+    for line in lines:  # a pre-flight's problems, one line each
+        print(f"vlm-caption: error: {line}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -13,10 +13,15 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from importlib.metadata import version
+
+from tasks.errors import PrefectUnavailable, UsageError
 
 # One FastAPI, checked with Prefect 3.8.8 on the operator's whole path (`prefect deploy --all`,
 # `prefect deployment ls`, workers polling, runs and a fan-out; tests/test_deployments.py) and the
@@ -29,11 +34,11 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 4200
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
-class ServerError(Exception):
+class ServerError(UsageError):
     """A bad --host/--port, or no uv: one line for the user."""
 
 
-class PrefectAPIUnreachable(Exception):
+class PrefectAPIUnreachable(PrefectUnavailable):
     """PREFECT_API_URL is set and nothing answers there."""
 
 
@@ -104,8 +109,9 @@ def database_note(env: dict[str, str]) -> str:
     return f"SQLite in {home} (PREFECT_HOME)"
 
 
-def serve(host: str, port: int, execute: Callable[[str, list[str], dict[str, str]], object] = os.execvpe) -> int:
-    """Check the port, say where the UI and API are, then become the server (Ctrl-C stops it)."""
+def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subprocess.Popen) -> int:
+    """Check the port, say where the UI and API are, then run the server until it ends or Ctrl-C
+    (SIGINT, or SIGTERM) stops it."""
     check_port_free(host, port)
     command = server_command(host, port)
     env = server_environment(host, port)
@@ -117,8 +123,58 @@ def serve(host: str, port: int, execute: Callable[[str, list[str], dict[str, str
           f"    export PREFECT_API_URL={url}/api\n"
           f"  (The first start downloads Prefect's wheels. Ctrl-C stops the server.)", flush=True)
     sys.stderr.flush()
-    execute(command[0], command, env)
-    return 0
+    # The server's output passes through here: once a stop is asked for, its shutdown's lines
+    # (uvicorn's and Prefect's services' CancelledError tracebacks for every open connection,
+    # some 200 lines with workers attached) are dropped, and the stop is one line.
+    server = start(command, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    stopping = threading.Event()
+    copier = threading.Thread(target=_copy_output, args=(server.stdout, stopping), name="server-output", daemon=True)
+    copier.start()
+
+    def stop_asked(signum, frame):  # Ctrl-C, or a service manager's SIGTERM
+        stopping.set()  # here, at once: Popen.wait holds a KeyboardInterrupt back for 0.25 s
+        raise KeyboardInterrupt
+
+    # (Set here also where the shell that started this in the background had SIGINT ignored.)
+    previous = {sig: signal.signal(sig, stop_asked) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = server.wait()
+    except KeyboardInterrupt:
+        stopping.set()
+        print("\nvlm-caption server: stopping ...", flush=True)
+        code = _stop(server)
+        print("vlm-caption server: stopped", flush=True)
+        return 0 if code in (0, -signal.SIGINT, -signal.SIGTERM, 130) else code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    copier.join(timeout=5)
+    return code
+
+
+def _copy_output(stream, stopping: threading.Event) -> None:
+    # Signals go to the main thread, waiting on the server: a Ctrl-C taken by this thread would
+    # wait for the server to end before it was seen, with the shutdown's lines copied meanwhile.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    for line in iter(stream.readline, b""):
+        if not stopping.is_set():
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+
+
+def _stop(server: subprocess.Popen) -> int:
+    """A Ctrl-C at a terminal reached the server too (one process group); a SIGTERM or a signal
+    sent to this process alone did not: pass it on, and end it after 30 s if it has not ended."""
+    for sig, wait_s in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+        try:
+            server.send_signal(sig)
+            return server.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now
+            continue
+    return server.wait()
 
 
 def check_api_reachable(timeout_s: float = 10.0) -> None:

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasks.errors import UserError
+
 Modality = Literal["image", "video", "multi-image"]
 MODALITIES: tuple[Modality, ...] = ("image", "video", "multi-image")
 # vLLM's name for the media of each modality (the key of `multi_modal_data`).
@@ -19,7 +21,7 @@ MEDIA_KIND: dict[str, str] = {"image": "image", "video": "video", "multi-image":
 EOS_TOKEN = "{eos_token}"
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe cannot do what was asked; the message says what it can do."""
 
 

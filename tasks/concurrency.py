@@ -20,11 +20,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from tasks.errors import BusyError
 from tasks.observability import get_logger
 from tasks.settings import get_settings
 
 
-class JobBusyError(RuntimeError):
+class JobBusyError(BusyError, RuntimeError):
     """Another run of the same job held the job's slot for longer than we would wait."""
 
 

@@ -22,12 +22,13 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 
+from tasks.errors import FanOutFailure
 from tasks.observability import get_logger
 
 POLL_S = 5.0
 
 
-class FanOutError(RuntimeError):
+class FanOutError(FanOutFailure, RuntimeError):
     """Fan-out cannot start (no such deployment) or a child partition did not complete."""
 
 

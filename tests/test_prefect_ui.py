@@ -6,6 +6,7 @@ run whose PREFECT_API_URL nobody answers, and the log lines' two formats (people
 from __future__ import annotations
 
 import html
+import io
 import json
 import logging
 import os
@@ -214,8 +215,19 @@ def test_the_server_runs_prefect_at_the_projects_version_in_its_own_environment(
     monkeypatch.setenv("PREFECT_API_URL", "http://elsewhere:4200/api")
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
     started = {}
+
+    class Ended:  # a server that printed a line and ended
+        stdout = io.BytesIO(b"Server stopped!\n")
+
+        def wait(self, timeout=None):
+            return 0
+
+    def start(argv, env, **streams):
+        started.update(argv=argv, env=env)
+        return Ended()
+
     port = free_port()
-    code = flows.server.serve("127.0.0.1", port, execute=lambda exe, argv, env: started.update(argv=argv, env=env))
+    code = flows.server.serve("127.0.0.1", port, start=start)
     assert code == 0
     argv, env = started["argv"], started["env"]
     assert f"prefect=={version('prefect')}" in argv and flows.server.SERVER_FASTAPI in argv

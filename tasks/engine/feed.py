@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks.engine.render import RenderJob, render
+from tasks.errors import EngineFailure
 from tasks.settings import get_settings
 
 # How long closing the feed waits for vLLM's engine process to stop before vLLM kills it (vLLM's
@@ -99,7 +100,7 @@ class _Submission:
     rendered: Any = None  # the EngineInput, when the render pool made it
 
 
-class EngineDied(RuntimeError):
+class EngineDied(EngineFailure, RuntimeError):
     """The engine stopped answering while requests were in it (e.g. its process was killed)."""
 
 

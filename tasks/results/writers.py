@@ -16,6 +16,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
+from tasks.errors import OutOfSpaceError
 from tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
 from tasks.results.layout import manifest_key, part_key, partition_report_key
 from tasks.results.records import ResultRecord
@@ -23,7 +24,7 @@ from tasks.results.report import PartitionReport
 from tasks.sources.storage import Storage
 
 
-class DiskFullError(OSError):
+class DiskFullError(OutOfSpaceError, OSError):
     """The output's disk is full; the message names the file, the bytes needed and what to do."""
 
 

@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
+from tasks.errors import UserError
 from tasks.sources.items import ObjectRef
 from tasks.sources.s3_client import shared_s3_client
 
 
-class StorageError(ValueError):
+class StorageError(UserError, ValueError):
     """A storage location cannot be used; the message says how to fix it."""
 
 

@@ -1,0 +1,76 @@
+"""The one kind of error a user can cause or fix: `UserError`. Its message is one line (or one
+line per problem) that says what to do; the CLI prints it without a traceback and exits with the
+kind's `exit_code`, and a flow run that raises it fails with that message as its state's (and,
+when `permanent`, at once: no retry of something a retry cannot fix).
+
+This module imports nothing of the project: every layer's errors are built on it.
+
+Exit codes (docs/operations.md, "Exit codes"):
+  1  an unexpected error (a bug: the traceback is printed), or `export` found a part cut short
+  2  what was asked cannot be done as given: an option, a job field, a recipe, a model, a source
+     or output location, the server's address (fix the command)
+  3  Prefect's API cannot be reached, or its embedded server did not start
+  4  another run of the same job holds its slot (wait for it, then run again)
+  5  the output's disk is full (make room, then run again: finished items are skipped)
+  6  the vLLM engine died mid-run (run again: finished items are skipped)
+  7  a fanned-out run cannot start its partitions (deploy `vlm-caption/partition`, or fan_out=1)
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """An error whose message is the whole story: no traceback. `permanent`: running the same
+    thing again without a change gives the same error, so a flow run is not retried."""
+
+    exit_code: int = 2
+    permanent: bool = True
+
+    def lines(self) -> list[str]:
+        """The message, one line per problem (a pre-flight may find several)."""
+        return [line for line in str(self).splitlines() if line.strip()] or [type(self).__name__]
+
+
+class UsageError(UserError, ValueError):
+    """An option or job field that cannot be used as given."""
+
+    exit_code = 2
+
+
+class PrefectUnavailable(UserError):
+    """Prefect's API is not there: a PREFECT_API_URL nobody answers, or an embedded server that
+    did not start. Retried in a flow run (the API may come back)."""
+
+    exit_code = 3
+    permanent = False
+
+
+class BusyError(UserError):
+    """Another run holds what this one needs; running again later works."""
+
+    exit_code = 4
+    permanent = False
+
+
+class OutOfSpaceError(UserError):
+    """No room left where results are written; permanent until someone makes room."""
+
+    exit_code = 5
+
+
+class EngineFailure(UserError):
+    """The engine stopped mid-run (its process killed, the host out of memory): retried."""
+
+    exit_code = 6
+    permanent = False
+
+
+class FanOutFailure(UserError):
+    """A fanned-out run cannot start or run its partitions."""
+
+    exit_code = 7
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """A user error that a retry would only repeat."""
+    return isinstance(exc, UserError) and exc.permanent
