@@ -38,6 +38,7 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
         self.faulted_paths: Counter[str] = Counter()  # request path -> faults injected on it
+        self.abandoned = 0  # answers the client no longer read (it timed out on a stall)
         self.force_first, self.forced = force_first, set()
         proxy = self
 
@@ -46,6 +47,13 @@ class FaultProxy:
 
             def log_message(self, *args):  # quiet
                 pass
+
+            def handle(self):
+                try:
+                    super().handle()
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up on a stalled answer
+                    with proxy.lock:
+                        proxy.abandoned += 1
 
             def _handle(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))

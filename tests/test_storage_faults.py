@@ -1,7 +1,11 @@
 """Storage faults between the flow and S3: a fault-injecting proxy in front of the moto server
 fails ~10% (then ~30%) of LIST, GET, HEAD and PUT requests with 500, 503 SlowDown, connection
 resets, stalls past the read timeout and truncated bodies. Every object ends with exactly one
-record; a truncated body is never captioned; a result part is never left half-written."""
+record; a truncated body is never captioned; a result part is never left half-written.
+
+The same holds with the client production uses: one made from a prefect-aws `AwsCredentials` or
+`MinIOCredentials` block loaded by name (`deployments/prefect.yaml` names one for every run), over
+images, WebDataset tars and Parquet files (format `auto`: found through the faults too)."""
 
 from __future__ import annotations
 
@@ -41,10 +45,15 @@ def _records(client, prefix: str, bucket: str = BUCKET) -> list[dict]:
             for line in client.get_object(Bucket=bucket, Key=key)["Body"].read().decode().splitlines() if line]
 
 
-def _through(proxy: FaultProxy, monkeypatch):
+def _through(proxy: FaultProxy, monkeypatch, endpoint: bool = True):
+    """The flow's S3 calls through `proxy`: by the endpoint setting, or (`endpoint=False`) by a
+    credentials block's own endpoint, the setting unset."""
     from tasks.settings import get_settings
 
-    monkeypatch.setenv("VLM_CAPTION_S3_ENDPOINT_URL", proxy.url)
+    if endpoint:
+        monkeypatch.setenv("VLM_CAPTION_S3_ENDPOINT_URL", proxy.url)
+    else:
+        monkeypatch.delenv("VLM_CAPTION_S3_ENDPOINT_URL", raising=False)
     monkeypatch.setenv("VLM_CAPTION_S3_READ_TIMEOUT_S", "1")
     # The run's gallery still fetches pictures and writes its page through the faults, for 2 s of
     # pictures, not 20: through this proxy they took the whole 20 s of each run (boto3's backoff
@@ -130,3 +139,109 @@ def test_videos_and_groups_under_faults_lose_and_duplicate_nothing(prefect_api, 
             assert record["sha256"] == hashes[0]  # never a short or wrong body
         else:
             assert [m["sha256"] for m in record["members"]] == hashes
+
+
+def _tar(samples: dict[str, bytes]) -> bytes:
+    import io
+
+    import webdataset as wds
+
+    stream = io.BytesIO()
+    with wds.TarWriter(stream) as sink:
+        for key, jpg in samples.items():
+            sink.write({"__key__": key, "jpg": jpg, "txt": f"alt {key}"})
+    return stream.getvalue()
+
+
+def _parquet(cells: list[bytes]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    stream = io.BytesIO()
+    pq.write_table(pa.table({"image": pa.array(cells, pa.binary()), "row": list(range(len(cells)))}), stream,
+                   row_group_size=4)
+    return stream.getvalue()
+
+
+@pytest.fixture(scope="module")
+def sources(s3_endpoint):
+    """Three small sources in one bucket: images, WebDataset tars and Parquet files, each with the
+    sha256 of every item's media by the record key it gets."""
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket="faulty-blocks")
+    body = {i: image_bytes(size=(40 + i % 13, 36), color=(i * 9 % 251, 60, i * 5 % 251)) for i in range(24)}
+    expected = {"images": {}, "webdataset": {}, "parquet": {}}
+    for i in range(24):
+        client.put_object(Bucket="faulty-blocks", Key=f"images/{i:02d}.jpg", Body=body[i])
+        expected["images"][f"{i:02d}.jpg"] = body[i]
+    for t in range(3):
+        samples = {f"{i:06d}": body[i] for i in range(t * 8, t * 8 + 8)}
+        client.put_object(Bucket="faulty-blocks", Key=f"wds/{t:05d}.tar", Body=_tar(samples))
+        expected["webdataset"].update({f"{t:05d}.tar/{key}": jpg for key, jpg in samples.items()})
+    for f in range(2):
+        cells = [body[i] for i in range(f * 12, f * 12 + 12)]
+        client.put_object(Bucket="faulty-blocks", Key=f"pq/{f}.parquet", Body=_parquet(cells))
+        expected["parquet"].update({f"{f}.parquet/{row}": cell for row, cell in enumerate(cells)})
+    prefixes = {"images": "images/", "webdataset": "wds/", "parquet": "pq/"}
+    return client, prefixes, {name: {key: hashlib.sha256(b).hexdigest() for key, b in items.items()}
+                              for name, items in expected.items()}
+
+
+@pytest.mark.parametrize("kind, source", [("AwsCredentials", "images"), ("AwsCredentials", "webdataset"),
+                                          ("MinIOCredentials", "parquet")])
+def test_a_credentials_blocks_client_under_faults_loses_and_duplicates_nothing(prefect_api, sources, s3_endpoint,
+                                                                              tiny_llava, monkeypatch, kind, source):
+    """30% of requests faulted, the client made from a block saved to Prefect's API (its endpoint
+    the proxy, its credentials the only ones): a transient fault is retried or recorded retryable,
+    never final; a rerun completes the rest, and the manifest says what the client did. (A few
+    dozen items: the 200-item runs above measure the rates; these show the block's client is the
+    one that meets them.)"""
+    import prefect_aws
+
+    from tasks.settings import get_settings
+
+    client, prefixes, hashes = sources
+    expected = hashes[source]
+    proxy = FaultProxy(s3_endpoint, rate=0.30, stall_s=2.0, seed=len(kind) + len(source))
+    name, parameters = f"faults-{kind.lower()}-{source}", {"aws_client_parameters": {"endpoint_url": proxy.url}}
+    if kind == "AwsCredentials":
+        prefect_aws.AwsCredentials(aws_access_key_id="block-key", aws_secret_access_key="block-secret-51",
+                                   region_name="us-east-1", **parameters).save(name, overwrite=True)
+        monkeypatch.setenv("VLM_CAPTION_AWS_CREDENTIALS_BLOCK", name)
+    else:
+        prefect_aws.MinIOCredentials(minio_root_user="block-user", minio_root_password="block-secret-51",
+                                     region_name="us-east-1", **parameters).save(name, overwrite=True)
+        monkeypatch.setenv("VLM_CAPTION_MINIO_CREDENTIALS_BLOCK", name)
+    for chain in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # a client from the chain would fail at once
+        monkeypatch.delenv(chain)
+    out = f"out-{name}/"
+    job = CaptionJob(source=f"s3://faulty-blocks/{prefixes[source]}", output=f"s3://faulty-blocks/{out}",
+                     model=str(tiny_llava), shard_size=6, sampling={"max_tokens": 2}, gallery_items=0)
+    try:
+        _through(proxy, monkeypatch, endpoint=False)
+        runs = [vlm_caption(job)]
+        if runs[0]["failed"]:  # what failed past the retries is retryable: the rerun completes it
+            runs.append(vlm_caption(job))
+    finally:
+        proxy.close()
+        get_settings.cache_clear()
+    records = _records(client, f"{out}results/", "faulty-blocks")
+    final = [r for r in records if r["error"] is None or not r["error"]["retryable"]]
+    counts = Counter(r["key"] for r in final)
+    report = {"kind": kind, "source": source, "injected": dict(proxy.injected), "requests": dict(proxy.requests),
+              "items": len(expected), "lost": len(set(expected) - set(counts)),
+              "duplicated": sum(c - 1 for c in counts.values()), "retryable_after_first_run": runs[0]["failed"]}
+    print("FAULT-REPORT " + json.dumps(report))
+    assert sum(proxy.injected.values()) > 0
+    assert report["lost"] == 0 and report["duplicated"] == 0 and set(counts) == set(expected)
+    for record in final:  # no fault became a final record, and nothing was captioned from wrong bytes
+        assert record["error"] is None, record["error"]
+        assert record["sha256"] == expected[record["key"]]
+    manifest = json.loads(client.get_object(Bucket="faulty-blocks", Key=f"{out}manifests/{runs[-1]['run_id']}.json")
+                          ["Body"].read())
+    assert manifest["parameters"]["source_format"] == {"images": "files"}.get(source, source)
+    assert manifest["s3"] == {"credentials": f"{kind} block {name!r}", "endpoint_url": proxy.url,
+                              "retry_mode": "adaptive", "max_attempts": 8, "max_pool_connections": 64,
+                              "read_timeout_s": 1.0, "connect_timeout_s": 1.0}
