@@ -12,11 +12,14 @@ class ObjectRef:
 
     `key` is relative to the source root for listed objects. A manifest line may also name a
     full URI (s3://, http(s)://) or a local path; its size and etag are then unknown (-1, "")
-    until fetched, and resume compares content hashes instead."""
+    until fetched, and resume compares content hashes instead. `last_modified` (epoch seconds,
+    from the listing or an inventory report; None when unknown) is what `--modified-since`
+    compares (tasks/sources/watermark.py)."""
 
     key: str
     size: int = -1
     etag: str = ""
+    last_modified: float | None = None
 
 
 @dataclass(frozen=True)
