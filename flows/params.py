@@ -111,11 +111,18 @@ class CaptionJob(BaseModel):
     shard_size: int = Field(64, ge=1, le=100_000, description="Objects per task run.")
     limit: int | None = Field(None, ge=1, description="Stop after this many listed objects.")
     glob: str | None = Field(None, description="Only keys matching this glob, e.g. '*.jpg'.")
-    source_format: Literal["auto", "files", "webdataset", "parquet"] = Field(
+    source_format: Literal["auto", "files", "webdataset", "parquet", "inventory"] = Field(
         "auto", description="What `source` holds: media objects (`files`), WebDataset tar shards (a tar, a "
-        "prefix of tars, or a brace pattern such as shards/{00000..00099}.tar; one item per sample) or "
-        "Parquet (one item per row, media in `column`). `auto`: from `.tar`/`.parquet`/braces in the "
-        "location, else from the objects listed first.")
+        "prefix of tars, or a brace pattern such as shards/{00000..00099}.tar; one item per sample), "
+        "Parquet (one item per row, media in `column`) or an S3 Inventory report (`inventory`: its "
+        "manifest.json, or a folder of dated reports: the newest; the items are its bucket's objects). "
+        "`auto`: from `.tar`/`.parquet`/`manifest.json`/braces in the location, else from the objects "
+        "listed first.")
+    modified_since: str | None = Field(
+        None, description="Only objects modified after this: a time (2026-11-20T03:00:00Z; UTC without a "
+        "zone), a duration back from the run's start (26h, 2d), or `auto`: after the watermark the last "
+        "completed run of this job left in the output (items that failed retryably are listed again). "
+        "Media files and inventory sources.")
     column: str | None = Field(
         None, description="Parquet: the column holding each row's media (URLs, s3:// URIs, paths or image "
         "bytes); empty: the first of image, jpg, png, webp, url, URL, uri, path. Other columns are kept.")
@@ -180,6 +187,13 @@ class CaptionJob(BaseModel):
             raise StorageError(f"{value}: missing bucket name; use s3://BUCKET/PREFIX/")
         return value
 
+    @field_validator("modified_since")
+    @classmethod
+    def _modified_since(cls, value: str | None) -> str | None:
+        from tasks.sources.watermark import check_modified_since
+
+        return check_modified_since(value)
+
     @field_validator("questions")
     @classmethod
     def _questions(cls, value: list[str]) -> list[str]:
@@ -192,10 +206,13 @@ class CaptionJob(BaseModel):
         if (self.source is None) == (self.manifest is None):
             raise ValueError("give exactly one of `source` (a folder or bucket prefix) and `manifest` "
                              "(a JSON Lines file of items)")
-        if self.source_format in ("webdataset", "parquet") and self.manifest is not None:
+        if self.source_format in ("webdataset", "parquet", "inventory") and self.manifest is not None:
             raise ValueError(f"source_format {self.source_format!r} reads `source`, not a manifest")
         if self.source_format in ("webdataset", "parquet") and self.modality == "multi-image":
             raise ValueError(f"a {self.source_format} item is one sample or row: use modality image or video")
+        if self.modified_since is not None and (self.manifest is not None
+                                                or self.source_format in ("webdataset", "parquet")):
+            raise ValueError("modified_since is for a folder or bucket of media files and S3 Inventory reports")
         if self.column is not None and self.source_format not in ("auto", "parquet"):
             raise ValueError("column is for Parquet sources (source_format parquet)")
         if self.method == "chat" and self.modality == "video":

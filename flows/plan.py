@@ -23,7 +23,9 @@ from tasks.results.layout import results_prefix
 from tasks.results.records import job_fingerprint
 from tasks.settings import get_settings
 from tasks.sources.formats import SourceSpec, split_location
+from tasks.sources.inventory import inventory_source
 from tasks.sources.storage import Storage, StorageError
+from tasks.sources.watermark import with_changed_since
 
 
 class PreflightError(RecipeError):
@@ -77,8 +79,10 @@ def make_plan(job: CaptionJob) -> RunPlan:
     if problems:
         raise PreflightError([str(problem) for problem in problems])
     model = recipe.model_for(job.modality, job.model)
-    return RunPlan(job=resolved, recipe=recipe, model=model, fingerprint=fingerprint_of(resolved, recipe, model),
-                   source=source_spec(resolved), output=output,
+    source = source_spec(resolved)
+    fingerprint = fingerprint_of(resolved, recipe, model, source)
+    return RunPlan(job=resolved, recipe=recipe, model=model, fingerprint=fingerprint,
+                   source=with_changed_since(source, resolved.modified_since, output, fingerprint), output=output,
                    engine=None if resolved.modality == "multi-image" else engine_spec(resolved))
 
 
@@ -108,19 +112,23 @@ def engine_first(plan: RunPlan) -> EngineSpec | None:
         getattr(history, "close", lambda: None)()
 
 
-def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str) -> str:
+def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str, source: SourceSpec | None = None) -> str:
     """The results this job's are interchangeable with (see `job_fingerprint`). A Parquet
-    source's column is part of it (another column is other media under the same row ids)."""
+    source's column is part of it (another column is other media under the same row ids). An
+    inventory's is its bucket's (a listing of that bucket, and every day's report, share results)."""
+    location = (source or source_spec(job)).base if job.source_format == "inventory" else job.location
     media = {"num_frames": job.num_frames} if job.modality == "video" else {}
     if job.source_format == "parquet":
         media["column"] = job.column
     return job_fingerprint(
-        source=job.location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
+        source=location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
         media=media, sampling=job.sampling.fingerprint_dict(), structured=job.structured_output)
 
 
 def source_spec(job: CaptionJob) -> SourceSpec:
     """Where the job's items come from (its source format resolved)."""
+    if job.source_format == "inventory":
+        return inventory_source(job.location, job.modality, job.glob)
     if job.source_format in ("webdataset", "parquet"):
         base, pattern = split_location(job.location)
         return SourceSpec(base, job.modality, glob=job.glob, format=job.source_format, pattern=pattern,

@@ -14,15 +14,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tasks.sources.braces import check_pattern, expand_braces, has_braces, literal_prefix
 from tasks.sources.items import ObjectRef
 from tasks.sources.storage import Storage, StorageError, open_storage, split_parent
 from tasks.sources.transient import retry_transient
 
-SourceFormat = Literal["auto", "files", "webdataset", "parquet"]
-SUFFIX = {"webdataset": ".tar", "parquet": ".parquet"}
+if TYPE_CHECKING:
+    from tasks.sources.watermark import ChangedSince
+
+SourceFormat = Literal["auto", "files", "webdataset", "parquet", "inventory"]
+SUFFIX = {"webdataset": ".tar", "parquet": ".parquet", "inventory": "manifest.json"}  # tasks/sources/inventory.py
 DETECT_PAGE = 1000  # objects looked at to tell a prefix of tars or Parquet files from media
 
 
@@ -130,6 +133,8 @@ class SourceSpec:
     format: str = "files"  # or webdataset | parquet (tasks/sources/formats.py)
     pattern: str | None = None  # tars or Parquet files under `uri`: one name or a brace pattern
     column: str | None = None  # parquet: the media column
+    items_root: str | None = None  # inventory: the bucket its report lists (`uri` is the report's manifest.json)
+    changed: ChangedSince | None = None  # --modified-since (tasks/sources/watermark.py)
 
     @property
     def files(self) -> FileSet:
@@ -137,7 +142,10 @@ class SourceSpec:
 
     @property
     def base(self) -> str:
-        """The folder or prefix the items' relative keys are under: a manifest's own folder."""
+        """The folder or prefix the items' relative keys are under: a manifest's own folder, an
+        inventory report's bucket."""
+        if self.items_root is not None:
+            return self.items_root
         return split_parent(self.uri)[0] if self.is_manifest else self.uri
 
     @property

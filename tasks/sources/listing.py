@@ -21,13 +21,21 @@ from prefect.cache_policies import NONE
 from tasks.observability import get_logger
 from tasks.sources.formats import SourceSpec
 from tasks.sources.groups import folder_groups
+from tasks.sources.inventory import iter_inventory
 from tasks.sources.items import Shard, WorkItem
 from tasks.sources.manifest import read_manifest
 from tasks.sources.parquet_source import iter_parquet_items
+from tasks.sources.watermark import changed_items
 from tasks.sources.webdataset import iter_webdataset_items
 
 
 def iter_items(source: SourceSpec) -> Iterator[WorkItem]:
+    """The source's items; with --modified-since only what changed (tasks/sources/watermark.py)."""
+    items = _source_items(source)
+    return changed_items(items, source.changed) if source.changed is not None else items
+
+
+def _source_items(source: SourceSpec) -> Iterator[WorkItem]:
     if source.is_manifest:
         yield from read_manifest(source.storage, source.uri)
         return
@@ -37,7 +45,7 @@ def iter_items(source: SourceSpec) -> Iterator[WorkItem]:
     if source.format == "parquet":
         yield from iter_parquet_items(source.files, source.column, source.glob, get_logger(source=source.uri))
         return
-    objects = source.storage.iter_objects(source.glob)
+    objects = iter_inventory(source) if source.format == "inventory" else source.storage.iter_objects(source.glob)
     if source.modality == "multi-image":
         yield from folder_groups(objects)
         return

@@ -55,7 +55,8 @@ def _explain(uri: str, doing: str, exc: Exception) -> str:
 def check_source(uri: str, *, is_manifest: bool, source_format: str = "files",
                  column: str | None = None) -> str | None:
     """`source_format` is resolved (not `auto`); webdataset and parquet need one shard file, and
-    parquet its media column (the message names the columns there are), which is returned."""
+    parquet its media column (the message names the columns there are), which is returned; an
+    inventory, a readable report, whose manifest.json is returned."""
     if source_format in ("webdataset", "parquet"):
         from tasks.sources.formats import file_set, first_file
         from tasks.sources.parquet_source import check_parquet_source
@@ -68,6 +69,11 @@ def check_source(uri: str, *, is_manifest: bool, source_format: str = "files",
                 raise StorageError(f"{uri}: no {files.suffix} shard there; give a tar, a folder or prefix of "
                                    "tars, or a brace pattern such as shards/{00000..00099}.tar")
         return None
+    if source_format == "inventory":  # the report's manifest.json, returned (tasks/sources/inventory.py)
+        from tasks.sources.inventory import check_report
+
+        with storage_errors(uri, "reading the inventory report"):
+            return check_report(uri)
     if is_manifest:
         folder, name = split_parent(uri)
         with storage_errors(uri, "looking for the manifest"):
@@ -85,11 +91,16 @@ def resolve_source(job):
     column named, after checking the source: every partition then reads it the same way, and a
     wrong column is one message naming the columns there are."""
     from tasks.sources.formats import detect_format
+    from tasks.sources.watermark import resolve_modified_since
 
     with storage_errors(job.location, "listing the source to tell its format"):
         fmt = detect_format(job.location, job.source_format, job.manifest is not None)
-    column = check_source(job.location, is_manifest=job.manifest is not None, source_format=fmt, column=job.column)
-    return job.model_copy(update={"source_format": fmt, "column": column if fmt == "parquet" else None})
+    found = check_source(job.location, is_manifest=job.manifest is not None, source_format=fmt, column=job.column)
+    update = {"source_format": fmt, "column": found if fmt == "parquet" else None,
+              "modified_since": resolve_modified_since(job.modified_since)}  # a duration: one time for all
+    if fmt == "inventory":
+        update["source"] = found  # the report named once (the newest under a folder): every partition reads it
+    return job.model_copy(update=update)
 
 
 def check_output(uri: str) -> Storage:

@@ -1,0 +1,179 @@
+"""`--modified-since`: only the objects modified after a time are listed, so a nightly run over a
+bucket that only grows looks at what is new (a bucket listing still pages through every key; an
+inventory report's rows are filtered as they are read).
+
+`modified_since` is a time (ISO 8601, UTC when it names no zone), a duration back from the run's
+start (`26h`, `90m`, `2d`, `1w`; made a time once, in pre-flight, so every partition of a
+fan-out lists the same items) or `auto`: the time kept in the output, in the watermark file
+`watermarks/<fingerprint>-<scope>.json` (the scope: the source's location, or an inventory
+configuration's folder, and the glob). A first `auto` run lists everything.
+
+At the end of an `auto` run that completed, with every partition's report and without `limit`,
+the watermark moves to what the listing saw (its start, or the inventory report's scan) less
+MARGIN_S, never back; and the keys of the items that failed retryably are kept in it and listed
+again by the next run whatever their time, until they succeed or fail for good. A run that
+failed, was cut by `limit`, or had more failures than its manifest lists moves nothing: the next
+run lists from the same time. Nothing listed before is lost either way; an item done twice is
+skipped by the done-index. modified_since is not part of the fingerprint: results stay
+interchangeable with a full listing's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import re
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.observability import get_logger
+from tasks.sources.formats import SourceSpec
+from tasks.sources.items import WorkItem
+from tasks.sources.storage import Storage, StorageError, key_within, open_storage, split_parent
+
+WATERMARKS = "watermarks/"
+# What the watermark stays behind what a listing saw. An object's LastModified is when its upload
+# began (a long upload shows up after newer ones), and an inventory report is eventually
+# consistent (a recent object may be missing from it and in the next one). Looking a day back
+# costs a done-index lookup per object of that day.
+MARGIN_S = 24 * 3600
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+FORMATS = ("files", "inventory")  # sources whose objects have a time
+
+
+@dataclass(frozen=True)
+class ChangedSince:
+    """Which items a listing keeps: those with an object modified after `after` (None: every
+    one, a first `auto` run), and the ones the watermark file keeps to be retried."""
+
+    after: float | None  # epoch seconds
+    watermark: str | None  # `auto`: the watermark file (its URI in the output)
+    as_of: float  # epoch seconds: what the listing will have seen (its start, or the report's scan)
+
+
+def check_modified_since(value: str | None) -> str | None:
+    """The job field's value, checked (ValueError saying the forms it takes)."""
+    if value is None or value == "auto" or _DURATION.fullmatch(value.strip()):
+        return value if value is None else value.strip()
+    try:
+        _time_of(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a time (2026-11-20 or 2026-11-20T03:00:00Z), a duration "
+                         "(26h, 90m, 2d, 1w) or auto") from None
+    return value.strip()
+
+
+def resolve_modified_since(value: str | None, now: float | None = None) -> str | None:
+    """A duration as the time it names now (ISO, UTC); a time in the same form; `auto` as is."""
+    if value is None or value == "auto":
+        return value
+    match = _DURATION.fullmatch(value)
+    moment = (now or time.time()) - float(match[1]) * _UNIT_S[match[2]] if match else _time_of(value)
+    return _iso(moment)
+
+
+def _time_of(text: str) -> float:
+    moment = datetime.datetime.fromisoformat(text.strip())
+    return (moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def watermark_key(source: SourceSpec, fingerprint: str) -> str:
+    """One watermark per result set, location and glob: another glob, or another inventory
+    configuration of the same bucket, has listed other objects."""
+    from tasks.sources.inventory import report_series
+
+    where = report_series(source.uri) if source.format == "inventory" else source.uri
+    scope = hashlib.sha256(json.dumps([where.rstrip("/"), source.glob]).encode()).hexdigest()[:12]
+    return f"{WATERMARKS}{fingerprint}-{scope}.json"
+
+
+def with_changed_since(source: SourceSpec, modified_since: str | None, output: Storage,
+                       fingerprint: str) -> SourceSpec:
+    """The source, listing only what changed when the job says so (its `changed`)."""
+    if modified_since is None:
+        return source
+    if source.is_manifest or source.format not in FORMATS:
+        raise StorageError(f"{source.uri}: --modified-since is for a folder or bucket of media files and for "
+                           f"S3 Inventory reports, not a {'job manifest' if source.is_manifest else source.format} "
+                           "source")
+    if source.format == "inventory":
+        from tasks.sources.inventory import read_report
+
+        as_of = read_report(source.uri).created_at
+    else:
+        as_of = time.time()
+    if modified_since != "auto":
+        return dataclasses.replace(source, changed=ChangedSince(_time_of(modified_since), None, as_of))
+    key = watermark_key(source, fingerprint)
+    kept = _read(output.describe(key))
+    after = _time_of(kept["modified_after"]) if "modified_after" in kept else None
+    return dataclasses.replace(source, changed=ChangedSince(after, output.describe(key), as_of))
+
+
+def _read(uri: str) -> dict[str, Any]:
+    """A watermark file ({} when there is none yet)."""
+    folder, name = split_parent(uri)
+    if not folder.startswith(("s3://", "s3a://")) and not Path(folder.removeprefix("file://")).is_dir():
+        return {}  # a local output's watermarks/ folder is made by the first watermark written
+    try:
+        return json.loads(open_storage(folder).read(name))
+    except FileNotFoundError:
+        return {}
+    except ValueError as exc:
+        raise StorageError(f"{uri}: not a watermark ({exc}); delete it to list every object once more") from exc
+
+
+def changed_items(items: Iterable[WorkItem], changed: ChangedSince) -> Iterator[WorkItem]:
+    """The items with an object modified after `changed.after` (or of unknown time), and those
+    the watermark keeps to be retried; the others are left out, and counted in the log."""
+    retry = frozenset(_read(changed.watermark).get("retry", ())) if changed.watermark else frozenset()
+    after, left_out = changed.after, 0
+    for item in items:
+        if after is None or item.id in retry or any(m.last_modified is None or m.last_modified > after
+                                                    for m in item.members):
+            yield item
+        else:
+            left_out += 1
+    get_logger().info("left out objects not modified since", modified_after=_iso(after) if after else None,
+                      left_out=left_out, retried=len(retry))
+
+
+def advance_watermark(output: Storage, source: SourceSpec, tally: Any, *, complete: bool) -> dict | None:
+    """At the end of a run of `auto` (the parent's, with every partition's counts in `tally`, a
+    Tally): the watermark moved on, with the keys to retry; or why it was not (in the manifest).
+    `complete`: every partition reported, and no `limit` cut the listing. A failure to write is
+    logged and reported, not raised: the next run then lists from the old time."""
+    changed = source.changed
+    if changed is None or changed.watermark is None:
+        return None
+    failed = sum(tally.failures_by_kind.values())
+    why = ("the run was cut by limit, or a partition did not report" if not complete else
+           f"{failed} failures, {len(tally.failures)} listed in the manifest" if len(tally.failures) < failed
+           else None)
+    log = get_logger(watermark=changed.watermark)
+    if why is not None:
+        log.warning("watermark not moved: the next run lists from the same time", why=why)
+        return {"path": changed.watermark, "moved": False, "why": why}
+    after = changed.as_of - MARGIN_S
+    if changed.after is not None:
+        after = max(after, changed.after)
+    retry = sorted({f["key"] for f in tally.failures if f.get("retryable")})
+    body = {"modified_after": _iso(after), "retry": retry, "as_of": _iso(changed.as_of), "margin_s": MARGIN_S,
+            "updated_at": _iso(time.time())}
+    try:
+        output.write(key_within(output, changed.watermark), json.dumps(body, indent=1).encode())
+    except Exception as exc:  # noqa: BLE001 - logged and reported; the old watermark stands
+        log.warning("watermark not written: the next run lists from the same time", error=str(exc))
+        return {"path": changed.watermark, "moved": False, "why": f"not written: {exc}"}
+    log.info("watermark moved", modified_after=body["modified_after"], retry=len(retry))
+    return {"path": changed.watermark, "moved": True, "modified_after": body["modified_after"], "retry": len(retry)}
