@@ -41,6 +41,7 @@ from tasks.results.gallery import gallery_after_run
 from tasks.results.parquet_view import export_after_run
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
+from tasks.sources.watermark import advance_watermark
 
 
 def _run_name() -> str:
@@ -128,6 +129,9 @@ def caption_job(plan: RunPlan, run_id: str, log) -> dict:
     manifest["parquet"] = export_after_run(plan.output, job.output, fingerprint, run_id, stats.parts)
     # A page to look at: a sample of the run's items, thumbnails and captions; next to the manifest.
     manifest["gallery"] = gallery_after_run(plan, run_id, stats.parts)
+    # --modified-since auto: the watermark moves on (keeping what to retry) where nothing can be lost.
+    manifest["watermark"] = advance_watermark(plan.output, plan.source, stats, complete=job.limit is None and all(
+        p.state == "COMPLETED" for p in partitions))
     write_manifest(plan.output, run_id, manifest)
     summary["parquet"] = manifest["parquet"].get("path")
     summary["gallery"] = manifest["gallery"].get("path")

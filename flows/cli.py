@@ -79,11 +79,15 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, default=None, help="items per task run (default 64)")
     parser.add_argument("--limit", type=int, help="stop after this many items")
     parser.add_argument("--glob", help="only keys matching this glob, e.g. '*.jpg'")
-    parser.add_argument("--source-format", choices=["auto", "files", "webdataset", "parquet"],
+    parser.add_argument("--source-format", choices=["auto", "files", "webdataset", "parquet", "inventory"],
                         help="what the source holds: media files, WebDataset tar shards (a tar, a prefix of tars "
-                        "or a brace pattern like shards/{00000..00099}.tar) or Parquet (default auto: from "
-                        ".tar/.parquet/braces, else from the objects listed first)")
+                        "or a brace pattern like shards/{00000..00099}.tar), Parquet, or an S3 Inventory report "
+                        "(its manifest.json, or a folder of dated reports: the newest) (default auto: from "
+                        ".tar/.parquet/manifest.json/braces, else from the objects listed first)")
     parser.add_argument("--column", help="Parquet: the column of image URLs, s3:// URIs, paths or bytes")
+    parser.add_argument("--modified-since", metavar="TIME|DURATION|auto",
+                        help="only objects modified after this time (2026-11-20T03:00:00Z), this long before the "
+                        "run (26h, 2d), or auto: since the watermark the last completed run left in the output")
     parser.add_argument("--gallery-items", type=int,
                         help="items on the run's HTML gallery beside its manifest (default 200; 0: none)")
     parser.add_argument("--temperature", type=float)
@@ -115,7 +119,8 @@ def _job_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.skip_model_check:
         fields["skip_model_check"] = True
     for name in ("questions", "model", "shard_size", "limit", "glob", "modality", "method", "num_frames",
-                 "max_images", "processor_device", "source_format", "column", "gallery_items"):
+                 "max_images", "processor_device", "source_format", "column", "gallery_items",
+                 "modified_since"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     sampling = {k: getattr(args, k) for k in ("temperature", "max_tokens", "seed")
