@@ -5,6 +5,7 @@ fields and errors; its size stays bounded for a run of 100,000 items."""
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import shutil
@@ -41,7 +42,7 @@ def test_a_gallery_of_100000_items_is_bounded():
     assert len(page) < 4_000_000, len(page)  # 200 thumbnails of a few KB, texts cut
     assert page.count('class="item failed"') == 50  # errors get a quarter of the places
     assert page.count("data:image/jpeg;base64,") == 200  # each a real thumbnail (a failed one too, if it decodes)
-    assert page.count("more characters)") == 150  # long captions cut
+    assert page.count('<details class="caption">') == 150  # long captions: their start, the rest on a click
 
 
 def test_a_store_that_does_not_answer_costs_the_run_its_time_for_pictures_and_no_more():
@@ -139,11 +140,15 @@ def test_gallery_in_headless_chromium(tmp_path: Path):
     records.append(record("clip.mp4", text="a dog runs", video={"frames": 8}))  # not fetchable: a placeholder
     pictures["clips/strip.mp4"] = video_bytes(frames=40, fps=10, size=(320, 240))
     records.append(record("clips/strip.mp4", text="bands move", video={"frames": 16}))
+    records.append(record("noise.jpg", text="ŋ" * 900))  # a random-weight model's noise: one 900-letter word
     page, shown = build_gallery(records, lambda r: pictures.get(r.key), 50, "vlm-caption · llava · s3://b/shards/",
                                 {"run": "r1"})
-    assert shown == 7
+    assert shown == 8
     path = tmp_path / "r1.html"
-    path.write_text(page)
+    # The page as it is, and a script that says (in the DOM) how many captions run past their card.
+    path.write_text(page.replace("</body>", "<script>document.body.dataset.overflowing = [...document."
+                                 "querySelectorAll('.caption')].filter(e => e.scrollWidth > e.clientWidth + 1)"
+                                 ".length;</script></body>"))
 
     dom = browse(browser, path, tmp_path / "profile")
     text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", re.sub(r"<style>.*?</style>", " ", dom, flags=re.S))))
@@ -157,6 +162,9 @@ def test_gallery_in_headless_chromium(tmp_path: Path):
     assert strip and int(strip[1]) == STRIP_FRAMES and strip[2].count("<img") == STRIP_FRAMES
     assert "bands move" in text and "video · 16 frames" in text
     assert dom.index("shards/00001.tar") < dom.index("shards/00000.tar/000000")  # errors first
+    assert 'data-overflowing="0"' in dom  # every caption wraps inside its card, the 900-letter word too
+    noise = re.search(r'<details class="caption">(.*?)</details>', dom, re.S)[1]
+    assert "show all 900 characters" in noise and "ŋ" * 900 in noise  # all of it, on a click
 
     shot = tmp_path / "gallery.png"
     browse(browser, path, tmp_path / "profile", screenshot=shot)
@@ -184,3 +192,37 @@ def test_a_picture_that_cannot_be_fetched_is_counted_on_the_page_and_logged(capl
     assert shown == 4 and page.count("data:image/jpeg;base64,") == 3
     assert "pictures not fetched: 1" in page
     assert '<div class="item" data-key="img/1.jpg"><div class="placeholder">image</div>' in page
+
+
+def test_the_uis_gallery_artifact_opens_from_the_ui(prefect_api, s3_client, tmp_path):
+    """A folder output: the page's items as a table (the UI cannot open a file:// link). An S3
+    output: a presigned link that a browser opens, the page served as HTML, its expiry stated."""
+    import httpx
+    from prefect import flow
+    from prefect.artifacts import Artifact
+
+    from tasks.results.gallery_artifact import publish_gallery
+    from tasks.sources.storage import open_storage
+
+    items = sample_items([record("a.jpg", text="a long caption " * 60),
+                          record("b.jpg", error={"kind": "decode", "message": "not an image", "retryable": False})], 10)
+    s3_client.create_bucket(Bucket="gallery")
+    outputs = {"folder": open_storage(str(tmp_path / "out"), create=True), "s3": open_storage("s3://gallery/out/")}
+    for out in outputs.values():
+        out.write("manifests/r1.html", b"<!doctype html><title>the gallery</title>")
+
+    for kind, out in outputs.items():
+        flow(name=f"gallery-{kind}")(lambda: publish_gallery(out, "manifests/r1.html", items))()
+        artifact = Artifact.get("vlm-caption-gallery")
+        if kind == "folder":
+            assert artifact.type == "table" and f"{tmp_path / 'out'}/manifests/r1.html" in artifact.description
+            rows = json.loads(artifact.data)
+            assert [(r["key"], r["caption"][:20]) for r in rows] == [("b.jpg", "error: decode: not a"),
+                                                                     ("a.jpg", "a long caption a lon")]
+            assert rows[1]["caption"].endswith("more characters on the page)")  # the page has it all
+        else:
+            assert artifact.type == "markdown" and "valid until" in artifact.data
+            link = re.search(r"\[Open the gallery\]\((https?://[^)]+)\)", artifact.data)[1]
+            page = httpx.get(link, timeout=30)
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            assert "<title>the gallery</title>" in page.text

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from tasks.results.gallery_artifact import publish_gallery
 from tasks.results.gallery_page import GalleryItem, render_gallery
 from tasks.results.layout import manifest_key
 from tasks.results.records import ResultRecord
@@ -124,10 +125,13 @@ def frame_strip(data: bytes, frames: int = STRIP_FRAMES) -> list[str]:
 
 
 def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord], bytes | None] | None,
-                  limit: int, title: str, summary: dict, fetch_s: float = 20.0) -> tuple[str, int]:
+                  limit: int, title: str, summary: dict, fetch_s: float = 20.0,
+                  sampled: list[GalleryItem] | None = None) -> tuple[str, int]:
     """The page's HTML and the number of items on it; `fetch` gives an item's image (or video)
     bytes. Pictures not made within `fetch_s` seconds show placeholders."""
     items = sample_items(records, limit)
+    if sampled is not None:  # the caller's copy of the sample (the UI's artifact lists it)
+        sampled.extend(items)
     video_slots = threading.BoundedSemaphore(VIDEO_SLOTS)
     unfetched: list[str] = []  # items whose media could not be read again (each shows a placeholder)
 
@@ -245,27 +249,17 @@ def gallery_after_run(plan: RunPlan, run_id: str, parts: list[str]) -> dict:
     try:
         out = plan.output
         unreadable: list[str] = []
+        sampled: list[GalleryItem] = []
         page, shown = build_gallery(run_records(out, parts, unreadable), media_fetcher(plan.source),
                                     job.gallery_items, f"vlm-caption · {job.recipe} · {job.location}",
-                                    {"run": run_id, "fingerprint": fingerprint}, get_settings().gallery_fetch_s)
+                                    {"run": run_id, "fingerprint": fingerprint}, get_settings().gallery_fetch_s,
+                                    sampled=sampled)
         out.write(gallery_key(run_id), page.encode())
         path = out.describe(gallery_key(run_id))
-        _link_artifact(path, shown)
-        return {"path": path, "items": shown, "bytes": len(page),
+        shown_in_ui = publish_gallery(out, gallery_key(run_id), sampled)  # a link or a table the UI opens
+        return {"path": path, "items": shown, "bytes": len(page), **shown_in_ui,
                 **({"unreadable_parts": unreadable} if unreadable else {})}
     except Exception as exc:  # noqa: BLE001 - the page is a view; the run's results stand
         get_logger(run_id=run_id).warning("gallery not written", error=str(exc))
         return {"path": None, "error": f"{type(exc).__name__}: {exc}"}
 
-
-def _link_artifact(path: str, shown: int) -> None:
-    """A markdown artifact with the page's location (a file:// link for a folder output)."""
-    from prefect.artifacts import create_markdown_artifact
-    from prefect.context import FlowRunContext
-
-    if FlowRunContext.get() is None:
-        return
-    href = path if "://" in path else f"file://{path}"
-    create_markdown_artifact(key="vlm-caption-gallery", description="The run's gallery: a sample of its items",
-                             markdown=f"**Gallery** ({shown} items): [{path}]({href})\n\nOpen it in a browser "
-                             "(for S3: `aws s3 cp` it, or a presigned URL).")

@@ -1,5 +1,7 @@
 """The gallery's page: its items (one per media item, its records in question order) and their
-HTML, self-contained (pictures are data URIs), texts cut at TEXT_CHARS, errors in red.
+HTML, self-contained (pictures are data URIs), errors in red. Captions wrap in their card (a
+word longer than the card breaks); one longer than PREVIEW_CHARS shows its start, the whole of
+it (up to TEXT_CHARS, so the page's size stays bounded) a click away in a <details>.
 `gallery.py` samples the items and makes their pictures."""
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from dataclasses import dataclass, field
 
 from tasks.results.records import ResultRecord
 
-TEXT_CHARS = 1200
+PREVIEW_CHARS = 280
+TEXT_CHARS = 4000
 
 
 @dataclass
@@ -31,6 +34,14 @@ def _cut(text: str, limit: int = TEXT_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more characters)"
 
 
+def _caption_html(text: str) -> str:
+    """A caption: whole when short; else its start, and all of it on a click."""
+    if len(text) <= PREVIEW_CHARS:
+        return f'<div class="caption">{html.escape(text)}</div>'
+    return (f'<details class="caption"><summary><span class="preview">{html.escape(text[:PREVIEW_CHARS])}… </span>'
+            f'<span class="more">show all {len(text)} characters</span></summary>{html.escape(_cut(text))}</details>')
+
+
 def _json(value) -> str:
     return _cut(json.dumps(value, ensure_ascii=False, indent=1, default=str))
 
@@ -46,7 +57,9 @@ h1{font-size:20px;margin:0 0 4px} .meta{color:#666;margin-bottom:12px}
 .placeholder{width:160px;height:120px;background:#ddd;display:flex;align-items:center;justify-content:center;
  color:#555;font-size:12px;margin-bottom:6px;text-align:center}
 .key{font-family:monospace;font-size:12px;word-break:break-all} .q{color:#555;font-style:italic;margin-top:6px}
-.caption{white-space:pre-wrap} .error{color:#b00;font-weight:600;white-space:pre-wrap}
+.caption,.error,.q{white-space:pre-wrap;overflow-wrap:anywhere} .error{color:#b00;font-weight:600}
+details.caption summary{cursor:pointer;list-style:none} details.caption summary::-webkit-details-marker{display:none}
+details.caption[open] .preview{display:none} .more{color:#36c;font-size:12px;white-space:nowrap}
 .label{color:#888;font-size:11px;margin-top:6px} pre{margin:2px 0;background:#f3f3f3;padding:4px;font-size:11px;white-space:pre-wrap;max-height:160px;overflow:auto}
 """
 
@@ -75,7 +88,7 @@ def _item_html(item: GalleryItem) -> str:
         if record.quality:
             parts.append(f'<div class="error quality">flagged: {html.escape(", ".join(record.quality))}</div>')
         if record.text:
-            parts.append(f'<div class="caption">{html.escape(_cut(record.text))}</div>')
+            parts.append(_caption_html(record.text))
         if record.structured is not None:
             parts.append(f'<div class="label">structured</div><pre class="structured">'
                          f'{html.escape(_json(record.structured))}</pre>')
