@@ -1,8 +1,7 @@
-"""The pipeline over one partition's shards, in this process: listed (streamed) into shards,
-each fetched and decoded ahead, its requests fed to the engine while other shards' are still
-in it, its part written as soon as its last request finishes. `flows/caption.py` runs it for
-its own partition and for any child partition it takes over.
-"""
+"""The pipeline over one partition's shards, in this process: listed (streamed) into shards of
+the items with work left, each fetched and decoded ahead, its requests fed to the engine while
+other shards' are still in it, its part written as soon as its last request finishes.
+`flows/caption.py` runs it for its own partition and for any child partition it takes over."""
 
 from __future__ import annotations
 
@@ -62,10 +61,10 @@ class PartitionRun:
 
 
 def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | None]:
-    """Caption this run's items shard by shard as the listing streams them in, fetching the next
-    shard while the current ones are on the GPU. A partition of a fanned-out run takes the
-    shards it claims (tasks/claims.py), then waits for the run's other claimed shards, retaking
-    those of a partition that is gone. Returns the counts, the engine, and the claims' figures."""
+    """Caption this run's items shard by shard as the listing streams them in. A partition of a
+    fanned-out run takes the shards it claims (tasks/claims.py), then waits for the run's other
+    claimed shards, retaking those of a partition that is gone. Returns the counts, the engine,
+    and the claims' figures."""
     if run.partition is None:
         stats, engine = _caption(run, None)
         return stats, engine, None
@@ -93,8 +92,8 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
     finally:
         stream.close()
     while claims is not None and (retaken := claims.retake()) is not None:
-        if retaken:  # a partition that is gone left these: captioned here, from a fresh listing
-            # What it wrote before it went (a part without its done mark) is on the done-index now.
+        if retaken:  # a partition that is gone left these: captioned here; what it wrote before
+            # it went (a part without its done mark) is on the done-index now.
             pipeline.done = load_done_index(run.plan.output, run.fingerprint)
             again = listing(run, pipeline.done, claims)  # the run's plan, read again
             try:
@@ -183,7 +182,6 @@ class ShardPipeline:
                 return listed
             self.stats.add(listed.items, listed.items, [])
             self.progress.skip(listed.items)
-        return None
 
     @property
     def sizing(self) -> dict | None:

@@ -133,3 +133,41 @@ def test_a_consumer_that_stops_releases_the_listing(storage):
     stream.close()  # the run failed: the listing must not stay blocked on a full queue
     producer.join(10)
     assert not producer.is_alive()
+
+
+def test_items_already_done_are_counted_not_sharded_and_the_rest_fill_whole_shards(storage):
+    """A history of 10,000 items with one new item in every hundred: 100 items in two shards of
+    64 and 36 (not a shard per new item), and 9,900 counted as already done, in listing order."""
+    from tasks.sources.listing import AlreadyDone
+
+    storage(SyntheticStorage(10_000))
+    new = lambda items: [int(item.id[4:11]) % 100 == 0 for item in items]  # noqa: E731
+    stream = ShardStream(SourceSpec("s3://synthetic/"), 64, None, pending=new)
+    threading.Thread(target=stream.produce, daemon=True).start()
+    listed = list(stream)
+    shards = [got for got in listed if not isinstance(got, AlreadyDone)]
+    assert [(s.index, len(s.items)) for s in shards] == [(0, 64), (1, 36)]
+    assert [item.id for s in shards for item in s.items] == [f"img/{i:07d}.jpg" for i in range(0, 10_000, 100)]
+    assert sum(got.items for got in listed if isinstance(got, AlreadyDone)) == 9_900
+    assert stream.items_listed == 10_000 and stream.already_done == 9_900
+
+
+def test_done_items_are_judged_as_the_done_index_judges_each_one():
+    """`DoneIndex.pending_mask` (a batch at once) says what `pending_by_listing` says item by item:
+    done, changed since (another etag), a question not asked before, a re-run result, no etag."""
+    from tasks.results.done_index import DoneIndex, index_rows
+    from tasks.results.records import ResultRecord
+    from tasks.sources.items import WorkItem
+
+    def record(key, etag, question="q1"):
+        return ResultRecord(key=key, size=10, etag=etag, sha256="s", recipe="r", model="m", question=question,
+                            prompt=None, text="t", finish_reason="stop", timings={}, fingerprint="f", run_id="x")
+
+    done = DoneIndex([index_rows([record("a", "e1"), record("b", "e1"), record("c", "e1"), record("c", "e2"),
+                                  record("d", "e1", "q2")])])
+    items = [WorkItem(key, (ObjectRef(key, 10, etag),)) for key, etag in
+             (("a", "e1"), ("b", "e9"), ("c", "e2"), ("d", "e1"), ("e", "e1"), ("f", ""))]
+    items.append(WorkItem("a", (ObjectRef("a", 10, "e1"),), questions=("q1", "q3")))
+    expected = [bool(done.pending_by_listing(item, item.questions or ("q1",))) for item in items]
+    assert expected == [False, True, False, True, True, True, True]
+    assert list(done.pending_mask(items, ("q1",))) == expected

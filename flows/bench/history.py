@@ -93,6 +93,10 @@ def item_key(i: int) -> str:
     return f"d{i // PER_FOLDER:04d}/{i:08d}.jpg"
 
 
+def folder_of(key: str) -> str:
+    return key.split("/", 1)[0]
+
+
 def new_key(j: int) -> str:
     """The j-th new item: sorts right after done item 100*j, so the new ones are spread evenly."""
     return f"d{100 * j // PER_FOLDER:04d}/{100 * j:08d}n.jpg"
@@ -113,23 +117,26 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
     photo = small_jpeg()
     n = cfg.history
     keys = [item_key(i) for i in range(n)]
-    etag = write_items(where, where.source, keys, photo, env)
+    etags = write_items(where, where.source, keys, photo, env)
     job = CaptionJob(source=where.source, output=where.out, model=model, shard_size=cfg.shard_size,
                      sampling={"max_tokens": cfg.max_tokens})
     plan = make_plan(job)
     out, question = plan.output, plan.job.questions_to_ask[0]
-    template = ResultRecord(key="\x00", size=len(photo), etag=etag, sha256=sha256_hex(photo), recipe=plan.recipe.name,
+    template = ResultRecord(key="\x00", size=len(photo), etag="\x01", sha256=sha256_hex(photo), recipe=plan.recipe.name,
                             model=plan.model, question=question, prompt="USER: <image>\nASSISTANT:",
                             text="a small photo", finish_reason="length", prompt_tokens=70, output_tokens=8,
                             timings={"fetch_s": 0.001, "decode_s": 0.001, "generate_s": 0.01},
                             fingerprint=plan.fingerprint, run_id=HISTORY_RUN).model_dump_json()
-    signed, sha = signature_hash(((etag, len(photo)),)), content_hash(sha256_hex(photo))
+    signed = {folder: signature_hash(((etag, len(photo)),)) for folder, etag in etags.items()}
+    sha = content_hash(sha256_hex(photo))
+    record = lambda key: template.replace('"\\u0000"', json.dumps(key)).replace(  # noqa: E731
+        '"\\u0001"', json.dumps(etags[folder_of(key)]))
     covered: dict[str, tuple[int, np.ndarray]] = {}
 
     def write_part(shard: int) -> None:
         chunk = keys[shard * cfg.shard_size:(shard + 1) * cfg.shard_size]
-        body = "".join(template.replace('"\\u0000"', json.dumps(key)) + "\n" for key in chunk).encode()
-        rows = np.array([(result_key(key, question), signed, sha) for key in chunk], dtype=ROW)
+        body = "".join(record(key) + "\n" for key in chunk).encode()
+        rows = np.array([(result_key(key, question), signed[folder_of(key)], sha) for key in chunk], dtype=ROW)
         key = part_key(plan.fingerprint, HISTORY_RUN, shard)
         out.write(key, body)
         out.write(sidecar_key(key), SIDECAR_HEADER.pack(SIDECAR_MAGIC, len(body)) + rows.tobytes())
@@ -156,22 +163,25 @@ def small_jpeg() -> bytes:
     return buffer.getvalue()
 
 
-def write_items(where: Locations, uri: str, keys: list[str], photo: bytes, env: dict[str, str]) -> str:
-    """`keys` as items of the source at `uri`; returns the etag the listing gives them (all the
-    same: one inode in a folder, one body on S3)."""
+def write_items(where: Locations, uri: str, keys: list[str], photo: bytes, env: dict[str, str]) -> dict[str, str]:
+    """`keys` as items of the source at `uri`; returns the etag the listing gives the items of
+    each folder: in a folder source they are hard links to one file per folder (a file takes
+    at most 65,000 links on ext4), on S3 they are one body."""
+    folders = sorted({folder_of(key) for key in keys})
     if not uri.startswith("s3://"):
-        root = Path(uri)
-        original = where.base / "photo.jpg"
-        if not original.exists():
-            original.parent.mkdir(parents=True, exist_ok=True)
-            original.write_bytes(photo)
-        for folder in sorted({key.split("/", 1)[0] for key in keys}):
+        root, etags = Path(uri), {}
+        for folder in folders:
+            original = where.base / "photos" / f"{folder}.jpg"
+            if not original.exists():
+                original.parent.mkdir(parents=True, exist_ok=True)
+                original.write_bytes(photo)
             os.makedirs(root / folder, exist_ok=True)
-        prefix = str(root) + "/"
+            stat = original.stat()
+            etags[folder] = f"{stat.st_size:x}-{stat.st_mtime_ns:x}"
+        prefix, photos = str(root) + "/", str(where.base / "photos") + "/"
         for key in keys:
-            os.link(original, prefix + key)
-        stat = original.stat()
-        return f"{stat.st_size:x}-{stat.st_mtime_ns:x}"
+            os.link(photos + folder_of(key) + ".jpg", prefix + key)
+        return etags
     import hashlib
 
     from tasks.sources.storage import open_storage
@@ -179,7 +189,7 @@ def write_items(where: Locations, uri: str, keys: list[str], photo: bytes, env: 
     store = open_storage(uri, create=True)
     with ThreadPoolExecutor(32) as pool:
         list(pool.map(lambda key: store.write(key, photo), keys))
-    return hashlib.md5(photo).hexdigest()
+    return dict.fromkeys(folders, hashlib.md5(photo).hexdigest())
 
 
 def add_new_items(where: Locations, keys: list[str], env: dict[str, str]) -> None:
@@ -219,11 +229,16 @@ def timed_run(source: str, out: str, model: str, cfg: BenchConfig, env: dict[str
             "summary": output.strip().splitlines()[-8:]}
 
 
-def task_runs(db: Path) -> dict[str, int]:
-    """The task runs the run's server recorded, by name and by final state."""
+def task_runs(db: Path) -> dict[str, Any]:
+    """The task runs the run's server recorded, by name and by state, and what its database
+    holds after the run (rows of the tables a run fills, its size on disk)."""
     if not db.exists():
         return {}
     with sqlite3.connect(db) as conn:
         rows = conn.execute("select name, state_type from task_run").fetchall()
+        tables = {table: conn.execute(f"select count(*) from {table}").fetchone()[0]  # noqa: S608 - our names
+                  for table in ("task_run_state", "flow_run", "events", "log", "artifact")}
     names = Counter(name.rsplit("-", 1)[0] for name, _ in rows)  # "prepare-shard-3f2" -> "prepare-shard"
-    return {"total": len(rows), "by_state": dict(Counter(state for _, state in rows)), "by_name": dict(names)}
+    size = sum(f.stat().st_size for f in db.parent.glob(db.name + "*"))  # with its -wal and -shm
+    return {"total": len(rows), "by_state": dict(Counter(state for _, state in rows)), "by_name": dict(names),
+            "rows": tables, "db_mb": round(size / 2**20, 1)}

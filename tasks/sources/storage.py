@@ -76,15 +76,16 @@ class LocalStorage:
         start = self.root / prefix
         if not start.is_dir():
             return
+        root = len(os.path.join(self.root, ""))
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            folder = os.path.join(dirpath, "")  # strings: Path joins and relative_to were most of a big listing
             for name in sorted(filenames):
                 if name.startswith("."):
                     continue
-                path = Path(dirpath) / name
-                relative = path.relative_to(self.root).as_posix()
+                relative = (folder + name)[root:].replace(os.sep, "/")
                 if _matches(relative, glob):
-                    stat = path.stat()
+                    stat = os.stat(folder + name)
                     yield ObjectRef(relative, stat.st_size, f"{stat.st_size:x}-{stat.st_mtime_ns:x}", stat.st_mtime)
 
     def read(self, key: str) -> bytes:
