@@ -58,7 +58,13 @@ def test_claim_is_exclusive_with_a_worker(idle_partition_deployment):
         assert client.set_flow_run_state(waiting.flow_run_id, Pending()).status != SetStateStatus.ACCEPT
 
 
-def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_llava, tmp_path):
+def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_llava, tmp_path, monkeypatch):
+    """...and the source is listed once for the three partitions (the shard plan), and the run's
+    claims are gone when it has finished."""
+    import tasks.sources.listing as listing
+
+    listings, iter_items = [], listing.iter_items
+    monkeypatch.setattr(listing, "iter_items", lambda source: listings.append(source.uri) or iter_items(source))
     source, out = tmp_path / "img", tmp_path / "out"
     source.mkdir()
     keys = [f"{i:02d}.png" for i in range(9)]
@@ -79,6 +85,8 @@ def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_l
     assert sizing["device"] == "cpu" and sizing["max_num_seqs"] > 0 and sizing["kv_cache_tokens"] > 0
     assert sizing["processor_device"] == "cpu" and sizing["processor_device_reason"] == "no GPU on this machine"
     assert {r["run_id"].rsplit("-", 1)[1] for r in records} <= {"p0", "p1", "p2"}
+    assert listings == [str(source)]  # one listing, read by the three partitions through the plan
+    assert [p for p in (out / "claims").rglob("*") if p.is_file()] == []  # the run's claims removed
 
 
 def test_a_parent_that_fails_calls_off_the_children_no_worker_started(idle_partition_deployment, tmp_path,

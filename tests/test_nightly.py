@@ -1,0 +1,91 @@
+"""A nightly rerun over a history costs what is new: with nothing new it makes no per-shard task
+run and builds no engine, and a few new items among many done ones make one full shard. The
+history is synthesized by `vlm-caption bench --history`'s own code (flows/bench/history.py), so
+this also checks that what the bench writes is what a run counts as done."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+import flows.pipeline
+import tasks.engine.vllm_engine as vllm_engine
+from flows.bench.config import BenchConfig
+from flows.bench.history import Locations, add_new_items, synthesize
+from flows.caption import vlm_caption
+from flows.params import CaptionJob
+
+HISTORY, SHARD = 300, 8
+PER_SHARD_TASKS = {"prepare-shard", "generate-shard", "write-shard", "start-engine"}
+
+
+def _task_runs(flow_run_id) -> Counter:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        assert all(run.state.is_final() for run in runs), [(run.name, run.state.type) for run in runs]
+    return Counter(run.name.rsplit("-", 1)[0] for run in runs)
+
+
+def _progress(flow_run_id) -> float:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return next(a.data for a in artifacts if a.key == "vlm-caption-progress")
+
+
+@pytest.fixture
+def history(tiny_llava, tmp_path):
+    cfg = BenchConfig(workdir=str(tmp_path), history=HISTORY, shard_size=SHARD, max_tokens=4)
+    where = Locations(tmp_path / "history", "folder")
+    new = synthesize(where, cfg, str(tiny_llava), {})
+    job = CaptionJob(source=where.source, output=where.out, model=str(tiny_llava), shard_size=SHARD,
+                     sampling={"max_tokens": 4})
+    return where, new, job
+
+
+def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, history, monkeypatch):
+    where, new, job = history
+    built = []
+
+    def no_engine(spec):
+        built.append(spec)
+        raise AssertionError("a run with nothing new built an engine")
+
+    monkeypatch.setattr(vllm_engine, "_engine_for", no_engine)
+    monkeypatch.setattr(flows.pipeline, "start_decode_pool", lambda modality: built.append(modality))
+
+    state = vlm_caption(job, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY, HISTORY, 0)
+    flow_run_id = state.state_details.flow_run_id
+    names = _task_runs(flow_run_id)
+    assert not PER_SHARD_TASKS & set(names), names  # 38 shards, all done: no task run for any
+    assert names["list-source"] == 1 and sum(names.values()) <= 6, names
+    assert built == []  # no engine, no decode pool
+    assert _progress(flow_run_id) == 100.0  # the done items are the run's progress
+    manifest = json.loads((where.base / "out" / "manifests" / f"{summary['run_id']}.json").read_text())
+    assert manifest["counts"]["skipped_already_done"] == HISTORY and manifest["parts"] == []
+
+    # Three new items, one between each hundred done ones: one full shard of them, nothing else.
+    monkeypatch.undo()
+    add_new_items(where, new, {})
+    state = vlm_caption(job, return_state=True)
+    summary = state.result()
+    assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY + 3, HISTORY, 3)
+    assert summary["succeeded"] == 3
+    names = _task_runs(state.state_details.flow_run_id)
+    assert {name: names[name] for name in PER_SHARD_TASKS} == {
+        "prepare-shard": 1, "generate-shard": 1, "write-shard": 1, "start-engine": 1}
+    parts = sorted((where.base / "out" / "results").glob(f"*/part-{summary['run_id']}-*.jsonl"))
+    assert len(parts) == 1
+    keys = sorted(json.loads(line)["key"] for line in parts[0].read_text().splitlines())
+    assert keys == sorted(new)
