@@ -105,3 +105,43 @@ def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api
     lines = terminal.getvalue()
     assert "  quality  " in lines and "looping" in lines and "asked again" in lines
     assert "  cost     " in lines and "cpu-s" in lines and "per 1,000 items at 2.5 per device-hour" in lines
+
+
+def test_byte_copies_under_other_names_are_captioned_once(prefect_api, tiny_llava, tmp_path, monkeypatch,
+                                                         settings_env):
+    from flows.caption import vlm_caption
+    from flows.params import CaptionJob
+
+    media = tmp_path / "media"
+    media.mkdir()
+    originals = {f"photo{i}.jpg": image_bytes("JPEG", size=(64 + i, 48), color=(i * 40, 100, 220 - i * 40))
+                 for i in range(5)}
+    copies = {"copy-of-0.jpg": originals["photo0.jpg"], "again-0.jpg": originals["photo0.jpg"],
+              "zz-copy-of-3.jpg": originals["photo3.jpg"]}
+    for name, data in {**originals, **copies}.items():
+        (media / name).write_bytes(data)
+    real_run, requests_made = CaptionEngine.run, []
+
+    def run(self, requests, sampling, method="generate"):
+        requests_made.extend(r.uuids for r in requests)
+        return real_run(self, requests, sampling, method)
+
+    monkeypatch.setattr(CaptionEngine, "run", run)
+    settings_env(retry_looping="false")
+
+    out = tmp_path / "out"
+    state = vlm_caption(CaptionJob(source=str(media), output=str(out), model=str(tiny_llava), shard_size=3,
+                                   sampling={"max_tokens": 6}), return_state=True)
+    assert state.is_completed(), state.message
+    assert sorted(requests_made) == sorted(sha256_hex(data) for data in originals.values())  # 5 requests
+    found = {r["key"]: r for r in _records(out)}
+    assert len(found) == 8 and all(r["error"] is None for r in found.values())
+    duplicates = {key: r for key, r in found.items() if r["duplicate_of"]}
+    assert len(duplicates) == 3
+    for key, record in duplicates.items():
+        first = found[record["duplicate_of"]]
+        assert first["duplicate_of"] is None and first["sha256"] == record["sha256"]
+        assert record["text"] == first["text"] and record["output_tokens"] == 0
+    manifest = json.loads(Path(state.result()["manifest"]).read_text())
+    assert manifest["counts"]["duplicates"] == 3 and manifest["cost"]["copies"] == 3
+    assert manifest["counts"]["processed"] == 8 and manifest["counts"]["succeeded"] == 8

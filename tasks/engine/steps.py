@@ -12,6 +12,7 @@ from prefect.cache_policies import NONE
 
 from recipes import get_recipe
 from tasks.engine.arguments import EngineSpec
+from tasks.engine.same_media import SAME_MEDIA
 from tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
 from tasks.media.prepare import PreparedItem, PreparedShard
 from tasks.media.video import DecodedVideo
@@ -72,24 +73,48 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
     Each item was fetched and decoded once; its questions share its media and content ids."""
     engine = get_engine(options.spec)
     ready = [(item, q) for item in prepared.items if item.error is None for q in item.questions]
+    # An item whose bytes and question were asked already in this run (in flight or done) takes
+    # that answer: no request of its own (tasks/engine/same_media.py).
+    claims = {(id(item), q): SAME_MEDIA.claim(run_id, media_id(item, options), q, item.item.id)
+              for item, q in ready if get_settings().dedup and item.sha256}
+    asked = [(item, q) for item, q in ready if (id(item), q) not in claims or claims[(id(item), q)].first]
     started = time.perf_counter()
-    requests = [engine_request(item, q, options) for item, q in ready]
-    outputs = engine.run(requests, options.sampling, options.method)
-    retried = ask_again(engine, requests, outputs, options) if get_settings().retry_looping else {}
-    retried_for = {(id(item), q): retried[i] for i, (item, q) in enumerate(ready) if i in retried}
-    per_request_s = (time.perf_counter() - started) / max(len(ready), 1)
-    by_request = {(id(item), q): out for (item, q), out in zip(ready, outputs)}
+    try:
+        requests = [engine_request(item, q, options) for item, q in asked]
+        outputs = engine.run(requests, options.sampling, options.method)
+        retried = ask_again(engine, requests, outputs, options) if get_settings().retry_looping else {}
+    except BaseException as exc:  # the copies waiting on this shard's answers raise too; re-raised
+        SAME_MEDIA.forget(run_id, [(media_id(item, options), q) for item, q in asked
+                                   if (id(item), q) in claims], exc)
+        raise
+    for (item, q), out in zip(asked, outputs):
+        if (id(item), q) in claims:
+            claims[(id(item), q)].settle(out)
+    retried_for = {(id(item), q): retried[i] for i, (item, q) in enumerate(asked) if i in retried}
+    per_request_s = (time.perf_counter() - started) / max(len(asked), 1)
+    by_request = {(id(item), q): out for (item, q), out in zip(asked, outputs)}
+    # The copies' answers: from this shard, or from another one in flight (waited for here).
+    copies = {pair: claim for pair, claim in claims.items() if not claim.first}
+    by_request.update({pair: claim.answer.result() for pair, claim in copies.items()})
     records = []
     for item in prepared.items:
         for question in item.questions:
             output = by_request.get((id(item), question))
             prompt = None if options.method == "chat" or item.error else engine.prompt_for(
                 question, len(item.members))
+            copy = copies.get((id(item), question))
             records.append(make_record(item, question, output, prompt, engine.model, options.spec.recipe,
                                        per_request_s, fingerprint, run_id, options.sampling.structured,
-                                       retried_for=retried_for.get((id(item), question))))
+                                       retried_for=retried_for.get((id(item), question)),
+                                       duplicate_of=copy.key if copy else None))
         item.media = None  # release the decoded pixels as soon as they are consumed
     return records
+
+
+def media_id(item: PreparedItem, options: GenerateOptions) -> str:
+    """What makes two items' requests the same, the question apart: their bytes (a group's hash
+    of its members'), and for a video the frames sampled from them."""
+    return f"{item.sha256}-f{options.num_frames}" if isinstance(item.media, DecodedVideo) else item.sha256
 
 
 def ask_again(engine, requests: list[EngineRequest], outputs: list[GenerationOutput],
@@ -113,7 +138,10 @@ def ask_again(engine, requests: list[EngineRequest], outputs: list[GenerationOut
 
 def make_record(item: PreparedItem, question: str, output: GenerationOutput | None, prompt: str | None,
                 model: str, recipe: str, generate_s: float, fingerprint: str, run_id: str,
-                structured: dict | None = None, retried_for: list[str] | None = None) -> ResultRecord:
+                structured: dict | None = None, retried_for: list[str] | None = None,
+                duplicate_of: str | None = None) -> ResultRecord:
+    """One record. A `duplicate_of` record took the answer of the item with that key (the same
+    bytes): it made no request, so its tokens and generate time are 0."""
     error = item.error
     if output is not None and output.error is not None:
         error = ItemError("generate", output.error, retryable=False)
@@ -133,13 +161,13 @@ def make_record(item: PreparedItem, question: str, output: GenerationOutput | No
         text=output.text if keep_text else None,
         finish_reason=output.finish_reason if keep_text else None,
         structured=answer,
-        prompt_tokens=output.prompt_tokens if output else 0,
-        output_tokens=output.output_tokens if output else 0,
+        prompt_tokens=output.prompt_tokens if output and not duplicate_of else 0,
+        output_tokens=output.output_tokens if output and not duplicate_of else 0,
         error=asdict(error) if error else None,
         members=None if single else item.members,
         video=item.video_info,
-        quality=flags or None, retried_for=retried_for,
+        quality=flags or None, retried_for=retried_for, duplicate_of=duplicate_of,
         timings={"fetch_s": round(item.fetch_s, 4), "decode_s": round(item.decode_s, 4),
-                 "generate_s": round(generate_s, 4) if output else 0.0},
+                 "generate_s": round(generate_s, 4) if output and not duplicate_of else 0.0},
         fingerprint=fingerprint, run_id=run_id,
     )

@@ -36,6 +36,7 @@ class Tally(BaseModel):
     quality_by_flag: dict[str, int] = Field(default_factory=dict)
     flagged: list[dict[str, Any]] = Field(default_factory=list)
     quality_flagged: int = 0  # records with one flag or more
+    duplicates: int = 0  # records that took the answer of an item with the same bytes (no request)
     quality_retried: int = 0
     quality_fixed: int = 0
     # What the run cost: seconds its engines were held (engine ready to last result) times their
@@ -83,7 +84,7 @@ class PartitionReport(Tally):
     def brief(self) -> dict[str, Any]:
         return {**self.model_dump(include={"index", "state", "flow_run_id", "worker", "host", "devices",
                                            "cpus", "listed", "processed", "succeeded", "generate_from", "generate_to",
-                                           "shards", "retaken", "device_s", "device"}),
+                                           "shards", "retaken", "device_s", "device", "duplicates"}),
                 "failed": sum(self.failures_by_kind.values()),
                 "flagged": self.quality_flagged,
                 "generate_items_per_s": self.generate_items_per_s(),
@@ -115,6 +116,7 @@ class RunStats(Tally):
             self.prompt_tokens += record.prompt_tokens
             self.output_tokens += record.output_tokens
             self.count_quality(record)
+            self.duplicates += record.duplicate_of is not None
             if record.error is None:
                 self.succeeded += 1
                 if len(self.samples) < SAMPLE_CAPTIONS and record.text:
@@ -145,7 +147,7 @@ class RunStats(Tally):
     def absorb(self, report: PartitionReport) -> None:
         """Add a child partition's counts to this (the parent's) run."""
         for name in ("listed", "skipped", "processed", "succeeded", "prompt_tokens", "output_tokens",
-                     "quality_flagged", "quality_retried", "quality_fixed", "device_s"):
+                     "quality_flagged", "quality_retried", "quality_fixed", "device_s", "duplicates"):
             setattr(self, name, getattr(self, name) + getattr(report, name))
         self.device = self.device or report.device
         for flag, count in report.quality_by_flag.items():
@@ -180,7 +182,7 @@ class RunStats(Tally):
     def cost(self) -> dict[str, Any]:
         """Device-seconds, what they made, and (with VLM_CAPTION_GPU_HOUR_PRICE) the price per 1,000 items."""
         return run_cost(self.device_s, self.device, self.processed, self.output_tokens,
-                        get_settings().gpu_hour_price)
+                        get_settings().gpu_hour_price, copies=self.duplicates)
 
     def manifest(self, *, run_id: str, parameters: dict[str, Any], fingerprint: str,
                  engine: dict[str, Any] | None, partitions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -196,6 +198,7 @@ class RunStats(Tally):
                 "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
                 "quality": dict(self.quality_by_flag), "flagged": self.quality_flagged,
                 "quality_retried": self.quality_retried, "quality_fixed": self.quality_fixed,
+                "duplicates": self.duplicates,
             },
             "cost": self.cost(),
             "throughput": self.summary(),
@@ -219,10 +222,11 @@ def engine_devices(engine: dict[str, Any]) -> int:
 
 
 def run_cost(device_s: float, device: str | None, items: int, output_tokens: int,
-             hour_price: float | None) -> dict[str, Any]:
-    """What the device time bought; the price per 1,000 items where a price per device-hour is set."""
+             hour_price: float | None, copies: int = 0) -> dict[str, Any]:
+    """What the device time bought (`items` records, `copies` of them answered from the same bytes
+    with no request); the price per 1,000 items where a price per device-hour is set."""
     per_s = (lambda n: round(n / device_s, 3)) if device_s > 0 else (lambda n: None)
-    cost = {"device": device, "device_s": round(device_s, 3), "items": items,
+    cost = {"device": device, "device_s": round(device_s, 3), "items": items, "copies": copies,
             "items_per_device_s": per_s(items), "output_tokens_per_device_s": per_s(output_tokens),
             "hour_price": hour_price, "per_1000_items": None}
     if hour_price is not None and items and device_s > 0:
@@ -233,12 +237,14 @@ def run_cost(device_s: float, device: str | None, items: int, output_tokens: int
 def cost_line(cost: dict[str, Any]) -> str:
     """The cost in one line: `12.4 GPU-s: 3.2 items/GPU-s, 410 output tokens/GPU-s; 0.0071 per 1,000 items`."""
     if not cost["device_s"]:
-        return "no device time (nothing generated)"
+        return "no device time (nothing generated)"  # a run whose every item was done already
     unit = "GPU-s" if cost["device"] in (None, "cuda", "rocm") else f"{cost['device']}-s"
     line = (f"{cost['device_s']:.1f} {unit}: {cost['items_per_device_s']:.3g} items/{unit}, "
             f"{cost['output_tokens_per_device_s']:.4g} output tokens/{unit}")
     if cost["per_1000_items"] is not None:
         line += f"; {cost['per_1000_items']:.4g} per 1,000 items at {cost['hour_price']:g} per device-hour"
+    if cost.get("copies"):
+        line += f"; {cost['copies']} of {cost['items']} items were copies of others (no request)"
     return line
 
 
