@@ -46,6 +46,25 @@ def test_cost_per_1000_items_from_device_seconds():
     assert cost_line(run_cost(30.0, "cpu", 10, 100, None)).startswith("30.0 cpu-s: 0.333 items/cpu-s")
 
 
+def test_partitions_charge_their_engines_and_the_parent_sums_them():
+    from tasks.results.report import RunStats
+
+    parent, child = RunStats(), RunStats()
+    parent.processed, child.processed = 30, 10
+    parent.mark_generating(1000.0, 1100.0)
+    child.mark_generating(1010.0, 1050.0)
+    parent.charge({"ready_at": 990.0, "engine_args": {"tensor_parallel_size": 2}, "sizing": {"device": "cuda"}})
+    child.charge({"ready_at": 1000.0, "engine_args": {}, "sizing": {"device": "cuda"}})
+    assert (parent.device_s, child.device_s) == (220.0, 50.0)  # 110 s x 2 GPUs; 50 s x 1
+    report = child.report(1, None)
+    assert report.brief()["device_s"] == 50.0
+    parent.absorb(report)
+    assert parent.cost()["device_s"] == 270.0 and parent.cost()["items_per_device_s"] == pytest.approx(40 / 270, abs=1e-3)
+    idle = RunStats()  # nothing generated (every item done already): no device time charged
+    idle.charge({"ready_at": 990.0, "engine_args": {}, "sizing": {"device": "cuda"}})
+    assert idle.device_s == 0.0 and cost_line(idle.cost()) == "no device time (nothing generated)"
+
+
 def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api, tiny_llava, tmp_path,
                                                                     monkeypatch, settings_env):
     from flows.caption import vlm_caption
