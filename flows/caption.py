@@ -65,8 +65,10 @@ def vlm_caption(job: CaptionJob) -> dict:
     results to `job.output`: one record per (item, question)."""
     try:
         return run_job(job)
-    except UserError as exc:  # one line in the UI (and raised to an in-process caller); a permanent one not retried
-        return fail_run(exc)
+    except UserError as exc:
+        if not exc.permanent:
+            raise  # an engine that died, a busy job: Prefect's retry, when the run has one
+        return fail_run(exc)  # Failed at once, one line in the UI (raised to an in-process caller)
 
 
 def run_job(job: CaptionJob) -> dict:

@@ -267,7 +267,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         start_engine_first(plan)  # its build overlaps Prefect's start and the flow run's
         summary = vlm_caption(job)
-    print_run_end(summary, job.output, log_path, args.log_format)
+    print_run_end(summary, job.output, log_path, args.log_format, source=job.location)
     return 0
 
 
@@ -366,6 +366,9 @@ def report_user_error(exc: Exception) -> int | None:
         lines, code = [EMBEDDED_SERVER_HINT.format(timeout=timeout)], 3
     else:
         return None
+    from tasks.prefect_notice import show_prefect_notice_now
+
+    show_prefect_notice_now(sys.stderr)  # Prefect's, if it has one for this terminal: before our error
     for line in lines:  # a pre-flight's problems, one line each
         print(f"vlm-caption: error: {line}", file=sys.stderr)
     return code

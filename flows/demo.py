@@ -52,7 +52,7 @@ def run_demo(args, job_fields: dict[str, Any]) -> int:
 
     root = Path(args.dir).resolve()
     images = root / "images"
-    results = root / "results"
+    results = root / "captions"  # the output: its results/, manifests/, logs/ (not results/results/)
     if job_fields.get("modality", "image") != "image":
         print("vlm-caption demo: the demo makes images; run videos or groups with `vlm-caption run`",
               file=sys.stderr)
@@ -75,9 +75,7 @@ def run_demo(args, job_fields: dict[str, Any]) -> int:
         summary = vlm_caption(job)
 
     print()
-    print(f"images:   {images}")
-    print(f"results:  {results}/results/{summary['fingerprint']}/*.jsonl")
-    print_run_end(summary, job.output, log_path, args.log_format)
+    print_run_end(summary, job.output, log_path, args.log_format, source=str(images))
     for part in sorted((results / "results" / summary["fingerprint"]).glob("*.jsonl"))[:1]:
         for line in part.read_text().splitlines()[:3]:
             record = json.loads(line)

@@ -7,7 +7,8 @@ flow run alike (the server's RetryFailedFlows rule reads the run's `empirical_po
 not the state), so a permanent error (tasks/errors.py: a missing model, a pre-flight problem)
 sets the run's retries to none first, through the client's public `update_flow_run`, then
 ends the run with a Failed state whose message is the error's line: no AwaitingRetry holding
-the worker's slot, no traceback in the run's logs.
+the worker's slot, no traceback in the run's logs. A transient user error (tasks/errors.py:
+`permanent = False`) is raised as any exception is, to Prefect's retry.
 """
 
 from __future__ import annotations
@@ -42,15 +43,15 @@ def one_line(exc: BaseException) -> str:
 
 
 def fail_run(exc: UserError):
-    """The Failed state a flow returns for a user error (the caller of the flow, e.g. the CLI,
-    gets `exc` raised back). A permanent one first takes the run's retries away."""
+    """The Failed state a flow returns for a permanent user error, after taking the run's retries
+    away (the caller of the flow, e.g. the CLI, gets `exc` raised back). A transient one is
+    raised instead, to Prefect's own retry."""
     from prefect import get_run_logger
     from prefect.states import Failed
 
     message = one_line(exc)
     get_run_logger().error(message)
-    if exc.permanent:
-        _no_retries(message)
+    _no_retries(message)
     return Failed(message=message, data=exc)
 
 

@@ -122,6 +122,9 @@ def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subproc
           f"  In each shell that deploys, starts workers or runs flows:\n"
           f"    export PREFECT_API_URL={url}/api\n"
           f"  (The first start downloads Prefect's wheels. Ctrl-C stops the server.)", flush=True)
+    from tasks.prefect_notice import show_prefect_notice_now
+
+    show_prefect_notice_now(sys.stdout, import_prefect=True)
     sys.stderr.flush()
     # The server's output passes through here: once a stop is asked for, its shutdown's lines
     # (uvicorn's and Prefect's services' CancelledError tracebacks for every open connection,

@@ -10,78 +10,17 @@ there too; the progress bar and the summary keep the terminal through `user_stre
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import importlib.abc
-import importlib.machinery
-import io
 import os
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from tasks.prefect_notice import release_notice
+
 # The terminal's stderr while a quiet run holds descriptors 1 and 2; None otherwise.
 _terminal: IO[str] | None = None
-
-# What Prefect printed when it was first imported in a terminal (its first-run telemetry notice),
-# held for the run's terminal to place: in a quiet run's log, with one line of ours on the terminal.
-NOTICE_MODULE = "prefect._internal.analytics.notice"
-_prefect_notice: list[str] = []
-
-
-class _PrefectNoticeHolder(importlib.abc.MetaPathFinder):
-    """Wraps Prefect's `maybe_show_telemetry_notice` as its module is first imported (by
-    `import prefect`, in the same statement, so the wrap is in place before it is called)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != NOTICE_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
-            return spec
-        run_module = spec.loader.exec_module
-
-        def exec_module(module) -> None:
-            run_module(module)
-            show = getattr(module, "maybe_show_telemetry_notice", None)
-            if callable(show):
-                module.maybe_show_telemetry_notice = lambda: _hold_notice(show)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def hold_prefect_notice() -> None:
-    """Hold Prefect's first-run notice instead of letting it open the terminal (call before
-    Prefect is imported; flows/__init__.py does). Prefect still decides whether to show it (a
-    terminal, its first run) and marks it shown; `quiet_terminal` puts it in the run's log, and
-    anything else gets it on stderr as the process ends."""
-    if "prefect" not in sys.modules and not any(isinstance(f, _PrefectNoticeHolder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PrefectNoticeHolder())
-
-
-def _hold_notice(show) -> None:
-    said = io.StringIO()
-    with contextlib.redirect_stderr(said):
-        show()
-    if said.getvalue().strip():
-        _prefect_notice.append(said.getvalue())
-        atexit.register(_release_notice, None)
-
-
-def _release_notice(terminal: IO[str] | None) -> None:
-    """The held notice: whole on stderr (the log, in a quiet run), and one line of ours on the
-    quiet run's `terminal`."""
-    if not _prefect_notice:
-        return
-    text = "".join(_prefect_notice)
-    _prefect_notice.clear()
-    print(text, file=sys.stderr, flush=True)
-    if terminal is not None:
-        print("vlm-caption: Prefect's first-run telemetry notice is in the log (to opt out of Prefect's "
-              "usage data: DO_NOT_TRACK=1)", file=terminal)
-
 
 def user_stream() -> IO[str]:
     """Where the progress bar goes: the terminal, whatever a quiet run did to stderr."""
@@ -115,7 +54,7 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         _terminal = terminal
-        _release_notice(terminal)
+        release_notice(terminal)
         try:
             yield log_path
         finally:
@@ -135,7 +74,7 @@ def run_terminal(output: str, *, verbose: bool, log_format: str | None) -> Itera
     """The terminal during a run: a progress bar, everything else in the run's log file (its path
     yielded); with -v or --log-format json, every line on the terminal as it comes (None)."""
     if verbose or log_format == "json":
-        _release_notice(None)  # every line on the terminal as it comes: Prefect's notice too
+        release_notice(None)  # every line on the terminal as it comes: Prefect's notice too
         yield None
         return
     from tasks.settings import get_settings
@@ -187,8 +126,14 @@ def _stop_embedded_prefect_servers(keep: set[int]) -> None:
 
 
 def _fit(text: str, width: int) -> str:
-    """The bar's label cut to `width` (a long source path would push the counts off the line)."""
-    return text if len(text) <= width else text[: max(width - 1, 1)] + "…"
+    """The bar's label within `width` (a long source path would push the counts off the line):
+    its first word and the end of the rest, where a path says which folder it is."""
+    if len(text) <= width:
+        return text
+    head, _, rest = text.partition(" ")
+    if not rest or len(head) + 3 > width:
+        return text[: max(width - 1, 1)] + "…"
+    return f"{head} …{rest[len(rest) - (width - len(head) - 2):]}"
 
 
 class TerminalProgress:
@@ -270,12 +215,14 @@ class TerminalProgress:
             self.bar.stop()
 
 
-def summary_rows(summary: dict[str, Any], output: str, log_path: Path | None) -> list[tuple[str, str]]:
-    """The end of a run in a few lines: what was done, how fast, where it all is."""
+def summary_rows(summary: dict[str, Any], output: str, log_path: Path | None,
+                 source: str | None = None) -> list[tuple[str, str]]:
+    """The end of a run in a few lines: what was captioned, how fast, where it all is."""
     by_kind = summary.get("failed_by_kind") or {}
     failed = f"{summary['failed']} failed" + (
         " (" + ", ".join(f"{kind} {count}" for kind, count in sorted(by_kind.items())) + ")" if by_kind else "")
-    rows = [
+    rows = [("source", source)] if source else []
+    rows += [
         ("items", f"{summary['processed']} captioned: {summary['succeeded']} ok, {failed}; "
                   f"{summary['skipped_already_done']} already done"),
         ("speed", f"{summary['items_per_s']:.2f} items/s over {summary['wall_s']:.0f} s "
@@ -290,20 +237,22 @@ def summary_rows(summary: dict[str, Any], output: str, log_path: Path | None) ->
     return rows
 
 
-def print_summary(summary: dict[str, Any], output: str, log_path: Path | None, file: IO[str] | None = None) -> None:
+def print_summary(summary: dict[str, Any], output: str, log_path: Path | None, file: IO[str] | None = None,
+                  source: str | None = None) -> None:
     """Plain aligned lines (no table folding): paths stay whole for copy and paste, and for grep."""
     out = file or sys.stdout
     print("vlm-caption: run finished", file=out)
-    for name, value in summary_rows(summary, output, log_path):
+    for name, value in summary_rows(summary, output, log_path, source):
         print(f"  {name:<9}{value}", file=out)
 
 
-def print_run_end(summary: dict[str, Any], output: str, log_path: Path | None, log_format: str | None) -> None:
+def print_run_end(summary: dict[str, Any], output: str, log_path: Path | None, log_format: str | None,
+                  source: str | None = None) -> None:
     """The end of `run` and `demo`: the summary for a person, or one JSON object for a machine."""
     if log_format == "json":
         import json
 
         print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
     else:
-        print_summary(summary, output, log_path)
+        print_summary(summary, output, log_path, source=source)
 

@@ -49,7 +49,7 @@ def test_demo_first_run_on_a_busy_machine_with_a_fresh_prefect_home(tmp_path):
             demo = subprocess.Popen([str(exe), "demo", "--dir", str(tmp_path / "demo"), "--images", "3"],
                                     stdout=out, stderr=err, env=env)
             try:
-                _wait_for_the_server_or_the_end(demo, tmp_path / "demo" / "results" / "logs", timeout=900)
+                _wait_for_the_server_or_the_end(demo, tmp_path / "demo" / "captions" / "logs", timeout=900)
                 _stop(load)
                 demo.wait(timeout=1200)
             finally:
@@ -62,19 +62,22 @@ def test_demo_first_run_on_a_busy_machine_with_a_fresh_prefect_home(tmp_path):
                                        (tmp_path / "demo.err").read_text())
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RANDOM-WEIGHT" in done.stdout and "CAPTIONS ARE NOISE" in done.stdout
-    results = tmp_path / "demo" / "results" / "results"
+    results = tmp_path / "demo" / "captions" / "results"
     parts = list(results.glob("*/*.jsonl"))
     records = [json.loads(line) for part in parts for line in part.read_text().splitlines()]
     assert sorted(r["key"] for r in records) == ["sample-00.jpg", "sample-01.png", "sample-02.webp"]
     assert all(r["error"] is None and r["output_tokens"] > 0 for r in records)
-    assert f"results:  {results}" in done.stdout
+    # The summary after "run finished": where the images came from, where the results are, once each.
+    end = done.stdout[done.stdout.index("vlm-caption: run finished"):]
+    assert f"  source   {tmp_path / 'demo' / 'images'}\n" in end and f"  results  {results}/" in end, end
+    assert "results/results" not in done.stdout and "images:" not in done.stdout
     # Through a pipe (CI, `| tee`): plain progress lines and the summary; the rest in the log file.
     assert "vlm-caption: 3/3 items" in done.stderr
-    assert_quiet_terminal(done.stdout + done.stderr, tmp_path / "demo" / "results", items=3)
-    manifest = json.loads(next((tmp_path / "demo" / "results" / "manifests").glob("*.json")).read_text())
+    assert_quiet_terminal(done.stdout + done.stderr, tmp_path / "demo" / "captions", items=3)
+    manifest = json.loads(next((tmp_path / "demo" / "captions" / "manifests").glob("*.json")).read_text())
     assert manifest["counts"]["succeeded"] == 3
     # The gallery the demo prints: every item, each with its thumbnail.
-    gallery = tmp_path / "demo" / "results" / "manifests" / f"{manifest['run_id']}.html"
+    gallery = tmp_path / "demo" / "captions" / "manifests" / f"{manifest['run_id']}.html"
     assert f"gallery  {gallery}" in done.stdout or str(gallery) in done.stdout, done.stdout
     shown = gallery_items(gallery.read_text())
     assert shown == {key: "thumb" for key in ("sample-00.jpg", "sample-01.png", "sample-02.webp")}
@@ -114,3 +117,11 @@ def test_a_bad_job_is_one_line_per_mistake_without_pydantic_noise(capsys, tmp_pa
     code = cli.main(["run", str(tmp_path), "--out", str(tmp_path / "out"), "--modality", "video"])
     assert code == 2
     assert "recipe 'llava' does not support modality 'video'; it supports: image, multi-image" in capsys.readouterr().err
+
+
+def test_the_progress_label_keeps_the_end_of_a_long_source():
+    """A long source path in the bar's label keeps its end (which folder), not its start."""
+    from tasks.terminal import _fit
+
+    assert _fit("Captioning /tmp/nc/repo/vlm-caption-demo/images", 26) == "Captioning …on-demo/images"
+    assert _fit("Captioning s3://b/x/", 26) == "Captioning s3://b/x/"

@@ -10,6 +10,8 @@ Prefect REST API and the bucket; and a worker killed mid-run, then the deploymen
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections import Counter
 from datetime import datetime
@@ -20,7 +22,7 @@ import pytest
 
 from tasks.engine.host_share import current_cpus
 from tests.images import image_bytes
-from tests.postgres import BUCKET, FINAL, _descendants
+from tests.postgres import BUCKET, FINAL, REPO, _descendants
 
 pytestmark = pytest.mark.timeout(1500)  # a hung worker must fail the test, not stall CI
 
@@ -183,3 +185,95 @@ def test_dev_deployment_runs_video_from_its_form(stack, s3_client, checkpoints_r
     assert Counter((r["key"], r["question"]) for r in records) == Counter(
         {(f"c{i}.mp4", q): 1 for i in range(2) for q in job["questions"]})
     assert all(r["error"] is None and r["video"]["frames"] == 4 for r in records)
+
+
+def test_a_permanent_error_fails_a_deployment_run_at_once(stack, tmp_path):
+    """prod retries a failed run after 300 s; a model that is not there is not retried: the run is
+    Failed on its first attempt, its message one line, its name the job's."""
+    (tmp_path / "photos").mkdir()
+    job = {"source": str(tmp_path / "photos"), "output": str(tmp_path / "out"), "recipe": "llava",
+           "model": str(tmp_path / "no-such-model")}
+    started = time.monotonic()
+    run = stack.wait_for(stack.run_deployment("vlm-caption/prod", job), timeout=300)
+    print(f"permanent error: final after {time.monotonic() - started:.1f} s")
+    states = [s["name"] for s in stack.get(f"/flow_run_states/?flow_run_id={run['id']}")]
+    assert run["state_type"] == "FAILED" and run["run_count"] == 1, (run["state"], states)
+    assert "AwaitingRetry" not in states, states
+    message = run["state"]["message"]
+    assert message.startswith(f"model folder {tmp_path / 'no-such-model'} does not exist"), message
+    assert "\n" not in message and "Traceback" not in message
+    assert run["name"] == f"llava · {tmp_path / 'photos'}"
+
+
+def test_a_run_whose_parameters_do_not_validate_is_named_and_fails_once(stack, tmp_path):
+    job = {"source": str(tmp_path), "output": "", "recipe": "llava"}  # an empty output (a variable not set)
+    run = stack.wait_for(stack.run_deployment("vlm-caption/dev", job), timeout=300)
+    assert run["state_type"] == "FAILED" and run["run_count"] <= 1, run["state"]
+    assert "empty location" in run["state"]["message"], run["state"]["message"]
+    assert run["name"] == f"llava · {tmp_path}", run["name"]  # not Prefect's random name
+
+
+def readme_operate_block() -> list[str]:
+    """The README's "Operate it" commands, a continued line joined, comments kept (bash skips them)."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Operate it"):]
+    block = section[section.index("```bash\n") + len("```bash\n"):]
+    block = block[:block.index("```")]
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_the_readme_operate_block_as_written_at_a_terminal(stack, tiny_llava, tmp_path):
+    """Every command of README's "Operate it" typed into a shell on a pseudo-terminal, as a person
+    does from the clone, local folders as buckets: each exits 0 with no question asked, the three
+    deployments are made from the variables, and the `dev` run it starts completes. The server
+    line is the stack's own server (`vlm-caption server`, tests/postgres.py), on its port."""
+    import re
+
+    import pexpect
+
+    lines = readme_operate_block()
+    assert lines[0].startswith("uv run vlm-caption server")  # running: the stack's
+    media = tmp_path / "media"
+    for i in range(3):
+        (media / "images").mkdir(parents=True, exist_ok=True)
+        (media / "images" / f"p{i}.jpg").write_bytes(image_bytes(size=(64 + i, 48)))
+    # A documented variable: dev's model (a tiny checkpoint here; no model is downloaded).
+    stack.cli("variable", "set", "vlm_caption_dev_model", str(tiny_llava), "--overwrite")
+    env = {key: value for key, value in stack.env.items()
+           if key not in ("PREFECT_API_URL", "PREFECT_CLI_PROMPT", "PREFECT_WORKER_QUERY_SECONDS")}
+    env.update({"TERM": "xterm", "PS1": "$ "})
+    shell = pexpect.spawn("bash", ["--norc", "--noprofile", "-i"], cwd=str(REPO), env=env, encoding="utf-8",
+                          timeout=600, dimensions=(40, 160))
+    transcript = tmp_path / "terminal.txt"
+    shell.logfile_read = open(transcript, "w")
+    try:
+        for number, line in enumerate(lines[1:], start=1):
+            line = line.replace("127.0.0.1:4200", f"127.0.0.1:{stack.port}").replace("s3://media/", f"{media}/")
+            shell.sendline(line)
+            shell.sendline(f'echo "rc{number}=$?"')  # (a line may end in a comment or `&`)
+            found = shell.expect([rf"rc{number}=(\d+)", r"\[y/n\]", r"\? [A-Z].*[:?]"])
+            assert found == 0, f"{line!r} asked a question:\n{transcript.read_text()[-3000:]}"
+            assert shell.match.group(1) == "0", f"{line!r} failed:\n{transcript.read_text()[-4000:]}"
+        screen = transcript.read_text()
+        run_id = re.findall(r"UUID:\s*([0-9a-f-]{36})", screen)[-1]  # the last command's: the dev run
+        run = stack.wait_for(run_id, timeout=600)
+        assert run["state_type"] == "COMPLETED", stack.log_tail("worker-gpu0", "worker-gpu1") + screen[-3000:]
+        assert run["name"] == f"llava · {media}/images/"
+        for name in ("prod", "partition", "dev"):  # deployed again, from the block's variables
+            deployment = stack.get(f"/deployments/name/vlm-caption/{name}")
+            if name != "partition":
+                assert deployment["parameters"]["job"]["source"] == f"{media}/images/", deployment["parameters"]
+        assert list((media / "captions-dev" / "results").glob("*/*.jsonl"))  # dev's own output
+    finally:
+        shell.sendline("kill %1")  # the block's worker, in the background
+        shell.sendline("exit")
+        shell.close(force=True)
+        for pid in _descendants(shell.pid) - {shell.pid}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        # The next tests' deployments read the stack's variables again.
+        stack.cli("variable", "set", "vlm_caption_source", f"s3://{BUCKET}/images/", "--overwrite")
+        stack.cli("variable", "set", "vlm_caption_output", f"s3://{BUCKET}/captions/", "--overwrite")
+        stack.cli("variable", "set", "vlm_caption_dev_output", f"s3://{BUCKET}/dev-captions/", "--overwrite")

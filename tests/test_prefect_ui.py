@@ -125,7 +125,7 @@ def test_an_operator_starts_the_server_runs_the_demo_and_sees_it_in_the_ui(tmp_p
         code, screen = run_in_a_terminal([str(EXE), "demo", "--dir", str(demo_dir), "--images", "3"],
                                          env={**env, "PREFECT_API_URL": api}, timeout=1200)
         assert code == 0, screen[-4000:]
-        assert_quiet_terminal(screen, demo_dir / "results", items=3)
+        assert_quiet_terminal(screen, demo_dir / "captions", items=3)
 
         # What the operator will look for, from the API: the run, its artifacts, its logs.
         runs = httpx.post(f"{api}/flow_runs/filter", json={"flows": {"name": {"any_": ["vlm-caption"]}}},
@@ -139,7 +139,7 @@ def test_an_operator_starts_the_server_runs_the_demo_and_sees_it_in_the_ui(tmp_p
         assert {"vlm-caption-summary", "vlm-caption-samples", "vlm-caption-progress"} <= set(artifacts)
         summary = {row["metric"]: row["value"] for row in json.loads(artifacts["vlm-caption-summary"]["data"])}
         assert summary["succeeded"] == "3" and summary["failed"] == "0"
-        records = [json.loads(line) for part in (demo_dir / "results" / "results").glob("*/*.jsonl")
+        records = [json.loads(line) for part in (demo_dir / "captions" / "results").glob("*/*.jsonl")
                    for line in part.read_text().splitlines()]
         captions = {r["key"]: r["text"] for r in records}
         assert sorted(captions) == ["sample-00.jpg", "sample-01.png", "sample-02.webp"]
@@ -214,6 +214,8 @@ def test_the_server_runs_prefect_at_the_projects_version_in_its_own_environment(
 
     monkeypatch.setenv("PREFECT_API_URL", "http://elsewhere:4200/api")
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    # (Prefect imported under this environment would keep its API URL for the tests after this one.)
+    monkeypatch.setattr("tasks.prefect_notice.show_prefect_notice_now", lambda file, import_prefect=False: None)
     started = {}
 
     class Ended:  # a server that printed a line and ended
