@@ -285,13 +285,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from flows.params import resolve_json_schema
 
     width, _, height = args.size.partition("x")
+    if not (width.isdigit() and height.isdigit()):
+        raise UsageError(f"--size {args.size}: expected WIDTHxHEIGHT in pixels, e.g. 640x480")
     try:  # checked as a job checks it, before any phase runs
         schema = resolve_json_schema(_json_schema(args.json_schema))
     except ValueError as exc:
         raise UsageError(f"--json-schema: {exc}") from None
     run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images,
-    if not (width.isdigit() and height.isdigit()):
-        raise UsageError(f"--size {args.size}: expected WIDTHxHEIGHT in pixels, e.g. 640x480")
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
