@@ -216,12 +216,12 @@ class Progress:
         self.terminal.grow(items)
 
     def skip(self, items: int) -> None:
-        """Items the listing found already done: part of the artifact's progress at once. The
-        terminal counts this run's work only (its items/s and ETA are about what is new)."""
+        """Items the listing found already done: listed and done for the artifact, published
+        with the next shard's progress (or at the end), not before: while the listing goes on,
+        new items may follow. The terminal counts this run's work only (its items/s and ETA
+        are about what is new)."""
         self.listed += items
         self.done += items
-        if time.monotonic() - self.published_at >= self.ARTIFACT_INTERVAL_S:
-            self._publish()
 
     @property
     def percent(self) -> float:

@@ -243,3 +243,30 @@ print("the summary")
     ]
     assert "Prefect collects anonymous usage data" in log.read_text()
     assert (tmp_path / "fresh-prefect-home" / ".sdk_telemetry" / "notice_shown").exists()  # shown once, as Prefect does
+
+
+def test_items_already_done_count_in_the_artifact_not_in_the_terminals_rate(capsys, monkeypatch):
+    """A night with 990 items done and 10 new: the progress artifact goes from 99% to 100% as the
+    new ones finish; the terminal's line counts the 10 items of this run's work."""
+    import prefect.artifacts
+
+    import tasks.observability as observability
+
+    clock = [100.0]
+    updates = []
+    monkeypatch.setattr(observability.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", lambda **kwargs: "artifact-2")
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact",
+                        lambda artifact_id, progress: updates.append(progress))
+    progress = Progress("Captioning")
+    clock[0] += 2
+    progress.skip(990)  # the listing's done items: not published on their own (new ones may follow)
+    progress.grow(10)
+    assert updates == [] and progress.percent == 99.0
+    clock[0] += 2
+    progress.advance(4)
+    progress.advance(6)
+    progress.close()
+    assert updates == [99.4, 100.0]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(" · ")[0] for line in lines] == ["vlm-caption: 4/10 items", "vlm-caption: 10/10 items"]
