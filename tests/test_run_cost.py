@@ -46,6 +46,31 @@ def test_cost_per_1000_items_from_device_seconds():
     assert cost_line(run_cost(30.0, "cpu", 10, 100, None)).startswith("30.0 cpu-s: 0.333 items/cpu-s")
 
 
+def test_a_copy_waits_for_the_first_answer_and_raises_if_its_shard_failed():
+    import threading
+
+    from tasks.engine.same_media import CopyWithoutAnswer, SameMedia
+
+    same = SameMedia()
+    first, is_first = same.claim("run", "h1", "Describe.", "a.jpg")
+    copy, copy_first = same.claim("run", "h1", "Describe.", "b.jpg")
+    assert is_first and not copy_first and copy.key == "a.jpg"
+    assert same.claim("run", "h1", "Other question?", "b.jpg")[1]  # another question is asked
+    assert same.claim("other-run", "h1", "Describe.", "b.jpg")[1]  # another run asks again
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(same.answer(copy)))
+    waiter.start()
+    same.settle(first, GenerationOutput("A cat.", "stop", 5, 2))
+    waiter.join(10)
+    assert got and got[0].text == "A cat."
+    lost, _ = same.claim("run", "h2", "Describe.", "c.jpg")
+    lost_copy, _ = same.claim("run", "h2", "Describe.", "d.jpg")
+    same.forget("run", [("h2", "Describe.")], RuntimeError("engine died"))
+    with pytest.raises(CopyWithoutAnswer, match="c.jpg.*engine died"):
+        same.answer(lost_copy)
+    assert same.claim("run", "h2", "Describe.", "d.jpg")[1]  # the retry asks itself
+
+
 def test_partitions_charge_their_engines_and_the_parent_sums_them():
     from tasks.results.report import RunStats
 

@@ -5,43 +5,44 @@ its own (its record's `duplicate_of` names the first one's key).
 
 Kept per process and per run (`run_id`, a partition's own): a copy in another partition of a
 fanned-out run, or of an item captioned by an earlier run, is captioned again. Its memory is one
-entry per distinct (media, question) of the run: the first key and the answer (text and counts).
+small entry per distinct (media, question) of the run: the first key and the answer (its text and
+counts; no lock or future of its own: waiters share one condition).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from tasks.results.records import GenerationOutput
 
 KEEP_RUNS = 2  # runs whose answers are kept (a worker runs one at a time; a second may be starting)
 
 
-@dataclass
+class CopyWithoutAnswer(RuntimeError):
+    """The shard of the item a copy waited on failed (the copy's shard is retried)."""
+
+
 class Claim:
-    """One (media, question) of a run: the first item's key and its answer once the engine gave it."""
+    """One (media, question) of a run: the first item's key and, once the engine gave it, its answer."""
 
-    key: str
-    answer: Future = field(default_factory=Future)  # of GenerationOutput
-    first: bool = True  # whether the caller is that first item (it must settle or forget it)
+    __slots__ = ("key", "answer", "error")
 
-    def settle(self, answer: GenerationOutput) -> None:
-        if not self.answer.done():
-            self.answer.set_result(answer)
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.answer: GenerationOutput | None = None
+        self.error: BaseException | None = None
 
 
 class SameMedia:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._settled = threading.Condition()
         self._runs: OrderedDict[str, dict[tuple[str, str], Claim]] = OrderedDict()
 
-    def claim(self, run_id: str, media: str, question: str, key: str) -> Claim:
-        """The run's claim on these bytes and question: `first` when the caller is the first
-        (it asks the engine, then settles it or forgets it), else the first one's key and answer."""
-        with self._lock:
+    def claim(self, run_id: str, media: str, question: str, key: str) -> tuple[Claim, bool]:
+        """The run's claim on these bytes and question, and whether the caller is its first: the
+        first asks the engine, then settles or forgets it; the others wait for its `answer`."""
+        with self._settled:
             claims = self._runs.get(run_id)
             if claims is None:
                 claims = self._runs[run_id] = {}
@@ -49,19 +50,34 @@ class SameMedia:
                     self._runs.popitem(last=False)  # a waiter holds its own claim: nothing hangs
             found = claims.get((media, question))
             if found is not None:
-                return Claim(found.key, found.answer, first=False)
+                return found, False
             made = claims[(media, question)] = Claim(key)
-            return made
+            return made, True
+
+    def settle(self, claim: Claim, answer: GenerationOutput) -> None:
+        with self._settled:
+            claim.answer = answer
+            self._settled.notify_all()
 
     def forget(self, run_id: str, media_questions: list[tuple[str, str]], error: BaseException) -> None:
         """The first ones' shard failed: their copies raise `error` (their shard is retried and
         asks the engine itself), and the next (item, question) with these bytes is a first."""
-        with self._lock:
+        with self._settled:
             claims = self._runs.get(run_id, {})
-            dropped = [claims.pop(mq, None) for mq in media_questions]
-        for claim in dropped:
-            if claim is not None and not claim.answer.done():
-                claim.answer.set_exception(error)
+            for mq in media_questions:
+                dropped = claims.pop(mq, None)
+                if dropped is not None and dropped.answer is None:
+                    dropped.error = error
+            self._settled.notify_all()
+
+    def answer(self, claim: Claim) -> GenerationOutput:
+        """The first one's answer, waited for while its shard is in the engine."""
+        with self._settled:
+            self._settled.wait_for(lambda: claim.answer is not None or claim.error is not None)
+            if claim.answer is None:
+                raise CopyWithoutAnswer(f"{claim.key}, whose answer this item takes, failed: "
+                                        f"{type(claim.error).__name__}: {claim.error}") from claim.error
+            return claim.answer
 
 
 SAME_MEDIA = SameMedia()

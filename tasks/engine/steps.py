@@ -77,7 +77,8 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
     # that answer: no request of its own (tasks/engine/same_media.py).
     claims = {(id(item), q): SAME_MEDIA.claim(run_id, media_id(item, options), q, item.item.id)
               for item, q in ready if get_settings().dedup and item.sha256}
-    asked = [(item, q) for item, q in ready if (id(item), q) not in claims or claims[(id(item), q)].first]
+    copies = {pair: claim for pair, (claim, first) in claims.items() if not first}
+    asked = [(item, q) for item, q in ready if (id(item), q) not in copies]
     started = time.perf_counter()
     try:
         requests = [engine_request(item, q, options) for item, q in asked]
@@ -88,14 +89,13 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
                                    if (id(item), q) in claims], exc)
         raise
     for (item, q), out in zip(asked, outputs):
-        if (id(item), q) in claims:
-            claims[(id(item), q)].settle(out)
+        if (id(item), q) in claims:  # a generate prompt is not kept: a copy renders its own
+            SAME_MEDIA.settle(claims[(id(item), q)][0], out if options.method == "chat" else replace(out, prompt=None))
     retried_for = {(id(item), q): retried[i] for i, (item, q) in enumerate(asked) if i in retried}
     per_request_s = (time.perf_counter() - started) / max(len(asked), 1)
     by_request = {(id(item), q): out for (item, q), out in zip(asked, outputs)}
     # The copies' answers: from this shard, or from another one in flight (waited for here).
-    copies = {pair: claim for pair, claim in claims.items() if not claim.first}
-    by_request.update({pair: claim.answer.result() for pair, claim in copies.items()})
+    by_request.update({pair: SAME_MEDIA.answer(claim) for pair, claim in copies.items()})
     records = []
     for item in prepared.items:
         for question in item.questions:
