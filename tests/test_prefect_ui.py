@@ -186,6 +186,36 @@ def test_an_operator_starts_the_server_runs_the_demo_and_sees_it_in_the_ui(tmp_p
         stop(server)
 
 
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_the_server_in_two_lines_with_a_client_attached(tmp_path):
+    """Ctrl-C at the server's terminal (SIGINT to its process group) while a client holds its event
+    stream open, as a worker or the UI does: two lines, not uvicorn's and Prefect's services'
+    tracebacks for each open connection (some 200 lines), and the server's processes gone."""
+    from websockets.sync.client import connect
+
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([str(EXE), "server", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                  env=operator_env(tmp_path), start_new_session=True)
+    try:
+        wait_for_health(api, server, log)
+        with connect(f"ws://127.0.0.1:{port}/api/events/out") as stream:
+            stream.send(json.dumps({"type": "filter", "filter": {}}))
+            time.sleep(1)
+            printed = len(log.read_text())
+            os.killpg(server.pid, signal.SIGINT)
+            code = server.wait(timeout=120)
+        after = [line for line in log.read_text()[printed:].splitlines() if line.strip()]
+        assert after == ["vlm-caption server: stopping ...", "vlm-caption server: stopped"], after
+        assert code == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{api}/health", timeout=2)
+    finally:
+        stop(server)
+
+
 def test_the_server_refuses_a_port_in_use_in_one_line(capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
