@@ -29,7 +29,7 @@ from prefect.runtime import flow_run
 from flows.params import CaptionJob, Partition
 from flows.pipeline import PartitionRun, caption_shards
 from flows.plan import RunPlan, make_plan, take_partition_cores
-from flows.run_state import fail_run, name_failed_run, run_label, run_name_from
+from flows.run_state import fail_run, on_run_failed, run_label, run_name_from
 from tasks.claims import remove_claims
 from tasks.concurrency import one_run_per_job
 from tasks.engine.host_share import current_cpus, format_cpu_list
@@ -59,7 +59,7 @@ def _where() -> dict:
             "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": current_cpus()}
 
 
-@flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False, on_failure=[name_failed_run])
+@flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False, on_failure=[on_run_failed])
 def vlm_caption(job: CaptionJob) -> dict:
     """Caption every item under `job.source` (or of `job.manifest`) and write JSON Lines
     results to `job.output`: one record per (item, question)."""

@@ -325,17 +325,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0 if report.get("complete", True) else 1
 
 
-def validation_message(exc) -> str:
-    """A pydantic ValidationError as the user's mistakes, one per line: the field and what to do,
-    without pydantic's echo of every job field and its documentation link."""
-    lines = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error.get("loc", ()))
-        message = error["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {message}" if where else message)
-    return "\n  ".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench, "server": cmd_server, "export": cmd_export}
@@ -358,7 +347,9 @@ def report_user_error(exc: Exception) -> int | None:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        lines, code = validation_message(exc).split("\n  "), UsageError.exit_code
+        from flows.run_state import validation_lines
+
+        lines, code = validation_lines(exc), UsageError.exit_code
     elif isinstance(exc, UserError):
         lines, code = exc.lines(), exc.exit_code
     elif isinstance(exc, RuntimeError) and "ephemeral Prefect API server" in str(exc):

@@ -74,13 +74,48 @@ def _no_retries(why: str) -> None:
                                  f"it may be retried once: {why}")
 
 
-def name_failed_run(flow, flow_run, state) -> None:
-    """on_failure: a run whose parameters failed validation never got its name (Prefect names a
-    run after validating them); name it from the parameters as given."""
-    wanted = run_name_from(flow_run.parameters)
-    if flow_run.name == wanted or flow_run.name.startswith(wanted.split(" [")[0]):
-        return
+def validation_lines(exc) -> list[str]:
+    """A pydantic ValidationError as the user's mistakes, one line each: the field and what to do,
+    without pydantic's echo of every job field and its documentation link."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error.get("loc", ()))
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {message}" if where else message)
+    return lines
+
+
+VALIDATION_FAILED = "Validation of flow parameters failed"  # Prefect's state message
+
+
+def on_run_failed(flow, flow_run, state) -> None:
+    """on_failure: a run whose parameters failed validation was neither named (Prefect names a
+    run after validating them) nor given a readable message (Prefect's is pydantic's, over
+    several lines): both from the parameters as given."""
     from prefect.client.orchestration import get_client
 
+    wanted = run_name_from(flow_run.parameters)
     with get_client(sync_client=True) as client:
-        client.set_flow_run_name(flow_run.id, wanted)
+        if not flow_run.name.startswith(wanted.split(" [")[0]):
+            client.set_flow_run_name(flow_run.id, wanted)
+        if (state.message or "").startswith(VALIDATION_FAILED):
+            message = _invalid_job(flow_run.parameters)
+            if message:
+                from prefect.states import Failed
+
+                client.set_flow_run_state(flow_run.id, Failed(message=message), force=True)
+
+
+def _invalid_job(parameters: dict) -> str | None:
+    """What is wrong with a run's `job` parameter, on one line; None if it validates."""
+    from pydantic import ValidationError
+
+    from flows.params import CaptionJob
+
+    try:
+        CaptionJob.model_validate((parameters or {}).get("job"))
+    except ValidationError as exc:
+        return "invalid job: " + "; ".join(validation_lines(exc))
+    except UserError as exc:
+        return "invalid job: " + one_line(exc)
+    return None

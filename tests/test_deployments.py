@@ -209,7 +209,7 @@ def test_a_run_whose_parameters_do_not_validate_is_named_and_fails_once(stack, t
     job = {"source": str(tmp_path), "output": "", "recipe": "llava"}  # an empty output (a variable not set)
     run = stack.wait_for(stack.run_deployment("vlm-caption/dev", job), timeout=300)
     assert run["state_type"] == "FAILED" and run["run_count"] <= 1, run["state"]
-    assert "empty location" in run["state"]["message"], run["state"]["message"]
+    assert run["state"]["message"] == "invalid job: output: empty location", run["state"]["message"]
     assert run["name"] == f"llava · {tmp_path}", run["name"]  # not Prefect's random name
 
 

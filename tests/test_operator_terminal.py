@@ -84,3 +84,17 @@ def test_a_permanent_error_fails_the_run_at_once_without_a_retry(prefect_api, tm
     assert "AwaitingRetry" not in states, states
     assert run.state.message.startswith(f"model folder {tmp_path / 'no-such-model'} does not exist")
     assert "\n" not in run.state.message and "Traceback" not in run.state.message
+
+
+def test_a_run_whose_parameters_do_not_validate_gets_a_name_and_one_line(prefect_api, tmp_path):
+    """As a deployment run with a Prefect variable not set: an empty output. The run is named from
+    its parameters as given (not Prefect's random name) and its message is one line."""
+    from prefect.client.orchestration import get_client
+
+    from flows.caption import vlm_caption
+
+    state = vlm_caption(job={"source": str(tmp_path), "output": "", "recipe": "llava"}, return_state=True)
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(state.state_details.flow_run_id)
+    assert run.name == f"llava · {tmp_path}"
+    assert run.state.type.value == "FAILED" and run.state.message == "invalid job: output: empty location"
