@@ -157,6 +157,11 @@ def test_a_report_that_cannot_be_used_says_what_to_change(s3_client, tmp_path: P
     rewrite(files=[dict(doc["files"][0], MD5checksum="0" * 32)])
     with pytest.raises(StorageError, match="the inventory manifest says 0{32}; the report is damaged or was replaced"):
         list(iter_items(inventory_source(check_report(manifest), "image", None)))
+    short = gzip.compress(b'"inv-bad","a.jpg"\n')  # fewer columns than the fileSchema names
+    s3_client.put_object(Bucket="inv-bad-dest", Key=doc["files"][0]["key"], Body=short)
+    rewrite(files=[dict(doc["files"][0], size=len(short), MD5checksum=hashlib.md5(short).hexdigest())])
+    with pytest.raises(StorageError, match=r"line 1: not a row of the manifest's fileSchema \(Bucket, Key, VersionId"):
+        list(iter_items(inventory_source(check_report(manifest), "image", None)))
 
 
 def _records(out: Path) -> list[dict]:

@@ -201,13 +201,18 @@ def _csv_rows(storage: Storage, file: DataFile, report: InventoryReport) -> Iter
     with contextlib.closing(open_seekable(storage, file.key, file.size)) as raw:
         checked = _Checked(raw)
         text = io.TextIOWrapper(gzip.GzipFile(fileobj=checked), encoding="utf-8", newline="")
-        for row in csv.reader(text):
+        for line, row in enumerate(csv.reader(text), start=1):
             if not row:
                 continue
-            yield (_decode_key(row[key]), int(row[size]) if row[size] else -1, row[etag],
-                   _iso_seconds(row[modified]) if modified is not None and row[modified] else None,
-                   row[latest].lower() == "true" if latest is not None else None,
-                   deleted is not None and row[deleted].lower() == "true")
+            try:
+                parsed = (_decode_key(row[key]), int(row[size]) if row[size] else -1, row[etag],
+                          _iso_seconds(row[modified]) if modified is not None and row[modified] else None,
+                          row[latest].lower() == "true" if latest is not None else None,
+                          deleted is not None and row[deleted].lower() == "true")
+            except (IndexError, ValueError) as exc:  # the same row again would fail the same way
+                raise StorageError(f"{storage.describe(file.key)} line {line}: not a row of the manifest's "
+                                   f"fileSchema ({', '.join(report.fields)}): {exc}") from None
+            yield parsed
         checked.verify(file, storage)
 
 
