@@ -113,6 +113,9 @@ def test_run_stats_count_flags_and_the_gallery_lists_flagged_items_first():
     parent.absorb(stats.report(1, None))
     assert parent.quality_by_flag == stats.quality_by_flag and parent.quality_fixed == 1
     assert [item.key for item in sample_items(records, 10)] == ["a.jpg", "c.jpg", "b.jpg", "d.jpg"]
+    # a run whose every caption is flagged (cut at max_tokens, say) still fills its page
+    cut = [_record(_item(f"{i:02d}.jpg"), GenerationOutput("A cat on a", "length", 5, 4)) for i in range(20)]
+    assert len(sample_items(cut, 8)) == 8
 
 
 class _Engine:

@@ -48,25 +48,24 @@ def gallery_key(run_id: str) -> str:
 
 
 def sample_items(records: Iterable[ResultRecord], limit: int, seed: int = 0) -> list[GalleryItem]:
-    """At most `limit` items, a uniform sample of the failed and of the others (failed ones
-    get up to a quarter of the places, more if there are not enough others); memory is the
-    sample's, however many records stream by. An item's records (one per question) come
+    """At most `limit` items, a uniform sample of the failed, of the flagged (a caption the caption
+    checks flagged) and of the others: failed ones get up to a quarter of the places, flagged ones
+    come next, then the others; memory is the sample's, however many records stream by. An item's records (one per question) come
     together in a part, and are taken together."""
     rng = random.Random(seed)
     failed_cap = max(1, limit // 4) if limit else 0
-    pools: dict[bool, tuple[list[GalleryItem], list[int]]] = {True: ([], [0]), False: ([], [0])}
+    pools: dict[int, tuple[list[GalleryItem], list[int]]] = {rank: ([], [0]) for rank in (0, 1, 2)}
     for key, group in itertools.groupby(records, key=lambda r: r.key):
         item = GalleryItem(key, list(group))
-        worst = item.failed or flagged(item)  # a flagged caption is sampled, and shown, as a failure is
-        chosen, seen = pools[worst]
+        rank = 0 if item.failed else 1 if flagged(item) else 2
+        chosen, seen = pools[rank]
         seen[0] += 1
-        room = failed_cap if worst else limit
+        room = failed_cap if rank == 0 else limit
         if len(chosen) < room:
             chosen.append(item)
         elif (slot := rng.randrange(seen[0])) < room:
             chosen[slot] = item
-    failed, good = pools[True][0], pools[False][0]
-    items = failed + good[:max(0, limit - len(failed))]
+    items = (pools[0][0] + pools[1][0] + pools[2][0])[:limit]
     return sorted(items, key=lambda item: (not item.failed, not flagged(item), item.key))
 
 
