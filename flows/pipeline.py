@@ -21,6 +21,7 @@ from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
 from tasks.claims import ShardClaims
 from tasks.engine.vllm_engine import Sampling
+from tasks.engine.vllm_import import ensure_vllm_imported
 from tasks.media.pool import start_decode_pool
 from tasks.media.prepare import MediaOptions, prepare_shard
 from tasks.observability import Progress, emit
@@ -213,6 +214,7 @@ class ShardPipeline:
         job = self.job
         self.progress.grow(len(shard.items))
         if self.starting is None:
+            ensure_vllm_imported()  # the flow's background import joined (or made here, a history's first new shard)
             self.starting = start_engine.submit(self.options.spec)
             start_decode_pool(job.modality)  # its processes start beside the engine
         preparing = prepare_shard.submit(self.partition_run.plan.source, opaque(shard), opaque(self.done),
@@ -226,11 +228,10 @@ class ShardPipeline:
         self.changed.set()
 
     def generate(self, prepared):
-        """The shard's requests handed to the engine (started here if it is not yet)."""
+        """The shard's requests handed to the engine (started at the first shard taken)."""
         if not prepared.items:
             return None
-        if self.engine is None:
-            self.engine = self.await_engine() if self.starting else start_engine(self.options.spec)
+        self.engine = self.engine or self.await_engine()
         self.generate_started = self.generate_started or time.time()
         run = self.partition_run
         return generate_shard.submit(opaque(prepared), self.options, run.fingerprint, run.parts_id)
@@ -238,9 +239,8 @@ class ShardPipeline:
     def await_engine(self) -> dict:
         """The engine, once up; meanwhile the feed's depth of shards is prepared, a few at a
         time. Its batch is unknown until then, so the depth aims at the most the feed holds
-        (FEED_REQUESTS, bounded by decoded bytes). Before, only FEED_ITEMS were prepared while
-        the engine started, and the rest were decoded beside the first minute of generation
-        (H100, 7B, 1920x1080: the first tenth of the run was the least busy)."""
+        (FEED_REQUESTS, bounded by decoded bytes): with only FEED_ITEMS prepared while it started,
+        the rest were decoded beside the first minute of generation (H100, 7B, 1920x1080)."""
         up = threading.Event()
 
         def started(_) -> None:

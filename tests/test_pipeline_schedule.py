@@ -101,6 +101,7 @@ def stand_ins(monkeypatch):
         monkeypatch.setattr(pipeline, "generate_shard", StandInTask(pool, schedule.generate))
         monkeypatch.setattr(pipeline, "write_shard", StandInTask(pool, lambda *args: None))
         monkeypatch.setattr(pipeline, "emit", lambda *args, **kwargs: None)
+        monkeypatch.setattr(pipeline, "ensure_vllm_imported", lambda: None)
         monkeypatch.setattr(pipeline, "Progress", SilentProgress)
         monkeypatch.setattr(pipeline, "image_resize_target", lambda spec: None)
         return schedule

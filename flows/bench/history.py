@@ -236,9 +236,22 @@ def task_runs(db: Path) -> dict[str, Any]:
         return {}
     with sqlite3.connect(db) as conn:
         rows = conn.execute("select name, state_type from task_run").fetchall()
+        spans = conn.execute("select name, start_time, end_time from task_run where end_time is not null").fetchall()
+        flow = conn.execute("select start_time, end_time from flow_run").fetchone()
         tables = {table: conn.execute(f"select count(*) from {table}").fetchone()[0]  # noqa: S608 - our names
                   for table in ("task_run_state", "flow_run", "events", "log", "artifact")}
     names = Counter(name.rsplit("-", 1)[0] for name, _ in rows)  # "prepare-shard-3f2" -> "prepare-shard"
     size = sum(f.stat().st_size for f in db.parent.glob(db.name + "*"))  # with its -wal and -shm
+    seconds: Counter = Counter()
+    for name, start, end in spans:  # each step's task runs, their seconds summed (they overlap)
+        seconds[name.rsplit("-", 1)[0]] += _seconds(start, end)
     return {"total": len(rows), "by_state": dict(Counter(state for _, state in rows)), "by_name": dict(names),
+            "seconds_by_name": {name: round(s, 2) for name, s in seconds.items()},
+            "flow_run_s": round(_seconds(*flow), 2) if flow and all(flow) else None,
             "rows": tables, "db_mb": round(size / 2**20, 1)}
+
+
+def _seconds(start: str, end: str) -> float:
+    from datetime import datetime
+
+    return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
