@@ -108,6 +108,7 @@ def test_run_stats_count_flags_and_the_gallery_lists_flagged_items_first():
     assert manifest["counts"]["quality"] == {"looping": 1, "empty": 1} and manifest["counts"]["flagged"] == 2
     assert manifest["counts"]["quality_retried"] == 2 and manifest["counts"]["quality_fixed"] == 1
     assert stats.summary()["quality"] == "2 flagged (empty 1, looping 1); 2 asked again, 1 fixed"
+    assert stats.summary()["flagged_items"] == "a.jpg (looping), c.jpg (empty)"
     # a child partition's report adds up in the parent
     parent = RunStats()
     parent.absorb(stats.report(1, None))

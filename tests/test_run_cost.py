@@ -144,6 +144,7 @@ def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api
     assert cost["hour_price"] == 2.5 and cost["per_1000_items"] == pytest.approx(
         2.5 * cost["device_s"] / 3600 / 4 * 1000, rel=1e-3)
 
+    assert "loop.jpg (looping" in summary["flagged_items"]  # a row of the UI's summary artifact
     terminal = io.StringIO()
     print_summary(summary, str(out), None, file=terminal)
     lines = terminal.getvalue()

@@ -15,6 +15,7 @@ from tasks.sources.s3_client import describe_shared_client
 
 MAX_FAILURES_LISTED = 10_000
 SAMPLE_CAPTIONS = 5
+SAMPLE_FLAGGED = 10  # flagged records named in the summary (the manifest lists them all)
 
 
 class Tally(BaseModel):
@@ -177,6 +178,7 @@ class RunStats(Tally):
             "first_result_s": self.first_result_s,
             "quality": quality_line(self.quality_flagged, self.quality_by_flag, self.quality_retried, self.quality_fixed),
             "cost": cost_line(self.cost()),
+            **({"flagged_items": flagged_line(self.flagged, self.quality_flagged)} if self.flagged else {}),
         }
 
     def cost(self) -> dict[str, Any]:
@@ -255,6 +257,12 @@ def quality_line(flagged: int, by_flag: dict[str, int], retried: int, fixed: int
     line = f"{flagged} flagged" + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(by_flag.items())) + ")"
                                  if by_flag else "")
     return line + (f"; {retried} asked again, {fixed} fixed" if retried else "")
+
+
+def flagged_line(flagged: list[dict[str, Any]], count: int, shown: int = SAMPLE_FLAGGED) -> str:
+    """The first flagged records, for the summary artifact: `a.jpg (looping), b.jpg (empty), … 3 more`."""
+    line = ", ".join(f"{f['key']} ({', '.join(f['quality'])})" for f in flagged[:shown])
+    return line + (f", … {count - shown} more (the manifest's flagged)" if count > shown else "")
 
 
 def versions() -> dict[str, str | None]:
