@@ -86,6 +86,10 @@ def test_records_carry_flags_and_errors_none():
     schema = {"json": {"type": "object", "required": ["tags"]}}
     miss = _record(_item(), GenerationOutput('{"x": 1}', "stop", 5, 6), schema)
     assert miss.error["kind"] == "structured_output" and miss.quality == ["schema"]
+    # a structured answer repeats its form by design: not a loop
+    cars = '[{"label": "car"}, {"label": "car"}, {"label": "car"}]'
+    assert caption_flags(cars, "stop") == ["looping"]  # as prose it would be
+    assert _record(_item(), GenerationOutput(cars, "stop", 5, 20), {"json": {"type": "array"}}).quality is None
     # an old record, written before the checks, still parses
     old = fine.model_dump()
     old.pop("quality"), old.pop("retried_for")

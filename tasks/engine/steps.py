@@ -122,14 +122,15 @@ def ask_again(engine, requests: list[EngineRequest], outputs: list[GenerationOut
     """Ask once more, with a repetition penalty, for each answer that loops or is empty; an
     answer the re-ask betters is replaced in `outputs`. Returns the first answers' flags by
     request index, for every request asked again (its record's `retried_for`)."""
+    prose = options.sampling.structured is None
     flagged = {i: flags for i, out in enumerate(outputs) if out.error is None
-               and wants_retry(flags := caption_flags(out.text, out.finish_reason))}
+               and wants_retry(flags := caption_flags(out.text, out.finish_reason, prose=prose))}
     if not flagged:
         return {}
     sampling = replace(options.sampling, repetition_penalty=get_settings().retry_repetition_penalty)
     again = engine.run([requests[i] for i in flagged], sampling, options.method)
     for (i, flags), out in zip(flagged.items(), again):
-        if out.error is None and better(flags, caption_flags(out.text, out.finish_reason)):
+        if out.error is None and better(flags, caption_flags(out.text, out.finish_reason, prose=prose)):
             outputs[i] = out
     get_logger(recipe=options.spec.recipe).info("asked again for looping or empty captions", requests=len(flagged),
                                                 bettered=sum(outputs[i] is out for i, out in zip(flagged, again)))
@@ -151,7 +152,8 @@ def make_record(item: PreparedItem, question: str, output: GenerationOutput | No
     # A structured answer that does not parse keeps its raw text, to show where it went wrong.
     keep_text = output is not None and (error is None or error.kind == "structured_output")
     # Only an answer is checked: a fetch, decode or engine error has no caption to judge.
-    flags = caption_flags(output.text, output.finish_reason, schema_failed=error is not None) if keep_text else None
+    flags = caption_flags(output.text, output.finish_reason, schema_failed=error is not None,
+                          prose=structured is None) if keep_text else None
     single = len(item.item.members) == 1 and item.item.members[0].key == item.item.id
     return ResultRecord(
         key=item.item.id, size=sum(max(m.size, 0) for m in item.members) if item.members else item.item.size,

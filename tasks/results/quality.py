@@ -12,7 +12,8 @@ weights or a degenerate model trips them, a long description does not):
 - the text ending in a unit of 1 to 32 characters repeated 5 times or more, over 40 characters
   at least (loops without spaces: "!!!!...", CJK text, sub-word gibberish).
 
-Words are compared lower-cased, punctuation left out.
+Words are compared lower-cased, punctuation left out. Only prose is checked for loops: a
+structured answer (JSON, regex, choice) repeats its form by design.
 """
 
 from __future__ import annotations
@@ -82,10 +83,13 @@ def is_looping(text: str | None) -> bool:
     return _back_to_back(tokens) or _ngram_recurs(tokens) or _suffix_repeats(text)
 
 
-def caption_flags(text: str | None, finish_reason: str | None, schema_failed: bool = False) -> list[str]:
-    """The flags of one answer, in FLAGS order ([] when it is fine)."""
+def caption_flags(text: str | None, finish_reason: str | None, schema_failed: bool = False,
+                  prose: bool = True) -> list[str]:
+    """The flags of one answer, in FLAGS order ([] when it is fine). A structured answer (`prose`
+    false: JSON, a regex, a choice) is not checked for loops: its form repeats by design (a list
+    of objects with the same keys), and one that runs on is cut and fails its schema instead."""
     flags = []
-    if is_looping(text):
+    if prose and is_looping(text):
         flags.append(LOOPING)
     if not (text or "").strip():
         flags.append(EMPTY)
