@@ -310,7 +310,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from tasks.results.parquet import export_parquet
-    from tasks.results.parquet_view import compact_view, rebuild_view
+    from tasks.results.parquet_compact import compact_view, rebuild_view
     from tasks.sources.storage import open_storage, split_parent
 
     out = open_storage(args.output)  # an output that is not there is an error, not made

@@ -18,7 +18,8 @@ from tasks.results import parquet_view
 from tasks.results.done_index import load_part_rows, result_key
 from tasks.results.layout import LEGACY_PARQUET_KEY, partition_parts_id, run_parquet_key
 from tasks.results.parquet import export_parquet
-from tasks.results.parquet_view import add_run, compact_view
+from tasks.results.parquet_compact import compact_view
+from tasks.results.parquet_view import add_run
 from tasks.results.records import ResultRecord
 from tasks.results.writers import write_manifest, write_shard
 from tests.test_parquet_export import FP, RUN1, RUN2, out, record
@@ -250,3 +251,24 @@ def test_s3_view(s3_client):
                              for key in keys)
     assert sorted(zip(table.column("key").to_pylist(), table.column("caption").to_pylist())) == [
         ("a.jpg", "second"), ("b.jpg", "bee")]
+
+
+def test_files_an_older_version_wrote_are_rewritten_in_todays_schema(tmp_path):
+    """Records gain fields over versions (a column more). `datasets` refuses a folder whose
+    files' columns differ, so the first run after an upgrade rewrites the older files."""
+    import pyarrow.parquet as pq
+    from datasets import load_dataset
+
+    output = tmp_path / "out"
+    first_run(output)
+    older = output / run_parquet_key(RUN1)
+    pq.write_table(pq.read_table(older).drop_columns(["members", "video"]), older)  # as an older version wrote it
+    part = write_shard.fn(out(output), FP, RUN2, 0, [record("e.jpg", RUN2, "an egg")])
+    report = add_run(out(output), FP, RUN2, [part])
+    assert report["conformed"] == [str(older)]
+    rows = assert_view_is_the_done_index(output)
+    dataset = load_dataset("parquet", data_files=f"{output}/parquet/*.parquet", split="train",
+                           cache_dir=str(tmp_path / "hf-cache"))
+    assert sorted(r["key"] for r in dataset) == sorted(r["key"] for r in rows) == ["a.jpg", "b.jpg", "d.jpg", "e.jpg"]
+    assert add_run(out(output), FP, RUN3, [write_shard.fn(out(output), FP, RUN3, 0, [record("f.jpg", RUN3)])]).get(
+        "conformed") is None  # once

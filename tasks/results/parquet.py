@@ -47,7 +47,7 @@ _OWN = {"key", "question", "text", "error", "model", "recipe", "run_id", "timing
         "etag", "sha256", "prompt", "finish_reason", "prompt_tokens", "output_tokens", "members", "video"}
 
 
-def _schema():
+def results_schema():
     import pyarrow as pa
 
     extra = [name for name in ResultRecord.model_fields if name not in _OWN]
@@ -86,7 +86,7 @@ def _row(record: ResultRecord, source: str | None, extra: list[str]) -> dict[str
     return row
 
 
-def _part_order(part: ObjectRef) -> tuple[str, str]:
+def part_order(part: ObjectRef) -> tuple[str, str]:
     """Parts sort by their run's UTC stamp (`part-<8 hex>-<stamp>[-pN]-<shard>.jsonl`), then name."""
     found = _STAMP.search(part.key.rsplit("/", 1)[-1])
     return (found.group(1) if found else "", part.key)
@@ -100,7 +100,7 @@ def _list_parts(out: Storage) -> tuple[dict[str, list[ObjectRef]], set[str]]:
         segments = ref.key.split("/")
         if len(segments) == 3 and segments[2].endswith(".jsonl"):
             by_fingerprint.setdefault(segments[1], []).append(ref)
-    return {fp: sorted(parts, key=_part_order) for fp, parts in sorted(by_fingerprint.items())}, keys
+    return {fp: sorted(parts, key=part_order) for fp, parts in sorted(by_fingerprint.items())}, keys
 
 
 def _final_records(data: bytes) -> tuple[list[ResultRecord], int]:
@@ -223,7 +223,7 @@ def write_rows(target: Storage, key: str, batches: Iterable[list[dict[str, Any]]
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = _schema()
+    schema = results_schema()
     rows = groups = 0
     with tempfile.TemporaryDirectory(prefix="vlm-caption-parquet-") as tmp:
         path = Path(tmp) / "results.parquet"

@@ -33,6 +33,7 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
 from __future__ import annotations
 
 import io
+import struct
 import time
 from typing import Any
 
@@ -42,28 +43,15 @@ from prefect.cache_policies import NONE
 
 from tasks.observability import get_logger
 from tasks.results.done_index import load_part_rows
-from tasks.results.layout import (LEGACY_PARQUET_KEY, PARQUET_VIEW_PREFIX, compacted_parquet_key, part_run,
-                                  run_parquet_key)
-from tasks.results.parquet import (RESIZED, ROW_GROUP_ROWS, _part_order, _schema, export_parquet, latest_ordinals,
-                                   select_rows, write_rows)
+from tasks.results.layout import PARQUET_VIEW_PREFIX, part_run, run_parquet_key
+from tasks.results.parquet import (RESIZED, ROW_GROUP_ROWS, latest_ordinals, part_order, results_schema, select_rows,
+                                   write_rows)
+from tasks.results.parquet_compact import copy_rows, view_files
 from tasks.sources.items import ObjectRef
 from tasks.sources.storage import Storage, key_within
 
 _NO_ROWS = np.empty(0, dtype=[("key", "<u8")])
-_STAMP_PATTERN = r"(?P<stamp>\d{8}T\d{6})"
-
-
-def _member_order(ref: ObjectRef) -> tuple[int, str]:
-    """The old single file, then compacted files, then run files, each by name (its stamp)."""
-    name = ref.key.removeprefix(PARQUET_VIEW_PREFIX)
-    return (0 if ref.key == LEGACY_PARQUET_KEY else 1 if name.startswith("compacted-") else 2, name)
-
-
-def view_files(out: Storage) -> list[ObjectRef]:
-    """The view's files (the .parquet files directly under parquet/), oldest kind first."""
-    return sorted((ref for ref in out.iter_objects(prefix=PARQUET_VIEW_PREFIX)
-                   if ref.key.endswith(".parquet") and "/" not in ref.key.removeprefix(PARQUET_VIEW_PREFIX)),
-                  key=_member_order)
+FOOTER_READ = 64 << 10  # the tail read for a file's schema: a run's file's whole footer
 
 
 def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *,
@@ -79,7 +67,7 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *,
     history = load_part_rows(out, fingerprint)
     named = {key_within(out, part) for part in parts}
     mine = sorted((ref for key, ref in history.parts.items() if key in named or part_run(key) == run_id),
-                  key=_part_order)
+                  key=part_order)
     for key in sorted(named - history.parts.keys()):
         report["skipped_parts"][out.describe(key)] = "not found"
     for part in mine:
@@ -103,7 +91,7 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *,
         added = np.unique(np.concatenate([k[w] for k, w in zip(keyed, wanted)]).astype(np.uint64))
         for member in _holders(out, history, {part.key for part in mine}, added, key):
             try:
-                removed = _drop_rows(out, member, fingerprint, written, row_group_rows)
+                removed = _drop_rows(out, member, fingerprint, written)
             except Exception as exc:  # noqa: BLE001 - the run's own file is written; compaction settles it
                 report.setdefault("not_rewritten", {})[out.describe(member)] = f"{type(exc).__name__}: {exc}"
                 log.warning("Parquet view: an older file holding results this run replaced could not be "
@@ -112,10 +100,12 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *,
                 continue
             if removed:
                 rewritten[out.describe(member)] = removed
+    conformed = _conform_files(out, key, report, log) if rows else []
     complete = not report["damaged_parts"] and not report["skipped_parts"]
     result = {"path": out.describe(key) if rows else None, "rows": rows, "row_groups": groups,
               "complete": complete, "seconds": round(time.perf_counter() - started, 3),
-              **({"rewritten": rewritten} if rewritten else {}), **{k: v for k, v in report.items() if v}}
+              **({"rewritten": rewritten} if rewritten else {}), **({"conformed": conformed} if conformed else {}),
+              **{k: v for k, v in report.items() if v}}
     (log.info if complete else log.warning)("Parquet view: the run's results added", path=result["path"], rows=rows,
                                             rewritten=len(rewritten))
     return result
@@ -145,110 +135,69 @@ def _holders(out: Storage, history, mine: set[str], added: np.ndarray, own: str)
     return sorted(holders)
 
 
-def _drop_rows(out: Storage, key: str, fingerprint: str, results: set[tuple[str, str]], row_group_rows: int) -> int:
+def _drop_rows(out: Storage, key: str, fingerprint: str, results: set[tuple[str, str]]) -> int:
     """Rewrite view file `key` without its rows of `results` ((item key, question)) under
-    `fingerprint`, row group by row group; the rows removed (nothing written when none)."""
+    `fingerprint`; the rows removed (nothing written when none). Finding them reads three
+    columns; the rewrite goes row group by row group."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     source = pq.ParquetFile(pa.BufferReader(out.read(key)))
+    ids = source.read(columns=["fingerprint", "key", "question"])
     items = pa.array(sorted({item for item, _ in results}), pa.string())
-    kept, removed = [], 0
-    for index in range(source.num_row_groups):
-        table = source.read_row_group(index)
-        maybe = pc.and_(pc.equal(table["fingerprint"], fingerprint), pc.is_in(table["key"], value_set=items))
-        drop = np.zeros(len(table), bool)
-        for i in np.flatnonzero(maybe.fill_null(False).to_numpy(zero_copy_only=False)):
-            drop[i] = (table["key"][i].as_py(), table["question"][i].as_py() or "") in results
-        removed += int(drop.sum())
-        kept.append(table.filter(pa.array(~drop)) if drop.any() else table)
-    if removed:
-        buffer = io.BytesIO()
-        with pq.ParquetWriter(buffer, source.schema_arrow, compression="zstd") as writer:
-            for table in kept:
-                writer.write_table(table, row_group_size=row_group_rows)
-        out.write(key, buffer.getvalue())  # one atomic write: readers see the old file or the new one
-    return removed
-
-
-def _conform(table, schema):
-    """`table` with the columns of today's schema (a column an older version did not write is null)."""
-    import pyarrow as pa
-
-    return pa.Table.from_arrays([table[field.name].cast(field.type) if field.name in table.column_names
-                                 else pa.nulls(len(table), field.type) for field in schema], schema=schema)
-
-
-def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray], int]:
-    """For each file, the indexes of its rows that are the latest of their result (fingerprint,
-    item key, question): the latest run's stamp, then the later file, then the later row; and
-    the rows of all the files."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    tables = []
-    for index, ref in enumerate(files):
-        table = pq.read_table(pa.BufferReader(out.read(ref.key)), columns=["fingerprint", "key", "question", "run_id"])
-        stamp = pc.struct_field(pc.extract_regex(pc.fill_null(table["run_id"], ""), _STAMP_PATTERN), [0])
-        tables.append(pa.table({"f": pc.fill_null(table["fingerprint"], ""), "k": pc.fill_null(table["key"], ""),
-                                "q": pc.fill_null(table["question"], ""), "s": pc.fill_null(stamp, ""),
-                                "m": pa.array(np.full(len(table), index, np.int32)),
-                                "r": pa.array(np.arange(len(table), dtype=np.int64))}))
-    rows = pa.concat_tables(tables).combine_chunks()
-    rows = rows.take(pc.sort_indices(rows, sort_keys=[(name, "ascending") for name in "fkqsmr"]))
-    last = np.ones(len(rows), bool)
-    if len(rows) > 1:
-        same = pc.and_(pc.and_(pc.equal(rows["f"][:-1], rows["f"][1:]), pc.equal(rows["k"][:-1], rows["k"][1:])),
-                       pc.equal(rows["q"][:-1], rows["q"][1:]))
-        last[:-1] = ~same.to_numpy(zero_copy_only=False)
-    member, row = rows["m"].to_numpy()[last], rows["r"].to_numpy()[last]
-    return [np.sort(row[member == index]) for index in range(len(files))], len(rows)
-
-
-def compact_view(out: Storage, *, row_group_rows: int = ROW_GROUP_ROWS) -> dict:
-    """Merge the view's files into one (`parquet/compacted-<stamp>-<tag>.parquet`), a result
-    held twice kept once (the latest), then remove the files merged. Reads the view, no part."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    started = time.perf_counter()
-    files = view_files(out)
-    if len(files) < 2:
-        return {"path": out.describe(files[0].key) if files else None, "merged": [], "rows": None,
-                "seconds": round(time.perf_counter() - started, 3)}
-    keep, total = _latest_rows(out, files)
-    schema, key = _schema(), compacted_parquet_key()
-    rows = groups = 0
+    maybe = pc.and_(pc.equal(ids["fingerprint"], fingerprint), pc.is_in(ids["key"], value_set=items))
+    drop = [i for i in np.flatnonzero(maybe.fill_null(False).to_numpy(zero_copy_only=False))
+            if (ids["key"][i].as_py(), ids["question"][i].as_py() or "") in results]
+    if not drop:
+        return 0
+    keep = np.setdiff1d(np.arange(source.metadata.num_rows), drop)
     buffer = io.BytesIO()
-    with pq.ParquetWriter(buffer, schema, compression="zstd") as writer:
-        for ref, wanted in zip(files, keep):
-            if not len(wanted):
+    with pq.ParquetWriter(buffer, results_schema(), compression="zstd") as writer:
+        copy_rows(source, writer, keep)
+    out.write(key, buffer.getvalue())  # one atomic write: readers see the old file or the new one
+    return len(drop)
+
+
+def _file_schema(out: Storage, ref: ObjectRef):
+    """A view file's schema, from its footer alone (one ranged read; two for a long footer)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tail = out.read_range(ref.key, max(0, ref.size - FOOTER_READ), min(ref.size, FOOTER_READ))
+    if len(tail) < 12 or tail[-4:] != b"PAR1":
+        raise ValueError("not a Parquet file (no footer)")
+    (length,) = struct.unpack("<I", tail[-8:-4])
+    if length + 8 > len(tail):
+        tail = out.read_range(ref.key, ref.size - length - 8, length + 8)
+    return pq.read_schema(pa.BufferReader(b"PAR1" + tail[-(length + 8):]))
+
+
+def _conform_files(out: Storage, own: str, report: dict, log) -> list[str]:
+    """Rewrite in today's schema the view's files written in another (by an older version, one
+    whose records had other fields): readers such as `datasets` refuse files whose columns
+    differ. A footer read per file; a file is rewritten once, at the first run after an upgrade."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema, conformed = results_schema(), []
+    for ref in view_files(out):
+        if ref.key == own:
+            continue
+        try:
+            if _file_schema(out, ref).equals(schema, check_metadata=False):
                 continue
-            table = _conform(pq.read_table(pa.BufferReader(out.read(ref.key))).take(pa.array(wanted)), schema)
-            writer.write_table(table, row_group_size=row_group_rows)
-            rows, groups = rows + len(table), groups + -(-len(table) // row_group_rows)
-    out.write(key, buffer.getvalue())
-    for ref in files:  # after the merged file is in place: a reader sees a result twice, never not at all
-        out.delete(ref.key)
-    result = {"path": out.describe(key), "rows": rows, "row_groups": groups,
-              "merged": [out.describe(ref.key) for ref in files],
-              "duplicates_dropped": total - rows,
-              "seconds": round(time.perf_counter() - started, 3)}
-    get_logger().info("Parquet view compacted", path=result["path"], rows=rows, merged=len(files))
-    return result
-
-
-def rebuild_view(out: Storage, *, row_group_rows: int = ROW_GROUP_ROWS) -> dict:
-    """The view made again from every part (`vlm-caption export OUTPUT`): one compacted file,
-    then the files it replaces removed. Reads the whole history: for repairs (a run killed
-    before its end, parts changed by hand), not for each run."""
-    files = view_files(out)
-    report = export_parquet(out, out, compacted_parquet_key(), row_group_rows=row_group_rows)
-    for ref in files:
-        out.delete(ref.key)
-    return {**report, "replaced": [out.describe(ref.key) for ref in files]}
+            source = pq.ParquetFile(pa.BufferReader(out.read(ref.key)))
+            buffer = io.BytesIO()
+            with pq.ParquetWriter(buffer, schema, compression="zstd") as writer:
+                copy_rows(source, writer, np.arange(source.metadata.num_rows))
+            out.write(ref.key, buffer.getvalue())
+            conformed.append(out.describe(ref.key))
+        except Exception as exc:  # noqa: BLE001 - reported and logged; the next run tries again
+            report.setdefault("not_conformed", {})[out.describe(ref.key)] = f"{type(exc).__name__}: {exc}"
+            log.warning("Parquet view: a file in an older schema could not be rewritten in today's; readers "
+                        "may refuse the folder until it is", file=out.describe(ref.key), error=str(exc))
+    return conformed
 
 
 @task(name="export-parquet", cache_policy=NONE, persist_result=False)
