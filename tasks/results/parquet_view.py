@@ -21,9 +21,11 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
   short since has its file checked against every result this run added (the cut records are
   the ones computed again). The new file is written before an older one is rewritten: a reader
   in between, or a crash, sees a result twice, never not at all; compaction settles that.
+- Readers such as `datasets` refuse a folder whose files' columns differ: a run that adds a
+  file rewrites, once, the files written in an older schema (records gain fields over versions).
 - A run killed before its end wrote no file, nor did one whose export failed (its manifest
   says so): `vlm-caption export OUTPUT` rebuilds the view from every part, as one file.
-- Compaction (`vlm-caption export OUTPUT --compact`) merges the view's files into one, keeping
+- Compaction (`vlm-caption export OUTPUT --compact`, tasks/results/parquet_compact.py) merges the view's files into one, keeping
   the latest of a result held twice (by the run's stamp), from the files alone (no part is
   read); it writes the merged file, then removes the ones it merged. Run it while no run of
   the output is ending: a run that rewrites a file compaction has just merged leaves a result
@@ -42,7 +44,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from tasks.observability import get_logger
-from tasks.results.done_index import load_part_rows
+from tasks.results.done_index import PartRows, load_part_rows, result_key
 from tasks.results.layout import PARQUET_VIEW_PREFIX, part_run, run_parquet_key
 from tasks.results.parquet import (RESIZED, ROW_GROUP_ROWS, latest_ordinals, part_order, results_schema, select_rows,
                                    write_rows)
@@ -77,29 +79,31 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *,
             report["skipped_parts"][out.describe(part.key)] = "unreadable"
     keyed = [history.rows.get(part.key, _NO_ROWS)["key"] for part in mine]
     wanted = latest_ordinals(keyed)
-    written: set[tuple[str, str]] = set()
+    added = np.unique(np.concatenate([k[w] for k, w in zip(keyed, wanted)] or [_NO_ROWS["key"]]).astype(np.uint64))
+    key = run_parquet_key(run_id)
+    holders, replaced = _holders(out, history, {part.key for part in mine}, added, key)
+    again: set[tuple[str, str]] = set()  # (item key, question) of the results replaced: few, usually none
 
     def batches():
         for batch in select_rows(out, zip(mine, wanted), log, report, row_group_rows):
-            written.update((row["key"], row["question"] or "") for row in batch)
+            if replaced:
+                again.update((row["key"], row["question"] or "") for row in batch
+                             if result_key(row["key"], row["question"]) in replaced)
             yield batch
 
-    key = run_parquet_key(run_id)
     rows, groups = write_rows(out, key, batches(), row_group_rows=row_group_rows, empty_too=False)
     rewritten: dict[str, int] = {}
-    if rows:
-        added = np.unique(np.concatenate([k[w] for k, w in zip(keyed, wanted)]).astype(np.uint64))
-        for member in _holders(out, history, {part.key for part in mine}, added, key):
-            try:
-                removed = _drop_rows(out, member, fingerprint, written)
-            except Exception as exc:  # noqa: BLE001 - the run's own file is written; compaction settles it
-                report.setdefault("not_rewritten", {})[out.describe(member)] = f"{type(exc).__name__}: {exc}"
-                log.warning("Parquet view: an older file holding results this run replaced could not be "
-                            "rewritten; they appear twice until `vlm-caption export OUTPUT --compact`",
-                            file=out.describe(member), error=f"{type(exc).__name__}: {exc}")
-                continue
-            if removed:
-                rewritten[out.describe(member)] = removed
+    for member in holders if rows else []:
+        try:
+            removed = _drop_rows(out, member, fingerprint, again)
+        except Exception as exc:  # noqa: BLE001 - the run's own file is written; compaction settles it
+            report.setdefault("not_rewritten", {})[out.describe(member)] = f"{type(exc).__name__}: {exc}"
+            log.warning("Parquet view: an older file holding results this run replaced could not be "
+                        "rewritten; they appear twice until `vlm-caption export OUTPUT --compact`",
+                        file=out.describe(member), error=f"{type(exc).__name__}: {exc}")
+            continue
+        if removed:
+            rewritten[out.describe(member)] = removed
     conformed = _conform_files(out, key, report, log) if rows else []
     complete = not report["damaged_parts"] and not report["skipped_parts"]
     result = {"path": out.describe(key) if rows else None, "rows": rows, "row_groups": groups,
@@ -111,19 +115,24 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *,
     return result
 
 
-def _holders(out: Storage, history, mine: set[str], added: np.ndarray, own: str) -> list[str]:
-    """The view's files that may hold an earlier record of a result this run added: the file of
-    each run whose part holds one (or whose part was cut short since), or, for a run without a
-    file of its own, the compacted files and the old single file."""
+def _holders(out: Storage, history: PartRows, mine: set[str], added: np.ndarray,
+             own: str) -> tuple[list[str], set[int]]:
+    """The view's files that may hold an earlier record of a result this run added, and those
+    results' keys: the file of each run whose part holds one, or, for a run without a file of
+    its own, the compacted files and the old single file. A run whose part was cut short since
+    lost records this run may have computed again: its file is checked against all of them."""
     older = [key for key in history.rows if key not in mine]
-    runs: set[str | None] = {part_run(key) for key in history.resized if key not in mine}
-    if older:
+    cut = {part_run(key) for key in history.resized if key not in mine}
+    runs: set[str | None] = set(cut)
+    replaced = set(added.tolist()) if cut else set()
+    if older and len(added):
         keys = np.concatenate([history.rows[key]["key"] for key in older]).astype(np.uint64)
         owner = np.repeat(np.arange(len(older)), [len(history.rows[key]) for key in older])
-        at = np.minimum(np.searchsorted(added, keys), len(added) - 1)
-        runs |= {part_run(older[i]) for i in np.unique(owner[added[at] == keys])}
+        hit = added[np.minimum(np.searchsorted(added, keys), len(added) - 1)] == keys
+        runs |= {part_run(older[i]) for i in np.unique(owner[hit])}
+        replaced |= set(np.unique(keys[hit]).tolist())
     if not runs:
-        return []
+        return [], set()
     files = {ref.key for ref in view_files(out)} - {own}
     merged = sorted(key for key in files if not key.removeprefix(PARQUET_VIEW_PREFIX).startswith("run-"))
     holders: set[str] = set()
@@ -132,7 +141,7 @@ def _holders(out: Storage, history, mine: set[str], added: np.ndarray, own: str)
             holders.add(run_parquet_key(run))
         else:
             holders.update(merged)
-    return sorted(holders)
+    return sorted(holders), replaced
 
 
 def _drop_rows(out: Storage, key: str, fingerprint: str, results: set[tuple[str, str]]) -> int:
