@@ -139,7 +139,10 @@ def test_the_view_grows_by_the_runs_results_and_holds_each_once(tmp_path):
     report = compact_view(out(output))
     assert len(report["merged"]) == 2 and report["rows"] == 5 and report["duplicates_dropped"] == 0
     (merged,) = files(output)
+    import pyarrow.parquet as pq
+
     assert merged.startswith("compacted-")
+    assert pq.ParquetFile(output / "parquet" / merged).metadata.num_row_groups == 1  # runs' rows gathered
     assert_view_is_the_done_index(output)
 
     # A result the compacted file holds is computed again: that file is rewritten.

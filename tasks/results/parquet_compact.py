@@ -33,22 +33,21 @@ def view_files(out: Storage) -> list[ObjectRef]:
                   key=_member_order)
 
 
-def copy_rows(source, writer, keep: np.ndarray) -> int:
-    """Write the rows of ParquetFile `source` whose indexes are in sorted `keep`, row group by
-    row group (memory: one row group), in today's schema; the rows written."""
+def copy_rows(source, write, keep: np.ndarray) -> int:
+    """Hand `write` the rows of ParquetFile `source` whose indexes are in sorted `keep`, row
+    group by row group (memory: one row group), in today's schema; the rows handed."""
     import pyarrow as pa
 
-    written = start = 0
+    schema, handed, start = results_schema(), 0, 0
     for index in range(source.num_row_groups):
         count = source.metadata.row_group(index).num_rows
         wanted = keep[np.searchsorted(keep, start):np.searchsorted(keep, start + count)] - start
         start += count
         if len(wanted):
             table = source.read_row_group(index)
-            table = table if len(wanted) == count else table.take(pa.array(wanted))
-            writer.write_table(conform(table, writer.schema))
-            written += len(wanted)
-    return written
+            write(conform(table if len(wanted) == count else table.take(pa.array(wanted)), schema))
+            handed += len(wanted)
+    return handed
 
 
 def conform(table, schema):
@@ -100,12 +99,20 @@ def compact_view(out: Storage) -> dict:
         return {"path": out.describe(files[0].key) if files else None, "merged": [], "rows": None,
                 "seconds": round(time.perf_counter() - started, 3)}
     keep, total = _latest_rows(out, files)
-    key, rows = compacted_parquet_key(), 0
+    key, rows, pending = compacted_parquet_key(), 0, []
     buffer = io.BytesIO()
     with pq.ParquetWriter(buffer, results_schema(), compression="zstd") as writer:
+        def write(table) -> None:  # runs' small files gathered into row groups of ROW_GROUP_ROWS
+            pending.append(table)
+            if sum(len(t) for t in pending) >= ROW_GROUP_ROWS:
+                writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
+                pending.clear()
+
         for ref, wanted in zip(files, keep):
             if len(wanted):
-                rows += copy_rows(pq.ParquetFile(pa.BufferReader(out.read(ref.key))), writer, wanted)
+                rows += copy_rows(pq.ParquetFile(pa.BufferReader(out.read(ref.key))), write, wanted)
+        if pending:
+            writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
     out.write(key, buffer.getvalue())
     for ref in files:  # after the merged file is in place: a reader sees a result twice, never not at all
         out.delete(ref.key)

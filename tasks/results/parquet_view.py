@@ -163,7 +163,7 @@ def _drop_rows(out: Storage, key: str, fingerprint: str, results: set[tuple[str,
     keep = np.setdiff1d(np.arange(source.metadata.num_rows), drop)
     buffer = io.BytesIO()
     with pq.ParquetWriter(buffer, results_schema(), compression="zstd") as writer:
-        copy_rows(source, writer, keep)
+        copy_rows(source, writer.write_table, keep)
     out.write(key, buffer.getvalue())  # one atomic write: readers see the old file or the new one
     return len(drop)
 
@@ -199,7 +199,7 @@ def _conform_files(out: Storage, own: str, report: dict, log) -> list[str]:
             source = pq.ParquetFile(pa.BufferReader(out.read(ref.key)))
             buffer = io.BytesIO()
             with pq.ParquetWriter(buffer, schema, compression="zstd") as writer:
-                copy_rows(source, writer, np.arange(source.metadata.num_rows))
+                copy_rows(source, writer.write_table, np.arange(source.metadata.num_rows))
             out.write(ref.key, buffer.getvalue())
             conformed.append(out.describe(ref.key))
         except Exception as exc:  # noqa: BLE001 - reported and logged; the next run tries again
