@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import pytest
 
 from flows.cli import main
@@ -139,8 +140,6 @@ def test_the_view_grows_by_the_runs_results_and_holds_each_once(tmp_path):
     report = compact_view(out(output))
     assert len(report["merged"]) == 2 and report["rows"] == 5 and report["duplicates_dropped"] == 0
     (merged,) = files(output)
-    import pyarrow.parquet as pq
-
     assert merged.startswith("compacted-")
     assert pq.ParquetFile(output / "parquet" / merged).metadata.num_row_groups == 1  # runs' rows gathered
     assert_view_is_the_done_index(output)
@@ -239,7 +238,6 @@ def test_s3_view(s3_client):
     import io
 
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     s3_client.create_bucket(Bucket="view-out")
     o = out("s3://view-out/runs/")
@@ -259,7 +257,6 @@ def test_s3_view(s3_client):
 def test_files_an_older_version_wrote_are_rewritten_in_todays_schema(tmp_path):
     """Records gain fields over versions (a column more). `datasets` refuses a folder whose
     files' columns differ, so the first run after an upgrade rewrites the older files."""
-    import pyarrow.parquet as pq
     from datasets import load_dataset
 
     output = tmp_path / "out"
