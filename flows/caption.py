@@ -28,11 +28,12 @@ from prefect.runtime import flow_run
 
 from flows.params import CaptionJob, Partition
 from flows.pipeline import PartitionRun, caption_shards
-from flows.plan import RunPlan, make_plan, take_partition_cores
+from flows.plan import RunPlan, engine_first, make_plan, take_partition_cores
 from flows.run_state import fail_run, on_run_failed, run_label, run_name_from
 from tasks.claims import remove_claims
 from tasks.concurrency import one_run_per_job
 from tasks.engine.host_share import current_cpus, format_cpu_list
+from tasks.engine.vllm_engine import discard_early_engine, start_engine_early
 from tasks.engine.vllm_import import ensure_vllm_imported, import_vllm_in_background
 from tasks.errors import UserError
 from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
@@ -83,20 +84,37 @@ def run_job(job: CaptionJob) -> dict:
     log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
     if cpus is not None:
         log.info("keeping to cores", cpus=format_cpu_list(cpus), why=why)
+    early = start_engine_first(plan, log)  # beside the slot, the done-index and the listing
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
     lease = one_run_per_job(plan.fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
-    with lease:
-        return caption_job(plan, run_id, log)
+    try:
+        with lease:
+            return caption_job(plan, run_id, log, engine_first=early)
+    finally:
+        discard_early_engine()  # not taken: the run had nothing to do, or failed before its first item
 
 
-def caption_job(plan: RunPlan, run_id: str, log) -> dict:
-    """The run itself: this run's partition (and the children's, when fanned out), the manifest."""
+def start_engine_first(plan: RunPlan, log=None) -> bool:
+    """Start building the run's engine now, where `engine_first` says the job wants one whatever
+    the listing shows; `vlm-caption run` calls it before Prefect starts, the flow again (a no-op
+    then, or the first call for a deployment run). True if an engine is being built."""
+    spec = engine_first(plan)
+    if spec is None:
+        return False
+    start_engine_early(spec)
+    (log or get_logger()).info("engine starting first", why="the output holds no result of this job yet")
+    return True
+
+
+def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> dict:
+    """The run itself: this run's partition (and the children's, when fanned out), the manifest.
+    `engine_first`: the run's engine is being built already, and its children's start at once too."""
     job, recipe, fingerprint = plan.job, plan.recipe, plan.fingerprint
     own, children = job.partition, []
     if job.fan_out > 1:
         # The children are asked for first, before this process imports vLLM and starts its
         # engine: a child's worker, process and imports then overlap the parent's own start.
-        own = Partition(index=0, count=job.fan_out, run_id=run_id, fingerprint=fingerprint)
+        own = Partition(index=0, count=job.fan_out, run_id=run_id, fingerprint=fingerprint, engine_first=engine_first)
         wait_for_orphans(job.partition_deployment, job.output, fingerprint)
         child_jobs = {i: job.model_copy(update={"fan_out": 1, "partition": own.model_copy(update={"index": i})})
                       .model_dump(mode="json") for i in range(1, job.fan_out)}
