@@ -156,6 +156,7 @@ def no_flow(monkeypatch):
     caption = types.ModuleType("flows.caption")
     # A summary shaped like the flow's (an empty run), so the CLI's end-of-run summary is exercised too.
     caption.vlm_caption = lambda job: calls.append(job) or {**RunStats().summary(), "fingerprint": "f" * 12}
+    caption.start_engine_first = lambda plan, log=None: False
     engine = types.ModuleType("tasks.engine.vllm_import")
     engine.import_vllm_in_background = engine.ensure_vllm_imported = lambda: None
     monkeypatch.setitem(sys.modules, "flows.caption", caption)
