@@ -71,6 +71,21 @@ def test_a_copy_waits_for_the_first_answer_and_raises_if_its_shard_failed():
     assert same.claim("run", "h2", "Describe.", "d.jpg")[1]  # the retry asks itself
 
 
+def test_the_answers_kept_for_copies_are_bounded(monkeypatch):
+    """A run of millions of distinct items keeps the latest answers only: an early one's copy
+    is asked again, a recent one's still takes its answer."""
+    import tasks.engine.same_media as same_media
+
+    monkeypatch.setattr(same_media, "KEEP_ANSWERS", 3)
+    same = same_media.SameMedia()
+    for i in range(5):
+        claim, _ = same.claim("run", f"h{i}", "Describe.", f"{i}.jpg")
+        same.settle(claim, GenerationOutput(f"caption {i}", "stop", 5, 2))
+    assert same.claim("run", "h0", "Describe.", "copy-of-0.jpg")[1]  # forgotten: asked again
+    recent, first = same.claim("run", "h4", "Describe.", "copy-of-4.jpg")
+    assert not first and same.answer(recent).text == "caption 4"
+
+
 def test_partitions_charge_their_engines_and_the_parent_sums_them():
     from tasks.results.report import RunStats
 

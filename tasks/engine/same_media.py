@@ -5,8 +5,8 @@ its own (its record's `duplicate_of` names the first one's key).
 
 Kept per process and per run (`run_id`, a partition's own): a copy in another partition of a
 fanned-out run, or of an item captioned by an earlier run, is captioned again. Its memory is one
-small entry per distinct (media, question) of the run: the first key and the answer (its text and
-counts; no lock or future of its own: waiters share one condition).
+small entry per distinct (media, question) of the run, the latest KEEP_ANSWERS: the first key and
+the answer (its text and counts; no lock or future of its own: waiters share one condition).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from collections import OrderedDict
 from tasks.results.records import GenerationOutput
 
 KEEP_RUNS = 2  # runs whose answers are kept (a worker runs one at a time; a second may be starting)
+# Answers kept per run, the most recent: memory stays bounded (about a kilobyte each) however large
+# the run; a copy whose first is older than that is captioned again.
+KEEP_ANSWERS = 50_000
 
 
 class CopyWithoutAnswer(RuntimeError):
@@ -37,7 +40,7 @@ class Claim:
 class SameMedia:
     def __init__(self) -> None:
         self._settled = threading.Condition()
-        self._runs: OrderedDict[str, dict[tuple[str, str], Claim]] = OrderedDict()
+        self._runs: OrderedDict[str, OrderedDict[tuple[str, str], Claim]] = OrderedDict()
 
     def claim(self, run_id: str, media: str, question: str, key: str) -> tuple[Claim, bool]:
         """The run's claim on these bytes and question, and whether the caller is its first: the
@@ -45,13 +48,15 @@ class SameMedia:
         with self._settled:
             claims = self._runs.get(run_id)
             if claims is None:
-                claims = self._runs[run_id] = {}
+                claims = self._runs[run_id] = OrderedDict()
                 while len(self._runs) > KEEP_RUNS:
                     self._runs.popitem(last=False)  # a waiter holds its own claim: nothing hangs
             found = claims.get((media, question))
             if found is not None:
                 return found, False
             made = claims[(media, question)] = Claim(key)
+            if len(claims) > KEEP_ANSWERS:
+                claims.popitem(last=False)  # its waiters hold the claim itself, and are still answered
             return made, True
 
     def settle(self, claim: Claim, answer: GenerationOutput) -> None:
