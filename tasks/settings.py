@@ -112,6 +112,13 @@ class Settings(BaseSettings):
     gallery_fetch_s: float = Field(
         20.0, description="Seconds a run spends fetching its gallery's pictures; an item whose picture is not "
         "there by then shows a placeholder.")
+    # A presigned URL carries the signing credentials' access key id, and with temporary credentials
+    # their session token, in the clear: anyone who can read the UI could then read them.
+    gallery_link_s: int = Field(
+        0, ge=0, le=7 * 24 * 3600, description="For an S3 output, the UI's `vlm-caption-gallery` artifact is a "
+        "presigned link to the gallery page, valid this many seconds (at most 604800, S3's limit). The link holds "
+        "the access key id (and a session token) of the credentials that signed it. 0: the artifact is the "
+        "gallery's items as a table, as for a folder output.")
     job_wait_s: float = Field(
         6 * 3600.0, description="Seconds a second run of the same job waits for the first (one run per job), "
         "then fails with a clear message.")

@@ -194,9 +194,10 @@ def test_a_picture_that_cannot_be_fetched_is_counted_on_the_page_and_logged(capl
     assert '<div class="item" data-key="img/1.jpg"><div class="placeholder">image</div>' in page
 
 
-def test_the_uis_gallery_artifact_opens_from_the_ui(prefect_api, s3_client, tmp_path):
-    """A folder output: the page's items as a table (the UI cannot open a file:// link). An S3
-    output: a presigned link that a browser opens, the page served as HTML, its expiry stated."""
+def test_the_uis_gallery_artifact_opens_from_the_ui(prefect_api, s3_client, tmp_path, monkeypatch):
+    """A folder output, and an S3 output by default: the page's items as a table (the UI cannot
+    open a file:// or s3:// link). An S3 output whose operator set VLM_CAPTION_GALLERY_LINK_S: a
+    presigned link that a browser opens, the page served as HTML, its expiry stated."""
     import httpx
     from prefect import flow
     from prefect.artifacts import Artifact
@@ -211,11 +212,17 @@ def test_the_uis_gallery_artifact_opens_from_the_ui(prefect_api, s3_client, tmp_
     for out in outputs.values():
         out.write("manifests/r1.html", b"<!doctype html><title>the gallery</title>")
 
+    from tasks.settings import get_settings
+
+    outputs["s3-link"] = outputs["s3"]
     for kind, out in outputs.items():
+        if kind == "s3-link":
+            monkeypatch.setenv("VLM_CAPTION_GALLERY_LINK_S", "3600")
+            get_settings.cache_clear()
         flow(name=f"gallery-{kind}")(lambda: publish_gallery(out, "manifests/r1.html", items))()
         artifact = Artifact.get("vlm-caption-gallery")
-        if kind == "folder":
-            assert artifact.type == "table" and f"{tmp_path / 'out'}/manifests/r1.html" in artifact.description
+        if kind != "s3-link":
+            assert artifact.type == "table" and f"{out.describe('manifests/r1.html')}" in artifact.description
             rows = json.loads(artifact.data)
             assert [(r["key"], r["caption"][:20]) for r in rows] == [("b.jpg", "error: decode: not a"),
                                                                      ("a.jpg", "a long caption a lon")]
@@ -226,3 +233,4 @@ def test_the_uis_gallery_artifact_opens_from_the_ui(prefect_api, s3_client, tmp_
             page = httpx.get(link, timeout=30)
             assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
             assert "<title>the gallery</title>" in page.text
+    get_settings.cache_clear()

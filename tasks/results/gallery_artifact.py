@@ -2,25 +2,26 @@
 file next to the manifest, and the UI can link to neither a `file://` path (a browser does not
 open one from an http page) nor an `s3://` URI, so the artifact is what opens from the UI:
 
-- an S3 output: a presigned HTTPS link to the page (GET only, that one object), with its expiry;
-- a folder output: the page's items as a table (key, question, caption or error), the page's
-  path (with its pictures) in the description, for whoever is on that machine.
+- the page's items as a table (key, question, caption or error), the page's location (with its
+  pictures) in the description;
+- an S3 output whose operator asked for it (VLM_CAPTION_GALLERY_LINK_S): a presigned HTTPS link
+  to the page (GET only, that one object), with its expiry. Off by default, because the link holds
+  the signing credentials' access key id (and session token) in the clear.
 """
 
 from __future__ import annotations
 
 import time
 from tasks.results.gallery_page import GalleryItem
+from tasks.settings import get_settings
 from tasks.sources.storage import S3Storage, Storage
 
-# S3's longest presigned URL (SigV4: 7 days). Signed with temporary credentials (an instance
-# role, SSO), it ends when they do, which may be sooner.
-LINK_S = 7 * 24 * 3600
 CELL_CHARS = 500  # a table cell's text; the page has the whole
 
 
-def gallery_link(out: S3Storage, key: str, expires_s: int = LINK_S) -> str:
-    """A presigned GET of the page, served as HTML."""
+def gallery_link(out: S3Storage, key: str, expires_s: int) -> str:
+    """A presigned GET of the page, served as HTML. Signed with temporary credentials (an instance
+    role, SSO), it ends when they do, which may be sooner than `expires_s`."""
     from tasks.sources.s3_client import shared_s3_client
 
     return shared_s3_client().generate_presigned_url(
@@ -53,9 +54,10 @@ def publish_gallery(out: Storage, key: str, items: list[GalleryItem]) -> dict:
         return {}
     path = out.describe(key)
     description = f"The run's gallery: a sample of {len(items)} items"
-    if isinstance(out, S3Storage):
-        link = gallery_link(out, key)
-        until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(time.time() + LINK_S))
+    link_s = get_settings().gallery_link_s
+    if isinstance(out, S3Storage) and link_s > 0:
+        link = gallery_link(out, key, link_s)
+        until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(time.time() + link_s))
         create_markdown_artifact(
             key="vlm-caption-gallery", description=description,
             markdown=f"**[Open the gallery]({link})** ({len(items)} items, thumbnails and captions): a "
@@ -63,6 +65,5 @@ def publish_gallery(out: Storage, key: str, items: list[GalleryItem]) -> dict:
                      f"The page: `{path}`")
         return {"link_expires": until}
     create_table_artifact(key="vlm-caption-gallery", table=gallery_rows(items),
-                          description=f"{description}. The page with its pictures: `{path}` (open it on "
-                                      "that machine)")
+                          description=f"{description}. The page with its pictures: `{path}`")
     return {}
