@@ -100,7 +100,8 @@ class ShardStream:
     between the shards), and the shards are cut from the items with work left only: a nightly
     run over a history of millions makes shards (task runs, parts, claims) for what is new, full
     ones wherever the new items are. A fanned-out run lists once and shares the shards through a
-    plan in the output store (`tasks/shard_plan.py`, the `sink`)."""
+    plan in the output store (`tasks/shard_plan.py`: its PlanWriter is a ShardStream whose `put`
+    writes the plan's chunks instead of handing shards to a queue)."""
 
     ATTEMPTS = 3  # a listing that fails resumes after the items it already handed over
 
