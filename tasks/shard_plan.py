@@ -127,9 +127,10 @@ class SharedListing:
             self.writer.close()
 
     def __iter__(self) -> Iterator[Listed]:
-        chunk, header = 0, None
+        chunk, header, names = 0, None, set()
         while True:
-            names = {ref.key[len(self.prefix):] for ref in self.out.iter_objects(prefix=self.prefix)}
+            if f"{chunk:06d}.jsonl" not in names:  # one listing of the plan says which chunks are there
+                names = {ref.key[len(self.prefix):] for ref in self.out.iter_objects(prefix=self.prefix)}
             if f"{chunk:06d}.jsonl" in names:
                 header, shards = self._read(chunk)
                 if header["owner"] == self.claims.owner and header["done"]:
