@@ -28,13 +28,13 @@ from prefect.runtime import flow_run
 
 from flows.params import CaptionJob, Partition
 from flows.pipeline import PartitionRun, caption_shards
-from flows.plan import RunPlan, engine_first, make_plan, take_partition_cores
+from flows.plan import RunPlan, make_plan, start_engine_first, take_partition_cores
 from flows.run_state import fail_run, on_run_failed, run_label, run_name_from
 from tasks.claims import remove_claims
 from tasks.concurrency import one_run_per_job
 from tasks.engine.host_share import current_cpus, format_cpu_list
-from tasks.engine.vllm_engine import discard_early_engine, start_engine_early
-from tasks.engine.vllm_import import ensure_vllm_imported, import_vllm_in_background
+from tasks.engine.vllm_engine import discard_early_engine
+from tasks.engine.vllm_import import ensure_vllm_imported
 from tasks.errors import UserError
 from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
@@ -76,15 +76,14 @@ def run_job(job: CaptionJob) -> dict:
     """The flow's body: the plan, the job's slot, the run."""
     configure_logging()
     cpus, why = take_partition_cores(job)  # before torch is imported: its threads are sized to these cores
-    # vLLM is imported while the plan is made: a child partition's worker process got here with
-    # nothing imported, and the import (10-20 s on a GPU host) is most of its lag behind the parent.
-    import_vllm_in_background()
     plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
     run_id = job.partition.run_id if job.partition else _run_id()
     log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
     if cpus is not None:
         log.info("keeping to cores", cpus=format_cpu_list(cpus), why=why)
-    early = start_engine_first(plan, log)  # beside the slot, the done-index and the listing
+    early = start_engine_first(plan)  # beside the children's start, the slot, the done-index and the listing
+    if early:
+        log.info("engine starting first", why="the output holds no result of this job yet")
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
     lease = one_run_per_job(plan.fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
     try:
@@ -92,18 +91,6 @@ def run_job(job: CaptionJob) -> dict:
             return caption_job(plan, run_id, log, engine_first=early)
     finally:
         discard_early_engine()  # not taken: the run had nothing to do, or failed before its first item
-
-
-def start_engine_first(plan: RunPlan, log=None) -> bool:
-    """Start building the run's engine now, where `engine_first` says the job wants one whatever
-    the listing shows; `vlm-caption run` calls it before Prefect starts, the flow again (a no-op
-    then, or the first call for a deployment run). True if an engine is being built."""
-    spec = engine_first(plan)
-    if spec is None:
-        return False
-    start_engine_early(spec)
-    (log or get_logger()).info("engine starting first", why="the output holds no result of this job yet")
-    return True
 
 
 def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> dict:
@@ -120,7 +107,8 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
                       .model_dump(mode="json") for i in range(1, job.fan_out)}
         children = start_children(job.partition_deployment, child_jobs, run_label,
                                   attempt=flow_run.run_count or 1, parent_run_id=run_id)
-    ensure_vllm_imported()  # before any thread of this flow imports a part of it
+    if engine_first:  # its import joined before any thread of this flow imports a part of vLLM; a run with
+        ensure_vllm_imported()  # earlier results imports it at its first new shard (flows/pipeline.py), if any
     try:
         stats, engine, shared = caption_shards(PartitionRun(plan, run_id, own, log))
     except Exception:

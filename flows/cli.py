@@ -254,18 +254,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.server import check_api_reachable
 
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
-    from flows.plan import take_partition_cores
-    from tasks.engine.vllm_import import import_vllm_in_background
-
-    take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
-    # vLLM's import (most of the time to the engine's start) runs while the flow's modules are
-    # imported and Prefect's embedded server starts.
-    import_vllm_in_background()
-    from flows.caption import start_engine_first, vlm_caption
+    from flows.plan import start_engine_first, take_partition_cores
     from tasks.terminal import print_run_end, run_terminal
 
+    take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
-        start_engine_first(plan)  # its build overlaps Prefect's start and the flow run's
+        # vLLM's import, then the engine's start, which overlaps Prefect's start and the flow run's.
+        start_engine_first(plan, import_now=True)
+        from flows.caption import vlm_caption
+
         summary = vlm_caption(job)
     print_run_end(summary, job.output, log_path, args.log_format, source=job.location)
     return 0

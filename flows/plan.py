@@ -144,3 +144,21 @@ def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
     if job.fan_out <= 1 and job.partition is None:
         return None, "not a partition of a fanned-out run"
     return take_cpu_share(get_settings().cpu_share)
+
+
+def start_engine_first(plan: RunPlan, *, import_now: bool = False) -> bool:
+    """Start building the run's engine now where `engine_first` wants one: vLLM's import, then
+    the engine on a thread of its own (`tasks/engine/vllm_engine.py`). `import_now` imports vLLM
+    here, before the caller imports Prefect: the engine waits on that import, and an import
+    beside Prefect's own (a thread of the same interpreter) took twice as long. Otherwise it is
+    imported on a thread (a flow run's process has Prefect already). A job with earlier results
+    imports nothing here: a night with nothing new needs no vLLM. True if an engine is being built."""
+    spec = engine_first(plan)
+    if spec is None:
+        return False
+    from tasks.engine.vllm_engine import start_engine_early
+    from tasks.engine.vllm_import import ensure_vllm_imported, import_vllm_in_background
+
+    ensure_vllm_imported() if import_now else import_vllm_in_background()
+    start_engine_early(spec)
+    return True

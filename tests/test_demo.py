@@ -91,7 +91,7 @@ def test_a_slow_embedded_server_gets_a_message_that_says_what_to_do(monkeypatch,
     import flows.caption
 
     monkeypatch.setattr(flows.caption, "vlm_caption", server_never_came_up)
-    monkeypatch.setattr(flows.caption, "start_engine_first", lambda plan, log=None: False)  # no model here
+    monkeypatch.setattr("flows.plan.start_engine_first", lambda plan, **how: False)  # no model here
     code = cli.main(["run", str(tmp_path), "--out", str(tmp_path / "out"), "--skip-model-check"])
     assert code == 3
     err = capsys.readouterr().err

@@ -97,8 +97,7 @@ def raw_slice(items: list, index: int, count: int) -> list:
 def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> dict[str, Any]:
     started = _process_started()
     from flows.params import CaptionJob
-    from flows.plan import make_plan, take_partition_cores
-    from tasks.engine.vllm_import import import_vllm_in_background
+    from flows.plan import make_plan, start_engine_first, take_partition_cores
 
     source, output = str(folder), str(Path(cfg.workdir) / f"out-{int(time.time())}")
     if cfg.source == "s3":  # uploaded by the driver (flows/bench/harness.py, s3_source)
@@ -112,10 +111,9 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
                      json_schema=cfg.structured())
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect
     take_partition_cores(job)
-    import_vllm_in_background()
-    from flows.caption import start_engine_first, vlm_caption
+    start_engine_first(plan, import_now=True)
+    from flows.caption import vlm_caption
 
-    start_engine_first(plan)
     summary = vlm_caption(plan.job)
     from tasks.sources.storage import open_storage, split_parent
 

@@ -1,8 +1,9 @@
 """vLLM's import on a thread of its own, started while the caller does something else first.
 
-Importing vLLM (torch, CUDA, transformers, its kernels) takes 8 s on a laptop CPU and more on a
-GPU host; most of a run's time to its engine's start. `vlm-caption run` starts it before it
-imports the flow and waits for Prefect's embedded server, the flow before it makes its plan.
+Importing vLLM (torch, CUDA, transformers, its kernels) is most of a run's time to its engine's
+start. A flow run that starts its engine first (flows/plan.py `start_engine_first`) imports it on
+a thread while it asks for its children and its slot; `vlm-caption run` imports it in the
+foreground before Prefect, which would otherwise share the interpreter with it.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 
 def import_vllm_in_background() -> None:
-    """Start importing vLLM on a thread, for a caller about to wait on something else first:
-    `vlm-caption run` waits for Prefect's embedded server, which starts in a process of its own.
-    The flow's first step joins it (`ensure_vllm_imported`). The process also joins it before it
-    exits, so an early error never tears down an interpreter mid-import. A second call (the flow
-    after `vlm-caption run`) joins the first's."""
+    """Start importing vLLM on a thread, for a caller about to do something else first. The
+    engine's build joins it (`ensure_vllm_imported`), as does the flow before its own threads
+    start. The process also joins it before it exits, so an early error never tears down an
+    interpreter mid-import. A second call does nothing."""
     global _IMPORTING
     if _IMPORTING is not None:
         return
