@@ -15,7 +15,7 @@ from typing import Any
 from prefect.utilities.annotations import opaque
 
 from flows.params import CaptionJob, Partition
-from flows.plan import RunPlan
+from flows.plan import RunPlan, engine_spec
 from tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
 from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
@@ -83,9 +83,9 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
         # listing is read whole first; image and video start on the first shard listed.
         if job.modality == "multi-image":
             shards: Iterable[Listed] = list(stream)
-            spec = engine_spec(job, [shard for shard in shards if isinstance(shard, Shard)])
+            spec = group_engine_spec(job, [shard for shard in shards if isinstance(shard, Shard)])
         else:
-            shards, spec = stream, engine_spec(job, [])
+            shards, spec = stream, run.plan.engine
         run.log.info("run started", source=job.location, output=job.output, modality=job.modality,
                      questions=len(job.questions_to_ask), already_done=len(done), partition=run.parts_id)
         pipeline = ShardPipeline(run, done, spec, claims)
@@ -287,14 +287,8 @@ class ShardPipeline:
         return stats, self.engine
 
 
-def engine_spec(job: CaptionJob, shards: list[Shard]) -> EngineSpec:
-    """The engine for this job. For multi-image, vLLM's per-prompt image limit comes from the
-    largest group listed (as the example sets it from its image count), capped by the job's."""
-    images = 1
-    if job.modality == "multi-image":
-        largest = max((len(item.members) for shard in shards for item in shard.items), default=1)
-        images = max(1, min(largest, job.image_limit))
-    return EngineSpec.build(job.recipe, modality=job.modality, model=job.model,
-                            engine_overrides=job.engine_overrides,
-                            trust_remote_code=job.trust_remote_code, images=images,
-                            processor_device=job.processor_device)
+def group_engine_spec(job: CaptionJob, shards: list[Shard]) -> EngineSpec:
+    """A multi-image job's engine: vLLM's per-prompt image limit from the largest group listed
+    (as the example sets it from its image count), capped by the job's."""
+    largest = max((len(item.members) for shard in shards for item in shard.items), default=1)
+    return engine_spec(job, images=max(1, min(largest, job.image_limit)))

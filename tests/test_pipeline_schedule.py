@@ -13,7 +13,8 @@ from PIL import Image
 
 import flows.pipeline as pipeline
 from flows.params import CaptionJob
-from flows.pipeline import PartitionRun, ShardPipeline, engine_spec
+from flows.pipeline import PartitionRun, ShardPipeline
+from flows.plan import engine_spec
 from flows.plan import RunPlan, source_spec
 from recipes import get_recipe
 from tasks.engine.feed import FEED_REQUESTS
@@ -119,7 +120,7 @@ def _run(shards: int) -> None:
     run = PartitionRun(plan, "run", None, SilentLog())
     listing = [Shard(i, tuple(WorkItem(f"{i}/{n}.jpg", (ObjectRef(f"{i}/{n}.jpg", 1, ""),))
                               for n in range(SHARD_SIZE))) for i in range(shards)]
-    pipeline = ShardPipeline(run, DoneIndex(), engine_spec(job, []))
+    pipeline = ShardPipeline(run, DoneIndex(), engine_spec(job))
     pipeline.run(listing)
     stats, _ = pipeline.close()
     assert stats.listed == shards * SHARD_SIZE
