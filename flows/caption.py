@@ -34,7 +34,7 @@ from tasks.claims import remove_claims
 from tasks.concurrency import one_run_per_job
 from tasks.engine.host_share import current_cpus, format_cpu_list
 from tasks.engine.vllm_engine import discard_early_engine
-from tasks.engine.vllm_import import ensure_vllm_imported
+from tasks.engine.vllm_import import ensure_vllm_imported, serialize_ast_parse
 from tasks.errors import UserError
 from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
@@ -75,6 +75,9 @@ def vlm_caption(job: CaptionJob) -> dict:
 def run_job(job: CaptionJob) -> dict:
     """The flow's body: the plan, the job's slot, the run."""
     configure_logging()
+    # One ast.parse at a time in this process (tasks/engine/vllm_import.py): the plan parses vLLM's
+    # engine arguments while Prefect's threads may be importing (and parsing) beside it.
+    serialize_ast_parse()
     cpus, why = take_partition_cores(job)  # before torch is imported: its threads are sized to these cores
     plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
     run_id = job.partition.run_id if job.partition else _run_id()
