@@ -9,8 +9,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
+from flows.cli_job import add_job_options, job_fields, json_schema_option
 from tasks.errors import UsageError, UserError
 
 DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
@@ -24,116 +24,10 @@ EMBEDDED_SERVER_HINT = (
 )
 
 
-def _engine_arg(text: str) -> tuple[str, Any]:
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. max_model_len=4096")
-    try:
-        return key, json.loads(raw)
-    except json.JSONDecodeError:
-        return key, raw
-
-
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a port number, 1 to 65535")
     return int(text)
-
-
-def _choices(text: str) -> list[str]:
-    choices = [c.strip() for c in text.split(",") if c.strip()]
-    if not choices:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated choices, e.g. cat,dog,other")
-    return choices
-
-
-def _json_schema(value: str | None) -> dict[str, Any] | str | None:
-    """`--json-schema`: a built-in schema's name, or a JSON Schema file (checked by the job)."""
-    from flows.params import BUILTIN_SCHEMAS
-
-    if value is None or value in BUILTIN_SCHEMAS:
-        return value
-    try:
-        with open(value, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--json-schema {value}: cannot read a JSON Schema from it ({exc}); "
-                          f"give a JSON file or one of: {', '.join(BUILTIN_SCHEMAS)}") from None
-
-
-def _add_job_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", default="llava", help="recipe name (default: llava)")
-    parser.add_argument("--question", action="append", dest="questions", metavar="QUESTION",
-                        help="asked about every item, one record each (repeatable)")
-    parser.add_argument("--modality", choices=["image", "video", "multi-image"],
-                        help="what one item is: an image, a video, or a group of images (one folder, or "
-                        "one manifest line) (default: image)")
-    parser.add_argument("--method", choices=["generate", "chat"],
-                        help="generate (default) or chat: LLM.chat with image parts and the chat template")
-    parser.add_argument("--num-frames", type=int, help="frames sampled from each video (default 16)")
-    parser.add_argument("--max-images", type=int, help="largest image group accepted (default 8)")
-    parser.add_argument("--model", help="model id or local path instead of the recipe's")
-    parser.add_argument("--skip-model-check", action="store_true",
-                        help="start without checking the model first (that it loads, and that its model_type "
-                        "is one the recipe is for)")
-    parser.add_argument("--shard-size", type=int, default=None, help="items per task run (default 64)")
-    parser.add_argument("--limit", type=int, help="stop after this many items")
-    parser.add_argument("--glob", help="only keys matching this glob, e.g. '*.jpg'")
-    parser.add_argument("--source-format", choices=["auto", "files", "webdataset", "parquet", "inventory"],
-                        help="what the source holds: media files, WebDataset tar shards (a tar, a prefix of tars "
-                        "or a brace pattern like shards/{00000..00099}.tar), Parquet, or an S3 Inventory report "
-                        "(its manifest.json, or a folder of dated reports: the newest) (default auto: from "
-                        ".tar/.parquet/manifest.json/braces, else from the objects listed first)")
-    parser.add_argument("--column", help="Parquet: the column of image URLs, s3:// URIs, paths or bytes")
-    parser.add_argument("--modified-since", metavar="TIME|DURATION|auto",
-                        help="only objects modified after this time (2026-11-20T03:00:00Z), this long before the "
-                        "run (26h, 2d), or auto: since the watermark the last completed run left in the output")
-    parser.add_argument("--gallery-items", type=int,
-                        help="items on the run's HTML gallery beside its manifest (default 200; 0: none)")
-    parser.add_argument("--temperature", type=float)
-    parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
-                        metavar="KEY=VALUE", help="vLLM engine argument override (repeatable)")
-    parser.add_argument("--processor-device", choices=["auto", "cuda", "cpu"],
-                        help="where the model's processor runs (default auto: the GPU where the recipe's "
-                             "processor is checked there)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow recipes that run the model repository's own code")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="every log line on the terminal as it comes (Prefect's, vLLM's, the flow's) instead "
-                        "of a progress bar, the rest in the run's log file")
-    parser.add_argument("--log-format", choices=["auto", "console", "json"],
-                        help="json: the flow's structured log lines and the final summary as JSON, on the "
-                        "terminal, for machines (implies -v); console or auto: VLM_CAPTION_LOG_FORMAT's choices")
-    structured = parser.add_mutually_exclusive_group()
-    structured.add_argument("--json-schema", metavar="FILE|tags",
-                            help="answer JSON matching this JSON Schema file (or `tags`: a built-in "
-                            '{"tags": [...], "caption": ...} schema); records get it parsed in `structured`')
-    structured.add_argument("--regex", help="answer text matching this regular expression")
-    structured.add_argument("--choice", type=_choices, metavar="A,B,C", help="answer one of these strings")
-
-
-def _job_fields(args: argparse.Namespace) -> dict[str, Any]:
-    fields: dict[str, Any] = {"recipe": args.recipe, "trust_remote_code": args.trust_remote_code}
-    if args.skip_model_check:
-        fields["skip_model_check"] = True
-    for name in ("questions", "model", "shard_size", "limit", "glob", "modality", "method", "num_frames",
-                 "max_images", "processor_device", "source_format", "column", "gallery_items",
-                 "modified_since"):
-        if getattr(args, name) is not None:
-            fields[name] = getattr(args, name)
-    sampling = {k: getattr(args, k) for k in ("temperature", "max_tokens", "seed")
-                if getattr(args, k) is not None}
-    if sampling:
-        fields["sampling"] = sampling
-    if args.engine_arg:
-        fields["engine_overrides"] = dict(args.engine_arg)
-    schema = _json_schema(args.json_schema)
-    for name, value in (("json_schema", schema), ("regex", args.regex), ("choice", args.choice)):
-        if value is not None:
-            fields[name] = value
-    return fields
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,12 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--manifest", help="instead of a source: a JSON Lines file of items (s3:// or local), "
                      'each line {"id": ..., "media": [...], "question": ...}')
     run.add_argument("--out", required=True, help="s3://bucket/prefix/ or a local folder")
-    _add_job_options(run)
+    add_job_options(run)
 
     demo = sub.add_parser("demo", help="caption a few generated images, offline, on CPU or GPU")
     demo.add_argument("--dir", default="vlm-caption-demo", help="working folder (default: ./vlm-caption-demo)")
     demo.add_argument("--images", type=int, default=8, help="how many sample images to make")
-    _add_job_options(demo)
+    add_job_options(demo)
 
     bench = sub.add_parser("bench", help="the flow against raw vLLM (the example's way) on this machine")
     add_bench_arguments(bench)
@@ -246,7 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.params import CaptionJob
     from flows.plan import make_plan
 
-    job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **_job_fields(args))
+    job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **job_fields(args))
     # Every check that needs no engine, before Prefect starts: each problem one line, all at once.
     # The flow makes the plan again in its own process (a deployment run has had no CLI).
     plan = make_plan(job)
@@ -274,7 +168,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from flows.server import check_api_reachable
 
     check_api_reachable()
-    return run_demo(args, _job_fields(args))
+    return run_demo(args, job_fields(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -285,7 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not (width.isdigit() and height.isdigit()):
         raise UsageError(f"--size {args.size}: expected WIDTHxHEIGHT in pixels, e.g. 640x480")
     try:  # checked as a job checks it, before any phase runs
-        schema = resolve_json_schema(_json_schema(args.json_schema))
+        schema = resolve_json_schema(json_schema_option(args.json_schema))
     except ValueError as exc:
         raise UsageError(f"--json-schema: {exc}") from None
     run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images,

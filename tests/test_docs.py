@@ -96,7 +96,7 @@ def invocations() -> list[tuple[str, list[str]]]:
 def check_invocation(args: list[str]) -> None:
     """Parse as the CLI does, then what the parser leaves to the job: the recipe, and whether it
     takes the modality (`run` builds the whole job, as `vlm-caption run` would)."""
-    from flows.cli import _job_fields
+    from flows.cli_job import job_fields
     from recipes import get_recipe
 
     errors = io.StringIO()
@@ -109,7 +109,7 @@ def check_invocation(args: list[str]) -> None:
     if parsed.command == "run":
         from flows.params import CaptionJob
 
-        CaptionJob(source=parsed.source, manifest=parsed.manifest, output=parsed.out, **_job_fields(parsed))
+        CaptionJob(source=parsed.source, manifest=parsed.manifest, output=parsed.out, **job_fields(parsed))
     elif parsed.command in ("demo", "bench"):
         get_recipe(parsed.recipe).prompting(parsed.modality or "image")
     elif parsed.command == "recipes" and parsed.recipes_command == "show":

@@ -110,11 +110,12 @@ def test_cpu_engines_skip_the_multimodal_memory_profile_unless_the_job_asks_for_
 
 
 def test_a_job_takes_the_processor_device_from_the_command_line():
-    from flows.cli import _job_fields, build_parser
+    from flows.cli import build_parser
+    from flows.cli_job import job_fields
 
     args = build_parser().parse_args(["run", "/in", "--out", "/out", "--recipe", "qwen2_vl",
                                       "--processor-device", "cpu"])
-    assert _job_fields(args)["processor_device"] == "cpu"
+    assert job_fields(args)["processor_device"] == "cpu"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "/in", "--out", "/out", "--processor-device", "tpu"])
 

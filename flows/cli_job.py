@@ -1,0 +1,116 @@
+"""The job's command-line options (`vlm-caption run` and `demo`): the arguments, and the
+CaptionJob fields they give. `flows/cli.py` builds the parser with them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from tasks.errors import UsageError
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. max_model_len=4096")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _choices(text: str) -> list[str]:
+    choices = [c.strip() for c in text.split(",") if c.strip()]
+    if not choices:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated choices, e.g. cat,dog,other")
+    return choices
+
+
+def json_schema_option(value: str | None) -> dict[str, Any] | str | None:
+    """`--json-schema`: a built-in schema's name, or a JSON Schema file (checked by the job)."""
+    from flows.params import BUILTIN_SCHEMAS
+
+    if value is None or value in BUILTIN_SCHEMAS:
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--json-schema {value}: cannot read a JSON Schema from it ({exc}); "
+                          f"give a JSON file or one of: {', '.join(BUILTIN_SCHEMAS)}") from None
+
+
+def add_job_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default="llava", help="recipe name (default: llava)")
+    parser.add_argument("--question", action="append", dest="questions", metavar="QUESTION",
+                        help="asked about every item, one record each (repeatable)")
+    parser.add_argument("--modality", choices=["image", "video", "multi-image"],
+                        help="what one item is: an image, a video, or a group of images (one folder, or "
+                        "one manifest line) (default: image)")
+    parser.add_argument("--method", choices=["generate", "chat"],
+                        help="generate (default) or chat: LLM.chat with image parts and the chat template")
+    parser.add_argument("--num-frames", type=int, help="frames sampled from each video (default 16)")
+    parser.add_argument("--max-images", type=int, help="largest image group accepted (default 8)")
+    parser.add_argument("--model", help="model id or local path instead of the recipe's")
+    parser.add_argument("--skip-model-check", action="store_true",
+                        help="start without checking the model first (that it loads, and that its model_type "
+                        "is one the recipe is for)")
+    parser.add_argument("--shard-size", type=int, default=None, help="items per task run (default 64)")
+    parser.add_argument("--limit", type=int, help="stop after this many items")
+    parser.add_argument("--glob", help="only keys matching this glob, e.g. '*.jpg'")
+    parser.add_argument("--source-format", choices=["auto", "files", "webdataset", "parquet", "inventory"],
+                        help="what the source holds: media files, WebDataset tar shards (a tar, a prefix of tars "
+                        "or a brace pattern like shards/{00000..00099}.tar), Parquet, or an S3 Inventory report "
+                        "(its manifest.json, or a folder of dated reports: the newest) (default auto: from "
+                        ".tar/.parquet/manifest.json/braces, else from the objects listed first)")
+    parser.add_argument("--column", help="Parquet: the column of image URLs, s3:// URIs, paths or bytes")
+    parser.add_argument("--modified-since", metavar="TIME|DURATION|auto",
+                        help="only objects modified after this time (2026-11-20T03:00:00Z), this long before the "
+                        "run (26h, 2d), or auto: since the watermark the last completed run left in the output")
+    parser.add_argument("--gallery-items", type=int,
+                        help="items on the run's HTML gallery beside its manifest (default 200; 0: none)")
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
+                        metavar="KEY=VALUE", help="vLLM engine argument override (repeatable)")
+    parser.add_argument("--processor-device", choices=["auto", "cuda", "cpu"],
+                        help="where the model's processor runs (default auto: the GPU where the recipe's "
+                             "processor is checked there)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow recipes that run the model repository's own code")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every log line on the terminal as it comes (Prefect's, vLLM's, the flow's) instead "
+                        "of a progress bar, the rest in the run's log file")
+    parser.add_argument("--log-format", choices=["auto", "console", "json"],
+                        help="json: the flow's structured log lines and the final summary as JSON, on the "
+                        "terminal, for machines (implies -v); console or auto: VLM_CAPTION_LOG_FORMAT's choices")
+    structured = parser.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE|tags",
+                            help="answer JSON matching this JSON Schema file (or `tags`: a built-in "
+                            '{"tags": [...], "caption": ...} schema); records get it parsed in `structured`')
+    structured.add_argument("--regex", help="answer text matching this regular expression")
+    structured.add_argument("--choice", type=_choices, metavar="A,B,C", help="answer one of these strings")
+
+
+def job_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields: dict[str, Any] = {"recipe": args.recipe, "trust_remote_code": args.trust_remote_code}
+    if args.skip_model_check:
+        fields["skip_model_check"] = True
+    for name in ("questions", "model", "shard_size", "limit", "glob", "modality", "method", "num_frames",
+                 "max_images", "processor_device", "source_format", "column", "gallery_items",
+                 "modified_since"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    sampling = {k: getattr(args, k) for k in ("temperature", "max_tokens", "seed")
+                if getattr(args, k) is not None}
+    if sampling:
+        fields["sampling"] = sampling
+    if args.engine_arg:
+        fields["engine_overrides"] = dict(args.engine_arg)
+    schema = json_schema_option(args.json_schema)
+    for name, value in (("json_schema", schema), ("regex", args.regex), ("choice", args.choice)):
+        if value is not None:
+            fields[name] = value
+    return fields
