@@ -138,3 +138,33 @@ def test_a_long_history_is_compacted_into_one_object_and_stays_exact(tmp_path, p
     assert len(list((out / "results" / FP).glob("*.vidx"))) == 1
     done, reads = _load_counting(out)
     assert len(done) == total + 1 - 3 and len(reads) == 1
+
+
+def test_a_part_whose_read_fails_for_a_moment_is_read_again_never_skipped(tmp_path, prefect_api, monkeypatch):
+    """A part without a usable sidecar is parsed; a read of it that fails transiently (a body cut
+    short, a timeout) is tried again, and one that keeps failing fails the load (retried as a
+    task) instead of leaving the part's results out, which a run would compute and write twice."""
+    import pytest
+
+    import tasks.sources.transient as transient
+    from tasks.sources.storage import ShortBodyError
+
+    monkeypatch.setattr(transient, "PAUSE_S", 0.01)
+    out = _out(tmp_path / "out")
+    write_shard.fn(out, FP, "run1", 0, [_record(0), _record(1)])
+    out.delete(sidecar_key(part_key(FP, "run1", 0)))  # so the part itself is read
+    read, failures = out.read, []
+
+    def flaky(key: str) -> bytes:
+        if key.endswith(".jsonl") and failures and failures[0] > 0:
+            failures[0] -= 1
+            raise ShortBodyError(f"{key}: 10 of 900 bytes")
+        return read(key)
+
+    monkeypatch.setattr(out, "read", flaky)
+    failures[:] = [2]  # fails twice, then answers
+    done = load_done_index.fn(out, FP)
+    assert not done.pending_by_listing(_item(0), ("q",)) and not done.pending_by_listing(_item(1), ("q",))
+    failures[:] = [99]  # keeps failing: the load fails rather than forget the part
+    with pytest.raises(ShortBodyError):
+        load_done_index.fn(out, FP)

@@ -36,6 +36,7 @@ from tasks.results.layout import compacted_index_key, results_prefix
 from tasks.results.records import ResultRecord
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.storage import Storage
+from tasks.sources.transient import is_transient, retry_transient
 
 ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])
 SIDECAR_MAGIC = b"VLMIDX1\0"
@@ -170,20 +171,13 @@ class DoneIndex:
 def load_done_index(out: Storage, fingerprint: str) -> DoneIndex:
     """Results that earlier runs with this fingerprint finished for good (captioned, or failed
     in a way a rerun would only repeat), in the output `out` (`RunPlan.output`). A part that
-    cannot be read is skipped with a warning naming it; its items are computed again."""
-    objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
-    parts = [ref for key, ref in objects.items() if key.endswith(".jsonl")]
-    log = get_logger(fingerprint=fingerprint)
-    compacted = sorted(key for key in objects if key.endswith(".vidx"))
-    by_part = _read_compacted(out, compacted[-1], objects, log) if compacted else {}
-    rest = [part for part in parts if part.key not in by_part]
-    with ThreadPoolExecutor(READERS) as pool:
-        read = list(pool.map(lambda part: _part_rows(out, part, sidecar_key(part.key) in objects, log), rest))
-    # A part that could not be read stays out of the compacted index: the next load tries it again.
-    by_part.update((part.key, rows) for part, rows in zip(rest, read) if rows is not None)
-    if len(rest) >= COMPACT_AFTER:
-        _compact(out, fingerprint, {key: (objects[key].size, rows) for key, rows in by_part.items()}, compacted, log)
-    return DoneIndex(by_part.values())
+    cannot be parsed is skipped with a warning naming it; its items are computed again. One
+    read many parts one by one writes a compacted index for the next."""
+    loaded = load_part_rows(out, fingerprint)
+    if loaded.read_one_by_one >= COMPACT_AFTER:
+        _compact(out, fingerprint, {key: (loaded.parts[key].size, rows) for key, rows in loaded.rows.items()},
+                 loaded.compacted, get_logger(fingerprint=fingerprint))
+    return DoneIndex(loaded.rows.values())
 
 
 def _read_compacted(out: Storage, key: str, objects: dict[str, ObjectRef], log) -> dict[str, np.ndarray]:
@@ -236,14 +230,6 @@ def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndar
     log.info("done-index compacted", index=out.describe(key), parts=len(parts), replaced=len(older))
 
 
-def _part_rows(out: Storage, part: ObjectRef, has_sidecar: bool, log) -> np.ndarray | None:
-    if has_sidecar:
-        rows = _read_sidecar(out, sidecar_key(part.key), part.size)
-        if rows is not None:
-            return rows
-    return _parse_part(out, part, log)
-
-
 def _read_sidecar(out: Storage, key: str, part_size: int) -> np.ndarray | None:
     """The sidecar's rows, or None when it is damaged or was made from a different part body."""
     try:
@@ -272,9 +258,13 @@ def parse_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
 
 
 def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
+    """A part's rows from its records. A read that fails transiently is tried again, then raised
+    (the load is retried): skipped, its results would be computed again and written twice."""
     try:
-        lines = out.read(part.key).decode("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
+        lines = retry_transient(lambda: out.read(part.key), out.describe(part.key)).decode("utf-8").splitlines()
+    except Exception as exc:
+        if is_transient(exc):
+            raise
         log.warning("unreadable results part skipped", part=out.describe(part.key), error=str(exc))
         return None
     records, bad = parse_records(lines)
@@ -285,18 +275,20 @@ def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
 
 
 class PartRows:
-    """Each part's rows, as a load reads them, for views built on the parts (the Parquet view):
-    `parts` every part listed (key: ObjectRef); `rows` each readable part's rows, in its final
-    records' order; `resized` the parts whose sidecar was made from another body (cut short or
-    rewritten by hand since)."""
+    """Each part's rows, as a load reads them (the done-index, the Parquet view): `parts` every
+    part listed (key: ObjectRef); `rows` each readable part's rows, in its final records' order;
+    `resized` the parts whose sidecar was made from another body (cut short or rewritten by hand
+    since); `compacted` the compacted indexes listed; `read_one_by_one` the parts none covered."""
 
-    def __init__(self, parts: dict[str, ObjectRef], rows: dict[str, np.ndarray], resized: set[str]):
+    def __init__(self, parts: dict[str, ObjectRef], rows: dict[str, np.ndarray], resized: set[str],
+                 compacted: list[str], read_one_by_one: int):
         self.parts, self.rows, self.resized = parts, rows, resized
+        self.compacted, self.read_one_by_one = compacted, read_one_by_one
 
 
 def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
-    """What `load_done_index` reads (the latest compacted index, then the sidecars of the parts
-    it does not cover), kept per part; it writes no compacted index."""
+    """The latest compacted index, then the sidecars (or, where none fits, the records) of the
+    parts it does not cover, kept per part; it writes no compacted index."""
     objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
     parts = {key: ref for key, ref in objects.items() if key.endswith(".jsonl")}
     log = get_logger(fingerprint=fingerprint)
@@ -315,5 +307,6 @@ def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
     rest = [part for key, part in parts.items() if key not in by_part]
     with ThreadPoolExecutor(READERS) as pool:
         read = list(pool.map(rows_of, rest))
+    # A part that could not be read stays out of the compacted index: the next load tries it again.
     by_part.update((part.key, rows) for part, rows in zip(rest, read) if rows is not None)
-    return PartRows(parts, by_part, resized)
+    return PartRows(parts, by_part, resized, compacted, len(rest))
