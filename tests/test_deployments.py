@@ -207,7 +207,14 @@ def test_a_permanent_error_fails_a_deployment_run_at_once(stack, tmp_path):
 
 def test_a_run_whose_parameters_do_not_validate_is_named_and_fails_once(stack, tmp_path):
     job = {"source": str(tmp_path), "output": "", "recipe": "llava"}  # an empty output (a variable not set)
-    run = stack.wait_for(stack.run_deployment("vlm-caption/dev", job), timeout=300)
+    run_id = stack.run_deployment("vlm-caption/dev", job)
+    run = stack.wait_for(run_id, timeout=300)
+    # Prefect ends the run Failed with pydantic's message, then the run's on_failure hook gives it
+    # the readable one (and its name): what the UI shows once the hook has run, a moment later.
+    deadline = time.time() + 60
+    while not (run["state"]["message"] or "").startswith("invalid job") and time.time() < deadline:
+        time.sleep(1)
+        run = stack.flow_run(run_id)
     assert run["state_type"] == "FAILED" and run["run_count"] <= 1, run["state"]
     assert run["state"]["message"] == "invalid job: output: empty location", run["state"]["message"]
     assert run["name"] == f"llava · {tmp_path}", run["name"]  # not Prefect's random name
