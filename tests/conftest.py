@@ -138,18 +138,10 @@ def s3_endpoint():
         "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1", "VLM_CAPTION_S3_ENDPOINT_URL": url,
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    from tasks.settings import get_settings
+    from tasks.settings import settings_environment
 
-    get_settings.cache_clear()
-    yield url
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    get_settings.cache_clear()
+    with settings_environment(env):
+        yield url
     proc.terminate()
     proc.wait(timeout=10)
 

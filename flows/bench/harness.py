@@ -125,20 +125,10 @@ def loopback_s3(work: Path):
 
         boto3.client("s3", endpoint_url=env["VLM_CAPTION_S3_ENDPOINT_URL"], region_name="us-east-1",
                      aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench")
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
-        from tasks.settings import get_settings
+        from tasks.settings import settings_environment
 
-        get_settings.cache_clear()
-        try:
+        with settings_environment(env):
             yield env
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            get_settings.cache_clear()
     finally:
         server.terminate()
         server.wait(timeout=30)
