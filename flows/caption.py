@@ -102,8 +102,8 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     job, recipe, fingerprint = plan.job, plan.recipe, plan.fingerprint
     own, children = job.partition, []
     if job.fan_out > 1:
-        # The children are asked for first, before this process imports vLLM and starts its
-        # engine: a child's worker, process and imports then overlap the parent's own start.
+        # The children are asked for before this process waits on vLLM's import (its engine, if
+        # started first, builds meanwhile): a child's worker, process and imports overlap it.
         own = Partition(index=0, count=job.fan_out, run_id=run_id, fingerprint=fingerprint, engine_first=engine_first)
         wait_for_orphans(job.partition_deployment, job.output, fingerprint)
         child_jobs = {i: job.model_copy(update={"fan_out": 1, "partition": own.model_copy(update={"index": i})})
