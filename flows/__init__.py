@@ -14,9 +14,3 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EMBEDD
 os.environ.setdefault("PREFECT_SERVER_DATABASE_TIMEOUT", "60")
 # Prefect's embedded SQLite API reports "database is locked" while analytics run beside it.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
-# Prefect prints a first-run telemetry notice when imported in a terminal; held, it goes into the
-# run's log with one line of ours, instead of opening a quiet run's terminal (tasks/terminal.py).
-from tasks.prefect_notice import hold_prefect_notice  # noqa: E402 - after the settings above
-
-hold_prefect_notice()

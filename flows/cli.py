@@ -135,6 +135,15 @@ def _log_format(args: argparse.Namespace) -> None:
         get_settings.cache_clear()
 
 
+def import_prefect() -> None:
+    """Prefect's first import in `run` and `demo`, before anything else imports it: what it prints
+    as it starts in a terminal (its first-run telemetry notice) is held for the run's terminal to
+    place (tasks/prefect_api.py), not printed above the progress bar."""
+    from tasks.prefect_api import import_prefect as import_holding_notice
+
+    import_holding_notice()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     _log_format(args)
     from flows.params import CaptionJob
@@ -147,6 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     job = plan.job
     from flows.server import check_api_reachable
 
+    import_prefect()
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
     from flows.plan import start_engine_first, take_partition_cores
     from tasks.terminal import print_run_end, run_terminal
@@ -167,6 +177,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from flows.demo import run_demo
     from flows.server import check_api_reachable
 
+    import_prefect()
     check_api_reachable()
     return run_demo(args, job_fields(args))
 
@@ -248,7 +259,7 @@ def report_user_error(exc: Exception) -> int | None:
         lines, code = [EMBEDDED_SERVER_HINT.format(timeout=timeout)], 3
     else:
         return None
-    from tasks.prefect_notice import show_prefect_notice_now
+    from tasks.prefect_api import show_prefect_notice_now
 
     show_prefect_notice_now(sys.stderr)  # Prefect's, if it has one for this terminal: before our error
     for line in lines:  # a pre-flight's problems, one line each

@@ -122,13 +122,13 @@ def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subproc
           f"  In each shell that deploys, starts workers or runs flows:\n"
           f"    export PREFECT_API_URL={url}/api\n"
           f"  (The first start downloads Prefect's wheels. Ctrl-C stops the server.)", flush=True)
-    from tasks.prefect_notice import show_prefect_notice_now
+    from tasks.prefect_api import show_prefect_notice_now
 
-    show_prefect_notice_now(sys.stdout, import_prefect=True)
+    show_prefect_notice_now(sys.stdout, import_now=True)
     sys.stderr.flush()
     # The server's output passes through here: once a stop is asked for, its shutdown's lines
     # (uvicorn's and Prefect's services' CancelledError tracebacks for every open connection,
-    # some 200 lines with workers attached) are dropped, and the stop is one line.
+    # many with workers attached) are dropped, and the stop is one line.
     server = start(command, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     stopping = threading.Event()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from tasks.prefect_notice import release_notice
+from tasks.prefect_api import drain_and_stop, release_notice, running_embedded_server
 
 # The terminal's stderr while a quiet run holds descriptors 1 and 2; None otherwise.
 _terminal: IO[str] | None = None
@@ -47,7 +47,7 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
-    servers_before = set(_embedded_prefect_servers())  # a test harness's, or a caller's: not ours to stop
+    server_before = running_embedded_server()  # a test harness's, or a caller's: not ours to stop
     with open(log_path, "ab", buffering=0) as log:
         terminal = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
         print(f"vlm-caption: the run's log (Prefect, vLLM): {log_path}", file=terminal)
@@ -59,7 +59,7 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
             yield log_path
         finally:
             _release_engine()  # else vLLM ends its processes at exit, a warning on the terminal
-            _stop_embedded_prefect_servers(servers_before)  # else each says so at exit, on the terminal
+            _stop_embedded_prefect_server(server_before)  # else it says so at exit, on the terminal
             _terminal = None
             sys.stdout.flush()
             sys.stderr.flush()
@@ -85,8 +85,8 @@ def run_terminal(output: str, *, verbose: bool, log_format: str | None) -> Itera
 
 def _release_engine() -> None:
     """The run's engine shut down now, into the log: at exit vLLM's process manager may say, on
-    the terminal, that it force-killed an engine process slow to end (seen on a busy 2-core CI
-    machine). Nothing is imported for a run that started no engine."""
+    the terminal, that it force-killed an engine process slow to end (on a busy machine).
+    Nothing is imported for a run that started no engine."""
     engine = sys.modules.get("tasks.engine.vllm_engine")
     if engine is None:
         return
@@ -97,32 +97,11 @@ def _release_engine() -> None:
               "ends", file=sys.stderr)  # the run's log
 
 
-def _embedded_prefect_servers() -> dict[int, Any]:
-    """Prefect's embedded API servers running in this process, by identity."""
-    server = sys.modules.get("prefect.server.api.server")
-    instances = getattr(getattr(server, "SubprocessASGIServer", None), "_instances", {})
-    return {id(instance): instance for instance in list(instances.values())}
-
-
-def _stop_embedded_prefect_servers(keep: set[int]) -> None:
-    """Prefect stops the embedded server a run started at exit, with a log line; stop it now, into
-    the log. Its log and event workers send what they hold first (else they find no server at exit)."""
-    started = [instance for key, instance in _embedded_prefect_servers().items() if key not in keep]
-    if not started:
-        return
-    from prefect._internal.concurrency.services import QueueService
-
-    try:
-        QueueService.drain_all(timeout=30)
-    except Exception as exc:  # noqa: BLE001 - the run is over: nothing here may fail it
-        print(f"vlm-caption: Prefect's log and event workers not drained ({type(exc).__name__}: {exc}); "
-              "their last lines may be missing from the API", file=sys.stderr)  # the run's log
-    for instance in started:
-        try:
-            instance.stop()
-        except Exception as exc:  # noqa: BLE001 - Prefect stops it at exit instead
-            print(f"vlm-caption: Prefect's embedded server not stopped now ({type(exc).__name__}: {exc}); "
-                  "it stops as the process ends", file=sys.stderr)
+def _stop_embedded_prefect_server(before: Any | None) -> None:
+    """The embedded Prefect server this run started, stopped now, into the log."""
+    server = running_embedded_server()
+    if server is not None and server is not before:
+        drain_and_stop(server)
 
 
 def _fit(text: str, width: int) -> str:
@@ -148,7 +127,7 @@ class TerminalProgress:
 
         self.total, self.done, self.errors = total_items, 0, 0
         # The rate counts from the first result: before it come the listing and the engine's
-        # start (a minute on a GPU), which would make the first ETAs several times too long.
+        # start (the longest wait of a run), which would make the first ETAs several times too long.
         self.first: tuple[float, int] | None = None  # when, and how many items were done then
         self.started = time.monotonic()
         self.console = Console(file=user_stream())

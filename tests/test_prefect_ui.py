@@ -245,7 +245,7 @@ def test_the_server_runs_prefect_at_the_projects_version_in_its_own_environment(
     monkeypatch.setenv("PREFECT_API_URL", "http://elsewhere:4200/api")
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
     # (Prefect imported under this environment would keep its API URL for the tests after this one.)
-    monkeypatch.setattr("tasks.prefect_notice.show_prefect_notice_now", lambda file, import_prefect=False: None)
+    monkeypatch.setattr("tasks.prefect_api.show_prefect_notice_now", lambda file, import_now=False: None)
     started = {}
 
     class Ended:  # a server that printed a line and ended

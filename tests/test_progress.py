@@ -119,29 +119,24 @@ def test_the_summary_says_what_was_done_how_fast_and_where_it_all_is(capsys, tmp
 def test_a_quiet_run_stops_only_the_embedded_server_it_started(tmp_path, monkeypatch):
     """The server a run's Prefect started is stopped inside the redirect (its goodbye line goes to
     the log); a server that was up before (a test harness's, a caller's) is left running."""
-    import sys
-    import types
-
-    import prefect._internal.concurrency.services as services
-
-    class Server:
-        stopped: list[str] = []
-
-        def __init__(self, name):
-            self.name = name
-
-        def stop(self):
-            Server.stopped.append(self.name)
-
-    module = types.ModuleType("prefect.server.api.server")
-    module.SubprocessASGIServer = types.SimpleNamespace(_instances={None: Server("the harness's")})
-    monkeypatch.setitem(sys.modules, "prefect.server.api.server", module)
-    monkeypatch.setattr(services.QueueService, "drain_all", classmethod(lambda cls, timeout=None: None))
+    import tasks.terminal as terminal
     from tasks.terminal import quiet_terminal
 
+    stopped: list[str] = []
+    embedded: list[str | None] = []  # what Prefect's embedded server is: as the run starts, as it ends
+    monkeypatch.setattr(terminal, "running_embedded_server", lambda: embedded.pop(0))
+    monkeypatch.setattr(terminal, "drain_and_stop", stopped.append)
+
+    embedded[:] = ["the harness's", "the harness's"]
     with quiet_terminal(tmp_path / "run.log"):
-        module.SubprocessASGIServer._instances[8123] = Server("the run's")
-    assert Server.stopped == ["the run's"]
+        pass
+    embedded[:] = [None, "the run's"]
+    with quiet_terminal(tmp_path / "run.log"):
+        pass
+    embedded[:] = [None, None]  # a run on PREFECT_API_URL's server: nothing to stop
+    with quiet_terminal(tmp_path / "run.log"):
+        pass
+    assert stopped == ["the run's"] and embedded == []
 
 
 def test_a_quiet_run_shuts_its_engine_down_into_the_log(tmp_path):
@@ -222,17 +217,17 @@ def test_prefects_first_run_notice_goes_to_the_quiet_runs_log(tmp_path):
     log = tmp_path / "logs" / "run.log"
     script = f"""
 from pathlib import Path
-import flows  # holds the notice (flows/__init__.py)
-import prefect
+from tasks.prefect_api import import_prefect
 from tasks.terminal import quiet_terminal
+import_prefect()  # as `vlm-caption run` and `demo` do first: the notice held
+import prefect
 with quiet_terminal(Path({str(log)!r})):
     pass
 print("the summary")
 """
-    from prefect._internal.analytics.ci_detection import CI_ENV_VARS
+    from tests.test_prefect_api import telemetry_on_with_a_fresh_home
 
-    env = {k: v for k, v in os.environ.items() if k not in CI_ENV_VARS and k != "DO_NOT_TRACK"}
-    env["PREFECT_HOME"] = str(tmp_path / "fresh-prefect-home")
+    env = telemetry_on_with_a_fresh_home(tmp_path / "fresh-prefect-home")
     code, screen = run_in_a_terminal([sys.executable, "-c", script], env=env, timeout=120)
     assert code == 0, screen
     assert "anonymous usage data" not in screen and "docs.prefect.io" not in screen, screen
