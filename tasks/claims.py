@@ -56,36 +56,28 @@ class _Seen:
     changed_at: float = field(default_factory=time.monotonic)
 
 
-class ShardClaims:
-    """This partition's side of the run's claims (one per partition process)."""
+class Heartbeat:
+    """A partition's heartbeat: `alive-<owner>.json` rewritten every `beat_s` seconds by a thread
+    while the partition runs, and `finished` once, however its pipeline ends, so that the others
+    retake what it left undone at once instead of waiting for the beat to go stale."""
 
-    def __init__(self, out: Storage, run_id: str, partition: int, owner: str | None = None,
-                 beat_s: float = BEAT_S, stale_s: float = STALE_S):
-        self.out, self.run_id, self.partition = out, run_id, partition
-        self.owner = owner or f"p{partition}"
-        self.prefix = claims_prefix(run_id)
-        self.beat_s, self.stale_s = beat_s, stale_s
-        self.taken = 0  # shards this partition claimed (first claims and retakes)
-        self.retaken = 0
+    def __init__(self, out: Storage, key: str, partition: int, beat_s: float, log):
+        self.out, self.key, self.partition, self.beat_s, self.log = out, key, partition, beat_s, log
         self._beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._seen: dict[str, _Seen] = {}
-        self.log = get_logger(run_id=run_id, partition=partition)
 
-    # ---- heartbeat ------------------------------------------------------------------------------
-    def __enter__(self) -> ShardClaims:
-        self._beat("running")
+    def start(self) -> None:
+        self.beat("running")
         self._thread = threading.Thread(target=self._beating, name="claims-heartbeat", daemon=True)
         self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.beat_s + 5)
         try:
-            self._beat("finished")  # the others retake what this partition leaves undone, at once
+            self.beat("finished")
         except Exception as error:  # noqa: BLE001 - they retake it once the heartbeat is stale
             self.log.warning("could not say this partition finished; others wait for its heartbeat to go stale",
                              error=str(error))
@@ -93,14 +85,41 @@ class ShardClaims:
     def _beating(self) -> None:
         while not self._stop.wait(self.beat_s):
             try:
-                self._beat("running")
+                self.beat("running")
             except Exception as error:  # noqa: BLE001 - a store hiccup; the next beat tries again
                 self.log.warning("heartbeat not written", error=str(error))
 
-    def _beat(self, state: str) -> None:
+    def beat(self, state: str) -> None:
         self._beats += 1
-        self.out.write(f"{self.prefix}alive-{self.owner}.json",
-                       json.dumps({"beat": self._beats, "state": state, "partition": self.partition}).encode())
+        body = {"beat": self._beats, "state": state, "partition": self.partition}
+        self.out.write(self.key, json.dumps(body).encode())
+
+
+class ShardClaims:
+    """This partition's side of the run's claims (one per partition process): the ledger of who
+    holds which shard, and, inside `with`, this partition's heartbeat."""
+
+    def __init__(self, out: Storage, run_id: str, partition: int, owner: str | None = None,
+                 beat_s: float = BEAT_S, stale_s: float = STALE_S):
+        self.out, self.run_id, self.partition = out, run_id, partition
+        self.owner = owner or f"p{partition}"
+        self.prefix = claims_prefix(run_id)
+        self.stale_s = stale_s
+        self.taken = 0  # shards this partition claimed (first claims and retakes)
+        self.retaken = 0
+        self._seen: dict[str, _Seen] = {}
+        self.log = get_logger(run_id=run_id, partition=partition)
+        self.heartbeat = Heartbeat(out, self._alive_key(self.owner), partition, beat_s, self.log)
+
+    def __enter__(self) -> ShardClaims:
+        self.heartbeat.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.heartbeat.stop()
+
+    def _alive_key(self, owner: str) -> str:
+        return f"{self.prefix}alive-{owner}.json"
 
     # ---- claims ---------------------------------------------------------------------------------
     def claim(self, shard: Shard, *, compare: bool = False) -> bool:
@@ -189,7 +208,7 @@ class ShardClaims:
         if owner == self.owner:
             return False
         try:
-            beat = json.loads(self.out.read(f"{self.prefix}alive-{owner}.json"))
+            beat = json.loads(self.out.read(self._alive_key(owner)))
         except (OSError, ValueError):
             beat = None  # it claimed before its first beat landed, or the beat is unreadable: wait
         if beat is not None and beat.get("state") == "finished":
