@@ -200,6 +200,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           fan_out_env=tuple(args.fan_out_env),
                           profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw,
                           processor_device=args.processor_device, warm_up=args.warm_up, history=args.history,
+                          history_source=args.history_source, history_keep=args.history_keep,
+                          history_new=not args.history_nothing_new_only,
                           json_schema=json.dumps(schema) if schema is not None else None))
     return 0
 

@@ -74,3 +74,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: time a nightly `vlm-caption run` over N done results (synthesized as a run "
                         "writes them), with nothing new and with 1%% new, against the same new items into an "
                         "empty output (--source folder or s3, --shard-size, --max-tokens apply)")
+    parser.add_argument("--history-source", choices=["listing", "inventory"], default="listing",
+                        help="with --history: list the history from the source itself (default), or from an S3 "
+                        "Inventory report of it (--source-format inventory; the report beside the output, the "
+                        "new items in the loopback moto bucket); the way to 10M")
+    parser.add_argument("--history-keep", metavar="DIR",
+                        help="with --history: synthesize the history into DIR and keep it; a later bench with "
+                        "the same settings uses it again (what the runs added is removed first); folder output")
+    parser.add_argument("--history-nothing-new-only", action="store_true",
+                        help="with --history: only the night with nothing new (not the 1%% new nor the empty output)")

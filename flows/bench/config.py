@@ -57,6 +57,11 @@ class BenchConfig:
     # N > 0: `--history N` (flows/bench/history.py): a nightly run over N done results, with
     # nothing new and with 1% new, instead of the raw/flow comparison.
     history: int = 0
+    # Where the history's items are listed from: "listing" (the folder or bucket itself) or
+    # "inventory" (an S3 Inventory report of the loopback bucket: flows/bench/history_inventory.py).
+    history_source: str = "listing"
+    history_keep: str | None = None  # a folder that keeps the synthesized history for the next bench
+    history_new: bool = True  # False: only the night with nothing new
 
     def structured(self) -> dict | None:
         """The schema as a dict, or None for prose."""

@@ -14,12 +14,16 @@ nightly `vlm-caption run` starts:
 Each run's figures: wall, the peak RSS of the run's process (and of its process tree), the task
 runs Prefect's server recorded and their states (read from the run's Prefect home's SQLite
 database), and how many events Prefect's server dropped (`Subscription queue is full` in the
-run's log). Items are hard links to one small JPEG (a listing reads names and sizes; a done
+run's log). With `--history-source inventory` the history is an S3 Inventory report of a bucket
+(flows/bench/history_inventory.py), not a folder to walk; `--history-keep DIR` keeps the
+synthesized history there and uses it again (what the bench's runs added removed first).
+Items are hard links to one small JPEG (a listing reads names and sizes; a done
 item's bytes are never read), written with os-level calls: a million in about a minute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -43,40 +47,64 @@ DROPPED = "Subscription queue is full"
 def run_history(cfg: BenchConfig) -> dict[str, Any]:
     from flows.bench.driver import build_checkpoint
     from flows.bench.harness import loopback_s3
+    from flows.bench.history_inventory import InventoryLocations, kept_history
 
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     model = cfg.model or build_checkpoint(work, "llava", "tiny")
-    base = work / f"history-{cfg.history}-{cfg.source}"
-    shutil.rmtree(base, ignore_errors=True)
-    report: dict[str, Any] = {"history": cfg.history, "source": cfg.source, "shard_size": cfg.shard_size,
-                              "model": model}
-    with ExitStack() as serving:
-        env = serving.enter_context(loopback_s3(work)) if cfg.source == "s3" else {}
+    inventory = cfg.history_source == "inventory"
+    name = f"history-{cfg.history}-{cfg.source}" + ("-inventory" if inventory else "")
+    base = Path(cfg.history_keep).resolve() if cfg.history_keep else work / name
+    report: dict[str, Any] = {"history": cfg.history, "source": cfg.source, "history_source": cfg.history_source,
+                              "shard_size": cfg.shard_size, "model": model}
+    wanted = {"history": cfg.history, "source": cfg.source, "history_source": cfg.history_source,
+              "shard_size": cfg.shard_size, "model": model, "run": HISTORY_RUN}
+    with ExitStack() as serving:  # an inventory's items are in a bucket: the loopback one
+        env = serving.enter_context(loopback_s3(work)) if cfg.source == "s3" or inventory else {}
         env = {**os.environ, **env}
-        where = Locations(base, cfg.source)
+        where = InventoryLocations(base, cfg.source) if inventory else Locations(base, cfg.source)
         started = time.perf_counter()
-        new = synthesize(where, cfg, model, env)
-        report["synthesize_s"] = round(time.perf_counter() - started, 1)
-        report["nothing_new"] = timed_run(where.source, where.out, model, cfg, env, base / "prefect-1")
-        add_new_items(where, new, env)
-        report["one_pct_new"] = timed_run(where.source, where.out, model, cfg, env, base / "prefect-2")
-        report["new_only_empty_output"] = timed_run(where.new_source, where.new_out, model, cfg, env,
-                                                    base / "prefect-3")
-    extra = report["one_pct_new"]["wall_s"] - report["nothing_new"]["wall_s"]
-    report["ratio_new_over_empty"] = round(extra / report["new_only_empty_output"]["wall_s"], 3)
-    (work / f"bench-history-{cfg.history}-{cfg.source}.json").write_text(json.dumps(report, indent=2))
+        new = new_keys(where, cfg.history)
+        if cfg.history_keep and cfg.source == "folder" and kept_history(base, wanted):
+            for key in new:  # a listed history's new items from the last bench
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(where.source, key))
+            report["synthesize_s"] = f"kept ({base})"
+        else:
+            if cfg.history_keep and base.exists() and any(base.iterdir()) and not (base / "synthesized.json").exists():
+                raise RuntimeError(f"--history-keep {base}: not empty and not a history this bench kept; "
+                                   "name a new folder")
+            shutil.rmtree(base, ignore_errors=True)
+            synthesize(where, cfg, model, env)
+            report["synthesize_s"] = round(time.perf_counter() - started, 1)
+            if cfg.history_keep:
+                (base / "synthesized.json").write_text(json.dumps({**wanted, "compacted": where.compacted}))
+        report["nothing_new"] = timed_run(where, where.source, where.out, model, cfg, env, base / "prefect-1")
+        if cfg.history_new:
+            add_new_items(where, new, env)
+            report["one_pct_new"] = timed_run(where, where.source, where.out, model, cfg, env, base / "prefect-2")
+            report["new_only_empty_output"] = timed_run(where, where.new_source, where.new_out, model, cfg, env,
+                                                        base / "prefect-3")
+    line = (f"history {cfg.history:,} ({cfg.source}, {cfg.history_source}): nothing new "
+            f"{report['nothing_new']['wall_s']} s, {report['nothing_new']['peak_rss_mb']} MB")
+    if cfg.history_new:
+        extra = report["one_pct_new"]["wall_s"] - report["nothing_new"]["wall_s"]
+        report["ratio_new_over_empty"] = round(extra / report["new_only_empty_output"]["wall_s"], 3)
+        line += (f"; 1% new minus nothing new {extra:.1f} s over the same new items into an empty output "
+                 f"{report['new_only_empty_output']['wall_s']} s: {report['ratio_new_over_empty']}x")
+    (work / f"bench-{name}.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
-    print(f"history {cfg.history:,} ({cfg.source}): nothing new {report['nothing_new']['wall_s']} s, "
-          f"{report['nothing_new']['peak_rss_mb']} MB; 1% new minus nothing new {extra:.1f} s over the same "
-          f"new items into an empty output {report['new_only_empty_output']['wall_s']} s: "
-          f"{report['ratio_new_over_empty']}x")
-    shutil.rmtree(base, ignore_errors=True)
+    print(line)
+    if not cfg.history_keep:
+        shutil.rmtree(base, ignore_errors=True)
     return report
 
 
 class Locations:
     """The bench's folders, or the same names under the loopback bucket."""
+
+    source_format = "auto"
+    key_prefix = ""
 
     def __init__(self, base: Path, source: str):
         self.base = base
@@ -97,13 +125,19 @@ def folder_of(key: str) -> str:
     return key.split("/", 1)[0]
 
 
+def new_keys(where, n: int) -> list[str]:
+    """The keys of the night's 1% new items."""
+    return [where.key_prefix + new_key(j) for j in range(max(1, n // 100))]
+
+
 def new_key(j: int) -> str:
     """The j-th new item: sorts right after done item 100*j, so the new ones are spread evenly."""
     return f"d{100 * j // PER_FOLDER:04d}/{100 * j:08d}n.jpg"
 
 
 def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, str]) -> list[str]:
-    """The source's N items and their N done results; returns the keys of the 1% to add later."""
+    """The source's N items (or the inventory report that lists them) and their N done results;
+    returns the keys of the 1% to add later."""
     from flows.params import CaptionJob
     from flows.plan import make_plan
     import numpy as np
@@ -116,10 +150,11 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
 
     photo = small_jpeg()
     n = cfg.history
-    keys = [item_key(i) for i in range(n)]
-    etags = write_items(where, where.source, keys, photo, env)
+    keys = [where.key_prefix + item_key(i) for i in range(n)]
+    etags = where.write_history(keys, photo) if where.source_format == "inventory" else \
+        write_items(where, where.source, keys, photo, env)
     job = CaptionJob(source=where.source, output=where.out, model=model, shard_size=cfg.shard_size,
-                     sampling={"max_tokens": cfg.max_tokens})
+                     source_format=where.source_format, sampling={"max_tokens": cfg.max_tokens})
     plan = make_plan(job)
     out, question = plan.output, plan.job.questions_to_ask[0]
     template = ResultRecord(key="\x00", size=len(photo), etag="\x01", sha256=sha256_hex(photo), recipe=plan.recipe.name,
@@ -145,12 +180,14 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
     shards = -(-n // cfg.shard_size)
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(write_part, range(shards)))
-    out.write(compacted_index_key(plan.fingerprint), compacted_bytes(dict(sorted(covered.items()))))
+    where.compacted = compacted_index_key(plan.fingerprint)
+    out.write(where.compacted, compacted_bytes(dict(sorted(covered.items()))))
+    where.compacted = where.compacted.rsplit("/", 1)[1]
     stats = RunStats(listed=n, processed=n, succeeded=n, parts=[out.describe(k) for k in sorted(covered)])
     manifest = stats.manifest(run_id=HISTORY_RUN, parameters=plan.job.model_dump(mode="json"),
                               fingerprint=plan.fingerprint, engine=None)
     out.write(manifest_key(HISTORY_RUN), json.dumps(manifest, indent=2).encode())
-    return [new_key(j) for j in range(max(1, n // 100))]
+    return new_keys(where, n)
 
 
 def small_jpeg() -> bytes:
@@ -195,18 +232,21 @@ def write_items(where: Locations, uri: str, keys: list[str], photo: bytes, env: 
 def add_new_items(where: Locations, keys: list[str], env: dict[str, str]) -> None:
     """The night's new items: beside the history, and alone in a source of their own."""
     photo = small_jpeg()
+    if where.source_format == "inventory":
+        return where.add_new_items(keys, photo)
     write_items(where, where.source, keys, photo, env)
     write_items(where, where.new_source, keys, photo, env)
 
 
-def timed_run(source: str, out: str, model: str, cfg: BenchConfig, env: dict[str, str], home: Path) -> dict[str, Any]:
+def timed_run(where, source: str, out: str, model: str, cfg: BenchConfig, env: dict[str, str],
+              home: Path) -> dict[str, Any]:
     """`vlm-caption run` as a night's run starts it (its own process, a fresh Prefect home)."""
     import psutil
 
     exe = Path(sys.executable).with_name("vlm-caption")
     log_dir = home / "logs"
     command = [str(exe), "run", source, "--model", model, "--out", out, "--shard-size", str(cfg.shard_size),
-               "--max-tokens", str(cfg.max_tokens)]
+               "--max-tokens", str(cfg.max_tokens), "--source-format", where.source_format]
     run_env = {**env, "PREFECT_HOME": str(home), "VLM_CAPTION_LOG_DIR": str(log_dir), "HF_HUB_OFFLINE": "1"}
     started = time.perf_counter()
     proc = subprocess.Popen(command, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
