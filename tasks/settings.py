@@ -55,17 +55,17 @@ class Settings(BaseSettings):
         "its feed will hold).")
     # vLLM's request rendering (the model's HF processor) in this many processes beside the
     # engine; 0: in the engine's process, as vLLM does. Turns vLLM's multimodal processor cache
-    # off (see tasks/engine/render.py). Off by default: on an H100 with the tiny LLaVA at
-    # 1920x1080 (images already shrunk by the decode pool), 512 images went 66 img/s with 4
-    # render processes and 90 img/s without, because starting the workers competes with a short
-    # run; at 1024 images the pool gave 1.09x raw. Try it for long runs of heavy processors.
+    # off (see tasks/engine/render.py). Off by default: starting the workers competes with a
+    # short run, and the images the decode pool has already shrunk leave the processor little to
+    # do (docs/benchmarks.md, "Figures behind the defaults"). Try it for long runs of heavy
+    # processors.
     render_processes: int = Field(
         0, description="Processes that render requests (the model's HF processor) beside the engine; 0: in the "
         "engine's process, as vLLM does. Turns vLLM's multimodal processor cache off. For long runs of heavy "
         "processors.")
-    # Two engines on one host, each sizing its threads to every core, did 36 img/s per GPU where
-    # one alone did 41 (tasks/engine/host_share.py). A partition of a fanned-out run keeps to its
-    # GPU's share of the host's cores.
+    # Two engines on one host, each sizing its threads to every core, contend for the cores and
+    # each GPU does less than one alone (tasks/engine/host_share.py; docs/benchmarks.md, "Two
+    # H100s"). A partition of a fanned-out run keeps to its GPU's share of the host's cores.
     cpu_share: str = Field(
         "auto", description="Cores a partition of a fanned-out run keeps to. auto: when it sees one GPU "
         "(CUDA_VISIBLE_DEVICES=i) of a host with several, that GPU's share of the host's physical cores; all: "
@@ -75,24 +75,21 @@ class Settings(BaseSettings):
     decode_processes: int | None = Field(
         None, description="Processes of the decode pool. Unset: one per core this process may use (cpuset, "
         "taskset), at most 16 for a pool made for videos; 0: decode in the fetch threads.")
-    # Videos are decoded one at a time per process (tasks/media/video.py): about 41 ms for 32
-    # frames of 640x480, 24 clips/s, which is where one GPU stopped on Qwen2-VL-2B video. In the
-    # pool, clips decode in parallel (each pool process imports vLLM's loader, about 10 s and
-    # 0.4 GB, while the engine starts). Measured (2x H200, 1,024 clips, 2026-11-26): one GPU 23.1
-    # -> 26.7 clips/s, two GPUs 26.9 -> 37.1. On a 2-core CPU it costs (22.7 against 24.1 clips/s:
-    # OpenCV already spreads one decode over both cores, and the CPU engine needs them), so `auto`
-    # pools only where the engine has a GPU. Those figures were before the frames came back
-    # through shared memory: the pool's result pipe had carried about 30 clips/s at most
-    # (tasks/media/shared_frames.py); on the 2-core machine the pool now decodes 25 clips/s of
-    # Qwen2-VL-size frames against 18-21 in the fetch threads (CPU engine apart).
+    # Videos are decoded one at a time per process (tasks/media/video.py), about as fast as one
+    # GPU takes a small video model's clips. In the pool, clips decode in parallel (each pool
+    # process imports vLLM's loader while the engine starts, and hands the frames back through
+    # shared memory: tasks/media/shared_frames.py), which keeps a GPU host's GPUs fed. On a small
+    # CPU host it costs: OpenCV already spreads one decode over the cores, and the CPU engine
+    # needs them. So `auto` pools only where the engine has a GPU (docs/benchmarks.md, "Several
+    # GPUs").
     video_decode_in_pool: bool | Literal["auto"] = Field(
         "auto", description="Decode videos in the decode pool's processes, several at once (each pool process "
         "then imports vLLM's video loader); false: one at a time per process, in the fetch threads; auto: in "
         "the pool where this process sees a CUDA GPU.")
     # How much lower the decode workers' CPU priority is than the flow's (Unix `nice`): with one
     # worker per core they would otherwise take cores from vLLM's engine-core scheduler and from
-    # the feed, and the GPU waits on a busy CPU (H100, tiny LLaVA, 512 photos at 1920x1080:
-    # 79.75 img/s at nice 10, 58.45 at 0, same run). 0: the same priority.
+    # the feed, and the GPU waits on a busy CPU (docs/benchmarks.md, "Settings compared in one
+    # run"). 0: the same priority.
     decode_niceness: int = Field(
         10, description="How much lower the decode workers' CPU priority is than the flow's (Unix `nice`), so "
         "they never take a core from vLLM's scheduler or the feed; 0: the same.")
@@ -110,8 +107,8 @@ class Settings(BaseSettings):
     max_video_frame_pixels: int = Field(
         3840 * 2160, description="Largest video frame (width x height); a bigger video is an error record.")
     # Pictures are a nicety: a store that answers slowly or fails often (boto3 retries each read up
-    # to s3_max_attempts times, backing off) must not hold the run's end for minutes. Measured: at a
-    # 30% fault rate the gallery of 200 items took 49 s of a run whose captions took 22 s.
+    # to s3_max_attempts times, backing off) must not hold the run's end for longer than its
+    # captions took (docs/benchmarks.md, "Figures behind the defaults").
     gallery_fetch_s: float = Field(
         20.0, description="Seconds a run spends fetching its gallery's pictures; an item whose picture is not "
         "there by then shows a placeholder.")

@@ -101,9 +101,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-# A pool made for videos holds vLLM's loader (torch) in each process, about 0.4 GB: one per core
-# of a 64-core host would be 26 GB. Sixteen decode far more clips than a GPU takes (a clip of 32
-# 640x480 frames is about 41 ms on one core; 2x H200 took 37 clips/s with 16 per partition).
+# A pool made for videos holds vLLM's loader (torch) in each process: one per core of a big host
+# would hold tens of GB. Sixteen decode more clips than a GPU takes (docs/benchmarks.md, "Figures
+# behind the defaults").
 VIDEO_POOL_PROCESSES = 16
 
 

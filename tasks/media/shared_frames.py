@@ -1,15 +1,14 @@
 """A decoded clip's frames handed from a decode-pool process to the process that asked for
 them through a shared-memory block, not through the pool's result pipe.
 
-Measured (2026-11-26): a pool process returning a clip's frames (16 x 476 x 644 x 3 bytes,
-Qwen2-VL's size for 640x480) by pickle through ProcessPoolExecutor's one result pipe capped the
-whole pool at 25-28 clips/s on a 2-core machine, and 16 processes on a 32-core GPU host at 31-32
-clips/s: no faster than one process decoding a clip at a time (34). Through shared memory the
-same hand-off ran at 107-114 clips/s on the 2-core machine.
+A clip's frames are megabytes: pickled through ProcessPoolExecutor's one result pipe they cap
+the whole pool, however many processes decode, at about what one process decoding a clip at a
+time makes; through shared memory the hand-off is several times faster (docs/benchmarks.md,
+"What holds the host side: the decode pool's result pipe").
 
 A block is only used where /dev/shm has room to spare (a Docker container has 64 MB unless it
 is started with `--shm-size` or `--ipc=host`): writing past a full tmpfs kills the writer with
-SIGBUS, so below SHM_HEADROOM the frames go through the pipe as before.
+SIGBUS, so below SHM_HEADROOM the frames go through the pipe.
 """
 
 from __future__ import annotations
