@@ -8,10 +8,12 @@ of a job manifest) in, one result record per (item, question) out.
     ... all shards ──> manifest ──> summary artifacts
 
 The run's plan (`flows/plan.py`: pre-flight, then the job resolved once) is handed down; a
-partition's shards go through `flows/pipeline.py`. With `fan_out=N` the run first starts N-1
-child runs (tasks/fanout.py), then captions as partition 0: every partition lists the same
-shards and claims each before taking it (tasks/claims.py), so a partition that starts late or
-runs slower takes fewer, and one that dies has its unfinished shards retaken. The parent waits
+partition's shards go through `flows/pipeline.py`. With `fan_out=N` the run starts N-1 child
+runs (tasks/fanout.py: at once when the output holds no result of the job, else at the shard
+plan's first shard, so a night with nothing new starts none) and captions as partition 0: every
+partition reads the same shards (one listing, the shard plan) and claims each before taking it
+(tasks/claims.py), so a partition that starts late or runs slower takes fewer, and one that dies
+has its unfinished shards retaken. The parent waits
 for the children and merges their reports into the one manifest.
 """
 
@@ -36,7 +38,7 @@ from tasks.engine.host_share import current_cpus, format_cpu_list
 from tasks.engine.vllm_engine import discard_early_engine
 from tasks.engine.vllm_import import ensure_vllm_imported, serialize_ast_parse
 from tasks.errors import UserError
-from tasks.fanout import CALLED_OFF, start_children, wait_for_children, wait_for_orphans
+from tasks.fanout import CALLED_OFF, ChildrenOnWork, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
 from tasks.results.gallery import gallery_after_run
 from tasks.results.parquet_view import export_after_run
@@ -100,25 +102,36 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     """The run itself: this run's partition (and the children's, when fanned out), the manifest.
     `engine_first`: the run's engine is being built already, and its children's start at once too."""
     job, recipe, fingerprint = plan.job, plan.recipe, plan.fingerprint
-    own, children = job.partition, []
+    own, children, on_work = job.partition, [], None
     if job.fan_out > 1:
-        # The children are asked for before this process waits on vLLM's import (its engine, if
-        # started first, builds meanwhile): a child's worker, process and imports overlap it.
         own = Partition(index=0, count=job.fan_out, run_id=run_id, fingerprint=fingerprint, engine_first=engine_first)
         wait_for_orphans(job.partition_deployment, job.output, fingerprint)
         child_jobs = {i: job.model_copy(update={"fan_out": 1, "partition": own.model_copy(update={"index": i})})
                       .model_dump(mode="json") for i in range(1, job.fan_out)}
-        children = start_children(job.partition_deployment, child_jobs, run_label,
-                                  attempt=flow_run.run_count or 1, parent_run_id=run_id)
+        attempt = flow_run.run_count or 1
+
+        def ask_for_children():
+            return start_children(job.partition_deployment, child_jobs, run_label, attempt=attempt,
+                                  parent_run_id=run_id)
+
+        if engine_first:  # no result of the job yet, so work for all: the children are asked for before this
+            children = ask_for_children()  # process waits on vLLM's import, their start beside its engine's
+        else:  # earlier results: asked for at the plan's first shard; a night with nothing new starts none
+            on_work = ChildrenOnWork(plan.output, run_id, ask_for_children).start()
     if engine_first:  # its import joined before any thread of this flow imports a part of vLLM; a run with
         ensure_vllm_imported()  # earlier results imports it at its first new shard (flows/pipeline.py), if any
     try:
         stats, engine, shared = caption_shards(PartitionRun(plan, run_id, own, log))
     except Exception:
+        children += _stopped(on_work, log)
         if children:  # a retry of this run must not overlap this attempt's children
             # ...and children no worker has started are called off, not waited for forever
             wait_for_children(children, run_here=lambda child: "CANCELLED", claim_message=CALLED_OFF)
         raise
+    if on_work is not None:
+        children = on_work.stop()
+        if not children:
+            log.info("no child partition started: the shard plan held nothing to caption")
     stats.charge(engine)  # this partition's device-seconds, before the children's are added
     mine = stats.report(own.index if own else 0, engine, **(shared or {}), **_where())
     if job.partition is not None:  # a child: the parent writes the run's one manifest
@@ -158,6 +171,18 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
                         partition=p.index, state=p.state)
     return {**summary, "run_id": run_id, "manifest": manifest_uri, "fingerprint": fingerprint,
             "failed_by_kind": dict(stats.failures_by_kind), "failures": stats.failures}
+
+
+def _stopped(on_work: ChildrenOnWork | None, log) -> list:
+    """The children the watch had started when the run's own partition failed (none if its own
+    start failed too: that is logged, the partition's error is the run's)."""
+    if on_work is None:
+        return []
+    try:
+        return on_work.stop()
+    except Exception as exc:  # noqa: BLE001 - the run fails with its partition's error
+        log.error("starting the child partitions failed", error=str(exc))
+        return on_work.children
 
 
 def merge_children(plan: RunPlan, run_id: str, children, stats: RunStats, log) -> list[PartitionReport]:

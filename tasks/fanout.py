@@ -6,6 +6,11 @@ GPU picks each up, and captions partition 0 itself. The partitions share the sha
 them in the output store (tasks/claims.py), so the runs never overlap; each child writes a
 report, and the parent writes the one manifest of the run.
 
+A run whose output holds earlier results of the job asks for its children only once its shard
+plan (tasks/shard_plan.py) shows a shard to caption (`ChildrenOnWork`): a night with nothing new
+starts no child flow run, no worker process, no engine. A run with no earlier results has work
+for sure and asks for them at once, while its own engine builds.
+
 A child that no worker has picked up by the time the parent has finished is claimed by the
 parent (so no worker starts it later) and run there, where it finds every shard taken: a run
 completes with fewer live workers than partitions, or none besides the parent's.
@@ -13,6 +18,9 @@ completes with fewer live workers than partitions, or none besides the parent's.
 
 from __future__ import annotations
 
+import contextvars
+import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +32,8 @@ from prefect.exceptions import ObjectNotFound
 
 from tasks.errors import FanOutFailure
 from tasks.observability import get_logger
+from tasks.shard_plan import chunk_key, plan_prefix
+from tasks.sources.storage import Storage
 
 POLL_S = 5.0
 
@@ -51,8 +61,8 @@ def wait_for_orphans(deployment: str, output: str, fingerprint: str, poll_s: flo
     with get_client(sync_client=True) as client:
         try:
             deployment_id = client.read_deployment_by_name(deployment).id
-        except ObjectNotFound:
-            return  # start_children says what to do about it
+        except ObjectNotFound:  # said at the run's start, whether or not the children are needed tonight
+            raise _no_deployment(deployment) from None
         live = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
                              state=FlowRunFilterState(type={"any_": ["SCHEDULED", "PENDING", "RUNNING"]}))
         while True:
@@ -85,13 +95,65 @@ def start_children(deployment: str, child_jobs: dict[int, dict[str, Any]], label
                 idempotency_key=f"{parent_run_id}-attempt{attempt}-p{index}",
             )
         except ObjectNotFound:
-            raise FanOutError(
-                f"fan_out needs the deployment {deployment!r}, which does not exist: run "
-                "`prefect deploy --all --prefect-file deployments/prefect.yaml`, or set fan_out=1"
-            ) from None
+            raise _no_deployment(deployment) from None
         children.append(ChildRun(index, str(flow_run.id), name))
     get_logger().info("started child partitions", deployment=deployment, children=len(children))
     return children
+
+
+def _no_deployment(deployment: str) -> FanOutError:
+    return FanOutError(f"fan_out needs the deployment {deployment!r}, which does not exist: run "
+                       "`prefect deploy --all --prefect-file deployments/prefect.yaml`, or set fan_out=1")
+
+
+class ChildrenOnWork:
+    """The children, asked for once the run's shard plan holds a shard (a chunk with a line after
+    its header, or an `end.json` counting shards), watched from a thread while this process lists
+    and captions as partition 0. A plan that ends with no shard, or a partition 0 that finished
+    first, starts none. `stop()` ends the watch and returns the children started (or raises what
+    starting them raised)."""
+
+    def __init__(self, out: Storage, run_id: str, start: Callable[[], list[ChildRun]], poll_s: float = 0.5):
+        self.out, self.run_id, self.start_them, self.poll_s = out, run_id, start, poll_s
+        self.children: list[ChildRun] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        # In this flow run's context: the children are linked to it in the UI as when asked at once.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._watch,), name="children-on-work", daemon=True)
+
+    def start(self) -> ChildrenOnWork:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[ChildRun]:
+        self._stop.set()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.children
+
+    def _watch(self) -> None:
+        try:
+            if self._wait_for_work():
+                self.children = self.start_them()
+        except BaseException as exc:  # noqa: BLE001 - handed to stop(), in the run's own thread
+            self.error = exc
+
+    def _wait_for_work(self) -> bool:
+        prefix, read = plan_prefix(self.run_id), 0
+        while not self._stop.is_set():
+            names = {ref.key[len(prefix):] for ref in self.out.iter_objects(prefix=prefix)}
+            while f"{read:06d}.jsonl" in names:
+                if b"\n" in self.out.read(chunk_key(self.run_id, read)).strip():  # a header, then shards
+                    return True
+                read += 1
+            if "end.json" in names:
+                return json.loads(self.out.read(prefix + "end.json")).get("shards", 0) > 0
+            if "failed.json" in names:
+                return False  # partition 0 stops with the listing's error
+            self._stop.wait(self.poll_s)
+        return False
 
 
 TAKEN_OVER = "no worker started this partition in time; the parent run captions it"
