@@ -52,26 +52,40 @@ class InventoryLocations:
         etag = hashlib.md5(photo).hexdigest()
         files = []
         for start in range(0, len(keys), ROWS_PER_FILE):
-            files.append(write_data_file(self.reports, f"{start // ROWS_PER_FILE:05d}",
-                                         keys[start:start + ROWS_PER_FILE], len(photo), etag))
+            rows = [(key, len(photo), etag) for key in keys[start:start + ROWS_PER_FILE]]
+            files.append(write_data_file(self.reports, f"{start // ROWS_PER_FILE:05d}", rows))
         write_manifest(self.reports, HISTORY_DAY, files)
         return {key.split("/", 1)[0]: etag for key in keys}
 
     def add_new_items(self, keys: list[str], photo: bytes) -> None:
-        """The night's new items: uploaded to the bucket, listed in the next day's report (after the
-        history's files) and in a report of their own."""
+        """The night's new items, each its own bytes (a copy of an earlier item would take its
+        answer and make no engine request): uploaded to the bucket, listed in the next day's report
+        (after the history's files) and in a report of their own."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tasks.sources.storage import open_storage
 
         items = open_storage(f"s3://{BUCKET}/", create=True)
+        bodies = [distinct_jpeg(j) for j in range(len(keys))]
         with ThreadPoolExecutor(32) as pool:
-            list(pool.map(lambda key: items.write(key, photo), keys))
-        etag = hashlib.md5(photo).hexdigest()
+            list(pool.map(items.write, keys, bodies))
+        rows = [(key, len(body), hashlib.md5(body).hexdigest()) for key, body in zip(keys, bodies)]
         history = json.loads(_storage(self.reports).read(f"{CONFIG}{HISTORY_DAY}/manifest.json"))["files"]
-        night = write_data_file(self.reports, "new", keys, len(photo), etag)
-        write_manifest(self.reports, NIGHT_DAY, [*history, night])
-        write_manifest(self.new_reports, NIGHT_DAY, [write_data_file(self.new_reports, "new", keys, len(photo), etag)])
+        write_manifest(self.reports, NIGHT_DAY, [*history, write_data_file(self.reports, "new", rows)])
+        write_manifest(self.new_reports, NIGHT_DAY, [write_data_file(self.new_reports, "new", rows)])
+
+
+def distinct_jpeg(j: int) -> bytes:
+    """A small JPEG whose pixels (so bytes) differ with `j`."""
+    import io
+
+    from PIL import Image
+
+    image = Image.new("RGB", (96, 64), (90, 140, 200))
+    image.putpixel((j % 96, (j // 96) % 64), (j % 256, (j // 256) % 256, (j // 65536) % 256))
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=80)
+    return buffer.getvalue()
 
 
 def _storage(uri: str):
@@ -80,11 +94,11 @@ def _storage(uri: str):
     return open_storage(uri, create=True)
 
 
-def write_data_file(reports: str, name: str, keys: list[str], size: int, etag: str) -> dict:
-    """One gzip CSV data file of the report (as the manifest lists it)."""
-    rows = "".join(f'"{BUCKET}","{key.replace("/", "%2F")}","{size}","{MODIFIED}","{etag}","STANDARD"\n'
-                   for key in keys)
-    body = gzip.compress(rows.encode(), compresslevel=1)
+def write_data_file(reports: str, name: str, rows: list[tuple[str, int, str]]) -> dict:
+    """One gzip CSV data file of the report of these (key, size, etag) (as the manifest lists it)."""
+    text = "".join(f'"{BUCKET}","{key.replace("/", "%2F")}","{size}","{MODIFIED}","{etag}","STANDARD"\n'
+                   for key, size, etag in rows)
+    body = gzip.compress(text.encode(), compresslevel=1)
     key = f"{CONFIG}data/{name}.csv.gz"
     _storage(reports).write(key, body)
     return {"key": key, "size": len(body), "MD5checksum": hashlib.md5(body).hexdigest()}
