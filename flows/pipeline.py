@@ -15,6 +15,7 @@ from typing import Any
 from prefect.utilities.annotations import opaque
 
 from flows.params import CaptionJob, Partition
+from flows.partition_end import finish_partition
 from flows.plan import RunPlan, engine_spec
 from tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
 from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
@@ -34,8 +35,6 @@ from tasks.sources.extras import annotate_records
 from tasks.shard_plan import SharedListing
 from tasks.sources.items import Shard
 from tasks.sources.listing import AlreadyDone, Listed, ShardStream
-
-RETAKE_POLL_S = 2.0  # how often a partition that has run out of shards looks at the others' claims
 
 
 @dataclass(frozen=True)
@@ -92,21 +91,14 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
         pipeline.run(claims.claimed(shards) if claims else shards)
     finally:
         stream.close()
-    while claims is not None and (retaken := claims.retake()) is not None:
-        if retaken:  # a partition that is gone left these: captioned here; what it wrote before
-            # it went (a part without its done mark) is on the done-index now.
-            pipeline.done = load_done_index(run.plan.output, run.fingerprint)
-            again = listing(run, pipeline.done, claims)  # the run's plan, read again
-            try:
-                pipeline.run(shard for shard in again if isinstance(shard, Shard) and shard.index in retaken)
-            finally:
-                again.close()
-        else:
-            time.sleep(RETAKE_POLL_S)
+    if claims is not None:  # the others' claimed shards, a gone partition's, then the plan's copies
+        finish_partition(pipeline, claims, stream, lambda done, shards: listing(run, done, claims, shards),
+                         lambda: load_done_index(run.plan.output, run.fingerprint))
     return pipeline.close()
 
 
-def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None) -> ShardStream | SharedListing:
+def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None,
+            shards: str = "originals") -> ShardStream | SharedListing:
     """The source's shards with work left, streamed, and between them the count of items already
     done (`AlreadyDone`: no task run, claim or engine for them). A fanned-out run lists once, into
     a shard plan every partition reads (tasks/shard_plan.py)."""
@@ -115,7 +107,7 @@ def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None) -> S
     if claims is None:
         return ShardStream(run.plan.source, job.shard_size, job.limit, pending=pending).start()
     return SharedListing(run.plan.output, run.run_id, claims, run.plan.source, job.shard_size, job.limit,
-                         pending).start()
+                         pending, shards=shards).start()
 
 
 class ShardPipeline:

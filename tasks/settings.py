@@ -125,9 +125,10 @@ class Settings(BaseSettings):
     # Caption checks (tasks/results/quality.py) flag every record; asking again costs a second
     # request for each looping or empty one, so it is the operator's choice.
     dedup: bool = Field(
-        True, description="Caption each distinct media once per run: an item whose bytes (sha256) and question "
-        "were asked already in this run by this process takes that answer, with no engine request, its record's "
-        "`duplicate_of` naming the first item's key. false: every item is asked.")
+        True, description="Caption each distinct media once: an item whose bytes (sha256, or listed S3 ETags that "
+        "are MD5s) and question were asked already, in this run (any partition) or an earlier one with the same "
+        "fingerprint, takes that answer with no engine request, its record's `duplicate_of` naming the key of the "
+        "item captioned. false: every item is asked.")
     retry_looping: bool = Field(
         False, description="Ask once more, with a repetition penalty, for each caption that loops or is empty "
         "(its record's `quality` flags), and keep the better answer (fewer flags); counted in the manifest as "

@@ -13,6 +13,15 @@ done; the lister's partition counts those (its report), so the run's counts add 
 lister that is gone before `end.json` (its heartbeat stood still, or it said it finished) is
 replaced: the partition that wins `plan/lister.r1` lists again after the items the last chunk
 covers. A listing that fails writes `plan/failed.json`, and every partition stops with its message.
+
+Copies (tasks/listed_copies.py): an item the lister finds to be the same media as one listed
+before it goes into a *copy shard* (a chunk line `[index, items, 1]`), not beside the others. The
+partitions take the copy shards last, once every other shard of the plan is done (`shards=
+"copies"`, after `originals_done`), with the done-index loaded again: each copy then finds its
+original's answer there (tasks/results/copies.py) whichever partition captioned it, and makes no
+request; a copy whose original failed is captioned like any item. So a copy is captioned once
+however the shards were shared, and no partition waits on another's shard in the middle of its
+pipeline (a partition that is gone has its shards retaken first, as for any shard).
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ import time
 from collections.abc import Iterator
 
 from tasks.claims import ShardClaims, claims_prefix
+from tasks.listed_copies import ListedCopies
 from tasks.observability import get_logger
+from tasks.settings import get_settings
 from tasks.sources.formats import SourceSpec
 from tasks.sources.items import ObjectRef, Shard, WorkItem
 from tasks.sources.listing import AlreadyDone, Listed, PendingMask, ShardStream, StreamClosed
@@ -62,6 +73,9 @@ class PlanWriter(ShardStream):
         self.out, self.run_id, self.owner = out, run_id, owner
         self.chunk = resume.get("next_chunk", 0)
         self._shards: list[Shard] = []
+        self.copies = ListedCopies(source.storage if source.format == "files" else None) if get_settings().dedup else None
+        self._copy_batch: list[WorkItem] = []
+        self._copy_shards: set[int] = set()
         self._done = 0
         self._written_at = time.monotonic()
 
@@ -83,13 +97,33 @@ class PlanWriter(ShardStream):
         if len(self._shards) >= CHUNK_SHARDS or time.monotonic() - self._written_at >= CHUNK_S:
             self._write_chunk()
 
+    def _take(self, items: list[WorkItem]) -> None:
+        """Items with work left, in listing order: a copy of one listed before goes to a copy shard."""
+        for item in items:
+            if self.copies is None or not self.copies.is_copy(item):
+                super()._take([item])
+                continue
+            self._copy_batch.append(item)
+            self.items_listed += 1
+            if len(self._copy_batch) == self.shard_size:
+                self.put(self._copy_shard())
+
+    def _copy_shard(self) -> Shard:
+        shard = Shard(self.shards_listed, tuple(self._copy_batch))
+        self.shards_listed, self._copy_batch = self.shards_listed + 1, []
+        self._copy_shards.add(shard.index)
+        return shard
+
     def _write_chunk(self) -> None:
+        if self._copy_batch:  # in this chunk, so that the items its header counts are all in the plan
+            self._shards.append(self._copy_shard())
         if not self._shards and not self._done:
             return
         # Items listed through this chunk: those of a shard still being filled come in the next.
         listed = self.items_listed - len(self._batch)
         header = {"owner": self.owner, "done": self._done, "listed": listed, "next_shard": self.shards_listed}
-        lines = [json.dumps(header)] + [json.dumps([s.index, [_item_json(i) for i in s.items]]) for s in self._shards]
+        lines = [json.dumps(header)] + [json.dumps([s.index, [_item_json(i) for i in s.items]]
+                                                   + ([1] if s.index in self._copy_shards else [])) for s in self._shards]
         self._create(f"{self.chunk:06d}.jsonl", {}, "\n".join(lines).encode())
         self.chunk += 1
         self._shards, self._done, self._written_at = [], 0, time.monotonic()
@@ -101,11 +135,16 @@ class PlanWriter(ShardStream):
 
 
 class SharedListing:
-    """A partition's shards from the run's plan (listing the source itself when it wins the plan)."""
+    """A partition's shards from the run's plan (listing the source itself when it wins the plan):
+    `shards` "originals" (the plan's shards but its copy shards, and the items already done the
+    lister counted), "copies" (its copy shards only) or "all" (every shard: to retake some)."""
 
     def __init__(self, out: Storage, run_id: str, claims: ShardClaims, source: SourceSpec, shard_size: int,
-                 limit: int | None, pending: PendingMask, poll_s: float = POLL_S):
+                 limit: int | None, pending: PendingMask, poll_s: float = POLL_S, shards: str = "originals"):
         self.out, self.run_id, self.claims, self.poll_s = out, run_id, claims, poll_s
+        self.shards = shards
+        self.copy_shards: set[int] = set()  # the plan's copy shards, as far as it was read
+        self.shard_count = 0  # shards in the plan, once its end was read
         self.prefix = plan_prefix(run_id)
         self._listing = dict(source=source, shard_size=shard_size, limit=limit, pending=pending)
         self.writer: PlanWriter | None = None
@@ -133,16 +172,20 @@ class SharedListing:
                 names = {ref.key[len(self.prefix):] for ref in self.out.iter_objects(prefix=self.prefix)}
             if f"{chunk:06d}.jsonl" in names:
                 header, shards = self._read(chunk)
-                if header["owner"] == self.claims.owner and header["done"]:
+                if header["owner"] == self.claims.owner and header["done"] and self.shards == "originals":
                     yield AlreadyDone(header["done"])
-                yield from shards
+                for shard in shards:
+                    if self.shards == "all" or (shard.index in self.copy_shards) == (self.shards == "copies"):
+                        yield shard
                 chunk += 1
                 continue
             if "failed.json" in names:
                 failed = json.loads(self.out.read(self.prefix + "failed.json"))
                 raise RuntimeError(f"listing the source failed (partition {failed['owner']}): {failed['error']}")
             if "end.json" in names:
-                if json.loads(self.out.read(self.prefix + "end.json"))["chunks"] <= chunk:
+                end = json.loads(self.out.read(self.prefix + "end.json"))
+                if end["chunks"] <= chunk:
+                    self.shard_count = end["shards"]
                     return
                 continue  # the last chunks landed after this listing of the plan
             self._replace_a_gone_lister(names, chunk, header)
@@ -150,8 +193,19 @@ class SharedListing:
 
     def _read(self, chunk: int) -> tuple[dict, list[Shard]]:
         lines = self.out.read(chunk_key(self.run_id, chunk)).decode().splitlines()
-        shards = [Shard(index, tuple(_item(row) for row in items)) for index, items in map(json.loads, lines[1:])]
+        shards = []
+        for index, items, *copies in map(json.loads, lines[1:]):
+            shards.append(Shard(index, tuple(_item(row) for row in items)))
+            if copies:
+                self.copy_shards.add(index)
         return json.loads(lines[0]), shards
+
+    def originals_done(self) -> bool:
+        """Every shard of the plan but its copy shards is done (read through: `shard_count` known)."""
+        prefix = self.claims.prefix
+        done = {int(ref.key[len(prefix):][:6]) for ref in self.out.iter_objects(prefix=prefix)
+                if ref.key.endswith(".done")}
+        return all(index in done for index in range(self.shard_count) if index not in self.copy_shards)
 
     def _replace_a_gone_lister(self, names: set[str], chunk: int, header: dict | None) -> None:
         generations = [int(name.rsplit(".r", 1)[1]) if ".r" in name else 0 for name in names

@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.params import CaptionJob
-from tasks.results.done_index import DoneIndex
+from tasks.results.done_index import DoneIndex, index_rows
 from tasks.results.records import ResultRecord, job_fingerprint
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.listing import iter_shards, up_to
@@ -49,8 +49,7 @@ def _record(key="a.jpg", question="q", size=10, etag="e1", sha="sha", members=No
 
 
 def test_done_means_same_item_question_and_members():
-    done = DoneIndex()
-    done.add(_record())
+    done = DoneIndex([index_rows([_record()])])
     item = WorkItem("a.jpg", (ObjectRef("a.jpg", 10, "e1"),))
     assert done.pending_by_listing(item, ("q",)) == ()
     assert done.pending_by_listing(item, ("q", "new")) == ("new",)  # a question added later
@@ -68,8 +67,7 @@ def test_a_group_is_done_only_with_the_same_members():
     from tasks.results.records import Member
 
     members = [Member(key="g/1.jpg", size=1, etag="a", sha256="s1"), Member(key="g/2.jpg", size=2, etag="b", sha256="s2")]
-    done = DoneIndex()
-    done.add(_record(key="g", size=3, etag="", members=members))
+    done = DoneIndex([index_rows([_record(key="g", size=3, etag="", members=members)])])
     same = WorkItem("g", (ObjectRef("g/1.jpg", 1, "a"), ObjectRef("g/2.jpg", 2, "b")))
     grown = WorkItem("g", (*same.members, ObjectRef("g/3.jpg", 3, "c")))
     assert done.pending_by_listing(same, ("q",)) == ()

@@ -3,8 +3,10 @@
 same run with the same bytes and question takes that answer, in flight or done, with no request of
 its own (its record's `duplicate_of` names the first one's key).
 
-Kept per process and per run (`run_id`, a partition's own): a copy in another partition of a
-fanned-out run, or of an item captioned by an earlier run, is captioned again. Its memory is one
+Kept per process and per run (`run_id`, a partition's own). Copies beyond it are found elsewhere:
+of an item an earlier run captioned, through the done-index (tasks/results/copies.py); in another
+partition of a fanned-out run, by the planner, which puts them in copy shards taken once their
+originals are done (tasks/listed_copies.py, tasks/shard_plan.py). Its memory is one
 small entry per distinct (media, question) of the run, the latest KEEP_ANSWERS: the first key and
 the answer (its text and counts; no lock or future of its own: waiters share one condition).
 """

@@ -17,6 +17,7 @@ from tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
 from tasks.media.prepare import PreparedItem, PreparedShard
 from tasks.media.video import DecodedVideo
 from tasks.observability import get_logger
+from tasks.results.copies import copy_answer
 from tasks.results.quality import better, caption_flags, wants_retry
 from tasks.results.records import GenerationOutput, ItemError, ResultRecord, structured_answer
 from tasks.settings import get_settings
@@ -72,7 +73,7 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
     """Every (item, question) of a shard in one vLLM call; each gets a record, failed or not.
     Each item was fetched and decoded once; its questions share its media and content ids."""
     engine = get_engine(options.spec)
-    ready = [(item, q) for item in prepared.items if item.error is None for q in item.questions]
+    ready = [(item, q) for item in prepared.items if item.error is None for q in item.questions if q not in item.copies]
     # An item whose bytes and question were asked already in this run (in flight or done) takes
     # that answer: no request of its own (tasks/engine/same_media.py).
     claims = {(id(item), q): SAME_MEDIA.claim(run_id, media_id(item, options), q, item.item.id)
@@ -103,10 +104,15 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
             prompt = None if options.method == "chat" or item.error else engine.prompt_for(
                 question, len(item.members))
             copy = copies.get((id(item), question))
+            duplicate_of = copy.key if copy else None
+            if question in item.copies:  # a done result's answer: the same bytes (tasks/results/copies.py)
+                output, duplicate_of = copy_answer(item.copies[question], options.method)
             records.append(make_record(item, question, output, prompt, engine.model, options.spec.recipe,
                                        per_request_s, fingerprint, run_id, options.sampling.structured,
                                        retried_for=retried_for.get((id(item), question)),
-                                       duplicate_of=copy.key if copy else None))
+                                       duplicate_of=duplicate_of))
+            if question in item.copies and records[-1].video is None:  # not decoded: the earlier one's
+                records[-1].video = item.copies[question].video
         item.media = None  # release the decoded pixels as soon as they are consumed
     return records
 

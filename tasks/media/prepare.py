@@ -17,6 +17,7 @@ from tasks.media.image import MediaError
 from tasks.media.pool import decode_images, decode_video_pooled
 from tasks.media.resize import ImageResize, ProcessorResize
 from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits
+from tasks.results.copies import take_copies
 from tasks.results.done_index import DoneIndex
 from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
 from tasks.settings import get_settings
@@ -48,6 +49,8 @@ class PreparedItem:
     error: ItemError | None = None
     fetch_s: float = 0.0
     decode_s: float = 0.0
+    # question -> the done record whose answer it takes: the same bytes (tasks/results/copies.py)
+    copies: dict[str, Any] = field(default_factory=dict)
 
     @property
     def media_bytes(self) -> int:
@@ -142,6 +145,8 @@ class ItemPreparer:
                                        f"limit of {self.options.max_images} (raise max_images to allow it)")
             prepared.members = [Member(key=m.key, size=m.size, etag=m.etag) for m in item.members]
             return prepared
+        if take_copies(self.done, prepared, fetched=False):  # copies by their listed MD5s: not fetched
+            return prepared
         held = sum(max(m.size, 0) for m in item.members)
         self.budget.acquire(held)
         try:
@@ -153,7 +158,8 @@ class ItemPreparer:
             prepared.questions = self.done.pending_by_content(item.id, prepared.sha256, pending)
             if not prepared.questions:
                 return None  # re-uploaded with the same content: already done
-            self._decode(prepared, blobs)
+            if not take_copies(self.done, prepared):  # a copy of a done result's bytes is not decoded
+                self._decode(prepared, blobs)
         finally:
             self.budget.release(held)
         return prepared

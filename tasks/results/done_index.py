@@ -1,14 +1,22 @@
-"""What earlier runs with the same fingerprint finished, so a rerun computes only the rest.
+"""What earlier runs with the same fingerprint finished, so a rerun computes only the rest, and
+copies of what they finished take its answer.
 
 A result is identified by (item key, question). Before fetching, an item whose every question
 is done for the same members (etag and size) is skipped; after fetching, one whose content hash
-matches (re-uploaded, same bytes) is skipped too.
+matches (re-uploaded, same bytes) is skipped too. An item under another key whose media are the
+same bytes as a done result's (its listed ETags are MD5s and equal, or its fetched sha256 is
+equal) takes that result's answer (`earlier_answer`, tasks/results/earlier.py).
 
 The index is compact so that a bucket's whole history loads fast: 24 bytes per finished result
-(8-byte hashes of the result's key, of its members' signature and of its content), held in one
-sorted numpy array. Each results part has a small sidecar (`part-....idx`, written just after the
-part) holding those rows, so loading reads a few bytes per part instead of parsing JSON; a part
-without a sidecar, or whose size no longer matches the one its sidecar was made from, is parsed.
+(8-byte hashes of the result's key, of its members' signature and of its content; the rows and
+their formats are tasks/results/done_rows.py), held in one sorted numpy array, plus 4 bytes per
+result saying which part and line it came from. The first lookup by content or by listed ETags
+sorts that column once: 12 bytes more per result for each (its values and rows), so a run with
+copies holds at most 52 bytes per earlier result; a run without any holds 28.
+
+Each results part has a small sidecar (`part-....idx`, written just after the part) holding its
+rows, so loading reads a few bytes per part instead of parsing JSON; a part without a sidecar, or
+whose size no longer matches the one its sidecar was made from, is parsed.
 
 A long history has many parts, and on an object store each sidecar is a request of its own
 (1M results in parts of 64: 15,625 GETs). So once a load reads COMPACT_AFTER or more parts one
@@ -20,97 +28,53 @@ with the same size, so deleting or rewriting a part is seen as before.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import struct
+import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
-from pydantic import ValidationError
 
 from tasks.observability import get_logger
-from tasks.results.layout import compacted_index_key, results_prefix
+from tasks.results.done_rows import (  # noqa: F401 - the done-index's names, as other modules import them
+    COMPACT_HEADER, COMPACT_MAGIC, ROW, SIDECAR_HEADER, SIDECAR_MAGIC, PartRows, Signature, _parse_part,
+    _read_sidecar, compacted_bytes, content_hash, index_rows, listing_signature, load_part_rows, parse_records,
+    record_signature, result_key, sidecar_bytes, sidecar_key, signature_hash)
+from tasks.results.earlier import EarlierRecords
+from tasks.results.layout import compacted_index_key
 from tasks.results.records import ResultRecord
-from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.items import WorkItem
 from tasks.sources.storage import Storage
-from tasks.sources.transient import is_transient, retry_transient
 
-ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])
-SIDECAR_MAGIC = b"VLMIDX1\0"
-SIDECAR_HEADER = struct.Struct("<8sQ")  # magic, byte size of the part it indexes
-READERS = 16  # parallel sidecar reads (object stores answer many small GETs at once well)
-COMPACT_MAGIC = b"VLMCIDX1"
-COMPACT_HEADER = struct.Struct("<8sQ")  # magic, byte length of the JSON list of parts that follows
 COMPACT_AFTER = 64  # parts read one by one that make a load write a new compacted index
-
-Signature = tuple[tuple[str, int], ...]  # (etag, size) of each member, in order
-
-
-def _hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
-def result_key(key: str, question: str | None) -> int:
-    return _hash64(f"{key}\x1f{question or ''}")
-
-
-def signature_hash(signature: Signature) -> int:
-    return _hash64(repr(tuple((etag, int(size)) for etag, size in signature)))
-
-
-def content_hash(sha256: str | None) -> int:
-    """64 bits standing for the object's sha256; 0 when it is unknown (matches nothing)."""
-    return _hash64(sha256) if sha256 else 0
-
-
-def listing_signature(item: WorkItem) -> Signature | None:
-    """(etag, size) per member, or None when a member's were not listed (manifest URLs)."""
-    if any(not m.etag or m.size < 0 for m in item.members):
-        return None
-    return tuple((m.etag, m.size) for m in item.members)
-
-
-def record_signature(record: ResultRecord) -> Signature:
-    members = record.members or [record]
-    return tuple((m.etag, m.size) for m in members)
-
-
-def index_rows(records: Iterable[ResultRecord]) -> np.ndarray:
-    """The index rows of the records that are final (a retryable failure is computed again)."""
-    return np.array([(result_key(r.key, r.question), signature_hash(record_signature(r)), content_hash(r.sha256))
-                     for r in records if r.is_final], dtype=ROW)
-
-
-def sidecar_bytes(rows: np.ndarray, part_size: int) -> bytes:
-    return SIDECAR_HEADER.pack(SIDECAR_MAGIC, part_size) + rows.astype(ROW).tobytes()
-
-
-def sidecar_key(part_key: str) -> str:
-    return part_key.removesuffix(".jsonl") + ".idx"
+MAX_CANDIDATES = 64  # earlier results with the same bytes looked at for one (item, question)
 
 
 class DoneIndex:
-    """Finished results as one sorted array; lookups are binary searches."""
+    """Finished results as one sorted array; lookups are binary searches. Built from each part's
+    rows in order (`parts` names them, in the order of `tables`), it can read an earlier result's
+    record back from `out`; without them it answers only whether a result is done."""
 
-    def __init__(self, tables: Iterable[np.ndarray] = ()):
-        self._set([*tables])
-
-    def _set(self, tables: list[np.ndarray]) -> None:
+    def __init__(self, tables: Iterable[np.ndarray] = (), parts: Iterable[str] = (), out: Storage | None = None):
+        tables, parts = [*tables], [*parts]
         table = np.concatenate(tables) if tables else np.empty(0, ROW)
-        self._table = table[np.argsort(table["key"], kind="stable")]
+        order = np.argsort(table["key"], kind="stable")
+        self._table = table[order]
+        self._earlier: EarlierRecords | None = None
+        self._ordinal = np.empty(0, np.uint32)
+        if out is not None and len(parts) == len(tables):
+            self._ordinal = order.astype(np.uint32)  # which loaded row (part, final record) each sorted row is
+            starts = np.cumsum([0] + [len(t) for t in tables[:-1]]) if tables else np.empty(0, np.int64)
+            self._earlier = EarlierRecords(out, parts, starts)
+        self._by: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # column -> (sorted values, their ordinals)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._table)
 
     @property
     def nbytes(self) -> int:
-        return self._table.nbytes
-
-    def add(self, record: ResultRecord) -> None:
-        self._set([self._table, index_rows([record])])
+        return self._table.nbytes + self._ordinal.nbytes + sum(v.nbytes + o.nbytes for v, o in self._by.values())
 
     def _rows(self, key: str, question: str | None) -> np.ndarray:
         wanted = np.uint64(result_key(key, question))
@@ -166,6 +130,41 @@ class DoneIndex:
         wanted = np.uint64(content_hash(sha256))
         return tuple(q for q in questions if not (self._rows(item_id, q)["sha"] == wanted).any())
 
+    def _matching(self, column: str, value: int) -> np.ndarray:
+        """The ordinals of the rows whose `column` is `value` (the column sorted at its first lookup)."""
+        with self._lock:
+            if column not in self._by:
+                order = np.argsort(self._table[column], kind="stable")
+                self._by[column] = (self._table[column][order], self._ordinal[order])
+            values, ordinals = self._by[column]
+        wanted = np.uint64(value)
+        return ordinals[np.searchsorted(values, wanted, "left"):np.searchsorted(values, wanted, "right")]
+
+    def earlier_answer(self, question: str, *, sha256: str | None = None,
+                       signature: Signature | None = None) -> ResultRecord | None:
+        """A done caption of `question` about the same bytes: found by the fetched `sha256`, or
+        before any fetch by a `signature` of listed ETags that are MD5s (earlier.content_signature).
+        The record of an item that was itself captioned is preferred to a copy's. None where there
+        is none, or where this index cannot read records back (an older output's rows without a
+        content hash take part in no lookup by content)."""
+        if self._earlier is None or not (sha256 or signature):
+            return None
+        if sha256:
+            found = self._matching("sha", content_hash(sha256))
+            same = lambda record: record.sha256 == sha256  # noqa: E731 - the 64-bit hash confirmed
+        else:
+            found = self._matching("signature", signature_hash(signature))
+            same = lambda record: record_signature(record) == tuple(signature)  # noqa: E731
+        copy = None
+        for ordinal in found[:MAX_CANDIDATES]:
+            record = self._earlier.record(int(ordinal))
+            if record is None or record.error is not None or record.question != question or not same(record):
+                continue
+            if record.duplicate_of is None:
+                return record
+            copy = copy or record
+        return copy
+
 
 @task(name="load-done-index", cache_policy=NONE, persist_result=False, retries=2)
 def load_done_index(out: Storage, fingerprint: str) -> DoneIndex:
@@ -177,39 +176,7 @@ def load_done_index(out: Storage, fingerprint: str) -> DoneIndex:
     if loaded.read_one_by_one >= COMPACT_AFTER:
         _compact(out, fingerprint, {key: (loaded.parts[key].size, rows) for key, rows in loaded.rows.items()},
                  loaded.compacted, get_logger(fingerprint=fingerprint))
-    return DoneIndex(loaded.rows.values())
-
-
-def _read_compacted(out: Storage, key: str, objects: dict[str, ObjectRef], log) -> dict[str, np.ndarray]:
-    """The rows of each part the compacted index covers that is still listed with the size it
-    had; nothing when the index is gone (a concurrent load replaced it) or damaged."""
-    try:
-        data = out.read(key)
-        magic, length = COMPACT_HEADER.unpack_from(data)
-        if magic != COMPACT_MAGIC:
-            raise ValueError("not a compacted done-index")
-        covered = json.loads(data[COMPACT_HEADER.size:COMPACT_HEADER.size + length])
-        table = np.frombuffer(data, ROW, offset=COMPACT_HEADER.size + length)
-        if sum(count for _, _, count in covered) != len(table):
-            raise ValueError("rows do not match the parts listed")
-    except Exception as exc:  # noqa: BLE001 - any failure (gone, damaged, denied): the sidecars stand in
-        log.warning("compacted done-index unreadable; reading the parts' sidecars", index=out.describe(key),
-                    error=str(exc))
-        return {}
-    by_part, start = {}, 0
-    for part, size, count in covered:
-        listed = objects.get(part)
-        if listed is not None and listed.size == size:
-            by_part[part] = table[start:start + count]
-        start += count
-    return by_part
-
-
-def compacted_bytes(parts: dict[str, tuple[int, np.ndarray]]) -> bytes:
-    """One object holding every part's rows: (part key, its size, row count) as JSON, then rows."""
-    covered = json.dumps([[key, size, len(rows)] for key, (size, rows) in parts.items()]).encode()
-    rows = np.concatenate([rows.astype(ROW) for _, rows in parts.values()]) if parts else np.empty(0, ROW)
-    return COMPACT_HEADER.pack(COMPACT_MAGIC, len(covered)) + covered + rows.tobytes()
+    return DoneIndex(loaded.rows.values(), loaded.rows.keys(), out)
 
 
 def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndarray]],
@@ -228,85 +195,3 @@ def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndar
         except Exception as exc:  # noqa: BLE001 - left behind, it is read once more by the next load
             log.warning("could not remove a replaced done-index", index=out.describe(stale), error=str(exc))
     log.info("done-index compacted", index=out.describe(key), parts=len(parts), replaced=len(older))
-
-
-def _read_sidecar(out: Storage, key: str, part_size: int) -> np.ndarray | None:
-    """The sidecar's rows, or None when it is damaged or was made from a different part body."""
-    try:
-        data = out.read(key)
-    except OSError:
-        return None
-    if len(data) < SIDECAR_HEADER.size or (len(data) - SIDECAR_HEADER.size) % ROW.itemsize:
-        return None
-    magic, size = SIDECAR_HEADER.unpack_from(data)
-    if magic != SIDECAR_MAGIC or size != part_size:
-        return None
-    return np.frombuffer(data, ROW, offset=SIDECAR_HEADER.size).copy()
-
-
-def parse_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
-    """The records among a results part's lines, in order, and how many non-empty lines are not records."""
-    records, bad = [], 0
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            records.append(ResultRecord.model_validate_json(line))
-        except ValidationError:
-            bad += 1
-    return records, bad
-
-
-def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
-    """A part's rows from its records. A read that fails transiently is tried again, then raised
-    (the load is retried): skipped, its results would be computed again and written twice."""
-    try:
-        lines = retry_transient(lambda: out.read(part.key), out.describe(part.key)).decode("utf-8").splitlines()
-    except Exception as exc:
-        if is_transient(exc):
-            raise
-        log.warning("unreadable results part skipped", part=out.describe(part.key), error=str(exc))
-        return None
-    records, bad = parse_records(lines)
-    if bad:
-        log.warning("results part has lines that are not records; they are ignored",
-                    part=out.describe(part.key), bad_lines=bad)
-    return index_rows(records)
-
-
-class PartRows:
-    """Each part's rows, as a load reads them (the done-index, the Parquet view): `parts` every
-    part listed (key: ObjectRef); `rows` each readable part's rows, in its final records' order;
-    `resized` the parts whose sidecar was made from another body (cut short or rewritten by hand
-    since); `compacted` the compacted indexes listed; `read_one_by_one` the parts none covered."""
-
-    def __init__(self, parts: dict[str, ObjectRef], rows: dict[str, np.ndarray], resized: set[str],
-                 compacted: list[str], read_one_by_one: int):
-        self.parts, self.rows, self.resized = parts, rows, resized
-        self.compacted, self.read_one_by_one = compacted, read_one_by_one
-
-
-def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
-    """The latest compacted index, then the sidecars (or, where none fits, the records) of the
-    parts it does not cover, kept per part; it writes no compacted index."""
-    objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
-    parts = {key: ref for key, ref in objects.items() if key.endswith(".jsonl")}
-    log = get_logger(fingerprint=fingerprint)
-    compacted = sorted(key for key in objects if key.endswith(".vidx"))
-    by_part = _read_compacted(out, compacted[-1], objects, log) if compacted else {}
-    resized: set[str] = set()
-
-    def rows_of(part: ObjectRef) -> np.ndarray | None:
-        if sidecar_key(part.key) in objects:
-            rows = _read_sidecar(out, sidecar_key(part.key), part.size)
-            if rows is not None:
-                return rows
-            resized.add(part.key)
-        return _parse_part(out, part, log)
-
-    rest = [part for key, part in parts.items() if key not in by_part]
-    with ThreadPoolExecutor(READERS) as pool:
-        read = list(pool.map(rows_of, rest))
-    # A part that could not be read stays out of the compacted index: the next load tries it again.
-    by_part.update((part.key, rows) for part, rows in zip(rest, read) if rows is not None)
-    return PartRows(parts, by_part, resized, compacted, len(rest))

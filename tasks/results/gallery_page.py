@@ -87,6 +87,8 @@ def _item_html(item: GalleryItem) -> str:
             parts.append(f'<div class="error">error: {html.escape(kind)}: {html.escape(_cut(message, 600))}</div>')
         if record.quality:
             parts.append(f'<div class="error quality">flagged: {html.escape(", ".join(record.quality))}</div>')
+        if record.duplicate_of:  # the same bytes as that item: its answer, no request of its own
+            parts.append(f'<div class="label copy">copy of {html.escape(record.duplicate_of)}</div>')
         if record.text:
             parts.append(_caption_html(record.text))
         if record.structured is not None:
@@ -99,7 +101,9 @@ def _item_html(item: GalleryItem) -> str:
 
 
 def render_gallery(items: list[GalleryItem], title: str, summary: dict) -> str:
-    """The page: a title, a line of counts, the items (failed ones first)."""
+    """The page: a title, a line of counts (with the copies among the items shown), the items (failed ones first)."""
+    copies = sum(1 for item in items if item.records and all(r.duplicate_of for r in item.records))
+    summary = {**summary, "copies": copies} if copies else summary
     line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in summary.items())
     body = "\n".join(_item_html(item) for item in items)
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'

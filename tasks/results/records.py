@@ -64,8 +64,9 @@ class ResultRecord(BaseModel):
     # The first answer's flags where it was asked again with other sampling (VLM_CAPTION_RETRY_LOOPING);
     # `text` and `quality` are then the better of the two answers.
     retried_for: list[str] | None = None
-    # The key of the item of this run whose answer this record took: the same bytes (sha256), asked
-    # the same question, captioned once (tasks/engine/same_media.py); its tokens are then 0.
+    # The key of the item (of this run or an earlier one) whose answer this record took: the same
+    # bytes, asked the same question, captioned once (tasks/engine/same_media.py in a process,
+    # tasks/results/copies.py across runs and partitions); its tokens are then 0.
     duplicate_of: str | None = None
     timings: dict[str, float]
     fingerprint: str
