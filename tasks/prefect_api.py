@@ -88,7 +88,8 @@ def show_prefect_notice_now(file: IO[str], *, import_now: bool = False) -> None:
 def running_embedded_server() -> Any | None:
     """Prefect's embedded API server, where this process runs one (a run without PREFECT_API_URL
     started it, or a test harness did); None otherwise. Nothing is imported for a process whose
-    Prefect never started one."""
+    Prefect never started one. (The CLI could start it itself, `SubprocessASGIServer().start()`,
+    but that would wait for it before the engine's start, which now overlaps it.)"""
     server = sys.modules.get("prefect.server.api.server")
     if server is None:
         return None
