@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from recipes import RecipeError, get_recipe
+from recipes import Recipe, RecipeError, get_recipe
 
 DEFAULT_QUESTION = "Describe the content of this image in detail."
 DEFAULT_QUESTIONS = {
@@ -158,6 +158,7 @@ class CaptionJob(BaseModel):
         "a built-in {tags: [...], caption} schema); the record's `structured` holds it parsed.")
     regex: str | None = Field(None, description="Structured output: every answer matches this regular expression.")
     choice: list[str] | None = Field(None, description="Structured output: every answer is one of these strings.")
+    _recipe: Recipe | None = PrivateAttr(None)  # `recipe` looked up, once: `resolved_recipe`
 
     @model_validator(mode="before")
     @classmethod
@@ -218,6 +219,8 @@ class CaptionJob(BaseModel):
         if self.method == "chat" and self.modality == "video":
             raise ValueError("method 'chat' sends image parts (the multi-image example's chat method); "
                              "use method 'generate' for video")
+        if self.partition is not None and self.fan_out > 1:
+            raise ValueError("a partition run cannot fan out again: set fan_out=1 or leave partition empty")
         return self
 
     @property
@@ -281,17 +284,18 @@ class CaptionJob(BaseModel):
         return None
 
     @model_validator(mode="after")
-    def _one_level_of_fan_out(self) -> CaptionJob:
-        if self.partition is not None and self.fan_out > 1:
-            raise ValueError("a partition run cannot fan out again: set fan_out=1 or leave partition empty")
-        return self
-
-    @model_validator(mode="after")
     def _recipe_supports_job(self) -> CaptionJob:
+        """An unknown recipe, or one without the job's modality, is refused as the job is made."""
         try:
             recipe = get_recipe(self.recipe)
             recipe.prompting(self.modality)
             recipe.check_runnable()
         except RecipeError as exc:
             raise ValueError(str(exc)) from None
+        self._recipe = recipe
         return self
+
+    @property
+    def resolved_recipe(self) -> Recipe:
+        """The recipe `recipe` names, found when the job was made (its one lookup by name)."""
+        return self._recipe

@@ -16,7 +16,7 @@ from prefect.utilities.annotations import opaque
 
 from flows.params import CaptionJob, Partition
 from flows.partition_end import finish_partition
-from flows.plan import RunPlan, engine_spec
+from flows.plan import RunPlan
 from tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
 from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
@@ -82,7 +82,7 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
         # listing is read whole first; image and video start on the first shard listed.
         if job.modality == "multi-image":
             shards: Iterable[Listed] = list(stream)
-            spec = group_engine_spec(job, [shard for shard in shards if isinstance(shard, Shard)])
+            spec = group_engine_spec(run.plan.engine, [shard for shard in shards if isinstance(shard, Shard)])
         else:
             shards, spec = stream, run.plan.engine
         run.log.info("run started", source=job.location, output=job.output, modality=job.modality,
@@ -279,8 +279,8 @@ class ShardPipeline:
         return stats, self.engine
 
 
-def group_engine_spec(job: CaptionJob, shards: list[Shard]) -> EngineSpec:
+def group_engine_spec(spec: EngineSpec, shards: list[Shard]) -> EngineSpec:
     """A multi-image job's engine: vLLM's per-prompt image limit from the largest group listed
-    (as the example sets it from its image count), capped by the job's."""
+    (as the example sets it from its image count), capped by the plan's (the job's limit)."""
     largest = max((len(item.members) for shard in shards for item in shard.items), default=1)
-    return engine_spec(job, images=max(1, min(largest, job.image_limit)))
+    return spec.with_images(max(1, min(largest, spec.images)))

@@ -1,12 +1,14 @@
 """A run's plan: the job resolved once, at the run's start, and handed down.
 
-`make_plan(job)` is the pre-flight. It checks everything that needs no engine (the recipe and
-remote code, the engine arguments, the source, the output, the model) and fails with every
-problem at once, one line each (`PreflightError`); otherwise it returns a `RunPlan`: the job with
-its source format and Parquet column resolved, the recipe object, the model, the fingerprint,
-where the items come from and the output store. `vlm-caption run` makes it before Prefect starts
-(a mistake costs seconds); the flow makes it again in its own process (a deployment run has had
-no CLI), and a child partition from the job it is given. Storage objects are shared per
+`make_plan(job)` is the pre-flight. It checks everything that needs no engine (remote code, the
+engine arguments, the source, the output, the model) and fails with every problem at once, one
+line each (`PreflightError`); otherwise it returns a `RunPlan`: the job with its source format and
+Parquet column resolved, the recipe object (the job found it by name when it was made), the
+engine to build (`EngineSpec`: the recipe's engine arguments with the job's overrides), the model,
+the fingerprint, where the items come from and the output store. Nothing below the plan looks a
+recipe up by name or builds engine arguments again. `vlm-caption run` makes it before Prefect
+starts (a mistake costs seconds); the flow makes it again in its own process (a deployment run has
+had no CLI), and a child partition from the job it is given. Storage objects are shared per
 location per process (`tasks/sources/storage.py`), so making the plan twice opens nothing twice.
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flows.params import CaptionJob
-from recipes import Recipe, RecipeError, get_recipe
+from recipes import Recipe, RecipeError
 from tasks.engine.arguments import EngineSpec
 from tasks.engine.host_share import take_cpu_share
 from tasks.results.layout import results_prefix
@@ -46,15 +48,15 @@ class RunPlan:
     fingerprint: str  # which results this run's are interchangeable with
     source: SourceSpec
     output: Storage  # where results, manifests, the gallery and Parquet go; partitions coordinate here
-    # The engine to build, where the job alone decides it (image, video). Multi-image sizes vLLM's
-    # per-prompt image limit from the largest group listed, so that one is known after the listing.
+    # The engine to build, its arguments resolved. Multi-image's is for the job's image limit: the
+    # pipeline narrows it to the largest group listed (`EngineSpec.with_images`).
     engine: EngineSpec | None = None
 
 
 def make_plan(job: CaptionJob) -> RunPlan:
     """Check the job and resolve it, or raise PreflightError naming every problem found."""
-    from tasks.engine.arguments import check_engine_overrides, check_remote_code
-    from tasks.engine.model_check import check_job_model
+    from tasks.engine.arguments import check_engine_overrides
+    from tasks.engine.model_check import check_model
     from tasks.sources.preflight import check_output, resolve_source
 
     problems: list[Exception] = []
@@ -66,14 +68,13 @@ def make_plan(job: CaptionJob) -> RunPlan:
             problems.append(exc)
             return None
 
-    recipe = check(lambda: get_recipe(job.recipe))
-    if recipe is not None:
-        check(lambda: check_remote_code(recipe, job.trust_remote_code))
+    recipe = job.resolved_recipe
+    engine = check(lambda: engine_spec(job))  # refuses remote code the job did not allow
     check(lambda: check_engine_overrides(job.engine_overrides))
     resolved = check(lambda: resolve_source(job))
     output = check(lambda: check_output(job.output))
-    if recipe is not None:
-        check(lambda: check_job_model(job))
+    if not job.skip_model_check:  # the job's model, or the recipe's for its modality, loads and fits the recipe
+        check(lambda: check_model(recipe, job.modality, job.model, revision=job.engine_overrides.get("revision")))
     if len(problems) == 1:
         raise problems[0]  # its own kind (StorageError, ModelError, ...), as each check raises it
     if problems:
@@ -83,14 +84,16 @@ def make_plan(job: CaptionJob) -> RunPlan:
     fingerprint = fingerprint_of(resolved, recipe, model, source)
     return RunPlan(job=resolved, recipe=recipe, model=model, fingerprint=fingerprint,
                    source=with_changed_since(source, resolved.modified_since, output, fingerprint), output=output,
-                   engine=None if resolved.modality == "multi-image" else engine_spec(resolved))
+                   engine=engine)
 
 
-def engine_spec(job: CaptionJob, images: int = 1) -> EngineSpec:
-    """The engine for this job; `images` is vLLM's per-prompt image limit (multi-image)."""
-    return EngineSpec.build(job.recipe, modality=job.modality, model=job.model, engine_overrides=job.engine_overrides,
-                            trust_remote_code=job.trust_remote_code, images=images,
-                            processor_device=job.processor_device)
+def engine_spec(job: CaptionJob) -> EngineSpec:
+    """The job's engine: its recipe's arguments for the modality (a multi-image job's for its image
+    limit) with the job's overrides, and where it asks the model's processor to run."""
+    images = job.image_limit if job.modality == "multi-image" else 1
+    return EngineSpec.build(job.resolved_recipe, modality=job.modality, model=job.model,
+                            engine_overrides=job.engine_overrides, trust_remote_code=job.trust_remote_code,
+                            images=images, processor_device=job.processor_device)
 
 
 def engine_first(plan: RunPlan) -> EngineSpec | None:
@@ -100,8 +103,9 @@ def engine_first(plan: RunPlan) -> EngineSpec | None:
     engine is started at once, beside Prefect's start, the job's slot and the listing (the engine's
     start is most of a short run). A job with earlier results (a nightly rerun) starts its engine at
     the first item the listing shows is not done, so a night with nothing new starts none. The
-    partitions of a fan-out follow their parent's finding."""
-    if plan.engine is None:
+    partitions of a fan-out follow their parent's finding. A multi-image job's engine waits for
+    the listing, whose largest group sets its image limit."""
+    if plan.engine is None or plan.job.modality == "multi-image":
         return None
     if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
         return plan.engine if plan.job.partition.engine_first else None

@@ -128,6 +128,12 @@ class Recipe(Frozen):
         )
 
     @property
+    def processor_on_gpu_host(self) -> bool:
+        """Whether `--processor-device auto` runs the model's processor on a GPU host's GPU: a
+        fast processor checked there, and not the model repository's own code."""
+        return self.processor_on_gpu and not self.needs_remote_code
+
+    @property
     def gpus_needed(self) -> int:
         return int(self.engine_args.get("tensor_parallel_size", 1))
 

@@ -54,9 +54,7 @@ def check_cell(recipe, rows: list[dict], unchecked: dict[str, str], notes: list[
 
 
 def recipe_row(recipe, checks: dict, notes: list[str]) -> tuple[str, ...]:
-    from tasks.engine.processor import place_processor  # imports only recipes: no torch, no vLLM
-
-    on_gpu = place_processor(recipe, "auto", gpu=True).device == "cuda"  # what `auto` picks on a GPU host
+    on_gpu = recipe.processor_on_gpu_host
     return (f"`{recipe.name}`", recipe.family, f"`{recipe.model}`", ", ".join(recipe.modalities) or "-",
             "yes" if recipe.needs_remote_code else "-", "yes" if on_gpu else "-", str(recipe.gpus_needed),
             check_cell(recipe, checks["processing"], checks["unchecked"], notes),

@@ -3,32 +3,37 @@
 
     uv run python -m tests.call_graph            # the walk of `job` from vlm_caption, the imports
 
-**The walk of a job** starts at `flows.caption.vlm_caption` with its parameter `job` marked and
-follows the job down the calls. Its rules:
+**The walk of a job** starts at `flows.caption.vlm_caption`, whose parameter `job` holds the
+job, and follows the job down the calls. Its rules:
 
 1. A *stop* is one function or method of a product module (flows/, tasks/, recipes/) the walk
-   reaches; each is counted once, however often it is reached. Its module is counted once too.
-2. Inside a stop, a name is *marked* if it is a marked parameter, or is assigned (`=`, `for`,
-   `with ... as`, `:=`, a comprehension) from an expression that reads a marked name: what is
-   made from the job (its plan, a run, an engine spec) travels with it. `self` is marked in a
-   method reached through a marked object.
-3. A call is followed when an argument reads a marked name, or when it is a method called on a
-   marked object of a known class. The callee's parameters that receive marked arguments are
-   marked there (a `*args` or `**kwargs` parameter takes any marked argument it collects).
+   reaches; each is counted once, however often it is reached, and so is its module.
+2. What *holds the job*: the CaptionJob; an object of a class with a field (annotated, or a
+   property with a return annotation) that holds it (`RunPlan.job`, `PartitionRun.plan`); an object
+   a product class builds from an argument that holds it (`ShardPipeline(run, ...)`); what a
+   function returns where its return annotation is such a class, or where it returns the
+   parameter it was handed the job in (or that parameter's `model_copy`); a name assigned from
+   any of these (`=`, `for`, `with ... as`, `:=`, a comprehension, `a or b`, `a if c else b`).
+3. A call is followed when one of its arguments reads a name that holds the job (the job itself,
+   or a field of it: `get_recipe(job.recipe)` is a stop), or when it is a method called on such a
+   name of a known class. In the callee, the parameters handed something that holds the job hold
+   it (a `*args` or `**kwargs` parameter, anything it collects), and so does `self` where the
+   method was reached through such an object or is a constructor.
 4. A callee is resolved as Python would bind it in that module: a function or class defined
    there, or imported (followed through re-exports such as `recipes/__init__.py`), a function
-   of an imported module (`module.f`), a method through `self`, or through a variable whose
-   class is known: a parameter annotated with a product class, or a variable assigned from a
-   product class's constructor. `task.submit(...)`, `.map`, `.fn` call the task's function.
-   Calling a product class reaches its `__init__` and `__post_init__` (a stop each, where
-   defined); a plain dataclass or pydantic model runs none of our code, so it is no stop.
-   A product function passed as an argument of a followed call (a thread's target, a pool's
-   function) is followed too, all its parameters marked.
+   of an imported module (`module.f`), a method through `self`, or through a name whose class
+   is known: a parameter annotated with a product class, or a name assigned from a product
+   class's constructor or from a call annotated to return one. `task.submit(...)`, `.map`,
+   `.fn` call the task's function. Calling a product class reaches its `__init__` and
+   `__post_init__` (a stop each, where defined); a plain dataclass or pydantic model runs none
+   of our code, so it is no stop. A product function passed as an argument of a followed call
+   (a thread's target, a pool's function) is followed too, all its parameters holding the job.
 5. Nested functions and lambdas are part of the function they are in: their calls are that
-   function's, and they are not stops of their own.
+   function's, and they are not stops of their own. A nested function called with a lambda
+   (`check(lambda: resolve_source(job))`) returns what the lambda does.
 6. Not followed (what `ast` cannot know without running): calls on objects of unknown class,
-   properties (an attribute read is no call), decorators and validators run by a framework
-   (pydantic, Prefect), `getattr` and other dynamic calls.
+   properties (reading an attribute is no call), what a framework calls (pydantic's validators,
+   Prefect's hooks), `getattr` and other dynamic calls, tuples unpacked from a call.
 
 **The imports** (`import_edges`) are every import of one product module by another, at the top
 of a module or inside a function (a lazy import still ties the two), except those under

@@ -121,9 +121,9 @@ def tokens_on(recipe_name: str, model: str, device: str) -> list[list[int]]:
 
     recipe = get_recipe(recipe_name)
     rng = np.random.default_rng(1)
-    spec = EngineSpec.build(recipe_name, modality="video", model=model,
+    spec = EngineSpec.build(get_recipe(recipe_name), modality="video", model=model,
                             processor_device="cuda" if device == "flow" else device)
-    args, placement = engine_plan(spec, recipe, on_cpu=False)
+    args, placement = engine_plan(spec, on_cpu=False)
     kwargs = {k: v for k, v in args["mm_processor_kwargs"].items() if k != "device"}
     # One engine for photos and clips (the video recipe's pixel limits apply to both). One request
     # at a time: in a batch, a request's numbers depend on which others share its steps, which

@@ -31,7 +31,7 @@ def main(recipe_name: str, checkpoint: str, modalities: list[str]) -> None:
     from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_args
 
     recipe = get_recipe(recipe_name)
-    args = engine_args(EngineSpec.build(recipe_name, modality=modalities[0], model=checkpoint, images=2),
+    args = engine_args(EngineSpec.build(get_recipe(recipe_name), modality=modalities[0], model=checkpoint, images=2),
                        recipe, on_cpu=True)
     # A tiny model needs little KV cache; CI runs this beside other engines on one small machine.
     args["kv_cache_memory_bytes"] = 512 * 1024**2

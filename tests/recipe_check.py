@@ -79,7 +79,7 @@ def flow_engine_args(recipe_name: str, modality: str, checkpoint: Path, on_cpu: 
     from tasks.engine.arguments import EngineSpec, engine_args
 
     recipe = get_recipe(recipe_name)
-    spec = EngineSpec.build(recipe_name, modality=modality, model=str(checkpoint), images=GROUP_SIZE,
+    spec = EngineSpec.build(get_recipe(recipe_name), modality=modality, model=str(checkpoint), images=GROUP_SIZE,
                             trust_remote_code=recipe.needs_remote_code)
     return engine_args(spec, recipe, on_cpu=on_cpu)
 

@@ -84,6 +84,7 @@ def test_videos_from_a_bucket_get_captions_and_broken_ones_error_records(prefect
 def test_video_metadata_reaches_the_request_for_recipes_that_need_it():
     """Qwen3-VL and GLM-4.xV get (frames, metadata) as the example passes them; others frames."""
     from tasks.engine.steps import GenerateOptions, engine_request
+    from recipes import get_recipe
     from tasks.engine.arguments import EngineSpec
     from tasks.engine.vllm_engine import Sampling
     from tasks.media.prepare import PreparedItem
@@ -93,12 +94,13 @@ def test_video_metadata_reaches_the_request_for_recipes_that_need_it():
     video = decode_video(video_bytes(), num_frames=4, limits=VideoLimits(60, 10**6))
     item = PreparedItem(WorkItem("v.mp4", (ObjectRef("v.mp4", 1, "e"),)), ("q",), sha256="abc", media=video)
     for recipe in ("qwen3_vl", "glm4_1v"):
-        request = engine_request(item, "q", GenerateOptions(EngineSpec.build(recipe, modality="video"), Sampling(), num_frames=4))
+        spec = EngineSpec.build(get_recipe(recipe), modality="video")
+        request = engine_request(item, "q", GenerateOptions(spec, Sampling(), num_frames=4))
         frames, metadata = request.media
         assert frames.shape == (4, 48, 64, 3)
         assert metadata["total_num_frames"] == 24 and metadata["fps"] == 8.0 and len(metadata["frames_indices"]) == 4
         assert request.uuids == "abc-f4"  # another frame count is another processor input
-    plain = engine_request(item, "q", GenerateOptions(EngineSpec.build("qwen2_vl", modality="video"), Sampling()))
+    plain = engine_request(item, "q", GenerateOptions(EngineSpec.build(get_recipe("qwen2_vl"), modality="video"), Sampling()))
     assert plain.media.shape == (4, 48, 64, 3)
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from flows import cli
 from recipes import get_recipe
-from tasks.engine import model_check, model_hub
+from tasks.engine import model_hub
 from tasks.engine.model_check import ModelError, check_model, resolve_model
 from tasks.results.report import RunStats
 from tests.checkpoints import build_checkpoint
@@ -321,13 +321,10 @@ def test_the_hub_answers_unknown_gated_mismatch_and_is_asked_once(hub, monkeypat
     with pytest.raises(ModelError, match="is a 'qwen2_vl' model.*Use --recipe qwen2_vl"):  # from the hub's config
         check_model(get_recipe("llava"), "image", "qwen-org/some-qwen")
     hub.asked.clear()
-    job = types.SimpleNamespace(skip_model_check=False, recipe="qwen2_vl", modality="image",
-                                model="qwen-org/some-qwen", engine_overrides={})
-    first = model_check.check_job_model(job)
-    again = model_check.check_job_model(job)  # the CLI's check, then the flow's
+    first = check_model(get_recipe("qwen2_vl"), "image", "qwen-org/some-qwen")
+    again = check_model(get_recipe("qwen2_vl"), "image", "qwen-org/some-qwen")  # the CLI's plan, then the flow's
     assert first == again and (first.where, first.download_bytes) == ("hub", 2_001_000)
     assert hub.asked == ["qwen-org/some-qwen"]
-    assert model_check.check_job_model(types.SimpleNamespace(skip_model_check=True)) is None
 
 
 def test_an_unreadable_hub_cache_is_logged_with_what_it_costs(tmp_path, monkeypatch):

@@ -38,19 +38,16 @@ def test_the_engine_argument_wins_and_cuda_without_a_gpu_is_refused():
 
 def test_on_a_gpu_the_engine_arguments_carry_the_device_and_the_memory_it_needs(monkeypatch):
     monkeypatch.setattr(arguments, "_cuda_present", lambda: True)
-    args, placement = engine_plan(EngineSpec.build("qwen2_vl", modality="video", model="/none"),
-                                  get_recipe("qwen2_vl"), on_cpu=False)
+    args, placement = engine_plan(EngineSpec.build(get_recipe("qwen2_vl"), modality="video", model="/none"), on_cpu=False)
     assert placement.device == "cuda"
     # the recipe's pixel limits stay; vLLM takes the processor's memory off its KV cache
     assert args["mm_processor_kwargs"] == {"min_pixels": 784, "max_pixels": 1003520, "device": "cuda"}
     assert args["mm_ipc_gpu_memory_gb"] == PROCESSOR_GPU_GIB
     # multi-image leaves the pixel limits at the processor's own: only the device is set
-    args, _ = engine_plan(EngineSpec.build("qwen2_vl", modality="multi-image", model="/none", images=2),
-                          get_recipe("qwen2_vl"), on_cpu=False)
+    args, _ = engine_plan(EngineSpec.build(get_recipe("qwen2_vl"), modality="multi-image", model="/none", images=2), on_cpu=False)
     assert args["mm_processor_kwargs"] == {"device": "cuda"}
-    args, placement = engine_plan(EngineSpec.build("qwen2_vl", model="/none", processor_device="cpu",
-                                                   engine_overrides={"mm_ipc_gpu_memory_gb": 4}),
-                                  get_recipe("qwen2_vl"), on_cpu=False)
+    args, placement = engine_plan(EngineSpec.build(get_recipe("qwen2_vl"), model="/none", processor_device="cpu",
+                                                   engine_overrides={"mm_ipc_gpu_memory_gb": 4}), on_cpu=False)
     assert placement.device == "cpu" and "device" not in args["mm_processor_kwargs"]
     assert args["mm_ipc_gpu_memory_gb"] == 4  # the caller's own value
 
@@ -58,18 +55,18 @@ def test_on_a_gpu_the_engine_arguments_carry_the_device_and_the_memory_it_needs(
 def test_a_fixed_kv_cache_smaller_than_the_processors_share_is_refused_up_front(monkeypatch):
     """On the H100 this failed vLLM's start: 'reserves 2.0 GiB ... only 0.25 GiB is available'."""
     monkeypatch.setattr(arguments, "_cuda_present", lambda: True)
-    small = EngineSpec.build("qwen2_vl", model="/none", engine_overrides={"kv_cache_memory_bytes": 256 * 1024**2})
+    small = EngineSpec.build(get_recipe("qwen2_vl"), model="/none", engine_overrides={"kv_cache_memory_bytes": 256 * 1024**2})
     with pytest.raises(RecipeError, match="--processor-device cpu"):
-        engine_plan(small, get_recipe("qwen2_vl"), on_cpu=False)
-    enough = EngineSpec.build("qwen2_vl", model="/none", engine_overrides={"kv_cache_memory_bytes": 3 * 1024**3})
-    assert engine_plan(enough, get_recipe("qwen2_vl"), on_cpu=False)[1].device == "cuda"
-    on_cpu = EngineSpec.build("qwen2_vl", model="/none", processor_device="cpu",
+        engine_plan(small, on_cpu=False)
+    enough = EngineSpec.build(get_recipe("qwen2_vl"), model="/none", engine_overrides={"kv_cache_memory_bytes": 3 * 1024**3})
+    assert engine_plan(enough, on_cpu=False)[1].device == "cuda"
+    on_cpu = EngineSpec.build(get_recipe("qwen2_vl"), model="/none", processor_device="cpu",
                               engine_overrides={"kv_cache_memory_bytes": 256 * 1024**2})
-    assert engine_plan(on_cpu, get_recipe("qwen2_vl"), on_cpu=False)[1].device == "cpu"
+    assert engine_plan(on_cpu, on_cpu=False)[1].device == "cpu"
 
 
 def test_on_cpu_nothing_changes():
-    args, placement = engine_plan(EngineSpec.build("qwen2_vl", model="/none"), get_recipe("qwen2_vl"), on_cpu=True)
+    args, placement = engine_plan(EngineSpec.build(get_recipe("qwen2_vl"), model="/none"), on_cpu=True)
     assert placement.device == "cpu" and placement.reason == "no GPU on this machine"
     assert "device" not in args["mm_processor_kwargs"] and "mm_ipc_gpu_memory_gb" not in args
 
@@ -83,8 +80,8 @@ def test_cpu_engines_start_without_inductor_unless_the_user_keeps_it(monkeypatch
     from tasks.engine.arguments import eager_engine_processes
 
     recipe = get_recipe("llava")
-    cpu_args = engine_plan(EngineSpec.build("llava", model="/none"), recipe, on_cpu=True)[0]
-    gpu_args = engine_plan(EngineSpec.build("llava", model="/none"), recipe, on_cpu=False)[0]
+    cpu_args = engine_plan(EngineSpec.build(get_recipe("llava"), model="/none"), on_cpu=True)[0]
+    gpu_args = engine_plan(EngineSpec.build(get_recipe("llava"), model="/none"), on_cpu=False)[0]
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
     monkeypatch.setattr(dynamo, "disable", False)  # restored after the test
     eager_engine_processes(gpu_args, on_cpu=False)
@@ -102,11 +99,11 @@ def test_cpu_engines_skip_the_multimodal_memory_profile_unless_the_job_asks_for_
     largest dummy batch measures nothing; a GPU engine still profiles, and the job's engine
     overrides win."""
     recipe = get_recipe("qwen2_vl")
-    cpu_args = engine_plan(EngineSpec.build("qwen2_vl", modality="video", model="/none"), recipe, on_cpu=True)[0]
-    gpu_args = engine_plan(EngineSpec.build("qwen2_vl", modality="video", model="/none"), recipe, on_cpu=False)[0]
-    asked = EngineSpec.build("qwen2_vl", modality="video", model="/none", engine_overrides={"skip_mm_profiling": False})
+    cpu_args = engine_plan(EngineSpec.build(get_recipe("qwen2_vl"), modality="video", model="/none"), on_cpu=True)[0]
+    gpu_args = engine_plan(EngineSpec.build(get_recipe("qwen2_vl"), modality="video", model="/none"), on_cpu=False)[0]
+    asked = EngineSpec.build(get_recipe("qwen2_vl"), modality="video", model="/none", engine_overrides={"skip_mm_profiling": False})
     assert cpu_args["skip_mm_profiling"] is True and "skip_mm_profiling" not in gpu_args
-    assert engine_plan(asked, recipe, on_cpu=True)[0]["skip_mm_profiling"] is False
+    assert engine_plan(asked, on_cpu=True)[0]["skip_mm_profiling"] is False
 
 
 def test_a_job_takes_the_processor_device_from_the_command_line():
@@ -126,7 +123,7 @@ def test_frames_shrunk_in_the_fetch_threads_are_what_vllm_makes_of_the_full_fram
     those frames shrunk first with the video processor's own resize."""
     model = str(build_checkpoint(architecture, tmp_path))
     kwargs = get_recipe(architecture).engine_args_for("video", model=model)["mm_processor_kwargs"]
-    target = frame_resize_target(EngineSpec.build(architecture, modality="video", model=model))
+    target = frame_resize_target(EngineSpec.build(get_recipe(architecture), modality="video", model=model))
     assert target is not None
     frames = np.random.default_rng(0).integers(0, 255, (4, 480, 640, 3), dtype=np.uint8)
     small = target.apply(frames)
@@ -150,7 +147,7 @@ def test_photos_shrunk_in_the_decode_pool_are_what_vllm_makes_of_the_full_photos
     photos = [Image.fromarray(rng.integers(0, 255, (480 + 37 * i, 640 + 53 * i, 3), dtype=np.uint8)) for i in range(2)]
     for modality, prompt, count in (("image", "<|vision_start|><|image_pad|><|vision_end|>Hi", 1),
                                     ("multi-image", "<|vision_start|><|image_pad|><|vision_end|>" * 2 + "Hi", 2)):
-        spec = EngineSpec.build(architecture, modality=modality, model=model, images=count)
+        spec = EngineSpec.build(get_recipe(architecture), modality=modality, model=model, images=count)
         target = image_resize_target(spec)
         kwargs = get_recipe(architecture).engine_args_for(modality, model=model, images=count).get("mm_processor_kwargs")
         media = photos[:count] if count > 1 else photos[0]
@@ -165,6 +162,6 @@ def test_photos_shrunk_in_the_decode_pool_are_what_vllm_makes_of_the_full_photos
 
 def test_frames_are_left_alone_for_processors_that_are_not_known(tmp_path):
     llava = str(build_checkpoint("llava", tmp_path))
-    assert frame_resize_target(EngineSpec.build("qwen2_vl", modality="video", model=llava)) is None  # no video processor
-    assert frame_resize_target(EngineSpec.build("qwen2_vl", modality="video", model=str(tmp_path / "no"))) is None
-    assert frame_resize_target(EngineSpec.build("qwen2_vl", modality="image", model=llava)) is None
+    assert frame_resize_target(EngineSpec.build(get_recipe("qwen2_vl"), modality="video", model=llava)) is None  # no video processor
+    assert frame_resize_target(EngineSpec.build(get_recipe("qwen2_vl"), modality="video", model=str(tmp_path / "no"))) is None
+    assert frame_resize_target(EngineSpec.build(get_recipe("qwen2_vl"), modality="image", model=llava)) is None

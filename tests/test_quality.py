@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from recipes import get_recipe
 from tasks.engine import steps
 from tasks.engine.arguments import EngineSpec
 from tasks.engine.steps import GenerateOptions, ask_again, make_record
@@ -135,7 +136,7 @@ class _Engine:
 
 
 def test_the_re_ask_keeps_the_better_answer(monkeypatch):
-    options = GenerateOptions(EngineSpec(recipe="llava", model="m"), Sampling())
+    options = GenerateOptions(EngineSpec(recipe=get_recipe("llava"), model="m"), Sampling())
     outputs = [GenerationOutput("the the the the the the", "stop", 5, 6),
                GenerationOutput("A cat.", "stop", 5, 2),
                GenerationOutput("", "stop", 5, 0)]

@@ -183,6 +183,36 @@ def test_remote_code_is_refused_unless_opted_in():
     check_remote_code(get_recipe("llava"), allowed=False)
 
 
+def test_the_engine_spec_holds_the_recipes_arguments_with_the_jobs_overrides():
+    """The plan's `EngineSpec` is what every step below it reads: the recipe object and its engine
+    arguments, resolved once; it crosses into Prefect's task runs and is the key of the process's
+    engine, so it survives a pickle and equal jobs give equal specs."""
+    import pickle
+
+    from tasks.engine.arguments import EngineSpec
+
+    llava = get_recipe("llava")
+    spec = EngineSpec.build(llava, engine_overrides={"max_model_len": 2048})
+    assert spec.recipe is llava and spec.args["model"] == llava.model and spec.args["max_model_len"] == 2048
+    copy = pickle.loads(pickle.dumps(spec))
+    assert copy == spec and {spec: "engine"}[copy] == "engine"
+    assert spec != EngineSpec.build(llava, engine_overrides={"max_model_len": 4096})
+    groups = EngineSpec.build(get_recipe("idefics3"), modality="multi-image", images=8).with_images(3)
+    assert groups.args["limit_mm_per_prompt"] == {"image": 3}  # the largest group listed
+    with pytest.raises(RecipeError, match="--trust-remote-code"):  # no spec runs remote code not asked for
+        EngineSpec.build(get_recipe("internvl_chat"))
+    assert EngineSpec.build(get_recipe("internvl_chat"), trust_remote_code=True).args["trust_remote_code"] is True
+
+
+def test_the_recipe_table_says_where_auto_puts_the_processor_as_the_engine_does():
+    from tasks.engine.processor import place_processor
+
+    for recipe in all_recipes():
+        placed = place_processor(recipe, "auto", gpu=True).device == "cuda"
+        assert recipe.processor_on_gpu_host == placed, recipe.name
+    assert get_recipe("qwen2_vl").processor_on_gpu_host and not get_recipe("llava").processor_on_gpu_host
+
+
 def test_chat_template_renders_offline_with_a_local_tokenizer(tmp_path):
     from tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 

@@ -13,6 +13,7 @@ import pytest
 
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
+from recipes import get_recipe
 from tasks.engine.arguments import EngineSpec
 from tasks.engine.vllm_engine import get_engine, release_engines
 from tasks.settings import get_settings
@@ -64,7 +65,7 @@ def test_pool_rendering_gives_the_same_records_and_keeps_errors_per_item(prefect
     texts = {}
     for processes, shard_size in ((1, 1), (1, 7), (0, 7)):
         render_processes(processes)
-        engine = get_engine(EngineSpec.build("llava", model=str(tiny_llava)))  # the spec the flow builds
+        engine = get_engine(EngineSpec.build(get_recipe("llava"), model=str(tiny_llava)))  # the spec the flow builds
         submitted = engine._render_pool.submitted if processes else 0
         deadline = time.time() + 300
         while processes and not engine._render_pool.ready and time.time() < deadline:

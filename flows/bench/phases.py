@@ -53,9 +53,9 @@ def phase_raw(cfg: BenchConfig, folder: Path, model: str, processor_device: str 
     if part is not None:
         items = raw_slice(items, *part)
     count = GROUP_SIZE if cfg.modality == "multi-image" else 1
-    spec = EngineSpec.build(cfg.recipe, modality=cfg.modality, model=model, images=count,
+    spec = EngineSpec.build(recipe, modality=cfg.modality, model=model, images=count,
                             processor_device=processor_device)
-    args, placement = engine_plan(spec, recipe, on_cpu=current_platform.is_cpu())
+    args, placement = engine_plan(spec, on_cpu=current_platform.is_cpu())
     eager_engine_processes(args, on_cpu=current_platform.is_cpu())  # as the flow's engine starts
     llm = LLM(**args)
     engine_s = time.perf_counter() - started
@@ -111,7 +111,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
                      json_schema=cfg.structured())
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect
     take_partition_cores(job)
-    start_engine_first(plan, import_now=True)
+    start_engine_first(plan)
     from flows.caption import vlm_caption
 
     summary = vlm_caption(plan.job)

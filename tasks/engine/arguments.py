@@ -1,37 +1,59 @@
-"""What the engine is built from: the job's engine spec, the recipe's arguments sized for the
-hardware at hand plus the caller's overrides, and the checks that refuse bad ones before any
+"""What the engine is built from: the `EngineSpec` the run's plan resolves once (the recipe, the
+model's engine arguments with the caller's overrides), what the engine's host adds to it (sizing
+for a CPU, where the model's processor runs), and the checks that refuse bad arguments before any
 engine starts. No vLLM object is built here."""
 
 from __future__ import annotations
 
-import functools
+import copy
 import json
 import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from recipes import Recipe, RecipeError, get_recipe
+from recipes import Recipe, RecipeError
+from tasks.engine import vllm_api
 from tasks.engine.processor import ProcessorPlacement, apply_placement, place_processor
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    recipe: str
+    """The engine a run builds, resolved once by its plan (flows/plan.py) and handed down to the
+    engine's tasks: the recipe object, the modality and the model's engine arguments (`args`: the
+    recipe's for the modality and image count, remote code where the job allowed it, the job's
+    overrides winning). Hashable (the key of the process's engine) and picklable (a Prefect task's
+    parameter). What only the engine's host can tell, CPU or GPU, is added where the engine is
+    built (`engine_plan`): vLLM's platform imports torch, which a run with nothing new never does."""
+
+    recipe: Recipe = field(hash=False)  # compared, not hashed: its dicts cannot be
     modality: str = "image"
-    model: str | None = None
+    model: str | None = None  # the job's model; None: the recipe's for the modality
     engine_overrides: tuple[tuple[str, str], ...] = ()  # (key, JSON value), hashable
     trust_remote_code: bool = False
     images: int = 1  # images per prompt for multi-image
-    processor_device: str = "auto"  # where the model's HF processor runs (tasks/engine/processor.py)
+    processor_device: str = "auto"  # where the model's HF processor should run (tasks/engine/processor.py)
+    args: dict[str, Any] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_remote_code(self.recipe, self.trust_remote_code)
+        args = self.recipe.engine_args_for(self.modality, images=self.images, model=self.model)
+        if self.trust_remote_code and self.recipe.needs_remote_code:
+            args["trust_remote_code"] = True
+        args.update(self.overrides())
+        object.__setattr__(self, "args", args)
 
     @classmethod
-    def build(cls, recipe: str, *, modality: str = "image", model: str | None = None,
+    def build(cls, recipe: Recipe, *, modality: str = "image", model: str | None = None,
               engine_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False,
               images: int = 1, processor_device: str = "auto") -> EngineSpec:
         overrides = tuple(sorted((k, json.dumps(v)) for k, v in (engine_overrides or {}).items()))
         return cls(recipe, modality, model, overrides, trust_remote_code, images, processor_device)
+
+    def with_images(self, images: int) -> EngineSpec:
+        """The same engine with vLLM's per-prompt image limit set to `images` (multi-image sizes
+        it from the largest group listed)."""
+        return replace(self, images=images)
 
     def overrides(self) -> dict[str, Any]:
         return {key: json.loads(value) for key, value in self.engine_overrides}
@@ -46,20 +68,13 @@ def check_remote_code(recipe: Recipe, allowed: bool) -> None:
         )
 
 
-def _model_args(spec: EngineSpec) -> dict[str, Any]:
-    args = get_recipe(spec.recipe).engine_args_for(spec.modality, images=spec.images, model=spec.model)
-    args.update(spec.overrides())
-    return args
-
-
 def image_resize_target(spec: EngineSpec):
     """What the decode pool may shrink images to for this engine's model (None: leave them)."""
     from tasks.media.resize import resize_target
 
     if spec.modality == "video":
         return None
-    args = _model_args(spec)
-    return resize_target(args["model"], args.get("mm_processor_kwargs"))
+    return resize_target(spec.args["model"], spec.args.get("mm_processor_kwargs"))
 
 
 def frame_resize_target(spec: EngineSpec):
@@ -69,61 +84,43 @@ def frame_resize_target(spec: EngineSpec):
 
     if spec.modality != "video":
         return None
-    args = _model_args(spec)
-    return frame_target(args["model"], args.get("mm_processor_kwargs"))
+    return frame_target(spec.args["model"], spec.args.get("mm_processor_kwargs"))
 
 
-def check_engine_overrides(overrides: dict[str, Any]) -> None:
-    """Unknown vLLM engine arguments fail the job before anything starts, with close matches."""
+def check_engine_overrides(overrides: dict[str, Any], *, import_vllm: bool = False) -> None:
+    """Unknown vLLM engine arguments fail the job before anything starts, with close matches:
+    checked against the fields recorded for the vLLM release pinned (tasks/engine/vllm_api.py),
+    without importing vLLM. With another release installed the check waits for vLLM's import
+    (`import_vllm`: `engine_plan`, before the engine is built)."""
     import difflib
 
-    known = engine_argument_names()
-    for key in overrides:
+    known = vllm_api.engine_argument_names(import_vllm=import_vllm) if overrides else None
+    for key in overrides if known is not None else ():
         if key not in known:
             close = difflib.get_close_matches(key, known, n=3)
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             raise RecipeError(f"unknown vLLM engine argument {key!r}.{hint} "
-                              "See `vllm serve --help` for the engine arguments of vLLM 0.26.")
-
-
-@functools.lru_cache(maxsize=1)
-def engine_argument_names() -> frozenset[str]:
-    """The fields of vLLM's `EngineArgs`, read from its source without importing vLLM (which takes
-    20 s on a small machine; a misspelled argument must cost the user under a second). Checked
-    against `dataclasses.fields(EngineArgs)` in the tests. (`ast.parse` runs one at a time once
-    vLLM is imported on a thread: `serialize_ast_parse` in tasks/engine/vllm_import.py.)"""
-    import ast
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    source = Path(spec.origin).parent / "engine" / "arg_utils.py"
-    tree = ast.parse(source.read_text(encoding="utf-8"))
-    (engine_args,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineArgs"]
-    return frozenset(node.target.id for node in engine_args.body
-                     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                     and "ClassVar" not in ast.unparse(node.annotation))
+                              "See `vllm serve --help` for the installed vLLM's engine arguments.")
 
 
 def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, Any]:
     """Recipe facts + sizing for this hardware + the caller's overrides (which win)."""
-    return engine_plan(spec, recipe, on_cpu=on_cpu)[0]
+    return engine_plan(spec, on_cpu=on_cpu)[0]
 
 
-def engine_plan(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> tuple[dict[str, Any], ProcessorPlacement]:
-    """The engine arguments and where the model's processor runs, which they include."""
-    check_remote_code(recipe, spec.trust_remote_code)
-    args = recipe.engine_args_for(spec.modality, images=spec.images, model=spec.model)
-    if spec.trust_remote_code and recipe.needs_remote_code:
-        args["trust_remote_code"] = True
+def engine_plan(spec: EngineSpec, *, on_cpu: bool) -> tuple[dict[str, Any], ProcessorPlacement]:
+    """The spec's engine arguments completed for this host (sizing for a CPU, the checkpoint's
+    context limit, the recipe's logits processors as classes), and where the model's processor
+    runs, which they include. Called once, where the engine is built."""
+    check_engine_overrides(spec.overrides(), import_vllm=True)  # another vLLM release: checked now
+    args = copy.deepcopy(spec.args)
     if on_cpu:
         args.setdefault("enforce_eager", True)  # compilation does not pay off for CPU-sized jobs
         # vLLM's start-up profile runs the vision encoder over its largest dummy batch to size
         # memory. On CPU the KV cache is sized in bytes (_size_cpu_kv_cache) and nothing is
-        # compiled, so it measures nothing: a tiny Qwen2-VL's video engine started in 2.3 s
-        # instead of 3.0 (the encoder's share grows with the model).
+        # compiled, so it measures nothing.
         args.setdefault("skip_mm_profiling", True)
-    args.update(spec.overrides())
-    placement = place_processor(recipe, spec.processor_device, gpu=not on_cpu and _cuda_present(),
+    placement = place_processor(spec.recipe, spec.processor_device, gpu=not on_cpu and _cuda_present(),
                                 user_kwargs=spec.overrides().get("mm_processor_kwargs"))
     apply_placement(args, placement)
     if on_cpu:

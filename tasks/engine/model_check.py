@@ -15,26 +15,14 @@ cache asked in `model_hub.py`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from recipes import Recipe, all_recipes, get_recipe
+from recipes import Recipe, all_recipes
 from tasks.engine.model_files import SKIP_HINT, ModelError, ModelFound, check_folder, looks_local
 from tasks.engine.model_hub import hub_cache_dir, hub_endpoint, hub_offline, resolve_hub, token_key
 
-__all__ = ["ModelError", "ModelFound", "check_job_model", "check_model", "check_fits", "resolve_model"]
+__all__ = ["ModelError", "ModelFound", "check_model", "check_fits", "resolve_model"]
 
 
 # ---- the entry points ----------------------------------------------------------------------
-def check_job_model(job: Any) -> ModelFound | None:
-    """The job's model (its own, or the recipe's for its modality) loads and fits the recipe.
-    None when the job says `skip_model_check`."""
-    if getattr(job, "skip_model_check", False):
-        return None
-    recipe = get_recipe(job.recipe)
-    revision = (job.engine_overrides or {}).get("revision")
-    return check_model(recipe, job.modality, job.model, revision=revision)
-
-
 def check_model(recipe: Recipe, modality: str = "image", model: str | None = None, *,
                 revision: str | None = None) -> ModelFound:
     """Resolve `model` (default: the recipe's for `modality`) and check it fits `recipe`;

@@ -10,7 +10,6 @@ from dataclasses import asdict, dataclass, replace
 from prefect import task
 from prefect.cache_policies import NONE
 
-from recipes import get_recipe
 from tasks.engine.arguments import EngineSpec
 from tasks.engine.same_media import SAME_MEDIA
 from tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
@@ -38,7 +37,7 @@ def start_engine(spec: EngineSpec) -> dict:
     """Load the model once for this worker process (reused by every later shard)."""
     engine = get_engine(spec)
     sizing = engine.sizing()
-    get_logger(recipe=spec.recipe).info("engine ready", model=engine.model,
+    get_logger(recipe=spec.recipe.name).info("engine ready", model=engine.model,
                                         startup_s=round(engine.startup_s, 1), **sizing)
     return {"model": engine.model, "startup_s": engine.startup_s, "ready_at": engine.ready_at, "sizing": sizing,
             "engine_args": {k: v if _jsonable(v) else repr(v) for k, v in engine.args.items()}}
@@ -57,7 +56,7 @@ def engine_request(item: PreparedItem, question: str, options: GenerateOptions) 
     media = item.media
     if isinstance(media, DecodedVideo):
         # The same bytes sampled to another frame count are other inputs to the processor.
-        needs_metadata = get_recipe(options.spec.recipe).needs_video_metadata
+        needs_metadata = options.spec.recipe.needs_video_metadata
         return EngineRequest(question, media.for_request(needs_metadata),
                              f"{item.sha256}-f{options.num_frames}")
     if isinstance(media, list):
@@ -107,7 +106,7 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
             duplicate_of = copy.key if copy else None
             if question in item.copies:  # a done result's answer: the same bytes (tasks/results/copies.py)
                 output, duplicate_of = copy_answer(item.copies[question], options.method)
-            records.append(make_record(item, question, output, prompt, engine.model, options.spec.recipe,
+            records.append(make_record(item, question, output, prompt, engine.model, options.spec.recipe.name,
                                        per_request_s, fingerprint, run_id, options.sampling.structured,
                                        retried_for=retried_for.get((id(item), question)),
                                        duplicate_of=duplicate_of))
@@ -138,7 +137,7 @@ def ask_again(engine, requests: list[EngineRequest], outputs: list[GenerationOut
     for (i, flags), out in zip(flagged.items(), again):
         if out.error is None and better(flags, caption_flags(out.text, out.finish_reason, prose=prose)):
             outputs[i] = out
-    get_logger(recipe=options.spec.recipe).info("asked again for looping or empty captions", requests=len(flagged),
+    get_logger(recipe=options.spec.recipe.name).info("asked again for looping or empty captions", requests=len(flagged),
                                                 bettered=sum(outputs[i] is out for i, out in zip(flagged, again)))
     return flagged
 

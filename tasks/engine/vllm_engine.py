@@ -1,8 +1,8 @@
 """The only module that talks to vLLM.
 
-`get_engine(EngineSpec(...))` returns the process's `CaptionEngine`: one `vllm.LLM`, built once
-from the recipe's engine arguments, sized for the hardware at hand, plus the caller's
-overrides, and reused by every shard this worker process handles.
+`get_engine(spec)` returns the process's `CaptionEngine`: one `vllm.LLM`, built once from the
+engine arguments the run's plan resolved (`EngineSpec`), completed for the hardware at hand, and
+reused by every shard this worker process handles.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes import RecipeError, get_recipe
+from recipes import RecipeError
 from recipes.base import MEDIA_KIND
 from recipes.requests import prompt_text, resolve_stop_ids
 from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
@@ -64,9 +64,9 @@ class CaptionEngine:
         from vllm.platforms import current_platform
 
         self.spec = spec
-        self.recipe = get_recipe(spec.recipe)
+        self.recipe = spec.recipe
         self.prompting = self.recipe.prompting(spec.modality)
-        self.args, self.processor = engine_plan(spec, self.recipe, on_cpu=current_platform.is_cpu())
+        self.args, self.processor = engine_plan(spec, on_cpu=current_platform.is_cpu())
         eager_engine_processes(self.args, on_cpu=current_platform.is_cpu())
         self.model = self.args["model"]
         _log_processor_placement(self.processor)
@@ -175,7 +175,7 @@ class CaptionEngine:
         if self.prompting.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise RecipeError(
                 f"the chat method needs a chat template, and {self.model}'s tokenizer has none "
-                f"(recipe {self.spec.recipe!r} gives none either); use method 'generate'")
+                f"(recipe {self.recipe.name!r} gives none either); use method 'generate'")
 
     def release(self) -> None:
         """Stop the feed, which shuts vLLM's engine process down, and the render pool."""
