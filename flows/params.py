@@ -285,7 +285,6 @@ class CaptionJob(BaseModel):
 
     @model_validator(mode="after")
     def _recipe_supports_job(self) -> CaptionJob:
-        """An unknown recipe, or one without the job's modality, is refused as the job is made."""
         try:
             recipe = get_recipe(self.recipe)
             recipe.prompting(self.modality)

@@ -12,8 +12,9 @@ job, and follows the job down the calls. Its rules:
    property with a return annotation) that holds it (`RunPlan.job`, `PartitionRun.plan`); an object
    a product class builds from an argument that holds it (`ShardPipeline(run, ...)`); what a
    function returns where its return annotation is such a class, or where it returns the
-   parameter it was handed the job in (or that parameter's `model_copy`); a name assigned from
-   any of these (`=`, `for`, `with ... as`, `:=`, a comprehension, `a or b`, `a if c else b`).
+   parameter it was handed the job in (or that parameter's `model_copy`, alone or in a tuple); a
+   name assigned from any of these (`=`, `for`, `with ... as`, `:=`, a comprehension, `a or b`,
+   `a if c else b`; every name of a tuple unpacked from one).
 3. A call is followed when one of its arguments reads a name that holds the job (the job itself,
    or a field of it: `get_recipe(job.recipe)` is a stop), or when it is a method called on such a
    name of a known class. In the callee, the parameters handed something that holds the job hold
@@ -33,7 +34,7 @@ job, and follows the job down the calls. Its rules:
    (`check(lambda: resolve_source(job))`) returns what the lambda does.
 6. Not followed (what `ast` cannot know without running): calls on objects of unknown class,
    properties (reading an attribute is no call), what a framework calls (pydantic's validators,
-   Prefect's hooks), `getattr` and other dynamic calls, tuples unpacked from a call.
+   Prefect's hooks), `getattr` and other dynamic calls.
 
 **The imports** (`import_edges`) are every import of one product module by another, at the top
 of a module or inside a function (a lazy import still ties the two), except those under
@@ -322,11 +323,13 @@ class Walk:
             positional = [a.arg for a in [*node.args.posonlyargs, *node.args.args]][1 if bound else 0:]
             given = dict(zip(positional, call.args)) | {k.arg: k.value for k in call.keywords if k.arg}
             for ret in (n for n in ast.walk(node) if isinstance(n, ast.Return) and n.value is not None):
-                value = ret.value
-                if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "model_copy":
-                    value = value.func.value
-                if isinstance(value, ast.Name) and value.id in given and self._holds_job(module, given[value.id], marked, types):
-                    return True
+                for value in ret.value.elts if isinstance(ret.value, ast.Tuple) else [ret.value]:
+                    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
+                            and value.func.attr == "model_copy":
+                        value = value.func.value
+                    if isinstance(value, ast.Name) and value.id in given \
+                            and self._holds_job(module, given[value.id], marked, types):
+                        return True
         return False
 
     def _is_holder(self, class_ref: str, seen: frozenset = frozenset()) -> bool:
