@@ -193,7 +193,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         schema = resolve_json_schema(json_schema_option(args.json_schema))
     except ValueError as exc:
         raise UsageError(f"--json-schema: {exc}") from None
-    run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images,
+    run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images, copies=args.copies,
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),

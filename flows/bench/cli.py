@@ -29,6 +29,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JPEGs, MP4 clips, or folders of two JPEGs (default image)")
     parser.add_argument("--frames", type=int, default=16, help="frames sampled per clip (default 16)")
     parser.add_argument("--images", type=int, default=64, help="distinct items to caption (default 64)")
+    parser.add_argument("--copies", type=float, default=0.0, metavar="FRACTION",
+                        help="images only: this fraction of --images are byte copies of others under other names "
+                        "(the flow captions each distinct image once; raw captions every file)")
     parser.add_argument("--size", default="640x480", help="image or frame size WxH (default 640x480)")
     parser.add_argument("--shard-size", type=int, default=64)
     parser.add_argument("--source", choices=["folder", "s3", "webdataset"], default="folder",

@@ -11,6 +11,9 @@ class BenchConfig:
     model: str | None = None
     recipe: str = "llava"
     images: int = 64
+    # The fraction of the images that are byte copies of others under other names (0: all distinct):
+    # what captioning each distinct image once saves (raw vLLM captions every file).
+    copies: float = 0.0
     width: int = 640
     height: int = 480
     shard_size: int = 64

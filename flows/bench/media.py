@@ -63,6 +63,8 @@ def make_bench_media(cfg: BenchConfig, work: Path) -> Path:
     folder = work / f"{cfg.modality}-{cfg.width}x{cfg.height}-{cfg.images}"
     if cfg.modality == "video":
         return make_bench_videos(folder, cfg.images, cfg.width, cfg.height, cfg.frames)
+    if cfg.modality == "image" and cfg.copies:
+        return make_bench_copies(work / f"{folder.name}-copies-{cfg.copies:g}", cfg)
     if cfg.modality == "image":
         return make_bench_images(folder, cfg.images, cfg.width, cfg.height)
     flat = make_bench_images(work / f"images-{cfg.width}x{cfg.height}-{cfg.images * GROUP_SIZE}",
@@ -72,6 +74,28 @@ def make_bench_media(cfg: BenchConfig, work: Path) -> Path:
         group.mkdir(parents=True, exist_ok=True)
         if not (group / path.name).exists():
             (group / path.name).symlink_to(path)
+    return folder
+
+
+def make_bench_copies(folder: Path, cfg: BenchConfig) -> Path:
+    """`cfg.images` JPEGs of which `cfg.copies` (a fraction) are byte copies of the distinct ones,
+    spread through the listing (every copy sorts among the distinct images, not after them)."""
+    import shutil
+
+    copies = round(cfg.images * cfg.copies)
+    distinct = make_bench_images(folder.with_name(folder.name + "-distinct"), cfg.images - copies,
+                                 cfg.width, cfg.height)
+    originals = sorted(distinct.glob("*.jpg"))
+    folder.mkdir(parents=True, exist_ok=True)
+    stride = cfg.images / max(copies, 1)
+    copy_slots = {int(k * stride) for k in range(copies)}
+    taken = iter(originals)
+    for i in range(cfg.images):
+        target = folder / f"img-{i:06d}.jpg"
+        if target.exists():
+            continue
+        source = originals[(i * 7919) % len(originals)] if i in copy_slots else next(taken)
+        shutil.copyfile(source, target)
     return folder
 
 
