@@ -12,24 +12,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prefect.utilities.annotations import opaque
-
 from flows.params import CaptionJob, Partition
 from flows.partition_end import finish_partition
 from flows.plan import RunPlan
+from flows.shard_report import ShardReport
+from flows.shard_steps import ShardSteps
 from tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
 from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
-from tasks.engine.steps import GenerateOptions, generate_shard, start_engine
+from tasks.engine.steps import GenerateOptions, start_engine
 from tasks.claims import ShardClaims
 from tasks.engine.vllm_engine import Sampling
 from tasks.engine.vllm_import import ensure_vllm_imported
 from tasks.media.pool import start_decode_pool
-from tasks.media.prepare import MediaOptions, prepare_shard
-from tasks.observability import Progress, emit
+from tasks.media.prepare import MediaOptions
 from tasks.results.done_index import DoneIndex, load_done_index
 from tasks.results.layout import partition_parts_id
 from tasks.results.report import RunStats
-from tasks.results.writers import write_shard
 from tasks.settings import get_settings
 from tasks.sources.extras import annotate_records
 from tasks.shard_plan import SharedListing
@@ -111,15 +109,13 @@ def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None,
 
 
 class ShardPipeline:
-    """The pipeline over one partition's shards: prepare ahead, keep `depth` shards in the
-    engine, write each shard's part as soon as it is done.
+    """The schedule over one partition's shards: prepare ahead, keep `depth` shards in the
+    engine, write each shard's part as soon as it is done. The steps run on this process's
+    threads (`ShardSteps`); the counts, progress and Prefect's task runs (a batch of shards
+    each) are `ShardReport`'s.
 
     A shard moves from the listing to `ahead` (its fetch and decode submitted), then to
-    `in_flight` (its requests in the engine), then out (its part being written, in `writes`).
-
-    Shard-sized task parameters are passed `opaque`: Prefect still links the task runs (the
-    shard's result is its input) but does not walk every item and image of it looking for
-    futures, which took about a tenth of the flow process's GIL (H100, 7B, shard size 16)."""
+    `in_flight` (its requests in the engine), then out (its part being written, in `writes`)."""
 
     def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec, claims: ShardClaims | None = None):
         job = run.job
@@ -129,12 +125,14 @@ class ShardPipeline:
         # Shards fetched and decoded at once while filling (each has its own fetch threads).
         self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, job.shard_size, len(job.questions_to_ask)))
         self.preparing: set = set()  # prepare futures not yet done
-        self.stats = RunStats()
-        self.media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec),
-                                  frame_resize=frame_resize_target(spec))
+        media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec),
+                             frame_resize=frame_resize_target(spec))
         sampling = Sampling(**job.sampling.model_dump(), structured=job.structured_output)
         self.options = GenerateOptions(spec, sampling, job.method, job.num_frames)
-        self.progress = Progress(f"Captioning {job.location} with {run.plan.recipe.name}")
+        self.steps = ShardSteps(run.plan.source, run.plan.output, job.questions_to_ask, media, self.options,
+                                run.fingerprint, run.parts_id, run.log)
+        self.report = ShardReport(run, f"Captioning {job.location} with {run.plan.recipe.name}")
+        self.stats = self.report.stats
         self.engine: dict | None = None
         self.starting = None  # the engine's start, submitted at the first item not done
         self.changed = threading.Event()  # a shard was prepared, or the engine came up
@@ -144,19 +142,26 @@ class ShardPipeline:
 
     def run(self, shards: Iterable[Listed]) -> None:
         """Caption `shards` (called again for shards retaken from a partition that is gone); the
-        items already done that the listing hands over between them are counted."""
+        items already done that the listing hands over between them are counted. A failure that
+        stops the run settles every shard taken, so that every batch's task run ends."""
         self.listed = iter(shards)
-        self.prepare_ahead()
-        while self.ahead:
-            shard, preparing = self.ahead.popleft()
-            prepared = preparing.result()
-            self.size_feed(prepared)
+        try:
             self.prepare_ahead()
-            self.in_flight.append((shard, prepared, self.generate(prepared)))
-            while len(self.in_flight) > self.depth:
+            while self.ahead:
+                shard, preparing = self.ahead.popleft()
+                prepared = preparing.result()
+                self.size_feed(prepared[0])
+                self.prepare_ahead()
+                self.in_flight.append((shard, prepared, self.generate(prepared[0])))
+                while len(self.in_flight) > self.depth:
+                    self.finish(*self.in_flight.popleft())
+            while self.in_flight:
                 self.finish(*self.in_flight.popleft())
-        while self.in_flight:
-            self.finish(*self.in_flight.popleft())
+        except BaseException as exc:
+            self.steps.shutdown()
+            self.report.stop(exc)
+            raise
+        self.report.end_batch()
 
     def prepare_ahead(self) -> None:
         """While the engine starts (or after it ran dry) the feed's whole depth of shards is
@@ -173,8 +178,7 @@ class ShardPipeline:
         for listed in self.listed:
             if not isinstance(listed, AlreadyDone):
                 return listed
-            self.stats.add(listed.items, listed.items, [])
-            self.progress.skip(listed.items)
+            self.report.skip(listed.items)
 
     @property
     def sizing(self) -> dict | None:
@@ -203,14 +207,12 @@ class ShardPipeline:
         """A shard from the listing: counted, its fetch and decode submitted, and the engine
         started in the background at the first shard (the listing hands over only shards with
         work left: a run with nothing new starts no engine and no decode pool)."""
-        job = self.job
-        self.progress.grow(len(shard.items))
+        self.report.take(shard)
         if self.starting is None:
-            ensure_vllm_imported()  # the flow's background import joined (or made here, a history's first new shard)
+            ensure_vllm_imported()  # made by the flow's thread (tasks/engine/vllm_import.py), if not yet
             self.starting = start_engine.submit(self.options.spec)
-            start_decode_pool(job.modality)  # its processes start beside the engine
-        preparing = prepare_shard.submit(self.partition_run.plan.source, opaque(shard), opaque(self.done),
-                                         job.questions_to_ask, self.media)
+            start_decode_pool(self.job.modality)  # its processes start beside the engine
+        preparing = self.steps.prepare(shard, self.done)
         self.preparing.add(preparing)
         preparing.add_done_callback(self.prepared_one)
         return preparing
@@ -225,8 +227,7 @@ class ShardPipeline:
             return None
         self.engine = self.engine or self.await_engine()
         self.generate_started = self.generate_started or time.time()
-        run = self.partition_run
-        return generate_shard.submit(opaque(prepared), self.options, run.fingerprint, run.parts_id)
+        return self.steps.generate(prepared, self.engine["model"])
 
     def await_engine(self) -> dict:
         """The engine, once up; meanwhile the feed's depth of shards is prepared, a few at a
@@ -248,34 +249,31 @@ class ShardPipeline:
 
     def finish(self, shard: Shard, prepared, generating) -> None:
         """The shard's records written as its part, counted, reported."""
-        run, stats = self.partition_run, self.stats
-        records = generating.result() if generating is not None else []
-        records = annotate_records(shard.items, records)  # a sample's metadata, a damaged one's error
+        (prepared, failure), records = prepared, []
+        if generating is not None:
+            records, failed = generating.result()
+            failure = failure or failed
+        records = annotate_records(shard.items, records)  # a sample's or row's metadata
         if records:
-            stats.mark_result()
+            self.stats.mark_result()
         done_key = self.claims.done_key(shard.index) if self.claims is not None else None
-        self.writes.append(write_shard.submit(run.plan.output, run.fingerprint, run.parts_id, shard.index,
-                                              opaque(records), done_key))
+        writing = self.steps.write(shard.index, records, done_key)
+        self.report.writing(shard, writing, records, failure)
+        self.writes.append((shard.index, writing, records))
         while len(self.writes) > self.depth:  # keep only the writes still in flight
-            stats.parts.append(self.writes.popleft().result())
-        stats.add(len(shard.items), prepared.skipped, records)
-        failed = sum(1 for r in records if r.error)
-        percent = self.progress.advance(len(shard.items), failed)
-        if failed:  # the event an automation reacts to; a shard that went well is in the progress artifact
-            emit("shard.failed", run.run_id, shard=shard.index, partition=run.partition.index if run.partition else 0,
-                 objects=len(shard.items), skipped=prepared.skipped, failed=failed)
-        run.log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
-                     skipped=prepared.skipped, failed=failed, progress=percent)
+            self.report.collect(*self.writes.popleft())
+        self.report.shard_done(shard, prepared.skipped, records)
 
     def close(self) -> tuple[RunStats, dict | None]:
         stats = self.stats
-        self.progress.close()
         if self.engine is None and self.starting is not None:
             self.engine = self.starting.result()  # started for items that turned out done by content
         if self.generate_started is not None:
             stats.mark_generating(self.generate_started, time.time())  # first request to last result
-        stats.parts += [w.result() for w in self.writes]
-        stats.parts = [part for part in stats.parts if part]
+        while self.writes:
+            self.report.collect(*self.writes.popleft())
+        self.report.close()
+        self.steps.shutdown()
         return stats, self.engine
 
 

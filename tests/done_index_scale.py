@@ -33,7 +33,7 @@ def main(total: int, out: str, s3: bool = False) -> None:
 
     store = open_storage(out, create=True)
     for shard, start in enumerate(range(0, total, 64)):
-        write_shard.fn(store, "f" * 16, "scale", shard, [_record(i) for i in range(start, min(start + 64, total))])
+        write_shard(store, "f" * 16, "scale", shard, [_record(i) for i in range(start, min(start + 64, total))])
     if not s3:
         _load_in_child(out, {})
         return

@@ -48,7 +48,7 @@ def prepare(count: int, root: Path) -> None:
                                 question=QUESTION, prompt=None, text="a caption", finish_reason="stop",
                                 timings={}, fingerprint=fingerprint, run_id="earlier")
                    for o in objects[start:start + 64]]
-        write_shard.fn(open_storage(job.output, create=True), fingerprint, "earlier", shard, records)
+        write_shard(open_storage(job.output, create=True), fingerprint, "earlier", shard, records)
 
 
 def run(root: str) -> None:

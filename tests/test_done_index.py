@@ -36,8 +36,8 @@ def _item(i: int, etag: str | None = None) -> WorkItem:
 def test_sidecars_are_read_and_a_changed_part_is_parsed(tmp_path, prefect_api):
     out = tmp_path / "out"
     retryable = {"kind": "fetch", "message": "timeout", "retryable": True}
-    write_shard.fn(_out(out), FP, "run1", 0, [_record(0), _record(1), _record(2, error=retryable)])
-    write_shard.fn(_out(out), FP, "run1", 1, [_record(3), _record(3, question="other")])
+    write_shard(_out(out), FP, "run1", 0, [_record(0), _record(1), _record(2, error=retryable)])
+    write_shard(_out(out), FP, "run1", 1, [_record(3), _record(3, question="other")])
     part0 = out / part_key(FP, "run1", 0)
     assert (out / sidecar_key(part_key(FP, "run1", 0))).stat().st_size == 16 + 2 * ROW.itemsize  # final rows only
 
@@ -61,7 +61,7 @@ def test_sidecars_are_read_and_a_changed_part_is_parsed(tmp_path, prefect_api):
 def test_100k_earlier_results_load_fast_in_bounded_memory(tmp_path, prefect_api):
     out, per_part, total = tmp_path / "out", 64, 100_000
     for shard, start in enumerate(range(0, total, per_part)):
-        write_shard.fn(_out(out), FP, "big", shard, [_record(i) for i in range(start, min(start + per_part, total))])
+        write_shard(_out(out), FP, "big", shard, [_record(i) for i in range(start, min(start + per_part, total))])
     tracemalloc.start()
     began = time.perf_counter()
     done = load_done_index.fn(_out(out), FP)
@@ -105,7 +105,7 @@ def test_a_long_history_is_compacted_into_one_object_and_stays_exact(tmp_path, p
 
     out = tmp_path / "out"
     for shard in range(COMPACT_AFTER + 6):
-        write_shard.fn(_out(out), FP, "old", shard, [_record(2 * shard), _record(2 * shard + 1)])
+        write_shard(_out(out), FP, "old", shard, [_record(2 * shard), _record(2 * shard + 1)])
     total = 2 * (COMPACT_AFTER + 6)
     broken = out / part_key(FP, "broken", 0)
     broken.write_bytes(b"\xff\xfe not text")  # unreadable, and no sidecar
@@ -121,7 +121,7 @@ def test_a_long_history_is_compacted_into_one_object_and_stays_exact(tmp_path, p
 
     # Parts written since are read beside it; a part cut short is parsed, and one deleted no
     # longer counts, though the compacted index still lists their rows.
-    write_shard.fn(_out(out), FP, "new", 0, [_record(total)])
+    write_shard(_out(out), FP, "new", 0, [_record(total)])
     part0 = out / part_key(FP, "old", 0)
     part0.write_bytes(part0.read_bytes().split(b"\n", 1)[0] + b"\n")  # keeps record 0, loses 1
     (out / part_key(FP, "old", 1)).unlink()  # records 2 and 3
@@ -151,7 +151,7 @@ def test_a_part_whose_read_fails_for_a_moment_is_read_again_never_skipped(tmp_pa
 
     monkeypatch.setattr(transient, "PAUSE_S", 0.01)
     out = _out(tmp_path / "out")
-    write_shard.fn(out, FP, "run1", 0, [_record(0), _record(1)])
+    write_shard(out, FP, "run1", 0, [_record(0), _record(1)])
     out.delete(sidecar_key(part_key(FP, "run1", 0)))  # so the part itself is read
     read, failures = out.read, []
 

@@ -127,21 +127,18 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
         ordered = [log.message for log in sorted(logs, key=lambda log: log.timestamp) if log.name == "vlm_caption"]
         first = next(i for i, message in enumerate(ordered) if message.startswith("engine starting first"))
         assert first < next(i for i, message in enumerate(ordered) if message.startswith("run started"))
-        # Every shard (4, fewer than the feed holds) was being fetched and decoded before the
-        # first went to the engine, not one at a time behind it. (Not timed against start-engine:
-        # an engine an earlier test left in this process is ready at once.)
+        # Prefect sees the shards a batch at a time (flows/shard_report.py), not three task runs
+        # per shard: 1 shard, then 2, then the last one; each batch's task run Completed, its log
+        # line its counts. (The schedule of the steps is tests/test_pipeline_schedule.py's.)
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        first_generate = min(t.start_time for t in task_runs if t.name.startswith("generate-shard"))
-        prepares = [t.start_time for t in task_runs if t.name.startswith("prepare-shard")]
-        assert len(prepares) == 4 and all(started < first_generate for started in prepares)
-        # Shard-sized inputs are passed opaque (not walked), yet the runs stay linked in the
-        # UI's graph: each shard's prepare -> generate -> write.
-        kind = {t.id: t.name.rsplit("-", 1)[0] for t in task_runs}
-        for run_ in task_runs:
-            if kind[run_.id] == "generate-shard":
-                assert [kind[i.id] for i in run_.task_inputs["prepared"]] == ["prepare-shard"]
-            if kind[run_.id] == "write-shard":
-                assert [kind[i.id] for i in run_.task_inputs["records"]] == ["generate-shard"]
+        batches = [t for t in task_runs if t.name.startswith("caption-batch-")]
+        assert sorted(t.name for t in batches) == ["caption-batch-1", "caption-batch-2", "caption-batch-3"]
+        assert all(t.state.is_completed() for t in batches), [t.state for t in batches]
+        assert not [t.name for t in task_runs if t.name.rsplit("-", 1)[0].endswith("-shard")]
+        batch_lines = sorted(m for m in ours if m.startswith("batch done "))
+        assert [line.split("batch=")[1].split()[0] for line in batch_lines] == ["1", "2", "3"]
+        assert [line.split("shards=")[1].split()[0] for line in batch_lines] == ["1", "2", "1"]
+        assert sum(int(line.split(" items=")[1].split()[0]) for line in batch_lines) == 20
 
     # One S3 client for the whole run (source and output share it): the listing, 4 shards'
     # fetches, parts and sidecars, the done-index, two manifest writes, the export, the gallery.

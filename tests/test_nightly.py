@@ -18,7 +18,7 @@ from flows.caption import vlm_caption
 from flows.params import CaptionJob
 
 HISTORY, SHARD = 300, 8
-PER_SHARD_TASKS = {"prepare-shard", "generate-shard", "write-shard", "start-engine"}
+PER_SHARD_TASKS = {"caption-batch", "start-engine"}  # the shards' task runs: a batch of them each
 
 
 def _task_runs(flow_run_id) -> Counter:
@@ -83,8 +83,7 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
     assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY + 3, HISTORY, 3)
     assert summary["succeeded"] == 3
     names = _task_runs(state.state_details.flow_run_id)
-    assert {name: names[name] for name in PER_SHARD_TASKS} == {
-        "prepare-shard": 1, "generate-shard": 1, "write-shard": 1, "start-engine": 1}
+    assert {name: names[name] for name in PER_SHARD_TASKS} == {"caption-batch": 1, "start-engine": 1}
     parts = sorted((where.base / "out" / "results").glob(f"*/part-{summary['run_id']}-*.jsonl"))
     assert len(parts) == 1
     keys = sorted(json.loads(line)["key"] for line in parts[0].read_text().splitlines())

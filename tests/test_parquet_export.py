@@ -44,14 +44,14 @@ def out(output) -> Storage:
 def write_history(output: str) -> None:
     """Run 1: a, b (a final error), c (a retryable error); run 2 computes a again."""
     output = out(output)
-    write_shard.fn(output, FP, RUN1, 0, [
+    write_shard(output, FP, RUN1, 0, [
         record("a.jpg", RUN1, "first caption"),
         record("b.jpg", RUN1, None, {"kind": "decode", "message": "not an image", "retryable": False}),
         record("c.jpg", RUN1, None, {"kind": "fetch", "message": "timed out", "retryable": True}),
     ])
-    write_shard.fn(output, FP, RUN1, 1, [record("d.jpg", RUN1, "a dog", question="What animal?")])
+    write_shard(output, FP, RUN1, 1, [record("d.jpg", RUN1, "a dog", question="What animal?")])
     write_manifest.fn(output, RUN1, {"run_id": RUN1, "parameters": {"source": "s3://media/photos/"}})
-    write_shard.fn(output, FP, RUN2, 0, [record("a.jpg", RUN2, "second caption")])
+    write_shard(output, FP, RUN2, 0, [record("a.jpg", RUN2, "second caption")])
 
 
 def by_key(rows: list[dict]) -> dict[str, dict]:
@@ -100,7 +100,7 @@ def test_a_fanned_out_runs_rows_get_the_source_from_its_one_manifest(tmp_path):
     output = out(tmp_path / "out")
     for index, key in enumerate(["a.jpg", "b.jpg"]):
         parts_id = partition_parts_id(RUN1, index)
-        write_shard.fn(output, FP, parts_id, index, [record(key, parts_id, f"caption {index}")])
+        write_shard(output, FP, parts_id, index, [record(key, parts_id, f"caption {index}")])
     write_manifest.fn(output, RUN1, {"run_id": RUN1, "parameters": {"source": "s3://media/photos/"}})
     report = export_parquet(output, output, ONE_FILE)
     assert report["rows"] == 2 and "runs_without_source" not in report
@@ -119,7 +119,7 @@ def test_extra_record_fields_become_string_columns(tmp_path, monkeypatch):
         monkeypatch.setattr(parquet, "ResultRecord", extended)
     output = str(tmp_path / "out")
     fields = {**record("a.jpg", RUN1).model_dump(), "structured": {"animal": "cat", "count": 2}}
-    write_shard.fn(out(output), FP, RUN1, 0, [extended(**fields)])
+    write_shard(out(output), FP, RUN1, 0, [extended(**fields)])
     report = export_parquet(out(output), out(output), ONE_FILE)
     rows = pq.read_table(report["path"]).to_pylist()
     assert json.loads(rows[0]["structured"]) == {"animal": "cat", "count": 2}
@@ -127,8 +127,8 @@ def test_extra_record_fields_become_string_columns(tmp_path, monkeypatch):
 
 def test_part_cut_short_or_unreadable_is_not_exported_as_complete(tmp_path):
     output = tmp_path / "out"
-    write_shard.fn(out(output), FP, RUN1, 0, [record("a.jpg", RUN1), record("b.jpg", RUN1)])
-    write_shard.fn(out(output), FP, RUN1, 1, [record("z.jpg", RUN1)])
+    write_shard(out(output), FP, RUN1, 0, [record("a.jpg", RUN1), record("b.jpg", RUN1)])
+    write_shard(out(output), FP, RUN1, 1, [record("z.jpg", RUN1)])
     cut = output / part_key(FP, RUN1, 0)
     body = cut.read_bytes()
     cut.write_bytes(body[: len(body.splitlines(keepends=True)[0]) + 20])  # a.jpg whole, b.jpg cut mid-line
@@ -206,7 +206,7 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
 
     def shards(run):
         stats = RunStats()
-        stats.parts.append(write_shard.fn(out(output), FP, RUN1, 0, records))  # as the pipeline names them
+        stats.parts.append(write_shard(out(output), FP, RUN1, 0, records))  # as the pipeline names them
         stats.add(2, 0, records)
         return stats, None, None  # counts, engine, claims' figures
 

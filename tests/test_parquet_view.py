@@ -103,11 +103,11 @@ def first_run(output) -> None:
     """Run 1: a; b, a failure a rerun would only repeat; c, a retryable one (not in the view); d
     asked a question of its own."""
     o = out(output)
-    parts = [write_shard.fn(o, FP, RUN1, 0, [
+    parts = [write_shard(o, FP, RUN1, 0, [
         record("a.jpg", RUN1, "first caption"),
         record("b.jpg", RUN1, None, {"kind": "decode", "message": "not an image", "retryable": False}),
         record("c.jpg", RUN1, None, {"kind": "fetch", "message": "timed out", "retryable": True}),
-    ]), write_shard.fn(o, FP, RUN1, 1, [record("d.jpg", RUN1, "a dog", question="What animal?")])]
+    ]), write_shard(o, FP, RUN1, 1, [record("d.jpg", RUN1, "a dog", question="What animal?")])]
     write_manifest.fn(o, RUN1, {"run_id": RUN1, "parameters": {"source": "s3://media/photos/"}})
     report = add_run(o, FP, RUN1, parts)
     assert report["path"] == str(Path(output) / run_parquet_key(RUN1)) and report["rows"] == 3 and report["complete"]
@@ -128,7 +128,7 @@ def test_the_view_grows_by_the_runs_results_and_holds_each_once(tmp_path):
     # One object re-uploaded (a computed again), c's fetch succeeding now, e new: run 2's file
     # holds the three, and run 1's file is rewritten without its a.
     o = out(output)
-    part = write_shard.fn(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption"),
+    part = write_shard(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption"),
                                             record("c.jpg", RUN2, "a cup"), record("e.jpg", RUN2, "an egg")])
     report = add_run(o, FP, RUN2, [part])
     assert report["rows"] == 3 and report["rewritten"] == {str(output / run_parquet_key(RUN1)): 1}
@@ -145,7 +145,7 @@ def test_the_view_grows_by_the_runs_results_and_holds_each_once(tmp_path):
     assert_view_is_the_done_index(output)
 
     # A result the compacted file holds is computed again: that file is rewritten.
-    part = write_shard.fn(o, FP, RUN3, 0, [reuploaded("d.jpg", RUN3, "a wolf", question="What animal?")])
+    part = write_shard(o, FP, RUN3, 0, [reuploaded("d.jpg", RUN3, "a wolf", question="What animal?")])
     report = add_run(o, FP, RUN3, [part])
     assert report["rewritten"] == {str(output / "parquet" / merged): 1}
     assert files(output) == {merged, f"run-{RUN3}.parquet"}
@@ -162,7 +162,7 @@ def test_a_result_left_twice_is_settled_by_compaction(tmp_path, monkeypatch):
         raise OSError("access denied")
 
     monkeypatch.setattr(parquet_view, "_drop_rows", broken)
-    part = write_shard.fn(out(output), FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption")])
+    part = write_shard(out(output), FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption")])
     report = add_run(out(output), FP, RUN2, [part])
     assert report["not_rewritten"] == {str(output / run_parquet_key(RUN1)): "OSError: access denied"}
     assert sorted(r["key"] for r in view_rows(output)) == ["a.jpg", "a.jpg", "b.jpg", "d.jpg"]
@@ -183,7 +183,7 @@ def test_an_output_in_the_old_layout_reads_as_one_dataset_after_the_first_new_ru
     first_run(output)
     (output / "parquet" / f"run-{RUN1}.parquet").unlink()
     export_parquet(o, o, LEGACY_PARQUET_KEY)  # the old layout
-    part = write_shard.fn(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption"), record("e.jpg", RUN2, "egg")])
+    part = write_shard(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption"), record("e.jpg", RUN2, "egg")])
     report = add_run(o, FP, RUN2, [part])
     assert report["rewritten"] == {str(output / LEGACY_PARQUET_KEY): 1}
     assert files(output) == {"results.parquet", f"run-{RUN2}.parquet"}
@@ -201,10 +201,10 @@ def test_a_fanned_out_run_adds_every_partitions_parts_each_result_once(tmp_path)
     output = tmp_path / "out"
     o = out(output)
     p0, p1 = partition_parts_id(RUN1, 0), partition_parts_id(RUN1, 1)
-    write_shard.fn(o, FP, p1, 1, [record("x.jpg", p1, "x by p1")])
-    write_shard.fn(o, FP, p1, 2, [record("y.jpg", p1, "y by p1")])
-    parts = [write_shard.fn(o, FP, p0, 0, [record("w.jpg", p0, "w")]),
-             write_shard.fn(o, FP, p0, 1, [record("x.jpg", p0, "x by p0")])]
+    write_shard(o, FP, p1, 1, [record("x.jpg", p1, "x by p1")])
+    write_shard(o, FP, p1, 2, [record("y.jpg", p1, "y by p1")])
+    parts = [write_shard(o, FP, p0, 0, [record("w.jpg", p0, "w")]),
+             write_shard(o, FP, p0, 1, [record("x.jpg", p0, "x by p0")])]
     report = add_run(o, FP, RUN1, parts)
     assert report["rows"] == 3 and files(output) == {f"run-{RUN1}.parquet"}
     assert sorted(r["key"] for r in assert_view_is_the_done_index(output)) == ["w.jpg", "x.jpg", "y.jpg"]
@@ -219,7 +219,7 @@ def test_a_part_cut_short_since_has_its_records_replaced_and_the_cli_rebuilds_th
     first_run(output)
     cut = next((output / "results" / FP).glob(f"part-{RUN1}-00000.jsonl"))
     cut.write_bytes(cut.read_bytes().splitlines(keepends=True)[0])  # a.jpg stays; b.jpg and c.jpg are lost
-    part = write_shard.fn(o, FP, RUN4, 0, [
+    part = write_shard(o, FP, RUN4, 0, [
         record("b.jpg", RUN4, None, {"kind": "decode", "message": "not an image", "retryable": False})])
     report = add_run(o, FP, RUN4, [part])
     assert report["rewritten"] == {str(output / run_parquet_key(RUN1)): 1}
@@ -241,9 +241,9 @@ def test_s3_view(s3_client):
 
     s3_client.create_bucket(Bucket="view-out")
     o = out("s3://view-out/runs/")
-    first = write_shard.fn(o, FP, RUN1, 0, [record("a.jpg", RUN1, "first"), record("b.jpg", RUN1, "bee")])
+    first = write_shard(o, FP, RUN1, 0, [record("a.jpg", RUN1, "first"), record("b.jpg", RUN1, "bee")])
     add_run(o, FP, RUN1, [first])
-    second = write_shard.fn(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second")])
+    second = write_shard(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second")])
     report = add_run(o, FP, RUN2, [second])
     assert report["path"] == f"s3://view-out/runs/{run_parquet_key(RUN2)}"
     assert report["rewritten"] == {f"s3://view-out/runs/{run_parquet_key(RUN1)}": 1}
@@ -263,12 +263,12 @@ def test_files_an_older_version_wrote_are_rewritten_in_todays_schema(tmp_path):
     first_run(output)
     older = output / run_parquet_key(RUN1)
     pq.write_table(pq.read_table(older).drop_columns(["members", "video"]), older)  # as an older version wrote it
-    part = write_shard.fn(out(output), FP, RUN2, 0, [record("e.jpg", RUN2, "an egg")])
+    part = write_shard(out(output), FP, RUN2, 0, [record("e.jpg", RUN2, "an egg")])
     report = add_run(out(output), FP, RUN2, [part])
     assert report["conformed"] == [str(older)]
     rows = assert_view_is_the_done_index(output)
     dataset = load_dataset("parquet", data_files=f"{output}/parquet/*.parquet", split="train",
                            cache_dir=str(tmp_path / "hf-cache"))
     assert sorted(r["key"] for r in dataset) == sorted(r["key"] for r in rows) == ["a.jpg", "b.jpg", "d.jpg", "e.jpg"]
-    assert add_run(out(output), FP, RUN3, [write_shard.fn(out(output), FP, RUN3, 0, [record("f.jpg", RUN3)])]).get(
+    assert add_run(out(output), FP, RUN3, [write_shard(out(output), FP, RUN3, 0, [record("f.jpg", RUN3)])]).get(
         "conformed") is None  # once

@@ -1,4 +1,4 @@
-"""How the shard pipeline schedules its work around the engine's start, with stand-in tasks
+"""How the shard pipeline schedules its work around the engine's start, with stand-in steps
 (no engine, no Prefect API): while the engine starts, the feed's whole depth of shards is
 prepared, a few shards at a time and no more than their decoded bytes allow."""
 
@@ -12,6 +12,8 @@ import pytest
 from PIL import Image
 
 import flows.pipeline as pipeline
+import flows.shard_report as shard_report
+import flows.shard_steps as shard_steps
 from flows.params import CaptionJob
 from flows.pipeline import PartitionRun, ShardPipeline
 from flows.plan import engine_spec
@@ -32,13 +34,16 @@ def _unwrap(value):
 
 
 class StandInTask:
-    """`task.submit(...)` on a thread pool, the arguments unwrapped as Prefect would."""
+    """`task.submit(...)` on a thread pool, the arguments unwrapped as Prefect would; its future
+    has Prefect's `wait()`."""
 
     def __init__(self, pool: ThreadPoolExecutor, fn):
         self.pool, self.fn = pool, fn
 
     def submit(self, *args, **kwargs) -> Future:
-        return self.pool.submit(self.fn, *map(_unwrap, args), **kwargs)
+        future = self.pool.submit(self.fn, *map(_unwrap, args), **kwargs)
+        future.wait = future.exception  # until it ends, raising nothing
+        return future
 
 
 class Schedule:
@@ -66,7 +71,8 @@ class Schedule:
         time.sleep(self.engine_start_s)
         with self.lock:
             self.prepared_when_up = self.prepared
-        return {"sizing": {"max_num_seqs": 1024}, "ready_at": time.time(), "startup_s": self.engine_start_s}
+        return {"model": "llava", "sizing": {"max_num_seqs": 1024}, "ready_at": time.time(),
+                "startup_s": self.engine_start_s}
 
     def generate(self, prepared: PreparedShard, options, fingerprint, parts_id) -> list:
         self.generated.append(prepared.shard.index)
@@ -78,6 +84,9 @@ class SilentProgress:
         pass
 
     def grow(self, items):
+        pass
+
+    def skip(self, items):
         pass
 
     def advance(self, items=0, errors=0):
@@ -97,13 +106,14 @@ def stand_ins(monkeypatch):
     def install(engine_start_s: float) -> Schedule:
         schedule = Schedule(engine_start_s)
         pool = ThreadPoolExecutor(max_workers=64)
-        monkeypatch.setattr(pipeline, "prepare_shard", StandInTask(pool, schedule.prepare))
+        monkeypatch.setattr(shard_steps, "prepare_shard", schedule.prepare)
         monkeypatch.setattr(pipeline, "start_engine", StandInTask(pool, schedule.start_engine))
-        monkeypatch.setattr(pipeline, "generate_shard", StandInTask(pool, schedule.generate))
-        monkeypatch.setattr(pipeline, "write_shard", StandInTask(pool, lambda *args: None))
-        monkeypatch.setattr(pipeline, "emit", lambda *args, **kwargs: None)
+        monkeypatch.setattr(shard_steps, "generate_shard", schedule.generate)
+        monkeypatch.setattr(shard_steps, "write_shard", lambda *args: None)
+        monkeypatch.setattr(shard_report, "caption_batch", StandInTask(pool, shard_report.caption_batch.fn))
+        monkeypatch.setattr(shard_report, "emit", lambda *args, **kwargs: None)
         monkeypatch.setattr(pipeline, "ensure_vllm_imported", lambda: None)
-        monkeypatch.setattr(pipeline, "Progress", SilentProgress)
+        monkeypatch.setattr(shard_report, "Progress", SilentProgress)
         monkeypatch.setattr(pipeline, "image_resize_target", lambda spec: None)
         return schedule
 

@@ -1,5 +1,6 @@
-"""The engine's Prefect tasks: start the worker's one engine, and caption a prepared shard with
-one batched vLLM call (every (item, question) of the shard), one record each."""
+"""The engine's steps: start the worker's one engine (a Prefect task run), and caption a prepared
+shard with one batched vLLM call (every (item, question) of the shard), one record each (a plain
+function, run on the pipeline's threads: flows/shard_steps.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tasks.observability import get_logger
 from tasks.results.copies import copy_answer
 from tasks.results.quality import better, caption_flags, wants_retry
 from tasks.results.records import GenerationOutput, ItemError, ResultRecord, structured_answer
+from tasks.retries import Retries
 from tasks.settings import get_settings
 
 
@@ -64,11 +66,36 @@ def engine_request(item: PreparedItem, question: str, options: GenerateOptions) 
     return EngineRequest(question, media, item.sha256 or "")
 
 
-# One retry: if the engine died under the shard, the retry runs it on a new engine. Nothing of
-# the failed attempt was written, so nothing is duplicated.
-@task(name="generate-shard", cache_policy=NONE, persist_result=False, retries=1, retry_delay_seconds=1)
+# One retry: if the engine died under the shard, the retry runs it on a new engine (get_engine
+# builds one). Nothing of the failed attempt was written, so nothing is duplicated.
+GENERATE_RETRIES = Retries(1, delay_s=1.0)
+
+
 def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprint: str,
                    run_id: str) -> list[ResultRecord]:
+    """The shard's records, tried again once (`GENERATE_RETRIES`) unless its failure is permanent;
+    the last failure is raised (`failed_shard_records` then makes the shard's records)."""
+    return GENERATE_RETRIES.call(lambda: generate_once(prepared, options, fingerprint, run_id),
+                                 "a shard's generation", shard=prepared.shard.index)
+
+
+def failed_shard_records(prepared: PreparedShard, error: BaseException, model: str, options: GenerateOptions,
+                         fingerprint: str, run_id: str) -> list[ResultRecord]:
+    """A record per (item, question) of a shard whose generation failed past its retry, each
+    with that failure, retryable (the next run asks again), so the shard's part still says
+    what became of every item; an item that failed before (fetch, decode) keeps its own error."""
+    failure = ItemError("generate", f"the shard failed: {type(error).__name__}: {error}", retryable=True)
+    records = []
+    for item in prepared.items:
+        failed = item if item.error is not None else replace(item, error=failure)
+        records += [make_record(failed, question, None, None, model, options.spec.recipe.name, 0.0, fingerprint,
+                                run_id, options.sampling.structured) for question in item.questions]
+        item.media = None
+    return records
+
+
+def generate_once(prepared: PreparedShard, options: GenerateOptions, fingerprint: str,
+                  run_id: str) -> list[ResultRecord]:
     """Every (item, question) of a shard in one vLLM call; each gets a record, failed or not.
     Each item was fetched and decoded once; its questions share its media and content ids."""
     engine = get_engine(options.spec)

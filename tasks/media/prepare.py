@@ -10,9 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NONE
-
 from tasks.media.image import MediaError
 from tasks.media.pool import decode_images, decode_video_pooled
 from tasks.media.resize import ImageResize, ProcessorResize
@@ -202,11 +199,12 @@ class ItemPreparer:
         prepared.decode_s = time.perf_counter() - started
 
 
-@task(name="prepare-shard", cache_policy=NONE, persist_result=False)
 def prepare_shard(source: SourceSpec, shard: Shard, done: DoneIndex, questions: tuple[str, ...],
                   options: MediaOptions) -> PreparedShard:
     """Fetch (bounded concurrency and bytes), hash and decode one shard; skip what is done. Keys
-    are read from the source's storage (a manifest's folder), other buckets' URIs one per bucket."""
+    are read from the source's storage (a manifest's folder), other buckets' URIs one per bucket.
+    A plain function, run on the pipeline's threads (flows/shard_steps.py); an item's failure is
+    its error, so nothing here is tried again."""
     preparer = ItemPreparer(MediaFetcher(source.storage), done, questions, options)
     prepared = PreparedShard(shard)
     workers = max(1, min(get_settings().fetch_concurrency, len(shard.items)))
@@ -216,4 +214,20 @@ def prepare_shard(source: SourceSpec, shard: Shard, done: DoneIndex, questions: 
                 prepared.skipped += 1
             else:
                 prepared.items.append(item)
+    return prepared
+
+
+def unprepared_shard(shard: Shard, done: DoneIndex, questions: tuple[str, ...], error: BaseException) -> PreparedShard:
+    """A shard whose prepare step failed as a whole (not an item's fetch or decode): each item
+    with work left carries that failure, retryable, so its records say so and the next run tries
+    it again."""
+    failure = ItemError("fetch", f"the shard failed: {type(error).__name__}: {error}", retryable=True)
+    prepared = PreparedShard(shard)
+    for item in shard.items:
+        pending = done.pending_by_listing(item, item.questions or questions)
+        if not pending:
+            prepared.skipped += 1
+            continue
+        prepared.items.append(PreparedItem(item, pending, error=failure,
+                                           members=[Member(key=m.key, size=m.size, etag=m.etag) for m in item.members]))
     return prepared

@@ -21,6 +21,7 @@ from tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
 from tasks.results.layout import manifest_key, part_key, partition_report_key
 from tasks.results.records import ResultRecord
 from tasks.results.report import PartitionReport
+from tasks.retries import Retries
 from tasks.sources.storage import Storage
 
 
@@ -62,10 +63,21 @@ def _unless_disk_full(task, task_run, state) -> bool:
     return not isinstance(getattr(data, "result", data), DiskFullError)  # the exception, or its result record
 
 
-@task(name="write-shard", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2,
-      retry_condition_fn=_unless_disk_full)
+# A shard's write is tried again 3 times, 2 s apart, except on a full disk (a permanent
+# DiskFullError: waiting frees no space). Each try rewrites the whole part, so none is half-written.
+WRITE_RETRIES = Retries(3, delay_s=2.0)
+
+
 def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
                 records: list[ResultRecord], done_key: str | None = None) -> str | None:
+    """`write_shard_once`, tried again (`WRITE_RETRIES`); a plain function, run on the pipeline's
+    threads (flows/shard_steps.py)."""
+    return WRITE_RETRIES.call(lambda: write_shard_once(out, fingerprint, parts_id, shard_index, records, done_key),
+                              "a shard's write", shard=shard_index)
+
+
+def write_shard_once(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
+                     records: list[ResultRecord], done_key: str | None = None) -> str | None:
     """One JSON Lines file per shard, written atomically, then its done-index sidecar (a part
     whose sidecar is missing is parsed instead). Nothing to write, no file. Then `done_key`, the
     shard's claim marked done for the other partitions of a fan-out (tasks/claims.py): only
