@@ -56,7 +56,7 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-model-check", action="store_true",
                         help="start without checking the model first (that it loads, and that its model_type "
                         "is one the recipe is for)")
-    parser.add_argument("--shard-size", type=int, default=None, help="items per task run (default 64)")
+    parser.add_argument("--shard-size", type=int, default=None, help="items per results part (default 64)")
     parser.add_argument("--limit", type=int, help="stop after this many items")
     parser.add_argument("--glob", help="only keys matching this glob, e.g. '*.jpg'")
     parser.add_argument("--source-format", choices=["auto", "files", "webdataset", "parquet", "inventory"],

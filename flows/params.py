@@ -108,7 +108,7 @@ class CaptionJob(BaseModel):
         None, ge=1, le=256, description="Largest group accepted (multi-image); bigger ones become error "
         f"records, and the engine's per-prompt image limit. Empty: {DEFAULT_MAX_IMAGES}.")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
-    shard_size: int = Field(64, ge=1, le=100_000, description="Objects per task run.")
+    shard_size: int = Field(64, ge=1, le=100_000, description="Objects per results part.")
     limit: int | None = Field(None, ge=1, description="Stop after this many listed objects.")
     glob: str | None = Field(None, description="Only keys matching this glob, e.g. '*.jpg'.")
     source_format: Literal["auto", "files", "webdataset", "parquet", "inventory"] = Field(

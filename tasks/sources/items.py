@@ -43,7 +43,7 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class Shard:
-    """The unit of bookkeeping: one Prefect task run per step, one results part."""
+    """The unit of bookkeeping: one results part, its steps and their retries (a batch of them is a Prefect task run)."""
 
     index: int
     items: tuple[WorkItem, ...]
