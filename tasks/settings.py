@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     # Shards fetched and decoded at once ahead of the engine once it is running (while it starts,
     # as many as its feed will hold). One shard at a time is a shard's latency (its task run, its
     # fetches) per shard, which a small model outruns.
+    # `vlm-caption run` and the bench hold Prefect's start back until the engine started first has
+    # reached vLLM's engine process (tasks/engine/engine_process.py); 0 starts Prefect at once.
+    engine_spawn_wait_s: float = Field(
+        30.0, description="Seconds `vlm-caption run` waits, at most, for the engine it started first to reach "
+        "vLLM's engine process before Prefect starts beside it; 0: no wait.")
     prepare_ahead: int = Field(
         2, description="Shards fetched and decoded ahead of the engine once it runs (while it starts, as many as "
         "its feed will hold).")
