@@ -63,13 +63,16 @@ class CaptionEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        from tasks.observability import get_logger
+
         self.spec = spec
         self.recipe = spec.recipe
         self.prompting = self.recipe.prompting(spec.modality)
         self.args, self.processor = engine_plan(spec, on_cpu=current_platform.is_cpu())
         eager_engine_processes(self.args, on_cpu=current_platform.is_cpu())
         self.model = self.args["model"]
-        _log_processor_placement(self.processor)
+        # Where the model's processor runs, and why: a CPU placement on a GPU host can hold the GPU back.
+        get_logger().info("model processor placed", device=self.processor.device, reason=self.processor.reason)
         renderers = render_processes()
         if self.processor.device == "cuda":
             renderers = 0  # each render process would hold a CUDA context of its own
@@ -195,14 +198,6 @@ class CaptionEngine:
 
             root = Path(snapshot_download(self.model))
         return LoRARequest(self.recipe.lora.name, 1, str(root / self.recipe.lora.subdir))
-
-
-def _log_processor_placement(placement) -> None:
-    """Once per engine: where the model's processor runs, and why (a CPU placement on a GPU host
-    is the one an operator wants to know about: it can hold the GPU back)."""
-    from tasks.observability import get_logger
-
-    get_logger().info("model processor placed", device=placement.device, reason=placement.reason)
 
 
 def _output(request_output) -> GenerationOutput:
