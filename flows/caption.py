@@ -26,17 +26,17 @@ import time
 import uuid
 
 from prefect import flow
+from prefect.events import Event
 from prefect.runtime import flow_run
 
 from flows.params import CaptionJob, Partition
 from flows.pipeline import PartitionRun, caption_shards
-from flows.plan import RunPlan, make_plan, start_engine_first, take_partition_cores
+from flows.plan import RunPlan, build_engine_first, make_plan, start_engine_first, take_partition_cores
 from flows.run_state import fail_run, on_run_failed, run_label, run_name_from
 from tasks.claims import remove_claims
 from tasks.concurrency import one_run_per_job
 from tasks.engine.host_share import current_cpus, format_cpu_list
 from tasks.engine.vllm_engine import discard_early_engine
-from tasks.engine.vllm_import import ensure_vllm_imported, serialize_ast_parse
 from tasks.errors import UserError
 from tasks.fanout import CALLED_OFF, ChildrenOnWork, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
@@ -45,6 +45,12 @@ from tasks.results.parquet_view import export_after_run
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
 from tasks.sources.watermark import advance_watermark
+
+
+# Prefect builds a model's validators at its first use, in the thread that uses it: the flow run's
+# heartbeat thread would build its event's as the run starts, parsing Python beside the flow's own
+# thread, which imports vLLM (tasks/engine/vllm_import.py says why two must not). Built here, first.
+Event.model_rebuild()
 
 
 def _run_name() -> str:
@@ -77,16 +83,15 @@ def vlm_caption(job: CaptionJob) -> dict:
 def run_job(job: CaptionJob) -> dict:
     """The flow's body: the plan, the job's slot, the run."""
     configure_logging()
-    # One ast.parse at a time in this process (tasks/engine/vllm_import.py): the plan parses vLLM's
-    # engine arguments while Prefect's threads may be importing (and parsing) beside it.
-    serialize_ast_parse()
     cpus, why = take_partition_cores(job)  # before torch is imported: its threads are sized to these cores
     plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
     run_id = job.partition.run_id if job.partition else _run_id()
     log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
     if cpus is not None:
         log.info("keeping to cores", cpus=format_cpu_list(cpus), why=why)
-    early = start_engine_first(plan)  # beside the children's start, the slot, the done-index and the listing
+    # vLLM imported here, then the engine built beside the slot, the done-index and the listing; a
+    # fan-out's parent asks for its children first (caption_job), their start beside its import.
+    early = start_engine_first(plan, now=job.fan_out <= 1)
     if early:
         log.info("engine starting first", why="the output holds no result of this job yet")
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
@@ -118,8 +123,8 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
             children = ask_for_children()  # process waits on vLLM's import, their start beside its engine's
         else:  # earlier results: asked for at the plan's first shard; a night with nothing new starts none
             on_work = ChildrenOnWork(plan.output, run_id, ask_for_children).start()
-    if engine_first:  # its import joined before any thread of this flow imports a part of vLLM; a run with
-        ensure_vllm_imported()  # earlier results imports it at its first new shard (flows/pipeline.py), if any
+    if engine_first and job.fan_out > 1:  # the children asked for: vLLM's import, then the engine's start; a
+        build_engine_first(plan)  # run with earlier results imports it at its first new shard (flows/pipeline.py)
     try:
         stats, engine, shared = caption_shards(PartitionRun(plan, run_id, own, log))
     except Exception:

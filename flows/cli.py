@@ -164,7 +164,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         # vLLM's import, then the engine's start, which overlaps Prefect's start and the flow run's.
-        start_engine_first(plan, import_now=True)
+        start_engine_first(plan)
         from flows.caption import vlm_caption
 
         summary = vlm_caption(job)

@@ -150,19 +150,24 @@ def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
     return take_cpu_share(get_settings().cpu_share)
 
 
-def start_engine_first(plan: RunPlan, *, import_now: bool = False) -> bool:
-    """Start building the run's engine now where `engine_first` wants one: vLLM's import, then
-    the engine on a thread of its own (`tasks/engine/vllm_engine.py`). `import_now` imports vLLM
-    here, before the caller imports Prefect: the engine waits on that import, and an import
-    beside Prefect's own (a thread of the same interpreter) took twice as long. Otherwise it is
-    imported on a thread (a flow run's process has Prefect already). A job with earlier results
-    imports nothing here: a night with nothing new needs no vLLM. True if an engine is being built."""
+def start_engine_first(plan: RunPlan, *, now: bool = True) -> bool:
+    """Start building the run's engine where `engine_first` wants one: vLLM imported here, by the
+    calling thread (never on a thread beside other work: tasks/engine/vllm_import.py says why),
+    then the engine built on a thread of its own (`tasks/engine/vllm_engine.py`). `vlm-caption run`
+    and the bench call it before they import Prefect, whose import beside vLLM's slows both.
+    `now=False` only answers: a fan-out's parent asks for its children first, their start beside
+    its import, then calls `build_engine_first`. A job with earlier results imports nothing here:
+    a night with nothing new needs no vLLM. True if an engine is (to be) built first."""
     spec = engine_first(plan)
-    if spec is None:
-        return False
-    from tasks.engine.vllm_engine import start_engine_early
-    from tasks.engine.vllm_import import ensure_vllm_imported, import_vllm_in_background
+    if spec is not None and now:
+        build_engine_first(plan)
+    return spec is not None
 
-    ensure_vllm_imported() if import_now else import_vllm_in_background()
-    start_engine_early(spec)
-    return True
+
+def build_engine_first(plan: RunPlan) -> None:
+    """vLLM's import, then the run's engine started on a thread of its own (see `start_engine_first`)."""
+    from tasks.engine.vllm_engine import start_engine_early
+    from tasks.engine.vllm_import import ensure_vllm_imported
+
+    ensure_vllm_imported()
+    start_engine_early(plan.engine)

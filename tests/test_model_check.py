@@ -151,14 +151,14 @@ def cache_snapshot(hf_home: Path, repo: str, files: dict[str, str]) -> Path:
 
 @pytest.fixture
 def no_flow(monkeypatch):
-    """The flow and vLLM's background import as stand-ins: a refused job must not reach them."""
+    """The flow and vLLM's import as stand-ins: a refused job must not reach them."""
     calls = []
     caption = types.ModuleType("flows.caption")
     # A summary shaped like the flow's (an empty run), so the CLI's end-of-run summary is exercised too.
     caption.vlm_caption = lambda job: calls.append(job) or {**RunStats().summary(), "fingerprint": "f" * 12}
     monkeypatch.setattr("flows.plan.start_engine_first", lambda plan, **how: False)  # no engine either
     engine = types.ModuleType("tasks.engine.vllm_import")
-    engine.import_vllm_in_background = engine.ensure_vllm_imported = lambda: None
+    engine.ensure_vllm_imported = lambda: None
     monkeypatch.setitem(sys.modules, "flows.caption", caption)
     monkeypatch.setitem(sys.modules, "tasks.engine.vllm_import", engine)
     return calls

@@ -53,58 +53,76 @@ def test_unknown_engine_argument_names_close_matches(prefect_api, tmp_path, no_e
     assert not (tmp_path / "out").exists()
 
 
-def test_the_engine_argument_names_are_engine_args_fields():
-    """The names a misspelled override is checked against are read from vLLM's source without
-    importing vLLM: they must be exactly `EngineArgs`' fields."""
-    import dataclasses
+# A flow run's process from its start, watched: every Python parse (`ast.parse`, or a compile of an
+# AST: the audit hook's "compile" events) with its thread, vLLM's import and the engine's build.
+RUN_WATCHED = """
+import ast, json, sys, threading, time
 
-    from vllm.engine.arg_utils import EngineArgs
+parses, windows = [], []
+PARSE = ast.parse.__code__
 
-    from tasks.engine.arguments import engine_argument_names
+def hook(event, args):
+    if event == "compile" and (isinstance(args[0], ast.AST) or sys._getframe(1).f_code is PARSE):
+        parses.append((time.monotonic(), threading.current_thread().name))
+    elif event == "import" and args[0] == "vllm":
+        windows.append(("vllm's first import", threading.current_thread().name, time.monotonic(), None))
 
-    assert engine_argument_names() == {field.name for field in dataclasses.fields(EngineArgs)}
+sys.addaudithook(hook)
+
+def watched(name, function):
+    def call(*args, **kwargs):
+        started = time.monotonic()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            windows.append((name, threading.current_thread().name, started, time.monotonic()))
+    return call
+
+from tasks.engine import vllm_engine, vllm_import
+
+importing = vllm_import.ensure_vllm_imported
+vllm_import.ensure_vllm_imported = lambda: (watched("vLLM's import", importing) if "vllm" not in sys.modules
+                                            else importing)()
+vllm_engine.CaptionEngine.__init__ = watched("the engine's build", vllm_engine.CaptionEngine.__init__)
+from flows.caption import vlm_caption
+from flows.params import CaptionJob
+
+source, output, model = sys.argv[1:]
+vlm_caption(CaptionJob(source=source, output=output, model=model, shard_size=2, sampling={"max_tokens": 4}))
+print(json.dumps({"flow_thread": threading.current_thread().name, "parses": parses, "windows": windows}))
+"""
 
 
-def test_ast_parse_runs_one_at_a_time_once_vllm_imports_on_a_thread(monkeypatch):
-    """Python 3.11's AST constructor shares its recursion depth between threads: vLLM's import
-    thread and the caller's imports (each parsing with `ast`) failed a CI run with "AST
-    constructor recursion depth mismatch". From `import_vllm_in_background` on, parses queue."""
-    import ast
-    import threading
-    import time
+def test_no_thread_parses_beside_vllms_import_or_the_engines_build(prefect_api, tiny_llava, tmp_path):
+    """Python 3.11's AST constructor keeps its recursion depth in state that threads share
+    (CPython gh-106905): two threads parsing at once failed a CI run with "AST constructor
+    recursion depth mismatch". vLLM's import parses over a hundred times, so in a flow run's
+    process (started fresh, with its engine first) it is made by the flow's own thread, and no
+    other thread parses while it runs (Prefect's heartbeat thread, say, at the run's start), nor
+    while the engine builds on its thread."""
+    import json
 
-    from tasks.engine import vllm_import
+    from prefect.settings import PREFECT_API_URL
 
-    running, most = 0, 0
-    guard = threading.Lock()
-
-    def slow_parse(source, *args, **kwargs):
-        nonlocal running, most
-        with guard:
-            running += 1
-            most = max(most, running)
-        time.sleep(0.05)
-        with guard:
-            running -= 1
-        return ast.Module(body=[], type_ignores=[])
-
-    def parse_at_once():
-        threads = [threading.Thread(target=ast.parse, args=("x = 1",)) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-
-    monkeypatch.setattr(ast, "parse", slow_parse)
-    parse_at_once()
-    assert most > 1  # the check can see overlapping parses
-    monkeypatch.setattr(vllm_import, "_IMPORTING", None)
-    monkeypatch.setattr(vllm_import, "_import_vllm", lambda: None)
-    vllm_import.import_vllm_in_background()
-    vllm_import.ensure_vllm_imported()
-    most = 0
-    parse_at_once()
-    assert most == 1 and ast.parse.serialized
+    (tmp_path / "img").mkdir()
+    for i in range(3):
+        (tmp_path / "img" / f"{i}.jpg").write_bytes(image_bytes(size=(64 + i, 48)))
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-c", RUN_WATCHED, str(tmp_path / "img"), str(tmp_path / "out"),
+                          str(tiny_llava)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith('{"flow_thread"')]
+    watched = json.loads(line)
+    windows = {name: (thread, start, end) for name, thread, start, end in watched["windows"]}
+    flow_thread = watched["flow_thread"]
+    assert windows["vllm's first import"][0] == windows["vLLM's import"][0] == flow_thread
+    for name in ("vLLM's import", "the engine's build"):
+        thread, start, end = windows[name]
+        own = [t for t, by in watched["parses"] if start <= t <= end and by == thread]
+        beside = sorted({by for t, by in watched["parses"] if start <= t <= end and by != thread})
+        assert not beside, f"{beside} parsed during {name} on {thread}"
+        if name == "vLLM's import":
+            assert len(own) > 50  # the watch sees its parses
 
 
 def test_missing_folder_and_bucket_and_manifest(prefect_api, tmp_path, s3_client, no_engine):

@@ -111,7 +111,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
                      json_schema=cfg.structured())
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect
     take_partition_cores(job)
-    start_engine_first(plan, import_now=True)
+    start_engine_first(plan)
     from flows.caption import vlm_caption
 
     summary = vlm_caption(plan.job)

@@ -6,15 +6,14 @@ engine starts. No vLLM object is built here."""
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import os
 import sys
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from recipes import Recipe, RecipeError
+from tasks.engine import vllm_api
 from tasks.engine.processor import ProcessorPlacement, apply_placement, place_processor
 
 
@@ -88,35 +87,20 @@ def frame_resize_target(spec: EngineSpec):
     return frame_target(spec.args["model"], spec.args.get("mm_processor_kwargs"))
 
 
-def check_engine_overrides(overrides: dict[str, Any]) -> None:
-    """Unknown vLLM engine arguments fail the job before anything starts, with close matches."""
+def check_engine_overrides(overrides: dict[str, Any], *, import_vllm: bool = False) -> None:
+    """Unknown vLLM engine arguments fail the job before anything starts, with close matches:
+    checked against the fields recorded for the vLLM release pinned (tasks/engine/vllm_api.py),
+    without importing vLLM. With another release installed the check waits for vLLM's import
+    (`import_vllm`: `engine_plan`, before the engine is built)."""
     import difflib
 
-    known = engine_argument_names()
-    for key in overrides:
+    known = vllm_api.engine_argument_names(import_vllm=import_vllm) if overrides else None
+    for key in overrides if known is not None else ():
         if key not in known:
             close = difflib.get_close_matches(key, known, n=3)
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             raise RecipeError(f"unknown vLLM engine argument {key!r}.{hint} "
-                              "See `vllm serve --help` for the engine arguments of vLLM 0.26.")
-
-
-@functools.lru_cache(maxsize=1)
-def engine_argument_names() -> frozenset[str]:
-    """The fields of vLLM's `EngineArgs`, read from its source without importing vLLM (which takes
-    20 s on a small machine; a misspelled argument must cost the user under a second). Checked
-    against `dataclasses.fields(EngineArgs)` in the tests. (`ast.parse` runs one at a time once
-    vLLM is imported on a thread: `serialize_ast_parse` in tasks/engine/vllm_import.py.)"""
-    import ast
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    source = Path(spec.origin).parent / "engine" / "arg_utils.py"
-    tree = ast.parse(source.read_text(encoding="utf-8"))
-    (engine_args,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineArgs"]
-    return frozenset(node.target.id for node in engine_args.body
-                     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                     and "ClassVar" not in ast.unparse(node.annotation))
+                              "See `vllm serve --help` for the installed vLLM's engine arguments.")
 
 
 def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, Any]:
@@ -128,6 +112,7 @@ def engine_plan(spec: EngineSpec, *, on_cpu: bool) -> tuple[dict[str, Any], Proc
     """The spec's engine arguments completed for this host (sizing for a CPU, the checkpoint's
     context limit, the recipe's logits processors as classes), and where the model's processor
     runs, which they include. Called once, where the engine is built."""
+    check_engine_overrides(spec.overrides(), import_vllm=True)  # another vLLM release: checked now
     args = copy.deepcopy(spec.args)
     if on_cpu:
         args.setdefault("enforce_eager", True)  # compilation does not pay off for CPU-sized jobs

@@ -23,6 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+from tasks.engine import vllm_api
 from tasks.engine.render import RenderJob, render
 from tasks.errors import EngineFailure
 from tasks.settings import get_settings
@@ -159,24 +160,19 @@ class EngineFeed:
         self._inbox.put(None)
         self._thread.join(ENGINE_STOP_S + 10)
 
-    def _engine_core(self):
-        """vLLM's client for the engine process (None for an engine without one)."""
-        return getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
-
     def _watch(self) -> None:
         """Wake the feed if the engine process dies under it.
 
-        vLLM 0.26's client notices a dead engine process (its monitor thread marks it dead and
-        shuts the client down) but a `step()` already waiting for outputs is never woken: it
-        would wait forever. This puts an error where that wait reads, so the waiting shards
-        fail and are retried on a new engine."""
-        core = self._engine_core()
-        resources, outputs = getattr(core, "resources", None), getattr(core, "outputs_queue", None)
-        if resources is None or outputs is None:
+        vLLM 0.26's client notices a dead engine process but never wakes a `step()` already
+        waiting for outputs: it would wait forever. This hands that wait an error to raise
+        (tasks/engine/vllm_api.py), so the waiting shards fail and are retried on a new engine."""
+        watch = vllm_api.engine_process_watch(self._llm)
+        if watch is None:
             return
+        died, wake = watch
         while not self._closed.wait(1.0):
-            if getattr(resources, "engine_dead", False):
-                outputs.put_nowait(EngineDied("the vLLM engine process died"))
+            if died():
+                wake(EngineDied("the vLLM engine process died"))
                 return
 
     # ---- the feed thread, the only one that touches the engine -------------------------------
@@ -206,10 +202,8 @@ class EngineFeed:
         """Shut the engine process down the way vLLM does. Left to the interpreter's exit,
         multiprocessing terminates it before vLLM's own clean-up runs, and vLLM then logs
         "engine core exited unexpectedly" (or "force killing") after every clean run."""
-        core = self._engine_core()
-        if core is not None:
-            with contextlib.suppress(Exception):  # already dead: nothing left to stop
-                core.shutdown(timeout=ENGINE_STOP_S)
+        with contextlib.suppress(Exception):  # already dead: nothing left to stop
+            vllm_api.shutdown_engine(self._llm, ENGINE_STOP_S)
 
     def _add(self, item: _Submission) -> None:
         request_id = f"vc-{next(self._ids)}"  # outputs carry this id (vLLM suffixes its own copy)
@@ -217,7 +211,7 @@ class EngineFeed:
             rendered = item.rendered if item.rendered is not None else render(self._llm.renderer, item.job)
             self._llm.llm_engine.add_request(request_id, rendered, item.params, lora_request=item.lora)
         except Exception as exc:  # noqa: BLE001 - this request's own error (too long, bad media)
-            if type(exc).__name__ == "EngineDeadError":  # not this request's: fail all, retry shards
+            if vllm_api.is_dead_engine_error(exc):  # not this request's: fail all, retry shards
                 item.future.set_exception(EngineDied(str(exc)))
                 raise
             item.future.set_exception(exc)
