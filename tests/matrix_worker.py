@@ -28,11 +28,10 @@ def main(recipe_name: str, checkpoint: str, modalities: list[str]) -> None:
 
     from recipes import get_recipe
     from recipes.requests import build_requests
-    from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_args
+    from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
 
     recipe = get_recipe(recipe_name)
-    args = engine_args(EngineSpec.build(get_recipe(recipe_name), modality=modalities[0], model=checkpoint, images=2),
-                       recipe, on_cpu=True)
+    args, _ = engine_plan(EngineSpec.build(recipe, modality=modalities[0], model=checkpoint, images=2), on_cpu=True)
     # A tiny model needs little KV cache; CI runs this beside other engines on one small machine.
     args["kv_cache_memory_bytes"] = 512 * 1024**2
     args["limit_mm_per_prompt"] = {"image": 2 if "multi-image" in modalities else 1,

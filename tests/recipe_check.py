@@ -76,12 +76,12 @@ def flow_engine_args(recipe_name: str, modality: str, checkpoint: Path, on_cpu: 
     a remote-code recipe is opted in, as a user does with --trust-remote-code (the tiny checkpoint's
     remote code is our own minimal config file, tests/tiny_remote_common.py)."""
     from recipes import get_recipe
-    from tasks.engine.arguments import EngineSpec, engine_args
+    from tasks.engine.arguments import EngineSpec, engine_plan
 
     recipe = get_recipe(recipe_name)
-    spec = EngineSpec.build(get_recipe(recipe_name), modality=modality, model=str(checkpoint), images=GROUP_SIZE,
+    spec = EngineSpec.build(recipe, modality=modality, model=str(checkpoint), images=GROUP_SIZE,
                             trust_remote_code=recipe.needs_remote_code)
-    return engine_args(spec, recipe, on_cpu=on_cpu)
+    return engine_plan(spec, on_cpu=on_cpu)[0]
 
 
 def recipe_prompt(recipe, modality: str, checkpoint: Path) -> str:

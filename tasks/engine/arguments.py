@@ -103,11 +103,6 @@ def check_engine_overrides(overrides: dict[str, Any], *, import_vllm: bool = Fal
                               "See `vllm serve --help` for the installed vLLM's engine arguments.")
 
 
-def engine_args(spec: EngineSpec, recipe: Recipe, *, on_cpu: bool) -> dict[str, Any]:
-    """Recipe facts + sizing for this hardware + the caller's overrides (which win)."""
-    return engine_plan(spec, on_cpu=on_cpu)[0]
-
-
 def engine_plan(spec: EngineSpec, *, on_cpu: bool) -> tuple[dict[str, Any], ProcessorPlacement]:
     """The spec's engine arguments completed for this host (sizing for a CPU, the checkpoint's
     context limit, the recipe's logits processors as classes), and where the model's processor
