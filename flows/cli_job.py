@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from tasks.errors import UsageError
+from tasks.sources.registry import SOURCE_FORMATS, formats_help
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:
@@ -59,11 +60,8 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, default=None, help="items per results part (default 64)")
     parser.add_argument("--limit", type=int, help="stop after this many items")
     parser.add_argument("--glob", help="only keys matching this glob, e.g. '*.jpg'")
-    parser.add_argument("--source-format", choices=["auto", "files", "webdataset", "parquet", "inventory"],
-                        help="what the source holds: media files, WebDataset tar shards (a tar, a prefix of tars "
-                        "or a brace pattern like shards/{00000..00099}.tar), Parquet, or an S3 Inventory report "
-                        "(its manifest.json, or a folder of dated reports: the newest) (default auto: from "
-                        ".tar/.parquet/manifest.json/braces, else from the objects listed first)")
+    parser.add_argument("--source-format", choices=SOURCE_FORMATS,
+                        help=f"what the source holds: {formats_help()}".replace("`", "").replace("%", "%%"))
     parser.add_argument("--column", help="Parquet: the column of image URLs, s3:// URIs, paths or bytes")
     parser.add_argument("--modified-since", metavar="TIME|DURATION|auto",
                         help="only objects modified after this time (2026-11-20T03:00:00Z), this long before the "

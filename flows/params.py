@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from recipes import Recipe, RecipeError, get_recipe
+from tasks.sources.registry import SOURCE_FORMATS, formats_help, reader_class
 
 DEFAULT_QUESTION = "Describe the content of this image in detail."
 DEFAULT_QUESTIONS = {
@@ -111,13 +112,8 @@ class CaptionJob(BaseModel):
     shard_size: int = Field(64, ge=1, le=100_000, description="Objects per results part.")
     limit: int | None = Field(None, ge=1, description="Stop after this many listed objects.")
     glob: str | None = Field(None, description="Only keys matching this glob, e.g. '*.jpg'.")
-    source_format: Literal["auto", "files", "webdataset", "parquet", "inventory"] = Field(
-        "auto", description="What `source` holds: media objects (`files`), WebDataset tar shards (a tar, a "
-        "prefix of tars, or a brace pattern such as shards/{00000..00099}.tar; one item per sample), "
-        "Parquet (one item per row, media in `column`) or an S3 Inventory report (`inventory`: its "
-        "manifest.json, or a folder of dated reports: the newest; the items are its bucket's objects). "
-        "`auto`: from `.tar`/`.parquet`/`manifest.json`/braces in the location, else from the objects "
-        "listed first.")
+    source_format: Literal[SOURCE_FORMATS] = Field(  # tasks/sources/registry.py
+        "auto", description=f"What `source` holds: {formats_help()}")
     modified_since: str | None = Field(
         None, description="Only objects modified after this: a time (2026-11-20T03:00:00Z; UTC without a "
         "zone), a duration back from the run's start (26h, 2d), or `auto`: after the watermark the last "
@@ -207,14 +203,15 @@ class CaptionJob(BaseModel):
         if (self.source is None) == (self.manifest is None):
             raise ValueError("give exactly one of `source` (a folder or bucket prefix) and `manifest` "
                              "(a JSON Lines file of items)")
-        if self.source_format in ("webdataset", "parquet", "inventory") and self.manifest is not None:
+        reader = None if self.source_format == "auto" else reader_class(self.source_format)
+        if reader is not None and reader.name != "files" and self.manifest is not None:
             raise ValueError(f"source_format {self.source_format!r} reads `source`, not a manifest")
-        if self.source_format in ("webdataset", "parquet") and self.modality == "multi-image":
-            raise ValueError(f"a {self.source_format} item is one sample or row: use modality image or video")
-        if self.modified_since is not None and (self.manifest is not None
-                                                or self.source_format in ("webdataset", "parquet")):
+        if reader is not None and not reader.groups and self.modality == "multi-image":
+            raise ValueError(f"a {self.source_format} item is one medium (a sample, a row, a line): "
+                             "use modality image or video")
+        if self.modified_since is not None and (self.manifest is not None or (reader and not reader.timed)):
             raise ValueError("modified_since is for a folder or bucket of media files and S3 Inventory reports")
-        if self.column is not None and self.source_format not in ("auto", "parquet"):
+        if self.column is not None and reader is not None and not reader.takes_column:
             raise ValueError("column is for Parquet sources (source_format parquet)")
         if self.method == "chat" and self.modality == "video":
             raise ValueError("method 'chat' sends image parts (the multi-image example's chat method); "

@@ -24,8 +24,8 @@ from tasks.engine.host_share import take_cpu_share
 from tasks.results.layout import results_prefix
 from tasks.results.records import job_fingerprint
 from tasks.settings import get_settings
-from tasks.sources.formats import SourceSpec, split_location
-from tasks.sources.inventory import inventory_source
+from tasks.sources.formats import SourceSpec
+from tasks.sources.registry import READERS, reader_class
 from tasks.sources.storage import Storage, StorageError
 from tasks.sources.watermark import with_changed_since
 
@@ -71,7 +71,7 @@ def make_plan(job: CaptionJob) -> RunPlan:
     recipe = job.resolved_recipe
     engine = check(lambda: engine_spec(job))  # refuses remote code the job did not allow
     check(lambda: check_engine_overrides(job.engine_overrides))
-    resolved = check(lambda: resolve_source(job))
+    resolved, source = check(lambda: resolve_source(job)) or (None, None)
     output = check(lambda: check_output(job.output))
     if not job.skip_model_check:  # the job's model, or the recipe's for its modality, loads and fits the recipe
         check(lambda: check_model(recipe, job.modality, job.model, revision=job.engine_overrides.get("revision")))
@@ -80,7 +80,6 @@ def make_plan(job: CaptionJob) -> RunPlan:
     if problems:
         raise PreflightError([str(problem) for problem in problems])
     model = recipe.model_for(job.modality, job.model)
-    source = source_spec(resolved)
     fingerprint = fingerprint_of(resolved, recipe, model, source)
     return RunPlan(job=resolved, recipe=recipe, model=model, fingerprint=fingerprint,
                    source=with_changed_since(source, resolved.modified_since, output, fingerprint), output=output,
@@ -117,12 +116,14 @@ def engine_first(plan: RunPlan) -> EngineSpec | None:
 
 
 def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str, source: SourceSpec | None = None) -> str:
-    """The results this job's are interchangeable with (see `job_fingerprint`). A Parquet
-    source's column is part of it (another column is other media under the same row ids). An
-    inventory's is its bucket's (a listing of that bucket, and every day's report, share results)."""
-    location = (source or source_spec(job)).base if job.source_format == "inventory" else job.location
+    """The results this job's are interchangeable with (see `job_fingerprint`). The source format
+    says which location that is (an inventory's is its bucket's: a listing of that bucket and every
+    day's report share results), and a format's media column is part of it (another column is other
+    media under the same row ids)."""
+    reader = READERS.get(job.source_format)  # None while `auto`, before the plan resolves it
+    location = reader.results_location(job.location, source) if reader and job.manifest is None else job.location
     media = {"num_frames": job.num_frames} if job.modality == "video" else {}
-    if job.source_format == "parquet":
+    if reader is not None and reader.takes_column:
         media["column"] = job.column
     return job_fingerprint(
         source=location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
@@ -130,14 +131,9 @@ def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str, source: SourceSp
 
 
 def source_spec(job: CaptionJob) -> SourceSpec:
-    """Where the job's items come from (its source format resolved)."""
-    if job.source_format == "inventory":
-        return inventory_source(job.location, job.modality, job.glob)
-    if job.source_format in ("webdataset", "parquet"):
-        base, pattern = split_location(job.location)
-        return SourceSpec(base, job.modality, glob=job.glob, format=job.source_format, pattern=pattern,
-                          column=job.column)
-    return SourceSpec(job.location, job.modality, is_manifest=job.manifest is not None, glob=job.glob)
+    """Where a resolved job's items come from (the plan's is `resolve_source`'s, storage opened)."""
+    fmt = "manifest" if job.manifest is not None else job.source_format
+    return reader_class(fmt).spec_for(job.location, modality=job.modality, glob=job.glob, column=job.column)
 
 
 def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:

@@ -18,9 +18,10 @@ from urllib.parse import quote_plus
 
 import pytest
 
-from tasks.sources.formats import SourceSpec, detect_format
+from tasks.sources.formats import SourceSpec
 from tasks.sources.inventory import check_report, inventory_source
 from tasks.sources.listing import iter_items
+from tasks.sources.registry import detect_format
 from tasks.sources.storage import StorageError
 from tests.images import corrupt_jpeg, image_bytes
 

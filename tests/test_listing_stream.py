@@ -72,6 +72,15 @@ def test_the_first_shard_comes_while_the_listing_goes_on(storage):
     assert stream.finished and [s.index for s in rest] == list(range(1, 20))
 
 
+def test_limit_cuts_the_listing_into_shards_of_the_first_items(storage):
+    storage(SyntheticStorage(100))
+    stream = ShardStream(SourceSpec("s3://synthetic/"), 4, 10)
+    threading.Thread(target=stream.produce, daemon=True).start()
+    shards = list(stream)
+    assert [(s.index, len(s.items)) for s in shards] == [(0, 4), (1, 4), (2, 2)]
+    assert [item.id for s in shards for item in s.items] == [f"img/{i:07d}.jpg" for i in range(10)]
+
+
 def _peak_while_consuming(count: int) -> int:
     store = SyntheticStorage(count)
     source_open = formats.source_storage

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sources.formats import detect_format, file_set
+from tasks.sources.formats import file_set
 from tasks.sources.parquet_source import ColumnError, check_parquet_source, iter_parquet_items, read_cell
+from tasks.sources.registry import detect_format
 from tasks.sources.storage import open_storage
 from tests.images import corrupt_jpeg, image_bytes
 
@@ -35,7 +36,7 @@ def write_parquet(path, rows: int, *, corrupt: int | None = None, empty: int | N
 
 def test_rows_from_row_groups_with_metadata_and_column_errors(tmp_path: Path):
     write_parquet(tmp_path / "a.parquet", 10, empty=5)
-    files = file_set(str(tmp_path), "parquet")
+    files = file_set(str(tmp_path), ".parquet")
     assert detect_format(str(tmp_path), "auto", False) == "parquet"
     assert check_parquet_source(files, None) == "image"  # the usual name, found
     items = list(iter_parquet_items(files, "image"))
@@ -51,8 +52,8 @@ def test_rows_from_row_groups_with_metadata_and_column_errors(tmp_path: Path):
     assert "no column 'img'; the columns are: caption, width, image" in str(wrong.value)
     write_parquet(tmp_path / "u.parquet", 2, url_prefix="s3://b/x/")
     (tmp_path / "a.parquet").unlink()
-    assert check_parquet_source(file_set(str(tmp_path), "parquet"), None) == "url"
-    assert [m.members[0].key for m in iter_parquet_items(file_set(str(tmp_path / "u.parquet"), "parquet"), "url")] \
+    assert check_parquet_source(file_set(str(tmp_path), ".parquet"), None) == "url"
+    assert [m.members[0].key for m in iter_parquet_items(file_set(str(tmp_path / "u.parquet"), ".parquet"), "url")] \
         == ["s3://b/x/0.png", "s3://b/x/1.png"]
 
 

@@ -5,30 +5,6 @@ from flows.params import CaptionJob
 from tasks.results.done_index import DoneIndex, index_rows
 from tasks.results.records import ResultRecord, job_fingerprint
 from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.listing import iter_shards, up_to
-
-
-def refs(n):
-    return [WorkItem(f"{i}.jpg", (ObjectRef(f"{i}.jpg", i, f"e{i}"),)) for i in range(n)]
-
-
-def test_shards_cover_every_object_once_and_respect_limit():
-    shards = list(iter_shards(iter(refs(10)), 4))
-    assert [len(s.items) for s in shards] == [4, 4, 2]
-    assert [s.index for s in shards] == [0, 1, 2]
-    assert sum(len(s.items) for s in iter_shards(up_to(iter(refs(10)), 5), 4)) == 5
-
-
-def test_listing_is_consumed_lazily():
-    consumed = []
-
-    def gen():
-        for ref in refs(100):
-            consumed.append(ref)
-            yield ref
-
-    first = next(iter_shards(gen(), 3))
-    assert len(first.items) == 3 and len(consumed) == 3
 
 
 def test_fingerprint_changes_with_source_sampling_model_recipe_modality_but_not_question():

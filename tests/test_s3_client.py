@@ -158,10 +158,11 @@ def test_format_detection_retries_a_throttled_listing_and_never_guesses(monkeypa
     from flows.params import CaptionJob
     from tasks.sources import formats
     from tasks.sources.preflight import resolve_source
+    from tasks.sources.registry import detect_format
 
     store = FlakyStorage({"00000.tar": b"x"}, _error("SlowDown", 503), failures=2)
     monkeypatch.setattr(formats, "source_storage", lambda uri: store)
-    assert formats.detect_format("s3://flaky/", "auto", False) == "webdataset"
+    assert detect_format("s3://flaky/", "auto", False) == "webdataset"
 
     store.failures = 10
     job = CaptionJob(source="s3://flaky/", output="/tmp/out", model="m", source_format="auto")

@@ -18,9 +18,11 @@ from tasks.results.copies import take_copies
 from tasks.results.done_index import DoneIndex
 from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
 from tasks.settings import get_settings
-from tasks.sources.fetch import MediaFetcher, TooLargeError
+from tasks.sources.fetch import TooLargeError
 from tasks.sources.items import Shard, WorkItem
 from tasks.sources.formats import SourceSpec
+from tasks.sources.reader import BAD_INPUT, BadInput, SourceReader
+from tasks.sources.registry import open_reader
 from tasks.sources.storage import ShortBodyError
 
 
@@ -97,6 +99,8 @@ class ByteBudget:
 
 
 def _fetch_error(exc: Exception) -> ItemError:
+    if isinstance(exc, BadInput):  # the reader's item error: damage, final
+        return ItemError(BAD_INPUT, str(exc))
     if isinstance(exc, TooLargeError):
         return ItemError("too_large", str(exc))
     if isinstance(exc, FileNotFoundError):
@@ -121,10 +125,10 @@ def fetch_slots(count: int) -> threading.BoundedSemaphore:
 class ItemPreparer:
     """Fetch, hash, skip and decode one item at a time; shared by one shard's fetch threads."""
 
-    def __init__(self, fetcher: MediaFetcher, done: DoneIndex, questions: tuple[str, ...],
+    def __init__(self, reader: SourceReader, done: DoneIndex, questions: tuple[str, ...],
                  options: MediaOptions):
         settings = get_settings()
-        self.fetcher, self.done, self.questions, self.options = fetcher, done, questions, options
+        self.reader, self.done, self.questions, self.options = reader, done, questions, options
         self.budget = shared_budget(settings.max_bytes_in_flight)
         self.slots = fetch_slots(max(1, settings.fetch_concurrency))
         self.max_object_bytes = settings.max_object_bytes
@@ -171,7 +175,7 @@ class ItemPreparer:
             else:
                 try:
                     with self.slots:
-                        data = self.fetcher.read(ref)
+                        data = self.reader.read(prepared.item, ref)
                 except Exception as exc:  # noqa: BLE001 - recorded; retryable ones are retried next run
                     error = _fetch_error(exc)
             prepared.members.append(Member(key=ref.key, size=len(data) if data is not None else ref.size,
@@ -201,11 +205,11 @@ class ItemPreparer:
 
 def prepare_shard(source: SourceSpec, shard: Shard, done: DoneIndex, questions: tuple[str, ...],
                   options: MediaOptions) -> PreparedShard:
-    """Fetch (bounded concurrency and bytes), hash and decode one shard; skip what is done. Keys
-    are read from the source's storage (a manifest's folder), other buckets' URIs one per bucket.
+    """Fetch (bounded concurrency and bytes), hash and decode one shard; skip what is done. Media
+    are read by the source format's reader, through the storage the plan opened.
     A plain function, run on the pipeline's threads (flows/shard_steps.py); an item's failure is
     its error, so nothing here is tried again."""
-    preparer = ItemPreparer(MediaFetcher(source.storage), done, questions, options)
+    preparer = ItemPreparer(open_reader(source), done, questions, options)
     prepared = PreparedShard(shard)
     workers = max(1, min(get_settings().fetch_concurrency, len(shard.items)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:

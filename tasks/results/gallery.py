@@ -211,26 +211,16 @@ def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = N
 
 
 def media_fetcher(source: SourceSpec) -> Callable[[ResultRecord], bytes | None]:
-    """How to read an item's (first) image or video again for its picture, for the run's kind of
-    source (from its storage, as the captioning read it)."""
-    from tasks.sources.fetch import MediaFetcher
-    from tasks.sources.items import ObjectRef
-    from tasks.sources.parquet_source import cell_ref
-    from tasks.sources.webdataset import member_ref
+    """How to read an item's (first) image or video again for its picture: the source format's
+    reader locates the member a record names and reads it, as the captioning did."""
+    from tasks.sources.registry import open_reader
 
-    fmt = source.format
-    storage = source.storage
-    fetcher = MediaFetcher(storage)
+    reader = open_reader(source)
 
     def fetch(record: ResultRecord) -> bytes | None:
         member = (record.members or [record])[0]
-        if fmt == "webdataset":
-            ref = member_ref(member.key, member.size, member.etag)
-        elif fmt == "parquet" and member.key == record.key:  # a bytes cell (a URL cell's key is the URL)
-            ref = cell_ref(storage, member.key, member.size, member.etag, source.column)
-        else:
-            ref = ObjectRef(member.key, member.size, member.etag)
-        return fetcher.read(ref) if ref is not None else None
+        ref = reader.locate(record.key, member.key, member.size, member.etag)
+        return reader.read_member(ref) if ref is not None else None
 
     return fetch
 

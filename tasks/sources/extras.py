@@ -1,7 +1,6 @@
 """What an item brings besides its media, put into its records: a WebDataset sample's
-`.json`/`.txt` or a Parquet row's other columns (`metadata`), and damage the listing found
-(`problem`: a tar cut short, a row without media), which makes every record of the item a final
-`bad_input` error naming it, however its fetch went."""
+`.json`/`.txt` or a Parquet row's other columns (`metadata`). Damage the listing found is not
+patched in here: the reader's `read` raises it (`BadInput`) and prepare records it."""
 
 from __future__ import annotations
 
@@ -10,24 +9,11 @@ from collections.abc import Iterable
 
 from tasks.sources.items import WorkItem
 
-BAD_INPUT = "bad_input"
-
 
 def annotate_records(items: Iterable[WorkItem], records: list) -> list:
-    """`records` (ResultRecord) with their items' metadata and listing problems."""
-    by_id = {item.id: item for item in items if item.metadata or item.problem}
+    """`records` (ResultRecord) with their items' metadata."""
+    by_id = {item.id: item for item in items if item.metadata}
     if not by_id:
         return records
-    annotated = []
-    for record in records:
-        item = by_id.get(record.key)
-        if item is not None:
-            update = {}
-            if item.metadata:
-                update["metadata"] = json.loads(item.metadata)
-            if item.problem:
-                update.update(error={"kind": BAD_INPUT, "message": item.problem, "retryable": False},
-                              text=None, finish_reason=None, structured=None)
-            record = record.model_copy(update=update)
-        annotated.append(record)
-    return annotated
+    return [record.model_copy(update={"metadata": json.loads(by_id[record.key].metadata)})
+            if record.key in by_id else record for record in records]

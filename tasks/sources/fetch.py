@@ -1,5 +1,6 @@
 """Read one media object wherever it lives: a key under the source, an s3:// URI, an http(s)
-URL (the multi-image example fetches URLs) or a local path."""
+URL (the multi-image example fetches URLs) or a local path. The readers of formats whose items
+name media by location (files, groups, manifests, Parquet URL columns, path lists) read through it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ from urllib.parse import urlparse
 
 from tasks.settings import get_settings
 from tasks.sources.items import ObjectRef
-from tasks.sources.parquet_source import ParquetCellRef, read_cell
 from tasks.sources.storage import Storage, shared_s3_storage
-from tasks.sources.webdataset import TarMemberRef, read_member
 
 
 class TooLargeError(ValueError):
@@ -20,7 +19,8 @@ class TooLargeError(ValueError):
 
 
 class MediaFetcher:
-    """Reads the members of work items; one per prepare step, shared by its fetch threads."""
+    """Reads media by location, keys relative to `base`; shared by a prepare step's fetch threads.
+    Other buckets are opened once each (one storage per bucket per process)."""
 
     def __init__(self, base: Storage):
         self.base = base
@@ -28,10 +28,6 @@ class MediaFetcher:
         self._lock = threading.Lock()
 
     def read(self, ref: ObjectRef) -> bytes:
-        if isinstance(ref, TarMemberRef):  # a WebDataset sample's media: a range of its tar
-            return read_member(self.base, ref)
-        if isinstance(ref, ParquetCellRef):  # a Parquet bytes cell
-            return read_cell(self.base, ref)
         key = ref.key
         scheme = urlparse(key).scheme
         if scheme in ("http", "https"):

@@ -1,32 +1,23 @@
-"""Which kind of source a job reads, and where its files are.
+"""Where a job's items come from, resolved: `SourceSpec` (the location, its format and what the
+format needs) and, for formats stored as shard files (tars, Parquet), `FileSet`.
 
-`files` is a folder or prefix of media objects (the default). `webdataset` is tar shards: one
-tar, a prefix of tars, or a brace pattern (`shards/{00000..00099}.tar`). `parquet` is a Parquet
-file or prefix with a column of media. `auto` picks from the location (`.tar`, `.parquet`,
-braces) or, for a prefix, from the objects on the first page of its listing.
-
-`source_storage` is the one place a source's location is opened: a `SourceSpec`'s and a
-`FileSet`'s `storage`, and the format's detection, go through it.
+A spec's storage is opened once, at the plan (`flows/plan.py`), and travels with it: the
+listing, every prepare step and the gallery read through that one object. `source_storage` is
+the one place a source's location is opened.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tasks.sources.braces import check_pattern, expand_braces, has_braces, literal_prefix
 from tasks.sources.items import ObjectRef
-from tasks.sources.storage import Storage, StorageError, open_storage, split_parent
-from tasks.sources.transient import retry_transient
+from tasks.sources.storage import Storage, StorageError, open_storage
 
 if TYPE_CHECKING:
     from tasks.sources.watermark import ChangedSince
-
-SourceFormat = Literal["auto", "files", "webdataset", "parquet", "inventory"]
-SUFFIX = {"webdataset": ".tar", "parquet": ".parquet", "inventory": "manifest.json"}  # tasks/sources/inventory.py
-DETECT_PAGE = 1000  # objects looked at to tell a prefix of tars or Parquet files from media
 
 
 def source_storage(uri: str) -> Storage:
@@ -35,19 +26,36 @@ def source_storage(uri: str) -> Storage:
     return open_storage(uri)
 
 
+class _OpenedOnce:
+    """A frozen dataclass's storage, opened at the first use when none was handed in, then kept."""
+
+    opened: Storage | None
+    location: str
+
+    @property
+    def storage(self) -> Storage:
+        if self.opened is None:
+            object.__setattr__(self, "opened", source_storage(self.location))
+        return self.opened  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
-class FileSet:
+class FileSet(_OpenedOnce):
     """The shard files of a source: `pattern` (a file name or brace pattern) under `base`, or
     every file with the format's suffix under `base` when `pattern` is None."""
 
     base: str
     pattern: str | None
     suffix: str
+    opened: Storage | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.pattern is not None and has_braces(self.pattern):
+            check_pattern(self.pattern)  # a broken or huge pattern: BraceError, saying why
 
     @property
-    def storage(self) -> Storage:
-        """Where the files are (`base`)."""
-        return source_storage(self.base)
+    def location(self) -> str:
+        return self.base
 
 
 def split_location(uri: str) -> tuple[str, str | None]:
@@ -64,40 +72,9 @@ def split_location(uri: str) -> tuple[str, str | None]:
     return uri, None
 
 
-def format_of_location(uri: str) -> str | None:
-    """The format a location names by itself (`.tar`, `.parquet`), or None."""
-    name = uri.rstrip("/")
-    for fmt, suffix in SUFFIX.items():
-        if name.endswith(suffix):
-            return fmt
-    return None
-
-
-def detect_format(uri: str, requested: str, is_manifest: bool) -> str:
-    """`requested` unless it is `auto`: then from the location, or from the first listed page. A
-    page that cannot be listed raises (a guess of `files` would caption a prefix of tars as
-    images, and those errors are final); pre-flight says what is wrong with the location."""
-    if requested != "auto":
-        return requested
-    if is_manifest:
-        return "files"
-    named = format_of_location(uri)
-    if named or has_braces(uri):
-        return named or "webdataset"
-    names = retry_transient(lambda: [ref.key for ref in itertools.islice(source_storage(uri).iter_objects(),
-                                                                        DETECT_PAGE)], f"{uri}: first page")
-    if any(name.endswith(".tar") for name in names):
-        return "webdataset"  # (img2dataset writes .parquet and .json beside its tars)
-    if names and all(name.endswith(".parquet") for name in names):
-        return "parquet"
-    return "files"
-
-
-def file_set(uri: str, fmt: str) -> FileSet:
-    base, pattern = split_location(uri)
-    if pattern is not None and has_braces(pattern):
-        check_pattern(pattern)
-    return FileSet(base, pattern, SUFFIX[fmt])
+def file_set(uri: str, suffix: str, storage: Storage | None = None) -> FileSet:
+    """The files a location names: one, a brace pattern of them, or every `suffix` file under it."""
+    return FileSet(*split_location(uri), suffix, storage)
 
 
 def iter_files(files: FileSet, glob: str | None = None, log=None) -> Iterator[ObjectRef]:
@@ -123,37 +100,37 @@ def first_file(files: FileSet) -> ObjectRef | None:
 
 
 @dataclass(frozen=True)
-class SourceSpec:
-    """Where the items come from and how they are formed."""
+class SourceSpec(_OpenedOnce):
+    """Where the items come from and how they are formed (`format` names its reader,
+    `tasks/sources/registry.py`)."""
 
     uri: str  # a folder or bucket prefix, or a manifest file; for tars and Parquet, their folder
     modality: str = "image"
-    is_manifest: bool = False
     glob: str | None = None
-    format: str = "files"  # or webdataset | parquet (tasks/sources/formats.py)
+    format: str = "files"
     pattern: str | None = None  # tars or Parquet files under `uri`: one name or a brace pattern
     column: str | None = None  # parquet: the media column
-    items_root: str | None = None  # inventory: the bucket its report lists (`uri` is the report's manifest.json)
+    # Where the items' relative keys are when not under `uri`: a manifest's or path list's folder,
+    # the bucket an inventory report lists (`uri` is then the report's manifest.json).
+    items_root: str | None = None
     changed: ChangedSince | None = None  # --modified-since (tasks/sources/watermark.py)
+    opened: Storage | None = field(default=None, compare=False, repr=False)  # at `base`, opened once
 
     @property
-    def files(self) -> FileSet:
-        return FileSet(self.uri, self.pattern, SUFFIX[self.format])
+    def is_manifest(self) -> bool:
+        return self.format == "manifest"
+
+    @property
+    def location(self) -> str:
+        """Where the storage is rooted: `base`."""
+        return self.base
 
     @property
     def base(self) -> str:
-        """The folder or prefix the items' relative keys are under: a manifest's own folder, an
-        inventory report's bucket."""
-        if self.items_root is not None:
-            return self.items_root
-        return split_parent(self.uri)[0] if self.is_manifest else self.uri
+        """The folder or prefix the items' relative keys are under."""
+        return self.items_root if self.items_root is not None else self.uri
 
     @property
-    def manifest_name(self) -> str:
-        """A manifest's file name within `base`."""
-        return split_parent(self.uri)[1]
-
-    @property
-    def storage(self) -> Storage:
-        """The source's storage (at `base`): listed, and read for the items' media."""
-        return source_storage(self.base)
+    def where(self) -> str:
+        """The location as the job names it: `uri` with its pattern."""
+        return self.uri + (self.pattern or "")

@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
+from tasks.sources.files import FilesReader
 from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.reader import SourceReader
 
 ROOT_GROUP = "."  # objects at the source root, beside the folders
+
+
+class GroupsReader(SourceReader):
+    """One item per folder of a listing of objects (a folder or bucket, an inventory report):
+    what `--modality multi-image` makes of a reader that lists objects."""
+
+    name = "groups"
+    groups = True
+    selectable = False
+
+    def __init__(self, objects: FilesReader):
+        super().__init__(objects.spec)
+        self.objects = objects
+
+    def check(self):
+        return self.objects.check()
+
+    def items(self) -> Iterator[WorkItem]:
+        yield from folder_groups(self.objects.objects())
+
+    def read_member(self, member: ObjectRef) -> bytes:
+        return self.objects.read_member(member)
 
 
 def folder_groups(refs: Iterable[ObjectRef]) -> list[WorkItem]:

@@ -1,7 +1,8 @@
 """List the source and cut it into shards of work items, never loading object bytes.
 
-A folder or bucket gives one item per object (image, video) or per folder (multi-image groups);
-a job manifest gives one item per line.
+The items come from the source format's reader (`tasks/sources/registry.py`): a folder or bucket
+gives one item per object (image, video) or per folder (multi-image groups), a job manifest one
+per line, tars one per sample, Parquet one per row.
 """
 
 from __future__ import annotations
@@ -20,50 +21,15 @@ from prefect.cache_policies import NONE
 
 from tasks.observability import get_logger
 from tasks.sources.formats import SourceSpec
-from tasks.sources.groups import folder_groups
-from tasks.sources.inventory import iter_inventory
 from tasks.sources.items import Shard, WorkItem
-from tasks.sources.manifest import read_manifest
-from tasks.sources.parquet_source import iter_parquet_items
+from tasks.sources.registry import open_reader
 from tasks.sources.watermark import changed_items
-from tasks.sources.webdataset import iter_webdataset_items
 
 
 def iter_items(source: SourceSpec) -> Iterator[WorkItem]:
     """The source's items; with --modified-since only what changed (tasks/sources/watermark.py)."""
-    items = _source_items(source)
+    items = open_reader(source).items()
     return changed_items(items, source.changed) if source.changed is not None else items
-
-
-def _source_items(source: SourceSpec) -> Iterator[WorkItem]:
-    if source.is_manifest:
-        yield from read_manifest(source.storage, source.uri)
-        return
-    if source.format == "webdataset":
-        yield from iter_webdataset_items(source.files, source.modality, source.glob, get_logger(source=source.uri))
-        return
-    if source.format == "parquet":
-        yield from iter_parquet_items(source.files, source.column, source.glob, get_logger(source=source.uri))
-        return
-    objects = iter_inventory(source) if source.format == "inventory" else source.storage.iter_objects(source.glob)
-    if source.modality == "multi-image":
-        yield from folder_groups(objects)
-        return
-    for ref in objects:
-        yield WorkItem(ref.key, (ref,))
-
-
-def iter_shards(items: Iterable[WorkItem], shard_size: int) -> Iterator[Shard]:
-    """Group a (lazy) sequence of items into shards of `shard_size`."""
-    batch: list[WorkItem] = []
-    index = 0
-    for item in items:
-        batch.append(item)
-        if len(batch) == shard_size:
-            yield Shard(index, tuple(batch))
-            index, batch = index + 1, []
-    if batch:
-        yield Shard(index, tuple(batch))
 
 
 def up_to(items: Iterable[WorkItem], limit: int | None) -> Iterator[WorkItem]:

@@ -9,11 +9,15 @@ manifest's own folder. A malformed line stops the job before any engine starts, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tasks.sources.fetch import MediaFetcher
+from tasks.sources.formats import SourceSpec
 from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.reader import SourceReader
 from tasks.sources.storage import Storage, StorageError, split_parent
 
 
@@ -37,13 +41,37 @@ class ManifestLine(BaseModel):
         return WorkItem(self.id, tuple(ObjectRef(m) for m in self.media), tuple(self.questions))
 
 
-def manifest_base(manifest_uri: str) -> str:
-    """Relative media keys resolve against the manifest's folder."""
-    return split_parent(manifest_uri)[0]
+class ManifestReader(SourceReader):
+    """`--manifest FILE`: one item per line; its storage is the manifest's folder."""
+
+    name = "manifest"
+    groups = True
+    selectable = False
+    checking = "looking for the manifest"
+
+    @classmethod
+    def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
+                 column: str | None = None) -> SourceSpec:
+        return SourceSpec(location, modality, format=cls.name, glob=glob, items_root=split_parent(location)[0])
+
+    @functools.cached_property
+    def fetcher(self) -> MediaFetcher:
+        return MediaFetcher(self.storage)
+
+    def check(self) -> SourceSpec:
+        if not self.storage.exists(split_parent(self.spec.uri)[1]):
+            raise StorageError(f"{self.spec.uri}: manifest not found")
+        return self.spec
+
+    def items(self) -> Iterator[WorkItem]:
+        return read_manifest(self.storage, self.spec.uri)
+
+    def read_member(self, member: ObjectRef) -> bytes:
+        return self.fetcher.read(member)
 
 
 def read_manifest(storage: Storage, manifest_uri: str) -> Iterator[WorkItem]:
-    """The manifest's items; `storage` is its folder (`manifest_base`)."""
+    """The manifest's items; `storage` is its folder."""
     name = split_parent(manifest_uri)[1]
     try:
         text = storage.read(name).decode("utf-8")

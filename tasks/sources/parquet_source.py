@@ -12,6 +12,7 @@ by (file, row) from the listing and by content hash after a fetch.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
 import decimal
 import functools
@@ -20,9 +21,12 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tasks.sources.formats import FileSet, first_file, iter_files
+from tasks.observability import get_logger
+from tasks.sources.fetch import MediaFetcher
+from tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files, split_location
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.ranged import open_seekable
+from tasks.sources.reader import BadInput, SourceReader
 from tasks.sources.storage import Storage, StorageError
 from tasks.sources.transient import is_transient, retry_transient
 
@@ -45,6 +49,50 @@ class ParquetCellRef(ObjectRef):
 
 class ColumnError(StorageError):
     """The media column is not in the file (a pre-flight error: exit 2 from the CLI)."""
+
+
+class ParquetReader(SourceReader):
+    """Parquet files (one, a prefix of them, or a brace pattern): one item per row."""
+
+    name = "parquet"
+    about = "Parquet files (one item per row, its media in `column`)"
+    suffixes = (".parquet",)
+    takes_column = True
+
+    @classmethod
+    def detects(cls, names: list[str]) -> bool:
+        return bool(names) and all(name.endswith(".parquet") for name in names)
+
+    @classmethod
+    def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
+                 column: str | None = None) -> SourceSpec:
+        base, pattern = split_location(location)
+        return SourceSpec(base, modality, glob=glob, format=cls.name, pattern=pattern, column=column)
+
+    @property
+    def files(self) -> FileSet:
+        return FileSet(self.spec.uri, self.spec.pattern, ".parquet", self.storage)
+
+    @functools.cached_property
+    def fetcher(self) -> MediaFetcher:
+        return MediaFetcher(self.storage)
+
+    def check(self) -> SourceSpec:
+        """The media column named (or found among the usual names) in the first file's footer."""
+        return dataclasses.replace(self.spec, column=check_parquet_source(self.files, self.spec.column))
+
+    def items(self) -> Iterator[WorkItem]:
+        return iter_parquet_items(self.files, self.spec.column, self.spec.glob, get_logger(source=self.spec.where))
+
+    def read_member(self, member: ObjectRef) -> bytes:
+        if isinstance(member, ParquetCellRef):
+            return read_cell(self.storage, member)
+        return self.fetcher.read(member)  # a URL, s3:// URI or path cell
+
+    def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
+        if key != record_key:  # a URL cell's member is named by its URL
+            return ObjectRef(key, size, etag)
+        return cell_ref(self.storage, key, size, etag, self.spec.column)
 
 
 def _parquet_file(storage: Storage, ref: ObjectRef):
@@ -192,12 +240,10 @@ _ROW_GROUPS = _RowGroups()
 def read_cell(storage: Storage, ref: ParquetCellRef) -> bytes:
     """A bytes cell's value (its row group's column read once for the shards near it)."""
     if not ref.column:
-        from tasks.sources.webdataset import SourceDefect
-
-        raise SourceDefect(f"{ref.key}: no media in this row")
+        raise BadInput(f"{ref.key}: no media in this row")
     value = _ROW_GROUPS.column(storage, ref)[ref.row]
     if not value:
-        raise FileNotFoundError(f"{ref.key}: the cell is empty")
+        raise BadInput(f"{ref.key}: the cell is empty")
     return bytes(value)
 
 

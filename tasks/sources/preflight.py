@@ -1,6 +1,7 @@
-"""Check the job's locations before any engine starts: list one page of the source (or find the
-manifest) and write then delete a small object in the output. A mistake then costs seconds,
-not an engine start, and leaves nothing behind; the message says what to do."""
+"""Check the job's locations before any engine starts: the source through its reader's `check`
+(one page listed, or the file found; `tasks/sources/reader.py`) and the output, where a small
+object is written then deleted. A mistake then costs seconds, not an engine start, and leaves
+nothing behind; the message says what to do."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import contextlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from tasks.sources.formats import source_storage
-from tasks.sources.storage import Storage, StorageError, error_code, open_storage, split_parent
+from tasks.sources.formats import SourceSpec
+from tasks.sources.storage import Storage, StorageError, error_code, open_storage
 from tasks.sources.transient import is_transient
 
 PROBE_PREFIX = ".vlm-caption-probe-"
@@ -52,55 +54,25 @@ def _explain(uri: str, doing: str, exc: Exception) -> str:
     return f"{uri}: failed while {doing}: {name}: {exc}"
 
 
-def check_source(uri: str, *, is_manifest: bool, source_format: str = "files",
-                 column: str | None = None) -> str | None:
-    """`source_format` is resolved (not `auto`); webdataset and parquet need one shard file, and
-    parquet its media column (the message names the columns there are), which is returned; an
-    inventory, a readable report, whose manifest.json is returned."""
-    if source_format in ("webdataset", "parquet"):
-        from tasks.sources.formats import file_set, first_file
-        from tasks.sources.parquet_source import check_parquet_source
-
-        with storage_errors(uri, "listing the source"):
-            files = file_set(uri, source_format)
-            if source_format == "parquet":
-                return check_parquet_source(files, column)
-            if first_file(files) is None:
-                raise StorageError(f"{uri}: no {files.suffix} shard there; give a tar, a folder or prefix of "
-                                   "tars, or a brace pattern such as shards/{00000..00099}.tar")
-        return None
-    if source_format == "inventory":  # the report's manifest.json, returned (tasks/sources/inventory.py)
-        from tasks.sources.inventory import check_report
-
-        with storage_errors(uri, "reading the inventory report"):
-            return check_report(uri)
-    if is_manifest:
-        folder, name = split_parent(uri)
-        with storage_errors(uri, "looking for the manifest"):
-            if not source_storage(folder).exists(name):
-                raise StorageError(f"{uri}: manifest not found")
-        return None
-    with storage_errors(uri, "listing the source"):
-        storage = source_storage(uri)
-        next(iter(storage.iter_objects()), None)  # one page is enough to prove access
-    return None
-
-
-def resolve_source(job):
-    """The job (a CaptionJob) with `source_format: auto` resolved and, for Parquet, its media
-    column named, after checking the source: every partition then reads it the same way, and a
-    wrong column is one message naming the columns there are."""
-    from tasks.sources.formats import detect_format
+def resolve_source(job) -> tuple[Any, SourceSpec]:
+    """The job (a CaptionJob) with `source_format: auto` resolved and what its reader's check
+    settled (a Parquet column, an inventory's newest report) written back, and the source's spec
+    with its storage opened: every partition then reads it the same way, and a wrong location or
+    column is one message that says what to change."""
+    from tasks.sources.registry import detect_format, reader_class
     from tasks.sources.watermark import resolve_modified_since
 
     with storage_errors(job.location, "listing the source to tell its format"):
         fmt = detect_format(job.location, job.source_format, job.manifest is not None)
-    found = check_source(job.location, is_manifest=job.manifest is not None, source_format=fmt, column=job.column)
-    update = {"source_format": fmt, "column": found if fmt == "parquet" else None,
+    reader = reader_class(fmt)
+    with storage_errors(job.location, reader.checking):
+        spec = reader(reader.spec_for(job.location, modality=job.modality, glob=job.glob, column=job.column)).check()
+        spec.storage  # noqa: B018 - opened here, once, and handed down with the spec
+    update = {"source_format": "files" if reader.name == "manifest" else fmt, "column": spec.column,
               "modified_since": resolve_modified_since(job.modified_since)}  # a duration: one time for all
-    if fmt == "inventory":
-        update["source"] = found  # the report named once (the newest under a folder): every partition reads it
-    return job.model_copy(update=update)
+    if job.manifest is None:
+        update["source"] = spec.where  # an inventory's report named once (the newest under a folder)
+    return job.model_copy(update=update), spec
 
 
 def check_output(uri: str) -> Storage:

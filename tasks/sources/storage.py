@@ -57,7 +57,7 @@ class Storage(Protocol):
     def describe(self, key: str) -> str: ...
 
 
-def _matches(relative: str, glob: str | None) -> bool:
+def matches_glob(relative: str, glob: str | None) -> bool:
     return glob is None or fnmatch.fnmatch(relative, glob) or fnmatch.fnmatch(
         relative.rsplit("/", 1)[-1], glob
     )
@@ -84,7 +84,7 @@ class LocalStorage:
                 if name.startswith("."):
                     continue
                 relative = (folder + name)[root:].replace(os.sep, "/")
-                if _matches(relative, glob):
+                if matches_glob(relative, glob):
                     stat = os.stat(folder + name)
                     yield ObjectRef(relative, stat.st_size, f"{stat.st_size:x}-{stat.st_mtime_ns:x}", stat.st_mtime)
 
@@ -151,7 +151,7 @@ class S3Storage:
                 for obj in page.get("Contents", []):
                     key = obj["Key"]
                     relative = key[len(self.prefix):]
-                    if not relative or key.endswith("/") or not _matches(relative, glob):
+                    if not relative or key.endswith("/") or not matches_glob(relative, glob):
                         continue
                     yield ObjectRef(relative, int(obj["Size"]), obj.get("ETag", "").strip('"'),
                                     obj["LastModified"].timestamp() if "LastModified" in obj else None)

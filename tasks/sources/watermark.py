@@ -44,7 +44,6 @@ WATERMARKS = "watermarks/"
 MARGIN_S = 24 * 3600
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-FORMATS = ("files", "inventory")  # sources whose objects have a time
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ def _iso(seconds: float) -> str:
 def watermark_key(source: SourceSpec, fingerprint: str) -> str:
     """One watermark per result set, location and glob: another glob, or another inventory
     configuration of the same bucket, has listed other objects."""
-    from tasks.sources.inventory import report_series
+    from tasks.sources.inventory_report import report_series
 
     where = report_series(source.uri) if source.format == "inventory" else source.uri
     scope = hashlib.sha256(json.dumps([where.rstrip("/"), source.glob]).encode()).hexdigest()[:12]
@@ -100,14 +99,16 @@ def watermark_key(source: SourceSpec, fingerprint: str) -> str:
 def with_changed_since(source: SourceSpec, modified_since: str | None, output: Storage,
                        fingerprint: str) -> SourceSpec:
     """The source, listing only what changed when the job says so (its `changed`)."""
+    from tasks.sources.registry import reader_class
+
     if modified_since is None:
         return source
-    if source.is_manifest or source.format not in FORMATS:
+    if not reader_class(source.format).timed:  # the reader's objects carry no modification time
         raise StorageError(f"{source.uri}: --modified-since is for a folder or bucket of media files and for "
                            f"S3 Inventory reports, not a {'job manifest' if source.is_manifest else source.format} "
                            "source")
     if source.format == "inventory":
-        from tasks.sources.inventory import read_report
+        from tasks.sources.inventory_report import read_report
 
         as_of = read_report(source.uri).created_at
     else:

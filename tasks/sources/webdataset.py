@@ -8,8 +8,8 @@ member's etag is the tar's etag and its offset, so resume works as for objects: 
 from the listing, by content hash after a fetch.
 
 A tar cut short, a member past its end or a header that does not parse stops that tar there:
-the samples before it are items as usual, and the damage is one item with a `problem` (an
-error record), never a silent gap. A read of the store that fails (past the client's retries) is
+the samples before it are items as usual, and the damage is one item with a `problem` (a final
+`bad_input` record, `BadInput` when read), never a silent gap. A read of the store that fails (past the client's retries) is
 no damage: it is raised, and the listing resumes after the items it handed over (`ShardStream`).
 """
 
@@ -20,10 +20,13 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tasks.sources.formats import FileSet, iter_files
+from tasks.observability import get_logger
+from tasks.sources.braces import has_braces
+from tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files, split_location
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.ranged import open_seekable
-from tasks.sources.storage import Storage
+from tasks.sources.reader import BadInput, SourceReader
+from tasks.sources.storage import Storage, StorageError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "mkv", "avi")
@@ -41,8 +44,47 @@ class TarMemberRef(ObjectRef):
     offset: int = 0
 
 
-class SourceDefect(OSError):
-    """The listing found this item damaged; its record carries the listing's own message."""
+class WebDatasetReader(SourceReader):
+    """Tar shards: one tar, a prefix of tars, or a brace pattern (`shards/{00000..00099}.tar`)."""
+
+    name = "webdataset"
+    about = ("WebDataset tar shards: a tar, a prefix of tars or a brace pattern such as "
+             "shards/{00000..00099}.tar (one item per sample)")
+    suffixes = (".tar",)
+
+    @classmethod
+    def named_by(cls, location: str) -> bool:
+        return super().named_by(location) or has_braces(location)
+
+    @classmethod
+    def detects(cls, names: list[str]) -> bool:
+        return any(name.endswith(".tar") for name in names)  # img2dataset writes .parquet and .json beside its tars
+
+    @classmethod
+    def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
+                 column: str | None = None) -> SourceSpec:
+        base, pattern = split_location(location)
+        return SourceSpec(base, modality, glob=glob, format=cls.name, pattern=pattern)
+
+    @property
+    def files(self) -> FileSet:
+        return FileSet(self.spec.uri, self.spec.pattern, ".tar", self.storage)
+
+    def check(self) -> SourceSpec:
+        if first_file(self.files) is None:
+            raise StorageError(f"{self.spec.where}: no .tar shard there; give a tar, a folder or prefix of "
+                               "tars, or a brace pattern such as shards/{00000..00099}.tar")
+        return self.spec
+
+    def items(self) -> Iterator[WorkItem]:
+        return iter_webdataset_items(self.files, self.spec.modality, self.spec.glob,
+                                     get_logger(source=self.spec.where))
+
+    def read_member(self, member: ObjectRef) -> bytes:
+        return read_member(self.storage, member)
+
+    def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
+        return member_ref(key, size, etag)
 
 
 def split_member(name: str) -> tuple[str, str]:
@@ -169,10 +211,10 @@ def _defect(tar: ObjectRef, offset: int, problem: str, item_id: str | None = Non
 def read_member(storage: Storage, ref: TarMemberRef) -> bytes:
     """A member's bytes, by one ranged read of its tar."""
     if ref.size <= 0:
-        raise SourceDefect(f"{ref.key}: no media bytes")
+        raise BadInput(f"{ref.key}: no media bytes")
     data = storage.read_range(ref.tar, ref.offset, ref.size)
-    if len(data) != ref.size:
-        raise SourceDefect(f"{ref.key}: got {len(data)} of {ref.size} bytes: the tar changed or was cut short")
+    if len(data) != ref.size:  # retryable: the next run lists the tar as it is then
+        raise OSError(f"{ref.key}: got {len(data)} of {ref.size} bytes: the tar changed or was cut short")
     return data
 
 

@@ -1,0 +1,108 @@
+"""What every source format is to the rest of the pipeline: one `SourceReader` class per format
+(`tasks/sources/registry.py` names them), in the spirit of datatrove's readers.
+
+A reader is built from a resolved `SourceSpec` (whose storage the plan opened) and does three
+things:
+
+- `check()`: the pre-flight. Lists one page (or finds the file), resolves what the job left open
+  (a Parquet column, an inventory's newest report) and returns the spec resolved; a problem is a
+  `StorageError` that says what to change.
+- `items()`: the streamed listing into work items, never loading media bytes. Each item's members
+  carry their size and etag (and last-modified time where the store gives one): what the listing
+  judges done items by, and what a content-identity hook (duplicates) may key on.
+- `read(item, member)`: a member's bytes. Damage the listing found (`WorkItem.problem`: a tar cut
+  short, a row without media) or the read finds is the reader's item error, `BadInput`, recorded
+  as a final `bad_input` error; a store's failure is raised as it is (recorded retryable).
+
+A new format is one module with its reader and one entry in the registry.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import ClassVar
+
+from tasks.sources.formats import SourceSpec
+from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.storage import Storage
+
+BAD_INPUT = "bad_input"
+
+
+class BadInput(ValueError):
+    """An item's own problem (damaged, empty, not media): its records are final `bad_input`
+    errors naming it; a rerun would only repeat it."""
+
+
+class SourceReader(ABC):
+    """One source format. Class attributes say what the job may ask of it (checked when the job
+    is made, `flows/params.py`) and how `auto` recognises it."""
+
+    name: ClassVar[str]
+    about: ClassVar[str] = ""  # what the source holds, for `--source-format`'s help
+    # A location whose name ends so is this format (`--source-format auto`).
+    suffixes: ClassVar[tuple[str, ...]] = ()
+    # Items may be groups of images, one per folder (`--modality multi-image`).
+    groups: ClassVar[bool] = False
+    # Listed objects carry their modification time (`--modified-since`).
+    timed: ClassVar[bool] = False
+    # Reads `--column`.
+    takes_column: ClassVar[bool] = False
+    # Named by `--source-format` (a manifest is named by `--manifest` instead).
+    selectable: ClassVar[bool] = True
+    # What the pre-flight is doing, in its error messages.
+    checking: ClassVar[str] = "listing the source"
+
+    def __init__(self, spec: SourceSpec):
+        self.spec = spec
+
+    @property
+    def storage(self) -> Storage:
+        """The source's storage, opened once (at the plan) and carried by the spec."""
+        return self.spec.storage
+
+    @classmethod
+    def named_by(cls, location: str) -> bool:
+        """Whether a location names this format by itself (`auto`): its suffix."""
+        return bool(cls.suffixes) and location.rstrip("/").endswith(cls.suffixes)
+
+    @classmethod
+    def detects(cls, names: list[str]) -> bool:
+        """Whether the object names of a prefix's first page are this format's (`auto`)."""
+        return False
+
+    @classmethod
+    def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
+                 column: str | None = None) -> SourceSpec:
+        """The spec of a job's location in this format (no storage read)."""
+        return SourceSpec(location, modality, format=cls.name, glob=glob)
+
+    @classmethod
+    def results_location(cls, location: str, spec: SourceSpec | None) -> str:
+        """The location the run's fingerprint names (the job's, resolved; `spec`, its spec if
+        made): results are interchangeable between runs over the same one."""
+        return location
+
+    @abstractmethod
+    def check(self) -> SourceSpec:
+        """Pre-flight: the source is there and readable; the spec, resolved."""
+
+    @abstractmethod
+    def items(self) -> Iterator[WorkItem]:
+        """Every work item, in listing order, streamed."""
+
+    def read(self, item: WorkItem, member: ObjectRef) -> bytes:
+        """A member's bytes; the item's own problem raised as `BadInput`."""
+        if item.problem is not None:
+            raise BadInput(item.problem)
+        return self.read_member(member)
+
+    @abstractmethod
+    def read_member(self, member: ObjectRef) -> bytes:
+        """A member's bytes (`BadInput` for damage found now; a store's failure as it is)."""
+
+    def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
+        """The member a result record names (`key`, `size`, `etag`), located again to read it
+        (the gallery's pictures); None when it cannot be."""
+        return ObjectRef(key, size, etag)

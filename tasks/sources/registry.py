@@ -1,0 +1,65 @@
+"""Every source format by name: `--source-format` takes these names, `auto` tries them in this
+order, and the listing, pre-flight, fetch and gallery reach a format only through its reader
+(`tasks/sources/reader.py`). A new format is a module with its `SourceReader` and a line here."""
+
+from __future__ import annotations
+
+import itertools
+
+from tasks.sources import formats
+from tasks.sources.files import FilesReader
+from tasks.sources.formats import SourceSpec
+from tasks.sources.groups import GroupsReader
+from tasks.sources.inventory import InventoryReader
+from tasks.sources.manifest import ManifestReader
+from tasks.sources.parquet_source import ParquetReader
+from tasks.sources.path_list import PathListReader
+from tasks.sources.reader import SourceReader
+from tasks.sources.storage import StorageError
+from tasks.sources.transient import retry_transient
+from tasks.sources.webdataset import WebDatasetReader
+
+# `auto` asks each in turn (a prefix holding tars is WebDataset even with Parquet beside them);
+# `files` (which claims nothing) is what is left.
+READERS: dict[str, type[SourceReader]] = {reader.name: reader for reader in (
+    FilesReader, WebDatasetReader, ParquetReader, InventoryReader, PathListReader, ManifestReader)}
+SOURCE_FORMATS = ("auto", *(name for name, reader in READERS.items() if reader.selectable))
+DETECT_PAGE = 1000  # objects looked at to tell a prefix of tars or Parquet files from media
+
+
+def formats_help() -> str:
+    """What each format reads, and how `auto` picks one (the job's field and the CLI option)."""
+    named = "/".join(suffix for reader in READERS.values() for suffix in reader.suffixes)
+    return ("; ".join(f"`{name}`: {READERS[name].about}" for name in SOURCE_FORMATS[1:])
+            + f". `auto`: from {named} or braces in the location, else from the objects listed first.")
+
+
+def reader_class(name: str) -> type[SourceReader]:
+    try:
+        return READERS[name]
+    except KeyError:
+        raise StorageError(f"unknown source format {name!r}; the formats are: {', '.join(SOURCE_FORMATS)}") from None
+
+
+def open_reader(spec: SourceSpec) -> SourceReader:
+    """The reader of a resolved spec; a listing of objects read as groups for multi-image."""
+    reader = reader_class(spec.format)(spec)
+    if spec.modality == "multi-image" and isinstance(reader, FilesReader):
+        return GroupsReader(reader)
+    return reader
+
+
+def detect_format(uri: str, requested: str, is_manifest: bool) -> str:
+    """`requested` unless it is `auto`: then from the location, or from the first listed page. A
+    page that cannot be listed raises (a guess of `files` would caption a prefix of tars as
+    images, and those errors are final); pre-flight says what is wrong with the location."""
+    if is_manifest:
+        return ManifestReader.name
+    if requested != "auto":
+        return requested
+    named = next((name for name, reader in READERS.items() if reader.named_by(uri)), None)
+    if named is not None:
+        return named
+    names = retry_transient(lambda: [ref.key for ref in itertools.islice(formats.source_storage(uri).iter_objects(),
+                                                                        DETECT_PAGE)], f"{uri}: first page")
+    return next((name for name, reader in READERS.items() if reader.detects(names)), FilesReader.name)
