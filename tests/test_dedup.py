@@ -85,6 +85,17 @@ def test_a_done_result_is_found_by_content_and_by_md5_etags_and_its_part_read_on
     assert done._earlier.reads == 1  # one read of the part for every lookup
     assert done.earlier_answer("q", sha256=sha256_hex(b"old")).key == "old.jpg"
 
+    # A group is a copy when all its members are, in order.
+    from tasks.results.records import Member
+
+    members = [Member(key=f"g/{i}.jpg", size=len(b), etag=_md5(b), sha256=sha256_hex(b)) for i, b in enumerate((cat, dog))]
+    group = _record("g", cat + dog, text="two pets").model_copy(update={"members": members, "etag": ""})
+    _write(out, FP, "r1", 2, [group])
+    done = load_done_index.fn(out, FP)
+    both = tuple((_md5(b), len(b)) for b in (cat, dog))
+    assert done.earlier_answer("q", signature=both).key == "g"
+    assert done.earlier_answer("q", signature=both[::-1]) is None and done.earlier_answer("q", signature=both[:1]).key != "g"
+
     # Rows without a content hash (written before records had one) take part in no lookup by content.
     _write(out, "e" * 16, "r0", 0, [_record("cat.jpg", cat).model_copy(update={"sha256": None})])
     assert load_done_index.fn(out, "e" * 16).earlier_answer("q", sha256=sha256_hex(cat)) is None
@@ -273,3 +284,42 @@ def test_copies_in_two_partitions_are_captioned_once(idle_partition_deployment, 
     manifest = json.loads((out / "manifests" / f"{state.result()['run_id']}.json").read_text())
     assert manifest["counts"]["duplicates"] == 3 and manifest["counts"]["processed"] == 8
     assert sum(p["duplicates"] for p in manifest["partitions"]) == 3
+
+
+def test_on_s3_a_rerun_does_not_even_download_copies_whose_etag_is_their_md5(prefect_api, s3_client, tiny_llava,
+                                                                           engine_requests):
+    """S3's ETag of a single-part upload is the object's MD5: the new keys' (ETag, size) equal
+    the earlier results', so they are answered from the listing, with no GET of their bytes."""
+    from flows.caption import vlm_caption
+    from flows.params import CaptionJob
+    from tasks.sources.s3_client import shared_s3_client
+
+    s3_client.create_bucket(Bucket="dedup")
+    originals = _pictures(4)
+    for name, data in originals.items():
+        s3_client.put_object(Bucket="dedup", Key=f"images/{name}", Body=data)
+    job = CaptionJob(source="s3://dedup/images/", output="s3://dedup/captions/", model=str(tiny_llava),
+                     shard_size=2, gallery_items=0, sampling={"max_tokens": 6})
+    assert vlm_caption(job, return_state=True).is_completed()
+    assert len(engine_requests) == 4
+
+    copies = {"copy-of-1.jpg": "photo1.jpg", "zz-copy-of-2.jpg": "photo2.jpg"}
+    for name, original in copies.items():
+        s3_client.put_object(Bucket="dedup", Key=f"images/{name}", Body=originals[original])
+    fetched: list[str] = []
+    shared_s3_client().meta.events.register(
+        "provide-client-params.s3.GetObject", lambda params, **_: fetched.append(params["Key"]), unique_id="dedup-test")
+    engine_requests.clear()
+    try:
+        state = vlm_caption(job, return_state=True)
+    finally:
+        shared_s3_client().meta.events.unregister("provide-client-params.s3.GetObject", unique_id="dedup-test")
+    assert state.is_completed(), state.message
+    assert any(key.startswith("captions/") for key in fetched)  # the count sees the run's reads (its done-index)
+    assert engine_requests == [] and not [key for key in fetched if key.startswith("images/")]
+    pages = s3_client.list_objects_v2(Bucket="dedup", Prefix="captions/results/")["Contents"]
+    records = {r["key"]: r for page in pages if page["Key"].endswith(".jsonl")
+               for r in map(json.loads, s3_client.get_object(Bucket="dedup", Key=page["Key"])["Body"].read().splitlines())}
+    for name, original in copies.items():
+        assert records[name]["duplicate_of"] == original and records[name]["text"] == records[original]["text"]
+        assert records[name]["sha256"] == sha256_hex(originals[original])
