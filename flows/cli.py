@@ -165,6 +165,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         # vLLM's import, then the engine's start, which overlaps Prefect's start and the flow run's.
         start_engine_first(plan)
+        from tasks.engine.engine_process import wait_for_engine_process
+
+        wait_for_engine_process()  # the engine's share of this process done before Prefect's start takes the GIL
         from flows.caption import vlm_caption
 
         summary = vlm_caption(job)

@@ -112,6 +112,9 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect
     take_partition_cores(job)
     start_engine_first(plan)
+    from tasks.engine.engine_process import wait_for_engine_process
+
+    wait_for_engine_process()  # the engine's share of this process done before Prefect's start takes the GIL
     from flows.caption import vlm_caption
 
     summary = vlm_caption(plan.job)
