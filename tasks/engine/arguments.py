@@ -107,7 +107,7 @@ def engine_plan(spec: EngineSpec, *, on_cpu: bool) -> tuple[dict[str, Any], Proc
     """The spec's engine arguments completed for this host (sizing for a CPU, the checkpoint's
     context limit, the recipe's logits processors as classes), and where the model's processor
     runs, which they include. Called once, where the engine is built."""
-    check_engine_overrides(spec.overrides(), import_vllm=True)  # another vLLM release: checked now
+    check_engine_overrides(spec.overrides(), import_vllm=True)  # with an unrecorded vLLM, here, not in the plan
     args = copy.deepcopy(spec.args)
     if on_cpu:
         args.setdefault("enforce_eager", True)  # compilation does not pay off for CPU-sized jobs
