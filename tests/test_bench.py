@@ -287,3 +287,50 @@ def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_pat
     monkeypatch.setattr(phases, "_torch_gpu_peak_mb", lambda: None)
     phases.child_main("warm-up", json.dumps({"workdir": str(tmp_path), "images": 1024}), str(tmp_path), "m")
     assert phases.raw_slice(list(range(1024)), *taken["part"]) == list(range(WARM_UP_ITEMS))
+
+
+def test_an_inventory_history_is_what_a_run_counts_as_done(prefect_api, s3_endpoint, s3_client, tiny_llava,
+                                                           tmp_path, monkeypatch):
+    """`--history-source inventory`: the report the bench writes lists the history, a run over it
+    finds every item done (no engine), and the night's new items (in the bucket, in the next day's
+    report) are the only ones captioned; `--history-keep` finds the history again, as it was."""
+    import tasks.engine.vllm_engine as vllm_engine
+    from flows.bench.config import BenchConfig
+    from flows.bench.history import HISTORY_RUN, add_new_items, synthesize
+    from flows.bench.history_inventory import InventoryLocations, kept_history
+    from flows.caption import vlm_caption
+    from flows.params import CaptionJob
+
+    s3_client.create_bucket(Bucket="bench")  # where the report's items are (flows/bench/history_inventory.py)
+    cfg = BenchConfig(workdir=str(tmp_path), history=200, shard_size=8, max_tokens=4, history_source="inventory")
+    where = InventoryLocations(tmp_path / "history", "folder")
+    new = synthesize(where, cfg, str(tiny_llava), {})
+    job = CaptionJob(source=where.source, source_format="inventory", output=where.out, model=str(tiny_llava),
+                     shard_size=8, sampling={"max_tokens": 4})
+
+    def no_engine(spec):
+        raise AssertionError("a run with nothing new built an engine")
+
+    monkeypatch.setattr(vllm_engine, "_engine_for", no_engine)
+    summary = vlm_caption(job)
+    assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (200, 200, 0)
+
+    monkeypatch.undo()
+    add_new_items(where, new, {})
+    summary = vlm_caption(job)
+    assert (summary["listed"], summary["skipped_already_done"], summary["succeeded"]) == (202, 200, 2)
+    records = [json.loads(line) for part in (where.base / "out" / "results").glob(f"*/part-{summary['run_id']}-*")
+               if part.suffix == ".jsonl" for line in part.read_text().splitlines()]
+    assert sorted(r["key"] for r in records) == sorted(new)
+    assert all(r["error"] is None and r.get("duplicate_of") is None for r in records)  # each its own bytes
+
+    # Kept: the next bench removes what the runs added and finds the 200 done again.
+    marker = {"history": 200, "run": HISTORY_RUN}
+    (where.base / "synthesized.json").write_text(json.dumps({**marker, "compacted": where.compacted}))
+    assert kept_history(where.base, marker)
+    parts = sorted(p.name for p in (where.base / "out" / "results").glob("*/*.jsonl"))
+    assert parts and all(name.startswith(f"part-{HISTORY_RUN}-") for name in parts)
+    assert not (where.base / "inventory" / "bench" / "nightly" / "2026-01-02T00-00Z").exists()
+    monkeypatch.setattr(vllm_engine, "_engine_for", no_engine)
+    summary = vlm_caption(job)
+    assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (200, 200, 0)
