@@ -21,6 +21,7 @@ from tasks.results.writers import write_shard
 from tasks.sources.items import ObjectRef, Shard, WorkItem
 from tasks.sources.storage import LocalStorage, open_storage
 from tests.images import image_bytes
+from tests.processes import idle_partition_deployment as create_idle_partition_deployment
 
 FP = "d" * 16
 _write = getattr(write_shard, "fn", write_shard)  # a Prefect task before the pipeline's steps were plain functions
@@ -224,16 +225,7 @@ def test_a_rerun_answers_new_keys_that_are_copies_of_earlier_results_without_the
 
 @pytest.fixture(scope="module")
 def idle_partition_deployment(prefect_api) -> str:
-    """A partition deployment on a work pool that no worker polls (its children run in the parent)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-
-    with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name=IDLE_POOL, type="process"), overwrite=True)
-        flow_id = client.create_flow_from_name("vlm-caption")
-        client.create_deployment(flow_id=flow_id, name="partition-dedup", work_pool_name=IDLE_POOL,
-                                 entrypoint="flows/caption.py:vlm_caption")
-    return "vlm-caption/partition-dedup"
+    return create_idle_partition_deployment("partition-dedup", IDLE_POOL)
 
 
 def test_copies_in_two_partitions_are_captioned_once(idle_partition_deployment, tiny_llava, tmp_path,

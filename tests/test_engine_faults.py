@@ -18,6 +18,7 @@ from flows.caption import vlm_caption
 from flows.params import CaptionJob
 from tasks.engine.vllm_engine import release_engines
 from tests.images import image_bytes
+from tests.processes import engine_core_pids
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,19 +59,6 @@ def test_a_prompt_longer_than_the_context_fails_alone(prefect_api, tiny_llava, t
     assert summary["succeeded"] == 3 and summary["failed"] == 1
 
 
-def _engine_core_pids() -> list[int]:
-    """vLLM's engine-core processes started by this test process."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"EngineCore" in cmdline:
-            found.append(int(stat.parent.name))
-    return found
-
 
 def test_an_engine_killed_mid_run_is_replaced_and_nothing_is_duplicated(prefect_api, tiny_llava, tmp_path):
     source, out = tmp_path / "img", tmp_path / "out"
@@ -83,7 +71,7 @@ def test_an_engine_killed_mid_run_is_replaced_and_nothing_is_duplicated(prefect_
         deadline = time.time() + 600
         while time.time() < deadline and not killed:
             if list(out.glob("results/*/*.jsonl")):
-                for pid in _engine_core_pids():
+                for pid in engine_core_pids():
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
             time.sleep(0.05)
@@ -98,4 +86,4 @@ def test_an_engine_killed_mid_run_is_replaced_and_nothing_is_duplicated(prefect_
     records = _records(out)
     assert Counter(r["key"] for r in records) == Counter(f"{i:02d}.jpg" for i in range(60))  # each once
     assert all(r["error"] is None for r in records)
-    assert not set(killed) & set(_engine_core_pids())  # a new engine, not the killed one
+    assert not set(killed) & set(engine_core_pids())  # a new engine, not the killed one

@@ -14,22 +14,13 @@ from flows.caption import vlm_caption
 from flows.params import CaptionJob
 from tasks.fanout import ChildRun, claim_unstarted
 from tests.images import image_bytes
+from tests.processes import idle_partition_deployment as create_idle_partition_deployment
 
-IDLE_POOL = "no-workers-here"
 
 
 @pytest.fixture(scope="module")
 def idle_partition_deployment(prefect_api) -> str:
-    """A partition deployment on a work pool that no worker polls."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-
-    with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name=IDLE_POOL, type="process"), overwrite=True)
-        flow_id = client.create_flow_from_name("vlm-caption")
-        client.create_deployment(flow_id=flow_id, name="partition-idle", work_pool_name=IDLE_POOL,
-                                 entrypoint="flows/caption.py:vlm_caption")
-    return "vlm-caption/partition-idle"
+    return create_idle_partition_deployment("partition-idle")
 
 
 def _child(deployment: str) -> ChildRun:

@@ -14,6 +14,7 @@ from flows.bench.config import BenchConfig
 from flows.bench.history import Locations, add_new_items, synthesize
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
+from tests.processes import idle_partition_deployment
 
 HISTORY, SHARD = 200, 8
 POOL, DEPLOYMENT = "nightly-no-workers", "partition-nightly"
@@ -23,15 +24,7 @@ POOL, DEPLOYMENT = "nightly-no-workers", "partition-nightly"
 def partition_deployment(prefect_api) -> str:
     """A partition deployment on a work pool that no worker polls: a child the run asks for
     stays there until the parent takes it back (tasks/fanout.py)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-
-    with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name=POOL, type="process"), overwrite=True)
-        flow_id = client.create_flow_from_name("vlm-caption")
-        client.create_deployment(flow_id=flow_id, name=DEPLOYMENT, work_pool_name=POOL,
-                                 entrypoint="flows/caption.py:vlm_caption")
-    return f"vlm-caption/{DEPLOYMENT}"
+    return idle_partition_deployment(DEPLOYMENT, POOL)
 
 
 def _child_runs(output: str) -> list:

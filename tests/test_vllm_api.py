@@ -35,6 +35,7 @@ import sys
 from recipes import RecipeError
 from tasks.engine import vllm_api
 from tasks.engine.arguments import check_engine_overrides
+from tests.processes import engine_core_pids
 
 def refusal(**check):
     try:
@@ -87,19 +88,6 @@ def test_the_engine_core_client_still_has_what_the_feed_reads():
     assert not vllm_api.is_dead_engine_error(RuntimeError("a request's own error"))
 
 
-def _engine_core_pids() -> list[int]:
-    """vLLM's engine-core processes started by this test process."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"EngineCore" in cmdline:
-            found.append(int(stat.parent.name))
-    return found
-
 
 @pytest.fixture
 def engine_in_its_own_process(tiny_llava, monkeypatch):
@@ -141,7 +129,7 @@ def test_a_step_waiting_on_a_killed_engine_process_is_woken_by_the_adapter(engin
 
     stepping = threading.Thread(target=step_until_it_raises, daemon=True)
     stepping.start()
-    for pid in _engine_core_pids():
+    for pid in engine_core_pids():
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while not died() and time.monotonic() < deadline:
