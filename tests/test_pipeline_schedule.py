@@ -124,7 +124,8 @@ def stand_ins(monkeypatch):
 
 
 def _run(shards: int) -> None:
-    job = CaptionJob(source="/nowhere", output="/nowhere-out", recipe="llava", shard_size=SHARD_SIZE)
+    job = CaptionJob(source="/nowhere", output="/nowhere-out", recipe="llava", shard_size=SHARD_SIZE,
+                     source_format="files")  # as the plan resolves it
     plan = RunPlan(job=job, recipe=get_recipe("llava"), model="llava", fingerprint="fingerprint",
                    source=source_spec(job), output=None)
     run = PartitionRun(plan, "run", None, SilentLog())
