@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tasks.engine import vllm_api
+from tests.processes import engine_core_pids
 
 
 def test_the_recorded_engine_arguments_are_the_installed_vllms():
@@ -35,7 +36,6 @@ import sys
 from recipes import RecipeError
 from tasks.engine import vllm_api
 from tasks.engine.arguments import check_engine_overrides
-from tests.processes import engine_core_pids
 
 def refusal(**check):
     try:
