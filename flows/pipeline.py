@@ -122,6 +122,7 @@ class ShardPipeline:
         self.partition_run, self.job, self.done, self.claims = run, job, done, claims
         self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
         self.lookahead = max(1, get_settings().prepare_ahead)
+        self.while_starting = get_settings().prepare_while_engine_starts
         # Shards fetched and decoded at once while filling (each has its own fetch threads).
         self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, job.shard_size, len(job.questions_to_ask)))
         self.preparing: set = set()  # prepare futures not yet done
@@ -146,6 +147,8 @@ class ShardPipeline:
         stops the run settles every shard taken, so that every batch's task run ends."""
         self.listed = iter(shards)
         try:
+            if self.while_starting != "feed" and self.engine is None:
+                self.hold_until_engine_up()
             self.prepare_ahead()
             while self.ahead:
                 shard, preparing = self.ahead.popleft()
@@ -181,20 +184,12 @@ class ShardPipeline:
             self.report.skip(listed.items)
 
     @property
-    def sizing(self) -> dict | None:
-        """How vLLM sized the engine (None until it is up)."""
-        return self.engine["sizing"] if self.engine else None
-
-    @property
-    def mean_shard_bytes(self) -> float | None:
-        return self.media_bytes / self.prepared_shards if self.prepared_shards else None
-
-    @property
     def depth(self) -> int:
-        """Shards in the engine at once: from the engine's batch (once it is up) and the decoded
-        bytes of the shards prepared so far."""
-        job = self.job
-        return feed_depth(job.modality, job.shard_size, len(job.questions_to_ask), self.sizing, self.mean_shard_bytes,
+        """Shards in the engine at once: from the engine's batch (how vLLM sized it, once it is
+        up) and the mean decoded bytes of the shards prepared so far."""
+        job, sizing = self.job, self.engine["sizing"] if self.engine else None
+        mean_bytes = self.media_bytes / self.prepared_shards if self.prepared_shards else None
+        return feed_depth(job.modality, job.shard_size, len(job.questions_to_ask), sizing, mean_bytes,
                           shared=self.claims is not None, request_tokens=self.stats.tokens_per_request())
 
     def size_feed(self, prepared) -> None:
@@ -208,14 +203,30 @@ class ShardPipeline:
         started in the background at the first shard (the listing hands over only shards with
         work left: a run with nothing new starts no engine and no decode pool)."""
         self.report.take(shard)
-        if self.starting is None:
-            ensure_vllm_imported()  # made by the flow's thread (tasks/engine/vllm_import.py), if not yet
-            self.starting = start_engine.submit(self.options.spec)
-            start_decode_pool(self.job.modality)  # its processes start beside the engine
+        self.start_engine()
         preparing = self.steps.prepare(shard, self.done)
         self.preparing.add(preparing)
         preparing.add_done_callback(self.prepared_one)
         return preparing
+
+    def start_engine(self) -> None:
+        """The engine's start submitted once; the decode pool starts beside it unless `none`."""
+        if self.starting is None:
+            ensure_vllm_imported()  # made by the flow's thread (tasks/engine/vllm_import.py), if not yet
+            self.starting = start_engine.submit(self.options.spec)
+            if self.while_starting != "none":
+                start_decode_pool(self.job.modality)
+
+    def hold_until_engine_up(self) -> None:
+        """`pool` or `none` (VLM_CAPTION_PREPARE_WHILE_ENGINE_STARTS): nothing fetched or decoded
+        before the engine is up."""
+        if (first := self.next_shard()) is None:
+            return
+        self.start_engine()
+        self.engine = self.starting.result()
+        if self.while_starting == "none":
+            start_decode_pool(self.job.modality)
+        self.ahead.append((first, self.take(first)))
 
     def prepared_one(self, preparing) -> None:
         self.preparing.discard(preparing)
