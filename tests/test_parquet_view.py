@@ -17,7 +17,7 @@ import pytest
 from flows.cli import main
 from tasks.results import parquet_view
 from tasks.results.done_index import load_part_rows, result_key
-from tasks.results.layout import LEGACY_PARQUET_KEY, partition_parts_id, run_parquet_key
+from tasks.results.layout import LEGACY_PARQUET_KEY, part_key, part_prefix, partition_parts_id, run_parquet_key
 from tasks.results.parquet import export_parquet
 from tasks.results.parquet_compact import compact_view
 from tasks.results.parquet_view import add_run
@@ -272,3 +272,70 @@ def test_files_an_older_version_wrote_are_rewritten_in_todays_schema(tmp_path):
     assert sorted(r["key"] for r in dataset) == sorted(r["key"] for r in rows) == ["a.jpg", "b.jpg", "d.jpg", "e.jpg"]
     assert add_run(out(output), FP, RUN3, [write_shard(out(output), FP, RUN3, 0, [record("f.jpg", RUN3)])]).get(
         "conformed") is None  # once
+
+
+class Recording:
+    """A storage recording the prefixes listed and the keys read."""
+
+    def __init__(self, inner):
+        self.inner, self.listed, self.reads = inner, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def iter_objects(self, glob=None, prefix="", start_after=""):
+        self.listed.append(prefix)
+        return self.inner.iter_objects(glob, prefix, start_after)
+
+    def read(self, key: str) -> bytes:
+        self.reads.append(key)
+        return self.inner.read(key)
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        self.reads.append(key)
+        return self.inner.read_range(key, start, length)
+
+
+def test_a_runs_step_reads_only_its_own_parts_and_takes_the_earlier_ones_from_its_done_index(tmp_path):
+    """At a run's end the step asks the done-index the run loaded at its start which earlier
+    results it computed again and in which parts they stand: it lists only the run's own parts
+    and reads no part or sidecar of the history, and the latest result still wins."""
+    from tasks.results.done_index import load_done_index, loaded_index
+
+    output = tmp_path / "out"
+    first_run(output)
+    o = out(output)
+    load_done_index.fn(o, FP)  # as the run does at its start
+    part = write_shard(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption"), record("e.jpg", RUN2, "egg")])
+    watched = Recording(o)
+    report = add_run(watched, FP, RUN2, [part])
+    assert report["rows"] == 2 and report["rewritten"] == {str(output / run_parquet_key(RUN1)): 1}
+    assert [p for p in watched.listed if p.startswith("results/")] == [part_prefix(FP, RUN2)]
+    assert {k for k in watched.reads if k.startswith("results/")} == {
+        part_key(FP, RUN2, 0), part_key(FP, RUN2, 0).replace(".jsonl", ".idx")}
+    assert loaded_index(o, FP) is None  # handed over once
+    rows = {r["key"]: r for r in assert_view_is_the_done_index(output)}
+    assert (rows["a.jpg"]["run_id"], rows["a.jpg"]["caption"]) == (RUN2, "second caption")
+
+
+def test_a_result_replaced_twice_in_a_fanned_out_run_and_one_in_a_compacted_file_each_stay_once(tmp_path):
+    """The run's done-index from its start, and parts of the run that a partition's later load
+    held too (the run's own parts are never earlier results of it): a result whose earlier
+    record is in a compacted file has that file rewritten; two partitions' records of one
+    result leave the latest."""
+    from tasks.results.done_index import load_done_index
+
+    output = tmp_path / "out"
+    first_run(output)
+    o = out(output)
+    compact_view(o)
+    (merged,) = files(output)
+    p0, p1 = partition_parts_id(RUN3, 0), partition_parts_id(RUN3, 1)
+    start = load_done_index.fn(o, FP)
+    parts = [write_shard(o, FP, p1, 1, [reuploaded("a.jpg", p1, "a by p1")])]
+    load_done_index.fn(o, FP)  # partition 0 loads again after its shards (it sees p1's part)
+    parts.append(write_shard(o, FP, p0, 1, [reuploaded("a.jpg", p0, "a by p0"), record("g.jpg", p0, "a goat")]))
+    report = add_run(o, FP, RUN3, parts, earlier=start)
+    assert report["rows"] == 2 and report["rewritten"] == {str(output / "parquet" / merged): 1}
+    rows = {r["key"]: r for r in assert_view_is_the_done_index(output)}
+    assert rows["a.jpg"]["caption"] in ("a by p0", "a by p1") and sorted(rows) == ["a.jpg", "b.jpg", "d.jpg", "g.jpg"]

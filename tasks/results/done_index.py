@@ -22,8 +22,17 @@ A long history has many parts, and on an object store each sidecar is a request 
 (1M results in parts of 64: 15,625 GETs). So once a load reads COMPACT_AFTER or more parts one
 by one, it writes what it loaded as one compacted index (`index-<stamp>.vidx`: the parts it
 covers, with their sizes, and their rows), and the next load reads that one object plus the
-parts written since. A compacted index counts a part's rows only while that part is still there
-with the same size, so deleting or rewriting a part is seen as before.
+parts written since. Nor does it list the history: each writer leaves a `writing/` stamp every
+few minutes while it writes, and a load lists only the parts of the writers stamped since its
+index was made (less an hour's grace), so a night with nothing new lists a page or two
+(tasks/results/writing_log.py: why no part is missed, concurrent writers and compactions
+included). A compacted index counts a part's rows only while that part is still there with the
+same size, which a load checks for every part of a writer stamped since: deleting or rewriting
+such a part is seen as before; an older part deleted or rewritten by hand is seen once the
+compacted indexes are deleted (the next load then lists everything).
+
+The run's own load is kept for the Parquet step at its end (`loaded_index`): which earlier
+results it replaces, and in which parts they stand, without reading the history again.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ class DoneIndex:
             self._earlier = EarlierRecords(out, parts, starts)
         self._by: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # column -> (sorted values, their ordinals)
         self._lock = threading.Lock()
+        self.resized: set[str] = set()  # parts whose sidecar no longer fitted their body (cut short since)
 
     def __len__(self) -> int:
         return len(self._table)
@@ -80,6 +90,24 @@ class DoneIndex:
         wanted = np.uint64(result_key(key, question))
         keys = self._table["key"]
         return self._table[np.searchsorted(keys, wanted, "left"):np.searchsorted(keys, wanted, "right")]
+
+    def parts_holding(self, keys: np.ndarray) -> dict[str, np.ndarray]:
+        """For result keys (`result_key`), the parts holding a row of any of them, and which
+        of the keys each holds. Empty for an index that cannot name its parts."""
+        if self._earlier is None or not len(keys) or not len(self._table):
+            return {}
+        keys = np.unique(np.asarray(keys, np.uint64))
+        table_keys = self._table["key"]
+        lo, hi = np.searchsorted(table_keys, keys, "left"), np.searchsorted(table_keys, keys, "right")
+        found = np.flatnonzero(hi > lo)
+        if not len(found):
+            return {}
+        rows = np.concatenate([np.arange(lo[i], hi[i]) for i in found])
+        part = np.searchsorted(self._earlier.starts, self._ordinal[rows], "right") - 1
+        held: dict[str, np.ndarray] = {}
+        for p in np.unique(part):
+            held[self._earlier.parts[int(p)]] = np.unique(table_keys[rows[part == p]])
+        return held
 
     def pending_by_listing(self, item: WorkItem, questions: tuple[str, ...]) -> tuple[str, ...]:
         """The questions still to compute, judged from the listing alone (no fetch)."""
@@ -170,26 +198,48 @@ class DoneIndex:
         return copy
 
 
+_loaded_lock = threading.Lock()
+_loaded: dict[tuple[str, str], DoneIndex] = {}  # (output, fingerprint) -> the last index loaded in this process
+
+
 @task(name="load-done-index", cache_policy=NONE, persist_result=False, retries=2)
 def load_done_index(out: Storage, fingerprint: str) -> DoneIndex:
     """Results that earlier runs with this fingerprint finished for good (captioned, or failed
     in a way a rerun would only repeat), in the output `out` (`RunPlan.output`). A part that
     cannot be parsed is skipped with a warning naming it; its items are computed again. One
-    read many parts one by one writes a compacted index for the next."""
+    read many parts one by one writes a compacted index for the next. The index is kept for
+    `loaded_index` (the Parquet step at the run's end)."""
+    done = read_done_index(out, fingerprint)
+    with _loaded_lock:
+        _loaded[(out.uri, fingerprint)] = done
+    return done
+
+
+def read_done_index(out: Storage, fingerprint: str) -> DoneIndex:
+    """`load_done_index`'s body, outside a task and keeping nothing."""
     loaded = load_part_rows(out, fingerprint)
-    if loaded.read_one_by_one >= COMPACT_AFTER:
+    if loaded.read_one_by_one >= COMPACT_AFTER or loaded.renew:
         _compact(out, fingerprint, {key: (loaded.parts[key].size, rows) for key, rows in loaded.rows.items()},
-                 loaded.compacted, get_logger(fingerprint=fingerprint))
-    return DoneIndex(loaded.rows.values(), loaded.rows.keys(), out)
+                 loaded.compacted, loaded.after, loaded.unreadable, get_logger(fingerprint=fingerprint))
+    done = DoneIndex(loaded.rows.values(), loaded.rows.keys(), out)
+    done.resized = set(loaded.resized)
+    return done
+
+
+def loaded_index(out: Storage, fingerprint: str) -> DoneIndex | None:
+    """The done-index this process last loaded for `out` and `fingerprint` (a run's, at its
+    start), handed over once: the next call answers None until the next load."""
+    with _loaded_lock:
+        return _loaded.pop((out.uri, fingerprint), None)
 
 
 def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndarray]],
-             older: list[str], log) -> None:
+             older: list[str], after: str, retry: list[str], log) -> None:
     """Write the compacted index, then remove the ones it replaces. Best effort: the parts and
     their sidecars stay the truth, so a failure here costs the next load time, never results."""
     key = compacted_index_key(fingerprint)
     try:
-        out.write(key, compacted_bytes(parts))
+        out.write(key, compacted_bytes(parts, after, retry))
     except Exception as exc:  # noqa: BLE001 - an optimisation: a failed write must not fail the run
         log.warning("could not write the compacted done-index", index=out.describe(key), error=str(exc))
         return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,8 +22,9 @@ import numpy as np
 from pydantic import ValidationError
 
 from tasks.observability import get_logger
-from tasks.results.layout import results_prefix
+from tasks.results.layout import compacted_index_prefix, part_prefix, results_prefix
 from tasks.results.records import ResultRecord
+from tasks.results.writing_log import grace_stamp, writers_since
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.storage import Storage
 from tasks.sources.transient import is_transient, retry_transient
@@ -31,8 +33,10 @@ ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])
 SIDECAR_MAGIC = b"VLMIDX1\0"
 SIDECAR_HEADER = struct.Struct("<8sQ")  # magic, byte size of the part it indexes
 READERS = 16  # parallel sidecar reads (object stores answer many small GETs at once well)
-COMPACT_MAGIC = b"VLMCIDX1"
+COMPACT_MAGIC = b"VLMCIDX2"
+COMPACT_MAGIC_1 = b"VLMCIDX1"  # the first format: no `after`, so a load from it lists everything once
 COMPACT_HEADER = struct.Struct("<8sQ")  # magic, byte length of the JSON list of parts that follows
+_EXTRA = struct.Struct("<Q")  # then the byte length of the JSON of `after` and `retry`, then the rows
 
 Signature = tuple[tuple[str, int], ...]  # (etag, size) of each member, in order
 
@@ -80,36 +84,53 @@ def sidecar_key(part_key: str) -> str:
     return part_key.removesuffix(".jsonl") + ".idx"
 
 
-def _read_compacted(out: Storage, key: str, objects: dict[str, ObjectRef], log) -> dict[str, np.ndarray]:
-    """The rows of each part the compacted index covers that is still listed with the size it
-    had; nothing when the index is gone (a concurrent load replaced it) or damaged."""
+class Compacted:
+    """A compacted index: each part it holds (key, size, rows); `after`, the stamp from which a
+    load lists `writing/` for the parts written since (None in the first format, which a load
+    cannot continue from: it lists everything); `retry`, parts it could not read."""
+
+    def __init__(self, parts: list[tuple[str, int, np.ndarray]], after: str | None, retry: list[str]):
+        self.parts, self.after, self.retry = parts, after, retry
+
+
+def _read_compacted(out: Storage, key: str, log) -> Compacted | None:
+    """The compacted index; None when it is gone (a concurrent load replaced it) or damaged."""
     try:
         data = out.read(key)
         magic, length = COMPACT_HEADER.unpack_from(data)
-        if magic != COMPACT_MAGIC:
+        if magic not in (COMPACT_MAGIC, COMPACT_MAGIC_1):
             raise ValueError("not a compacted done-index")
-        covered = json.loads(data[COMPACT_HEADER.size:COMPACT_HEADER.size + length])
-        table = np.frombuffer(data, ROW, offset=COMPACT_HEADER.size + length)
+        start = COMPACT_HEADER.size + length
+        covered = json.loads(data[COMPACT_HEADER.size:start])
+        extra = {"after": None, "retry": []}
+        if magic == COMPACT_MAGIC:
+            (extra_length,) = _EXTRA.unpack_from(data, start)
+            extra = json.loads(data[start + _EXTRA.size:start + _EXTRA.size + extra_length])
+            start += _EXTRA.size + extra_length
+        table = np.frombuffer(data, ROW, offset=start)
         if sum(count for _, _, count in covered) != len(table):
             raise ValueError("rows do not match the parts listed")
     except Exception as exc:  # noqa: BLE001 - any failure (gone, damaged, denied): the sidecars stand in
         log.warning("compacted done-index unreadable; reading the parts' sidecars", index=out.describe(key),
                     error=str(exc))
-        return {}
-    by_part, start = {}, 0
+        return None
+    parts, at = [], 0
     for part, size, count in covered:
-        listed = objects.get(part)
-        if listed is not None and listed.size == size:
-            by_part[part] = table[start:start + count]
-        start += count
-    return by_part
+        parts.append((part, size, table[at:at + count]))
+        at += count
+    return Compacted(parts, extra["after"], list(extra["retry"]))
 
 
-def compacted_bytes(parts: dict[str, tuple[int, np.ndarray]]) -> bytes:
-    """One object holding every part's rows: (part key, its size, row count) as JSON, then rows."""
+def compacted_bytes(parts: dict[str, tuple[int, np.ndarray]], after: str | None = None,
+                    retry: Iterable[str] = ()) -> bytes:
+    """One object holding every part's rows: (part key, its size, row count) as JSON, then where
+    a load goes on from (`after`, a `writing/` stamp, and the parts to `retry`), then the rows.
+    `after` defaults to now less the grace: only for a writer that wrote every part itself."""
     covered = json.dumps([[key, size, len(rows)] for key, (size, rows) in parts.items()]).encode()
+    extra = json.dumps({"after": after or grace_stamp(time.time()), "retry": sorted(retry)}).encode()
     rows = np.concatenate([rows.astype(ROW) for _, rows in parts.values()]) if parts else np.empty(0, ROW)
-    return COMPACT_HEADER.pack(COMPACT_MAGIC, len(covered)) + covered + rows.tobytes()
+    return (COMPACT_HEADER.pack(COMPACT_MAGIC, len(covered)) + covered + _EXTRA.pack(len(extra)) + extra
+            + rows.tobytes())
 
 
 def _read_sidecar(out: Storage, key: str, part_size: int) -> np.ndarray | None:
@@ -163,37 +184,79 @@ def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
 
 class PartRows:
     """Each part's rows, as a load reads them (the done-index, the Parquet view): `parts` every
-    part listed (key: ObjectRef); `rows` each readable part's rows, in its final records' order;
-    `resized` the parts whose sidecar was made from another body (cut short or rewritten by hand
-    since); `compacted` the compacted indexes listed; `read_one_by_one` the parts none covered."""
+    part known (key: ObjectRef; a part the load did not list has the size its index recorded);
+    `rows` each readable part's rows, in its final records' order; `resized` the parts whose
+    sidecar was made from another body (cut short or rewritten by hand since); `compacted` the
+    compacted indexes listed; `read_one_by_one` the parts none covered; `unreadable` those of
+    them that could not be read; `after` where a compacted index of this load goes on from;
+    `renew` whether the latest compacted index is to be replaced (an old format, or damaged)."""
 
     def __init__(self, parts: dict[str, ObjectRef], rows: dict[str, np.ndarray], resized: set[str],
-                 compacted: list[str], read_one_by_one: int):
+                 compacted: list[str], read_one_by_one: int, unreadable: list[str] | None = None,
+                 after: str = "", renew: bool = False):
         self.parts, self.rows, self.resized = parts, rows, resized
         self.compacted, self.read_one_by_one = compacted, read_one_by_one
+        self.unreadable, self.after, self.renew = unreadable or [], after, renew
 
 
-def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
-    """The latest compacted index, then the sidecars (or, where none fits, the records) of the
-    parts it does not cover, kept per part; it writes no compacted index."""
-    objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
-    parts = {key: ref for key, ref in objects.items() if key.endswith(".jsonl")}
-    log = get_logger(fingerprint=fingerprint)
-    compacted = sorted(key for key in objects if key.endswith(".vidx"))
-    by_part = _read_compacted(out, compacted[-1], objects, log) if compacted else {}
+def listed_under(out: Storage, prefixes: Iterable[str]) -> dict[str, ObjectRef]:
+    objects: dict[str, ObjectRef] = {}
+    for prefix in sorted(set(prefixes)):
+        objects.update((ref.key, ref) for ref in out.iter_objects(prefix=prefix))
+    return objects
+
+
+def read_part_rows(out: Storage, parts: list[ObjectRef], listed: Iterable[str],
+                   log) -> tuple[dict[str, np.ndarray], set[str], list[str]]:
+    """The rows of `parts` (from the sidecar where `listed` names one that fits, else parsed), the
+    parts whose sidecar did not fit their body, and those that could not be read."""
+    listed = set(listed)
     resized: set[str] = set()
 
     def rows_of(part: ObjectRef) -> np.ndarray | None:
-        if sidecar_key(part.key) in objects:
+        if sidecar_key(part.key) in listed:
             rows = _read_sidecar(out, sidecar_key(part.key), part.size)
             if rows is not None:
                 return rows
             resized.add(part.key)
         return _parse_part(out, part, log)
 
-    rest = [part for key, part in parts.items() if key not in by_part]
     with ThreadPoolExecutor(READERS) as pool:
-        read = list(pool.map(rows_of, rest))
-    # A part that could not be read stays out of the compacted index: the next load tries it again.
-    by_part.update((part.key, rows) for part, rows in zip(rest, read) if rows is not None)
-    return PartRows(parts, by_part, resized, compacted, len(rest))
+        read = list(pool.map(rows_of, parts))
+    return ({part.key: rows for part, rows in zip(parts, read) if rows is not None}, resized,
+            [part.key for part, rows in zip(parts, read) if rows is None])
+
+
+def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
+    """The latest compacted index, then the sidecars (or, where none fits, the records) of the
+    parts it does not hold, kept per part; it writes no compacted index. From an index with a
+    `writing/` stamp it lists only the parts of the writers stamped since, and the parts it
+    could not read (tasks/results/writing_log.py says why nothing is missed); else everything."""
+    started = time.time()  # before any listing: what lands after it has a later stamp
+    log = get_logger(fingerprint=fingerprint)
+    compacted = sorted(ref.key for ref in out.iter_objects(prefix=compacted_index_prefix(fingerprint))
+                       if ref.key.endswith(".vidx"))
+    index = _read_compacted(out, compacted[-1], log) if compacted else None
+    by_part: dict[str, np.ndarray] = {}
+    if index is None or index.after is None:  # no index to go on from: the whole history, listed
+        objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
+        for key, size, rows in index.parts if index else ():
+            if key in objects and objects[key].size == size:
+                by_part[key] = rows
+    else:
+        prefixes = [part_prefix(fingerprint, writer) for writer in writers_since(out, fingerprint, index.after)]
+        objects = listed_under(out, prefixes + [key.removesuffix(".jsonl") for key in index.retry])
+        for key, size, rows in index.parts:
+            listed = objects.get(key)
+            if listed is None and not any(key.startswith(prefix) for prefix in prefixes):
+                objects[key] = ObjectRef(key, size, "")  # its writer wrote nothing since: as the index has it
+                by_part[key] = rows
+            elif listed is not None and listed.size == size:
+                by_part[key] = rows
+            # else: gone, or another size: read again below
+    parts = {key: ref for key, ref in objects.items() if key.endswith(".jsonl")}
+    rest = [part for key, part in parts.items() if key not in by_part]
+    read, resized, unreadable = read_part_rows(out, rest, objects.keys(), log)
+    by_part.update(read)  # a part that could not be read stays out: the next load tries it again
+    return PartRows(parts, by_part, resized, compacted, len(rest), unreadable, grace_stamp(started),
+                    renew=bool(compacted) and (index is None or index.after is None))

@@ -5,6 +5,8 @@
                                                         partition N of a fanned-out run
     results/<fingerprint>/part-<parts_id>-<shard>.idx   its done-index rows (tasks/results/done_index.py)
     results/<fingerprint>/index-<stamp>.vidx           many parts' rows in one object (the same)
+    results/<fingerprint>/writing/<stamp>-<parts_id>    empty: parts_id was writing parts at UTC <stamp>
+                                                        (tasks/results/writing_log.py)
     manifests/<run_id>.json                             written when the run ends
     partitions/<run_id>/pNNN.json                       a fanned-out child's report
     parquet/run-<run_id>.parquet                        the final results a run added (the Parquet
@@ -29,11 +31,29 @@ def results_prefix(fingerprint: str) -> str:
 
 def compacted_index_key(fingerprint: str) -> str:
     """Sorts by when it was written (UTC, then a random tag for loads in the same second)."""
-    return f"{results_prefix(fingerprint)}index-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.vidx"
+    return f"{compacted_index_prefix(fingerprint)}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.vidx"
+
+
+def compacted_index_prefix(fingerprint: str) -> str:
+    return f"{results_prefix(fingerprint)}index-"
+
+
+def writing_prefix(fingerprint: str) -> str:
+    return f"{results_prefix(fingerprint)}writing/"
+
+
+def writing_key(fingerprint: str, stamp: str, parts_id: str) -> str:
+    """Sorts by `stamp` (`%Y%m%dT%H%M%S`, UTC), then by the writer."""
+    return f"{writing_prefix(fingerprint)}{stamp}-{parts_id}"
+
+
+def part_prefix(fingerprint: str, parts_id: str) -> str:
+    """The keys of `parts_id`'s parts and sidecars (and, for a run's id, its partitions')."""
+    return f"{results_prefix(fingerprint)}part-{parts_id}-"
 
 
 def part_key(fingerprint: str, parts_id: str, shard_index: int) -> str:
-    return f"{results_prefix(fingerprint)}part-{parts_id}-{shard_index:05d}.jsonl"
+    return f"{part_prefix(fingerprint, parts_id)}{shard_index:05d}.jsonl"
 
 
 def partition_parts_id(run_id: str, index: int) -> str:

@@ -12,10 +12,12 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
 `read_parquet('OUT/parquet/*.parquet')`.
 
 - A run that wrote no part reads and writes nothing here.
-- A run that wrote parts reads its fingerprint's done-index rows part by part (what its own
-  load read: the compacted index and the sidecars written since), parses only its own parts and
-  writes its file. A result it computed again (an object re-uploaded since) is then removed from
-  the older file that holds it, which is rewritten: the file of the run whose part held the
+- A run that wrote parts lists and reads only its own parts (their prefix, their sidecars and
+  records) and writes its file; it neither lists nor reads the history. Which earlier results
+  it computed again (an object re-uploaded since), and in which parts they stand, the done-index
+  it loaded at its start tells (kept by `load_done_index` for this step; one is loaded here
+  where the process has none, as when `add_run` is called on its own). Each such result is then
+  removed from the older file that holds it, which is rewritten: the file of the run whose part held the
   earlier record, or, where that run has no file of its own (it ended before this view, or
   compaction merged it), the compacted files and the old one. The run that wrote a part cut
   short since has its file checked against every result this run added (the cut records are
@@ -44,8 +46,9 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from tasks.observability import get_logger
-from tasks.results.done_index import PartRows, load_part_rows, result_key
-from tasks.results.layout import PARQUET_VIEW_PREFIX, part_run, run_parquet_key
+from tasks.results.done_index import DoneIndex, loaded_index, read_done_index, result_key
+from tasks.results.done_rows import listed_under, read_part_rows
+from tasks.results.layout import PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key
 from tasks.results.parquet import (RESIZED, ROW_GROUP_ROWS, latest_ordinals, part_order, results_schema, select_rows,
                                    write_rows)
 from tasks.results.parquet_compact import copy_rows, view_files
@@ -56,32 +59,38 @@ _NO_ROWS = np.empty(0, dtype=[("key", "<u8")])
 FOOTER_READ = 64 << 10  # the tail read for a file's schema: a run's file's whole footer
 
 
-def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *,
+def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, earlier: DoneIndex | None = None,
             row_group_rows: int = ROW_GROUP_ROWS) -> dict:
     """Add the final results of run `run_id` (its parts `parts`, as the run names them, and any
-    other part the listing shows with its id) to the view, and return what was written: the
-    run's file and rows, the older files rewritten (rows removed from each), damaged parts."""
+    other part listed under its id) to the view, and return what was written: the run's file
+    and rows, the older files rewritten (rows removed from each), damaged parts. `earlier`: the
+    done-index of the run's start, by default the one this process loaded (`loaded_index`), else
+    one loaded here; it says which earlier parts hold a result the run computed again."""
     started = time.perf_counter()
     if not parts:  # nothing new: nothing to read, nothing to write
         return {"path": None, "rows": 0, "complete": True, "seconds": 0.0}
     log = get_logger(run_id=run_id, fingerprint=fingerprint)
     report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
-    history = load_part_rows(out, fingerprint)
     named = {key_within(out, part) for part in parts}
-    mine = sorted((ref for key, ref in history.parts.items() if key in named or part_run(key) == run_id),
-                  key=part_order)
-    for key in sorted(named - history.parts.keys()):
+    # The run's own parts and its partitions' (a prefix of their own), and any named elsewhere.
+    listed = listed_under(out, [part_prefix(fingerprint, run_id)])
+    listed.update(listed_under(out, [key.removesuffix(".jsonl") for key in named - listed.keys()]))
+    mine = sorted((ref for key, ref in listed.items()
+                   if key.endswith(".jsonl") and (key in named or part_run(key) == run_id)), key=part_order)
+    for key in sorted(named - {part.key for part in mine}):
         report["skipped_parts"][out.describe(key)] = "not found"
-    for part in mine:
-        if part.key in history.resized:
-            report["damaged_parts"][out.describe(part.key)] = RESIZED
-        if part.key not in history.rows:
-            report["skipped_parts"][out.describe(part.key)] = "unreadable"
-    keyed = [history.rows.get(part.key, _NO_ROWS)["key"] for part in mine]
+    rows_of, resized, unreadable = read_part_rows(out, mine, listed.keys(), log)
+    for key in sorted(resized):
+        report["damaged_parts"][out.describe(key)] = RESIZED
+    for key in unreadable:
+        report["skipped_parts"][out.describe(key)] = "unreadable"
+    keyed = [rows_of.get(part.key, _NO_ROWS)["key"] for part in mine]
     wanted = latest_ordinals(keyed)
     added = np.unique(np.concatenate([k[w] for k, w in zip(keyed, wanted)] or [_NO_ROWS["key"]]).astype(np.uint64))
     key = run_parquet_key(run_id)
-    holders, replaced = _holders(out, history, {part.key for part in mine}, added, key)
+    if earlier is None:
+        earlier = loaded_index(out, fingerprint) or read_done_index(out, fingerprint)
+    holders, replaced = _holders(out, earlier, {part.key for part in mine}, added, key)
     again: set[tuple[str, str]] = set()  # (item key, question) of the results replaced: few, usually none
 
     def batches():
@@ -115,22 +124,20 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *,
     return result
 
 
-def _holders(out: Storage, history: PartRows, mine: set[str], added: np.ndarray,
+def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray,
              own: str) -> tuple[list[str], set[int]]:
     """The view's files that may hold an earlier record of a result this run added, and those
-    results' keys: the file of each run whose part holds one, or, for a run without a file of
-    its own, the compacted files and the old single file. A run whose part was cut short since
-    lost records this run may have computed again: its file is checked against all of them."""
-    older = [key for key in history.rows if key not in mine]
-    cut = {part_run(key) for key in history.resized if key not in mine}
+    results' keys: the file of each run whose part holds one (the done-index says which), or,
+    for a run without a file of its own, the compacted files and the old single file. A run whose
+    part was cut short since lost records this run may have computed again: its file is checked
+    against all of them."""
+    cut = {part_run(key) for key in earlier.resized if key not in mine}
     runs: set[str | None] = set(cut)
     replaced = set(added.tolist()) if cut else set()
-    if older and len(added):
-        keys = np.concatenate([history.rows[key]["key"] for key in older]).astype(np.uint64)
-        owner = np.repeat(np.arange(len(older)), [len(history.rows[key]) for key in older])
-        hit = added[np.minimum(np.searchsorted(added, keys), len(added) - 1)] == keys
-        runs |= {part_run(older[i]) for i in np.unique(owner[hit])}
-        replaced |= set(np.unique(keys[hit]).tolist())
+    for part, keys in earlier.parts_holding(added).items():
+        if part not in mine:
+            runs.add(part_run(part))
+            replaced |= set(keys.tolist())
     if not runs:
         return [], set()
     files = {ref.key for ref in view_files(out)} - {own}

@@ -8,6 +8,7 @@ whole and a rerun, once there is space, skips them."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import shutil
@@ -21,6 +22,7 @@ from tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
 from tasks.results.layout import manifest_key, part_key, partition_report_key
 from tasks.results.records import ResultRecord
 from tasks.results.report import PartitionReport
+from tasks.results.writing_log import after_part, before_part
 from tasks.retries import Retries
 from tasks.sources.storage import Storage
 
@@ -87,8 +89,15 @@ def write_shard_once(out: Storage, fingerprint: str, parts_id: str, shard_index:
     if records:
         key = part_key(fingerprint, parts_id, shard_index)
         body = "".join(record.model_dump_json() + "\n" for record in records).encode()
-        write_object(out, key, body)
-        write_object(out, sidecar_key(key), sidecar_bytes(index_rows(records), len(body)))
+        before_part(out, fingerprint, parts_id)  # stamps: what a load lists new parts by (writing_log.py)
+        try:
+            write_object(out, key, body)
+            write_object(out, sidecar_key(key), sidecar_bytes(index_rows(records), len(body)))
+        except BaseException:  # the part may have landed all the same: stamped too
+            with contextlib.suppress(Exception):
+                after_part(out, fingerprint, parts_id)
+            raise
+        after_part(out, fingerprint, parts_id)
         written = out.describe(key)
     if done_key is not None:
         write_object(out, done_key, b"")

@@ -2,7 +2,9 @@
 
 `open_storage` of `s3://bucket/prefix/` or `/data/images` returns a `Storage` rooted at that
 location. Keys are relative to the root. Listing is lazy (paginated for S3, a sorted walk for
-folders); writes are atomic (a single PUT, or temp file + rename); a part of an object is read
+folders); `prefix` may end inside a name (`results/fp/part-run-`), and `start_after` lists only
+the keys that sort after it (S3's ListObjectsV2 StartAfter: the keys before it are never sent);
+writes are atomic (a single PUT, or temp file + rename); a part of an object is read
 with `read_range` (a ranged GET, or a seek), with the same retries as `read`. A run opens its
 source and output once, in pre-flight (`flows/plan.py`), and hands the storages down.
 
@@ -47,7 +49,7 @@ def error_code(exc: BaseException) -> str:
 class Storage(Protocol):
     uri: str
 
-    def iter_objects(self, glob: str | None = None, prefix: str = "") -> Iterator[ObjectRef]: ...
+    def iter_objects(self, glob: str | None = None, prefix: str = "", start_after: str = "") -> Iterator[ObjectRef]: ...
     def read(self, key: str) -> bytes: ...
     def read_range(self, key: str, start: int, length: int) -> bytes: ...
     def write(self, key: str, data: bytes) -> None: ...
@@ -72,10 +74,12 @@ class LocalStorage:
             raise StorageError(f"{root}: no such folder. Give an existing folder or an s3:// URI.")
         self.uri = str(self.root)
 
-    def iter_objects(self, glob: str | None = None, prefix: str = "") -> Iterator[ObjectRef]:
+    def iter_objects(self, glob: str | None = None, prefix: str = "", start_after: str = "") -> Iterator[ObjectRef]:
         start = self.root / prefix
-        if not start.is_dir():
-            return
+        if not start.is_dir():  # a prefix ending inside a name: its folder's names that begin with it
+            if not prefix or prefix.endswith("/") or not start.parent.is_dir():
+                return
+            start = start.parent
         root = len(os.path.join(self.root, ""))
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -84,6 +88,8 @@ class LocalStorage:
                 if name.startswith("."):
                     continue
                 relative = (folder + name)[root:].replace(os.sep, "/")
+                if not relative.startswith(prefix) or relative <= start_after:
+                    continue  # judged on the name: no stat for a key not listed
                 if matches_glob(relative, glob):
                     stat = os.stat(folder + name)
                     yield ObjectRef(relative, stat.st_size, f"{stat.st_size:x}-{stat.st_mtime_ns:x}", stat.st_mtime)
@@ -144,10 +150,11 @@ class S3Storage:
         self.uri = f"s3://{bucket}/{self.prefix}"
         self._client = client or shared_s3_client()
 
-    def iter_objects(self, glob: str | None = None, prefix: str = "") -> Iterator[ObjectRef]:
+    def iter_objects(self, glob: str | None = None, prefix: str = "", start_after: str = "") -> Iterator[ObjectRef]:
         paginator = self._client.get_paginator("list_objects_v2")
+        after = {"StartAfter": self.prefix + start_after} if start_after else {}
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix, **after):
                 for obj in page.get("Contents", []):
                     key = obj["Key"]
                     relative = key[len(self.prefix):]

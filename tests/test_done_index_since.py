@@ -1,0 +1,218 @@
+"""A done-index load lists only what is new: the compacted index, the `writing/` stamps since it,
+and the parts of the writers stamped there (tasks/results/writing_log.py), never the history.
+The cases a listing from the last part name the index holds would get wrong: a partition still
+writing while another compacts (its later parts' names sort before the index's last), a run that
+wrote before the index and writes again, a part its writer rewrote. The clock is moved (days
+between runs); a night is a load."""
+
+from __future__ import annotations
+
+import json
+import time as real_time
+
+import pytest
+
+from tasks.results import done_rows, writing_log
+from tasks.results.done_index import COMPACT_AFTER, ROW, load_done_index
+from tasks.results.done_rows import COMPACT_HEADER, COMPACT_MAGIC_1
+from tasks.results.layout import (compacted_index_prefix, part_key, part_prefix, partition_parts_id,
+                                  results_prefix, writing_prefix)
+from tasks.results.writers import write_shard
+from tasks.sources.storage import open_storage
+from tests.test_done_index import FP, _item, _record
+
+DAY = 86400.0
+RUN = "cafe0000-20260101T000000"
+
+
+class Clock:
+    """time, moved by `offset` seconds (wall and monotonic alike)."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def time(self) -> float:
+        return real_time.time() + self.offset
+
+    def monotonic(self) -> float:
+        return real_time.monotonic() + self.offset
+
+    def __getattr__(self, name):
+        return getattr(real_time, name)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    moved = Clock()
+    monkeypatch.setattr(done_rows, "time", moved)
+    monkeypatch.setattr(writing_log, "time", moved)
+    return moved
+
+
+class Watched:
+    """The output's storage, recording what is listed (the prefixes) and read."""
+
+    def __init__(self, inner):
+        self.inner, self.listed, self.reads = inner, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def iter_objects(self, glob=None, prefix="", start_after=""):
+        self.listed.append(prefix)
+        return self.inner.iter_objects(glob, prefix, start_after)
+
+    def read(self, key: str) -> bytes:
+        self.reads.append(key)
+        return self.inner.read(key)
+
+
+def write_parts(out, parts_id: str, shards, first: int = 0) -> None:
+    """One result a part, records `first`, `first + 1`... (as a run's writer writes them, stamps included)."""
+    for n, shard in enumerate(shards):
+        write_shard(out, FP, parts_id, shard, [_record(first + n)])
+
+
+def load(out):
+    watched = Watched(out)
+    return load_done_index.fn(watched, FP), watched
+
+
+def indexes(out) -> list[str]:
+    return [ref.key for ref in out.iter_objects(prefix=compacted_index_prefix(FP))]
+
+
+def done(index, *numbers: int) -> bool:
+    return all(index.pending_by_listing(_item(i), ("q",)) == () for i in numbers)
+
+
+def test_a_night_with_nothing_new_lists_no_part_of_the_history(tmp_path, prefect_api, clock):
+    out = open_storage(str(tmp_path / "out"), create=True)
+    history = COMPACT_AFTER + 6
+    clock.offset = -2 * DAY
+    write_parts(out, "aaaa-old", range(history))
+    clock.offset = -DAY
+    index, watched = load(out)  # no index yet: everything listed, every sidecar read, then compacted
+    assert len(index) == history and results_prefix(FP) in watched.listed and len(indexes(out)) == 1
+
+    clock.offset = 0
+    index, watched = load(out)
+    assert len(index) == history and done(index, 0, history - 1)
+    assert watched.listed == [compacted_index_prefix(FP), writing_prefix(FP)]  # no part listed
+    assert watched.reads == indexes(out)
+
+    # New results: their writer's parts are listed and read, nothing else.
+    write_parts(out, "bbbb-new", [0, 1], first=1000)
+    index, watched = load(out)
+    assert watched.listed == [compacted_index_prefix(FP), writing_prefix(FP), part_prefix(FP, "bbbb-new")]
+    assert sorted(watched.reads) == sorted(indexes(out) + [part_key(FP, "bbbb-new", s).replace(".jsonl", ".idx")
+                                                           for s in (0, 1)])
+    assert len(index) == history + 2 and done(index, 0, 1000, 1001)
+
+
+def test_a_partition_still_writing_while_another_compacts_loses_no_part(tmp_path, prefect_api, clock):
+    """Partition 1's load compacts while partition 0 is writing. Partition 0's next part is
+    named before every part the index holds, and lands within its last stamp's minutes (no
+    stamp of its own): the next night finds it all the same."""
+    out = open_storage(str(tmp_path / "out"), create=True)
+    p0, p1 = partition_parts_id(RUN, 0), partition_parts_id(RUN, 1)
+    clock.offset = -DAY
+    write_parts(out, p0, [0])
+    write_parts(out, p1, range(COMPACT_AFTER + 6), first=100)
+    load(out)  # partition 1's load at its start: compacts what is there
+    (compacted,) = indexes(out)
+    stamps = {ref.key for ref in out.iter_objects(prefix=writing_prefix(FP))}
+    write_parts(out, p0, [1], first=500)
+    assert {ref.key for ref in out.iter_objects(prefix=writing_prefix(FP))} == stamps  # no new stamp
+    data = out.read(compacted)
+    _, length = COMPACT_HEADER.unpack_from(data)
+    held = [key for key, _, _ in json.loads(data[COMPACT_HEADER.size:COMPACT_HEADER.size + length])]
+    assert part_key(FP, p0, 1) < max(held) and part_key(FP, p0, 1) not in held  # a name-ordered listing misses it
+
+    clock.offset = 0
+    index, watched = load(out)
+    assert done(index, 0, 100, 500) and len(index) == COMPACT_AFTER + 8
+    assert part_key(FP, p0, 1).replace(".jsonl", ".idx") in watched.reads
+
+
+def test_a_run_stamped_before_the_index_that_writes_again_is_found(tmp_path, prefect_api, clock):
+    """A run that wrote a part days ago and was thought dead writes again after a compaction
+    whose index's stamps begin after its last: it stamps again first, and is listed."""
+    out = open_storage(str(tmp_path / "out"), create=True)
+    clock.offset = -3 * DAY
+    write_parts(out, "dead0000-late", [0], first=900)
+    clock.offset = -2 * DAY
+    write_parts(out, "eeee-other", range(COMPACT_AFTER + 6))
+    clock.offset = -DAY
+    load(out)
+    clock.offset = -DAY + 600
+    write_parts(out, "dead0000-late", [1], first=901)
+    clock.offset = 0
+    index, watched = load(out)
+    assert done(index, 900, 901, 0)
+    assert part_prefix(FP, "dead0000-late") in watched.listed and part_prefix(FP, "eeee-other") not in watched.listed
+
+
+def test_a_part_its_writer_rewrote_after_the_index_is_read_again(tmp_path, prefect_api, clock):
+    """A shard's write tried again after a compaction held its first body (other records)."""
+    out = open_storage(str(tmp_path / "out"), create=True)
+    clock.offset = -DAY
+    write_parts(out, "ffff-retry", range(COMPACT_AFTER + 6))
+    load(out)
+    clock.offset = -DAY + 7200
+    write_shard(out, FP, "ffff-retry", 0, [_record(0), _record(7777)])
+    clock.offset = 0
+    index, _ = load(out)
+    assert done(index, 0, 7777) and len(index) == COMPACT_AFTER + 7
+
+
+def test_an_index_of_the_first_format_is_read_once_with_a_full_listing_then_replaced(tmp_path, prefect_api, clock):
+    """An output compacted by an older version: its index has no stamp to go on from."""
+    import numpy as np
+
+    out = open_storage(str(tmp_path / "out"), create=True)
+    clock.offset = -DAY
+    write_parts(out, "1111-before", range(3))
+    parts = [part_key(FP, "1111-before", s) for s in range(3)]
+    rows = [np.frombuffer(out.read(p.replace(".jsonl", ".idx")), ROW, offset=16) for p in parts]
+    covered = json.dumps([[p, len(out.read(p)), len(r)] for p, r in zip(parts, rows)]).encode()
+    out.write(f"{compacted_index_prefix(FP)}20260101T000000-old.vidx",
+              COMPACT_HEADER.pack(COMPACT_MAGIC_1, len(covered)) + covered + np.concatenate(rows).tobytes())
+    clock.offset = 0
+    index, watched = load(out)
+    assert done(index, 0, 1, 2) and results_prefix(FP) in watched.listed
+    assert watched.reads[0].endswith("-old.vidx") and len(watched.reads) == 1  # its rows used, no sidecar read
+    (replaced,) = indexes(out)
+    assert not replaced.endswith("-old.vidx")
+    clock.offset = DAY
+    index, watched = load(out)
+    assert done(index, 0, 1, 2) and watched.listed == [compacted_index_prefix(FP), writing_prefix(FP)]
+
+
+def test_a_part_deleted_by_hand_long_after_counts_until_the_indexes_are_deleted(tmp_path, prefect_api, clock):
+    """The limit of listing only what is new, as docs/operations.md says: a part deleted by hand
+    once no stamp since the index names its writer still counts; deleting the compacted indexes
+    makes the next load list everything, and then it does not."""
+    out = open_storage(str(tmp_path / "out"), create=True)
+    clock.offset = -2 * DAY
+    write_parts(out, "2222-old", range(COMPACT_AFTER + 6))
+    clock.offset = -DAY
+    load(out)
+    out.delete(part_key(FP, "2222-old", 3))
+    clock.offset = 0
+    index, _ = load(out)
+    assert done(index, 3)
+    for key in indexes(out):
+        out.delete(key)
+    index, _ = load(out)
+    assert not done(index, 3) and done(index, 2, 4)
+
+
+def test_a_stamp_is_written_every_few_minutes_while_a_writer_writes(tmp_path, clock):
+    out = open_storage(str(tmp_path / "out"), create=True)
+    stamps = lambda: [ref.key for ref in out.iter_objects(prefix=writing_prefix(FP))]  # noqa: E731
+    write_parts(out, "3333-w", range(5))
+    assert len(stamps()) == 1
+    clock.offset += writing_log.REFRESH_S + 1
+    write_parts(out, "3333-w", [5])
+    assert len(stamps()) == 2 and all(key.endswith("-3333-w") for key in stamps())
