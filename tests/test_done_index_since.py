@@ -216,3 +216,35 @@ def test_a_stamp_is_written_every_few_minutes_while_a_writer_writes(tmp_path, cl
     clock.offset += writing_log.REFRESH_S + 1
     write_parts(out, "3333-w", [5])
     assert len(stamps()) == 2 and all(key.endswith("-3333-w") for key in stamps())
+
+
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_a_listing_from_a_key_and_under_a_prefix_inside_a_name(tmp_path, where, request):
+    """The storage call the load lists with: `start_after` skips the keys up to it (S3's
+    StartAfter, never sent), `prefix` may end inside a name; the same on a folder and on S3."""
+    if where == "s3":
+        request.getfixturevalue("s3_client").create_bucket(Bucket="since")
+        store = open_storage("s3://since/out/")
+    else:
+        store = open_storage(str(tmp_path / "out"), create=True)
+    for key in ["r/w/20260101T000000-a", "r/w/20260102T000000-b", "r/w/20260103T000000-c", "r/part-x-00000.jsonl",
+                "r/part-x-00000.idx", "r/part-xy-00000.jsonl", "r/index-1.vidx"]:
+        store.write(key, b"1")
+    keys = lambda **kw: [ref.key for ref in store.iter_objects(**kw)]  # noqa: E731
+    assert keys(prefix="r/w/", start_after="r/w/20260101T235959") == ["r/w/20260102T000000-b", "r/w/20260103T000000-c"]
+    assert keys(prefix="r/w/", start_after="r/w/20260103T000000-c") == []
+    assert keys(prefix="r/part-x-") == ["r/part-x-00000.idx", "r/part-x-00000.jsonl"]
+    assert keys(prefix="r/index-") == ["r/index-1.vidx"] and keys(prefix="r/nothing-") == []
+
+
+def test_a_night_on_s3_reads_the_index_and_lists_no_part(s3_client, prefect_api, clock):
+    s3_client.create_bucket(Bucket="nights")
+    out = open_storage("s3://nights/out/")
+    clock.offset = -2 * DAY
+    write_parts(out, "aaaa-old", range(COMPACT_AFTER + 2))
+    clock.offset = -DAY
+    load(out)
+    clock.offset = 0
+    index, watched = load(out)
+    assert len(index) == COMPACT_AFTER + 2 and watched.listed == [compacted_index_prefix(FP), writing_prefix(FP)]
+    assert watched.reads == indexes(out)
