@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.errors import UserError
+from recipes.errors import UserError
 
 Modality = Literal["image", "video", "multi-image"]
 MODALITIES: tuple[Modality, ...] = ("image", "video", "multi-image")

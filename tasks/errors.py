@@ -1,9 +1,7 @@
-"""The one kind of error a user can cause or fix: `UserError`. Its message is one line (or one
-line per problem) that says what to do; the CLI prints it without a traceback and exits with the
-kind's `exit_code`, and a flow run that raises it fails with that message as its state's (and,
-when `permanent`, at once: no retry of something a retry cannot fix).
-
-This module imports nothing of the project: every layer's errors are built on it.
+"""The kinds of error a user can cause or fix, each with its exit code. They are `UserError`s
+(recipes/errors.py: the one base, in the lowest layer, so that the recipes' `RecipeError` is one
+too): the CLI prints the message without a traceback and exits with the kind's `exit_code`; a
+flow run that raises one fails with that message (at once when `permanent`).
 
 Exit codes (docs/operations.md, "Exit codes"):
   1  an unexpected error (a bug: the traceback is printed), or `export` found a part cut short
@@ -18,17 +16,10 @@ Exit codes (docs/operations.md, "Exit codes"):
 
 from __future__ import annotations
 
+from recipes.errors import UserError
 
-class UserError(Exception):
-    """An error whose message is the whole story: no traceback. `permanent`: running the same
-    thing again without a change gives the same error, so a flow run is not retried."""
-
-    exit_code: int = 2
-    permanent: bool = True
-
-    def lines(self) -> list[str]:
-        """The message, one line per problem (a pre-flight may find several)."""
-        return [line for line in str(self).splitlines() if line.strip()] or [type(self).__name__]
+__all__ = ["BusyError", "EngineFailure", "FanOutFailure", "OutOfSpaceError", "PrefectUnavailable", "UsageError",
+           "UserError", "is_permanent"]
 
 
 class UsageError(UserError, ValueError):
