@@ -248,3 +248,20 @@ def test_a_night_on_s3_reads_the_index_and_lists_no_part(s3_client, prefect_api,
     index, watched = load(out)
     assert len(index) == COMPACT_AFTER + 2 and watched.listed == [compacted_index_prefix(FP), writing_prefix(FP)]
     assert watched.reads == indexes(out)
+
+
+def test_a_stamp_whose_own_write_took_too_long_is_written_again(tmp_path, clock, monkeypatch):
+    """(W) needs a stamp that landed within WRITE_S of its time: a slow PUT's is taken again."""
+    out = open_storage(str(tmp_path / "out"), create=True)
+    write, written = out.write, []
+
+    def slow(key: str, data: bytes) -> None:
+        write(key, data)
+        written.append(key)
+        if len(written) == 1:
+            clock.offset += writing_log.WRITE_S + 1
+
+    monkeypatch.setattr(out, "write", slow)
+    writing_log.after_part(out, FP, "4444-slow")
+    assert len(written) == 2 and written[0] < written[1]
+    assert sorted(ref.key for ref in out.iter_objects(prefix=writing_prefix(FP))) == written
