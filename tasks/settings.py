@@ -58,14 +58,13 @@ class Settings(BaseSettings):
     prepare_ahead: int = Field(
         2, description="Shards fetched and decoded ahead of the engine once it runs (while it starts, as many as "
         "its feed will hold).")
-    # What the run prepares while its engine builds. The engine's build (its weights, the
-    # memory profile, torch.compile and CUDA-graph capture) wants the host's cores too; the
-    # decode pool's processes and the media decoded ahead compete with it. `feed`: the decode
-    # pool starts and the feed's depth is decoded ahead, so the engine is full the moment it is
-    # up; `pool`: the pool's processes start, nothing is decoded until the engine is up; `none`:
-    # neither (the first shard is only listed). docs/benchmarks.md compares them.
+    # What the run prepares while its engine builds. Media decoded ahead during the build slowed
+    # it more than the decoding saved (docs/benchmarks.md, "What a run prepares while its engine
+    # builds"), so by default only the decode pool's processes start beside it (`pool`); `feed`
+    # also decodes the feed's depth ahead, so the engine is full the moment it is up; `none`
+    # starts nothing until the engine is up.
     prepare_while_engine_starts: Literal["feed", "pool", "none"] = Field(
-        "feed", description="What a run prepares while its engine builds: feed (the decode pool started and the "
+        "pool", description="What a run prepares while its engine builds: feed (the decode pool started and the "
         "feed's depth decoded ahead), pool (only the decode pool's processes started), none (nothing until the "
         "engine is up).")
     # vLLM's request rendering (the model's HF processor) in this many processes beside the

@@ -138,6 +138,7 @@ def _run(shards: int) -> None:
 
 
 def test_the_feeds_whole_depth_is_prepared_while_the_engine_starts(stand_ins, monkeypatch):
+    monkeypatch.setenv("VLM_CAPTION_PREPARE_WHILE_ENGINE_STARTS", "feed")
     monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(2 * 1024**3))
     get_settings.cache_clear()
     schedule = stand_ins(engine_start_s=3.0)  # ample for 32 quick prepares on a busy machine
@@ -150,6 +151,7 @@ def test_the_feeds_whole_depth_is_prepared_while_the_engine_starts(stand_ins, mo
 
 
 def test_what_is_prepared_while_the_engine_starts_is_bounded_by_decoded_bytes(stand_ins, monkeypatch):
+    monkeypatch.setenv("VLM_CAPTION_PREPARE_WHILE_ENGINE_STARTS", "feed")
     shard_bytes = SHARD_SIZE * 336 * 336 * 3
     monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(12 * shard_bytes))
     get_settings.cache_clear()

@@ -103,6 +103,9 @@ def test_videos_are_decoded_in_the_pools_processes(monkeypatch):
     pool.start_decode_pool("video")
     assert len(pool._POOL._processes) == 1  # started before any clip, its loader imported as it starts
     assert pool._POOL.submit(os.getenv, "OMP_NUM_THREADS").result() == "1"  # VLM_CAPTION_DECODE_THREADS
+    # forked from the pool's fork server, which imported vLLM's loader once: not spawned by this
+    # process, which would have each import this process's main module and the loader again
+    assert pool._POOL.submit(os.getppid).result() != os.getpid()
     handed = []
     monkeypatch.setattr(pool, "taken", lambda frames: handed.append(frames) or taken(frames))
     pooled = pool.decode_video_pooled(clip, num_frames=4, limits=limits)

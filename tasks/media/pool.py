@@ -49,8 +49,8 @@ def _start_worker(niceness: int, videos: bool, threads: int = 0) -> None:
     """Pool initializer: decoding is work ahead of the engine; it yields the CPU to the engine's
     scheduler and the feed rather than competing with them for cores, and each process keeps to
     `threads` threads (VLM_CAPTION_DECODE_THREADS; 0: the libraries' defaults). A pool that
-    decodes videos imports vLLM's loader here, as the process starts (while the engine starts),
-    not at its first clip."""
+    decodes videos has vLLM's loader from its fork server (or imports it here, where processes
+    are spawned), before its first clip."""
     if niceness > 0 and hasattr(os, "nice"):
         os.nice(niceness)
     if threads > 0:
@@ -119,14 +119,25 @@ def decode_pool(for_videos: bool = False) -> Executor | None:
             workers = decode_processes()
             if for_videos and get_settings().decode_processes is None:
                 workers = min(workers, VIDEO_POOL_PROCESSES)
-            # spawn: the flow process holds threads (Prefect, vLLM's client); forking them is unsafe.
-            _POOL = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+            _POOL = ProcessPoolExecutor(max_workers=workers, mp_context=_decode_context(for_videos),
                                         initializer=_start_worker,
                                         initargs=(get_settings().decode_niceness, for_videos,
                                                   get_settings().decode_threads))
             _POOL_SIZE = workers
             atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
         return _POOL
+
+
+def _decode_context(for_videos: bool):
+    """The pool's processes are forked from one fork server, not spawned: a spawned process
+    imports the parent's main module again (the CLI, Prefect's engine) and, for videos, vLLM's
+    loader, each of them at once beside the engine's build. The server imports those once
+    (tasks/media/video_preload.py) and has no threads to fork, unlike the flow's process."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tasks.media.pool"] + (["tasks.media.video_preload"] if for_videos else []))
+    return context
 
 
 def start_decode_pool(modality: str) -> None:
