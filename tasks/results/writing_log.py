@@ -30,13 +30,14 @@ prefix, a page for a night's run), reads what it does not hold, and its compacte
 
 A load that lists the whole of results/<fp>/ (no usable index: the first, an old format, a damaged
 one) makes it true: a part it did not list landed after t, so by (W) has a stamp
->= t - WRITE_S > after'. An incremental load keeps it: take a part P it does not hold. If the
-index it read did not hold P either, by (I) P has a stamp s > after. If s had landed when the
-load listed `writing/`, the load listed P's writer after t and did not see P: P landed after t,
-and by (W) has a stamp > after'. If s had not landed then, s > (that listing's time) - WRITE_S
->= t - WRITE_S > after'. If the index it read held P, the load dropped it only after listing P's
-writer (P gone, or of another size and then read again); a part that lands again later has a
-new stamp by (W). Parts the load could not read are kept by name in its index and tried again.
+>= t - WRITE_S > after'. An incremental load keeps it: take a part P it does not hold as P is
+now. If the index it read did not hold P as it is now either, by (I) P has a stamp s > after.
+If s had landed when the load listed `writing/`, the load listed P's writer after t and did not
+see P as it is now: P landed after t, and by (W) has a stamp > after'. If s had not landed then,
+s > (that listing's time) - WRITE_S >= t - WRITE_S > after'. If the index it read held P as it
+is now, the load holds it too, unless it listed P's writer and found P gone or of another size
+(then it read P again). Parts the load could not read are kept by name in its index and tried
+again by the next load.
 
 Clocks: the loader's and the writers' clocks may each be off by up to (GRACE_S - WRITE_S) / 2
 (27 minutes; AWS S3 refuses a request whose clock is 15 minutes off). Concurrent writers (the
