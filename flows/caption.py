@@ -20,6 +20,7 @@ for the children and merges their reports into the one manifest.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import time
@@ -30,7 +31,8 @@ from prefect.events import Event
 from prefect.runtime import flow_run
 
 from flows.params import CaptionJob, Partition
-from flows.pipeline import PartitionRun, caption_shards
+from flows.partition_run import PartitionRun
+from flows.pipeline import caption_shards
 from flows.plan import RunPlan, build_engine_first, make_plan, start_engine_first, take_partition_cores
 from flows.run_state import fail_run, on_run_failed, run_label, run_name_from
 from tasks.claims import remove_claims
@@ -126,7 +128,8 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     if engine_first and job.fan_out > 1:  # the children asked for: vLLM's import, then the engine's start; a
         build_engine_first(plan)  # run with earlier results imports it at its first new shard (flows/pipeline.py)
     try:
-        stats, engine, shared = caption_shards(PartitionRun(plan, run_id, own, log))
+        run = PartitionRun.of(plan, run_id, own, log)  # what the shards need of the plan, handed down
+        stats, engine, shared = caption_shards(run)
     except Exception:
         children += _stopped(on_work, log)
         if children:  # a retry of this run must not overlap this attempt's children
@@ -146,7 +149,7 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
                          **(shared or {})}, stats.samples)
         return {**summary, "run_id": run_id, "partition": own.index, "fingerprint": fingerprint}
 
-    partitions = [mine] + merge_children(plan, run_id, children, stats, log) if children else []
+    partitions = [mine] + merge_children(run, children, stats) if children else []
     if own is not None:  # every partition has ended: the run's claims and shard plan go
         remove_claims(plan.output, run_id)
     manifest = stats.manifest(run_id=run_id, parameters=job.model_dump(mode="json"),
@@ -157,7 +160,9 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     # The run's new results added to the output's Parquet view; a failure is recorded, not raised.
     manifest["parquet"] = export_after_run(plan.output, job.output, fingerprint, run_id, stats.parts)
     # A page to look at: a sample of the run's items, thumbnails and captions; next to the manifest.
-    manifest["gallery"] = gallery_after_run(plan, run_id, stats.parts)
+    manifest["gallery"] = gallery_after_run(plan.output, plan.source, run_id, stats.parts, items=job.gallery_items,
+                                            title=f"vlm-caption · {recipe.name} · {job.location}",
+                                            fingerprint=fingerprint)
     # --modified-since auto: the watermark moves on (keeping what to retry) where nothing can be lost.
     manifest["watermark"] = advance_watermark(plan.output, plan.source, stats, complete=job.limit is None and all(
         p.state == "COMPLETED" for p in partitions))
@@ -190,21 +195,21 @@ def _stopped(on_work: ChildrenOnWork | None, log) -> list:
         return on_work.children
 
 
-def merge_children(plan: RunPlan, run_id: str, children, stats: RunStats, log) -> list[PartitionReport]:
+def merge_children(run: PartitionRun, children, stats: RunStats) -> list[PartitionReport]:
     """Wait for the child runs, then add each partition's report to this run's counts. This run's
     own partition has ended only once every claimed shard was done (the partitions share the
     shards, tasks/claims.py): a child that died meanwhile had its shards retaken, so it does not
     fail the run. A child no worker has started by now is claimed and run here, where it finds
-    nothing left to claim."""
-    job = plan.job
+    nothing left to claim. `run` is this run's own partition (0)."""
     taken_over: dict[int, PartitionReport] = {}
 
     def run_here(child) -> str:
-        partition = Partition(index=child.index, count=job.fan_out, run_id=run_id, fingerprint=plan.fingerprint)
+        partition = Partition(index=child.index, count=run.partition.count, run_id=run.run_id,
+                              fingerprint=run.fingerprint)
         try:
-            child_stats, engine, shared = caption_shards(PartitionRun(plan, run_id, partition, log))
+            child_stats, engine, shared = caption_shards(dataclasses.replace(run, partition=partition))
         except Exception as exc:  # reported as that partition's failure; the run fails at the end
-            log.error("partition taken over from a child failed", partition=child.index, error=str(exc))
+            run.log.error("partition taken over from a child failed", partition=child.index, error=str(exc))
             taken_over[child.index] = PartitionReport(index=child.index, state="FAILED", **_where())
             return "FAILED"
         child_stats.charge(engine)
@@ -212,7 +217,7 @@ def merge_children(plan: RunPlan, run_id: str, children, stats: RunStats, log) -
         return "COMPLETED"
 
     states = wait_for_children(children, run_here)
-    reports = read_partition_reports(plan.output, run_id, [c.index for c in children if c.index not in taken_over])
+    reports = read_partition_reports(run.output, run.run_id, [c.index for c in children if c.index not in taken_over])
     reports.update(taken_over)
     merged = []
     for child in children:

@@ -9,53 +9,25 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
-from flows.params import CaptionJob, Partition
 from flows.partition_end import finish_partition
-from flows.plan import RunPlan
+from flows.partition_run import PartitionRun
 from flows.shard_report import ShardReport
 from flows.shard_steps import ShardSteps
 from tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
 from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from tasks.engine.steps import GenerateOptions, start_engine
 from tasks.claims import ShardClaims
-from tasks.engine.vllm_engine import Sampling
 from tasks.engine.vllm_import import ensure_vllm_imported
 from tasks.media.pool import start_decode_pool
 from tasks.media.prepare import MediaOptions
 from tasks.results.done_index import DoneIndex, load_done_index
-from tasks.results.layout import partition_parts_id
 from tasks.results.report import RunStats
 from tasks.settings import get_settings
 from tasks.sources.extras import annotate_records
 from tasks.shard_plan import SharedListing
 from tasks.sources.items import Shard
 from tasks.sources.listing import AlreadyDone, Listed, ShardStream
-
-
-@dataclass(frozen=True)
-class PartitionRun:
-    """One partition of a job being captioned in this process (the whole job when not fanned out)."""
-
-    plan: RunPlan
-    run_id: str
-    partition: Partition | None
-    log: Any
-
-    @property
-    def job(self) -> CaptionJob:
-        return self.plan.job
-
-    @property
-    def fingerprint(self) -> str:
-        return self.plan.fingerprint
-
-    @property
-    def parts_id(self) -> str:
-        """Names this partition's result parts (`part-<parts_id>-<shard>.jsonl`)."""
-        return partition_parts_id(self.run_id, self.partition.index) if self.partition else self.run_id
 
 
 def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | None]:
@@ -66,32 +38,32 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | Non
     if run.partition is None:
         stats, engine = _caption(run, None)
         return stats, engine, None
-    with ShardClaims(run.plan.output, run.run_id, run.partition.index) as claims:
+    with ShardClaims(run.output, run.run_id, run.partition.index) as claims:
         stats, engine = _caption(run, claims)
         return stats, engine, {"shards": claims.taken, "retaken": claims.retaken}
 
 
 def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, dict | None]:
-    job = run.job
-    done = load_done_index(run.plan.output, run.fingerprint)
+    work = run.work
+    done = load_done_index(run.output, run.fingerprint)
     stream = listing(run, done, claims)
     try:
         # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
         # listing is read whole first; image and video start on the first shard listed.
-        if job.modality == "multi-image":
+        if work.modality == "multi-image":
             shards: Iterable[Listed] = list(stream)
-            spec = group_engine_spec(run.plan.engine, [shard for shard in shards if isinstance(shard, Shard)])
+            spec = group_engine_spec(run.engine, [shard for shard in shards if isinstance(shard, Shard)])
         else:
-            shards, spec = stream, run.plan.engine
-        run.log.info("run started", source=job.location, output=job.output, modality=job.modality,
-                     questions=len(job.questions_to_ask), already_done=len(done), partition=run.parts_id)
+            shards, spec = stream, run.engine
+        run.log.info("run started", source=run.source.uri, output=run.output.uri, modality=work.modality,
+                     questions=len(work.questions), already_done=len(done), partition=run.parts_id)
         pipeline = ShardPipeline(run, done, spec, claims)
         pipeline.run(claims.claimed(shards) if claims else shards)
     finally:
         stream.close()
     if claims is not None:  # the others' claimed shards, a gone partition's, then the plan's copies
         finish_partition(pipeline, claims, stream, lambda done, shards: listing(run, done, claims, shards),
-                         lambda: load_done_index(run.plan.output, run.fingerprint))
+                         lambda: load_done_index(run.output, run.fingerprint))
     return pipeline.close()
 
 
@@ -100,11 +72,11 @@ def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None,
     """The source's shards with work left, streamed, and between them the count of items already
     done (`AlreadyDone`: no task run, claim or engine for them). A fanned-out run lists once, into
     a shard plan every partition reads (tasks/shard_plan.py)."""
-    job = run.job
-    pending = lambda items: done.pending_mask(items, job.questions_to_ask)  # noqa: E731
+    work = run.work
+    pending = lambda items: done.pending_mask(items, work.questions)  # noqa: E731
     if claims is None:
-        return ShardStream(run.plan.source, job.shard_size, job.limit, pending=pending).start()
-    return SharedListing(run.plan.output, run.run_id, claims, run.plan.source, job.shard_size, job.limit,
+        return ShardStream(run.source, work.shard_size, work.limit, pending=pending).start()
+    return SharedListing(run.output, run.run_id, claims, run.source, work.shard_size, work.limit,
                          pending, shards=shards).start()
 
 
@@ -118,21 +90,20 @@ class ShardPipeline:
     `in_flight` (its requests in the engine), then out (its part being written, in `writes`)."""
 
     def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec, claims: ShardClaims | None = None):
-        job = run.job
-        self.partition_run, self.job, self.done, self.claims = run, job, done, claims
+        work = self.work = run.work
+        self.done, self.claims = done, claims
         self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
         self.lookahead = max(1, get_settings().prepare_ahead)
         self.while_starting = get_settings().prepare_while_engine_starts
         # Shards fetched and decoded at once while filling (each has its own fetch threads).
-        self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, job.shard_size, len(job.questions_to_ask)))
+        self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, work.shard_size, len(work.questions)))
         self.preparing: set = set()  # prepare futures not yet done
-        media = MediaOptions(job.modality, job.num_frames, job.image_limit, resize=image_resize_target(spec),
+        media = MediaOptions(work.modality, work.num_frames, work.image_limit, resize=image_resize_target(spec),
                              frame_resize=frame_resize_target(spec))
-        sampling = Sampling(**job.sampling.model_dump(), structured=job.structured_output)
-        self.options = GenerateOptions(spec, sampling, job.method, job.num_frames)
-        self.steps = ShardSteps(run.plan.source, run.plan.output, job.questions_to_ask, media, self.options,
+        self.options = GenerateOptions(spec, work.sampling, work.method, work.num_frames)
+        self.steps = ShardSteps(run.source, run.output, work.questions, media, self.options,
                                 run.fingerprint, run.parts_id, run.log)
-        self.report = ShardReport(run, f"Captioning {job.location} with {run.plan.recipe.name}")
+        self.report = ShardReport(run)
         self.stats = self.report.stats
         self.engine: dict | None = None
         self.starting = None  # the engine's start, submitted at the first item not done
@@ -187,9 +158,9 @@ class ShardPipeline:
     def depth(self) -> int:
         """Shards in the engine at once: from the engine's batch (how vLLM sized it, once it is
         up) and the mean decoded bytes of the shards prepared so far."""
-        job, sizing = self.job, self.engine["sizing"] if self.engine else None
+        work, sizing = self.work, self.engine["sizing"] if self.engine else None
         mean_bytes = self.media_bytes / self.prepared_shards if self.prepared_shards else None
-        return feed_depth(job.modality, job.shard_size, len(job.questions_to_ask), sizing, mean_bytes,
+        return feed_depth(work.modality, work.shard_size, len(work.questions), sizing, mean_bytes,
                           shared=self.claims is not None, request_tokens=self.stats.tokens_per_request())
 
     def size_feed(self, prepared) -> None:
@@ -215,7 +186,7 @@ class ShardPipeline:
             ensure_vllm_imported()  # made by the flow's thread (tasks/engine/vllm_import.py), if not yet
             self.starting = start_engine.submit(self.options.spec)
             if self.while_starting != "none":
-                start_decode_pool(self.job.modality)
+                start_decode_pool(self.work.modality)
 
     def hold_until_engine_up(self) -> None:
         """`pool` or `none` (VLM_CAPTION_PREPARE_WHILE_ENGINE_STARTS): nothing fetched or decoded
@@ -225,7 +196,7 @@ class ShardPipeline:
         self.start_engine()
         self.engine = self.starting.result()
         if self.while_starting == "none":
-            start_decode_pool(self.job.modality)
+            start_decode_pool(self.work.modality)
         self.ahead.append((first, self.take(first)))
 
     def prepared_one(self, preparing) -> None:

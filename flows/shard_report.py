@@ -1,10 +1,11 @@
 """What a run shows of its shards: the counts (`RunStats`, for the manifest and summary), the
-progress artifact and the terminal's bar, a `vlm-caption.shard.failed` event, a log line per
-shard, and one Prefect task run per batch of consecutive shards, `caption-batch`.
+progress artifact and the terminal's bar (a shard at a time), a `vlm-caption.shard.failed` event,
+and one Prefect task run per batch of consecutive shards, `caption-batch`, with one log line.
 
-A batch's task run runs from its first shard's taking to its last shard's part being written
-and returns the batch's counts; a shard that failed past its retries (flows/shard_steps.py)
-makes it Failed with that shard's error. Batches grow: 1 shard, then 2, 4, ... up to
+A batch's task run runs from its first shard's taking to its last shard's part being written,
+returns the batch's counts and logs them (`batch done`, the run's one log line for its shards: a
+night of a million new items leaves the server 45 of them, not a line per shard); a shard that
+failed past its retries (flows/shard_steps.py) makes it Failed with that shard's error. Batches grow: 1 shard, then 2, 4, ... up to
 `BATCH_ITEMS` items' worth (512 shards of 64), so a small run still shows several task runs and
 a run of N items about N / BATCH_ITEMS of them (3,060 at 100M items in shards of 64): a graph
 the UI can draw, at a pace Prefect's server records (docs/operations.md, "How many task runs a
@@ -16,11 +17,11 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
-from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NONE
 
+from flows.partition_run import PartitionRun
 from tasks.errors import is_permanent
 from tasks.observability import Progress, emit, get_logger
 from tasks.results.records import ResultRecord
@@ -107,10 +108,10 @@ def _settle(slot: Future, outcome: ShardOutcome) -> None:
 class ShardReport:
     """A partition's shards as the run reports them (see the module's docstring)."""
 
-    def __init__(self, run: Any, description: str):
-        self.run = run  # the PartitionRun (flows/pipeline.py)
+    def __init__(self, run: PartitionRun):
+        self.run = run
         self.stats = RunStats()
-        self.progress = Progress(description)
+        self.progress = Progress(run.title)
         self.batch: Batch | None = None
         self.batches: list = []  # every batch's task run (its future), waited for at the end
         self.slots: dict[int, Future] = {}  # shards taken whose write is not yet submitted
@@ -120,7 +121,7 @@ class ShardReport:
         self.progress.grow(len(shard.items))
         if self.batch is None or self.batch.full:
             number = len(self.batches) + 1
-            self.batch = Batch(number, batch_size(number, self.run.job.shard_size))
+            self.batch = Batch(number, batch_size(number, self.run.work.shard_size))
             self.batches.append(caption_batch.submit(self.batch, number))
         self.slots[shard.index] = self.batch.add()
 
@@ -149,16 +150,14 @@ class ShardReport:
         writing.add_done_callback(settle)
 
     def shard_done(self, shard: Shard, skipped: int, records: list[ResultRecord]) -> None:
-        """The shard's records counted and reported (its write under way)."""
-        run = self.run
+        """The shard's records counted and shown in the progress (its write under way; its batch's
+        task run logs the counts)."""
         self.stats.add(len(shard.items), skipped, records)
         failed = sum(1 for r in records if r.error)
-        percent = self.progress.advance(len(shard.items), failed)
+        self.progress.advance(len(shard.items), failed)
         if failed:  # the event an automation reacts to; a shard that went well is in the progress artifact
-            emit("shard.failed", run.run_id, shard=shard.index, partition=run.partition.index if run.partition else 0,
+            emit("shard.failed", self.run.run_id, shard=shard.index, partition=self.run.index,
                  objects=len(shard.items), skipped=skipped, failed=failed)
-        run.log.info("shard done", shard=shard.index, items=len(shard.items), records=len(records),
-                     skipped=skipped, failed=failed, progress=percent)
 
     def collect(self, shard_index: int, writing: Future, records: list[ResultRecord]) -> None:
         """A write that ended: its part counted. A permanent failure (a full disk) stops the run;
@@ -191,7 +190,7 @@ class ShardReport:
         run = self.run
         run.log.warning("a shard's part was not written; the next run computes its items again",
                         shard=shard_index, records=len(records), error=error)
-        emit("shard.failed", run.run_id, shard=shard_index, partition=run.partition.index if run.partition else 0,
+        emit("shard.failed", run.run_id, shard=shard_index, partition=run.index,
              failed=len(records), why="its part was not written")
 
     def end_batch(self) -> None:

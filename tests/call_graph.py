@@ -9,8 +9,8 @@ job, and follows the job down the calls. Its rules:
 1. A *stop* is one function or method of a product module (flows/, tasks/, recipes/) the walk
    reaches; each is counted once, however often it is reached, and so is its module.
 2. What *holds the job*: the CaptionJob; an object of a class with a field (annotated, or a
-   property with a return annotation) that holds it (`RunPlan.job`, `PartitionRun.plan`); an object
-   a product class builds from an argument that holds it (`ShardPipeline(run, ...)`); what a
+   property with a return annotation) that holds it (`RunPlan.job`); an object
+   a product class builds from an argument that holds it (`Holder(plan, ...)`); what a
    function returns where its return annotation is such a class, or where it returns the
    parameter it was handed the job in (or that parameter's `model_copy`, alone or in a tuple); a
    name assigned from any of these (`=`, `for`, `with ... as`, `:=`, a comprehension, `a or b`,

@@ -7,6 +7,7 @@ copy shards that the partitions take once the originals are done."""
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -235,7 +236,7 @@ def test_copies_in_two_partitions_are_captioned_once(idle_partition_deployment, 
     and its original land in different partitions: 5 requests for 8 images, 3 copies."""
     import flows.caption as caption
     from flows.params import CaptionJob
-    from flows.pipeline import PartitionRun
+    from flows.partition_run import PartitionRun
     from tasks.claims import ShardClaims
 
     real_claim, real_caption = ShardClaims.claim, caption.caption_shards
@@ -245,7 +246,7 @@ def test_copies_in_two_partitions_are_captioned_once(idle_partition_deployment, 
 
     def both_partitions(run: PartitionRun):
         if run.partition.index == 0:  # the child's partition starts beside the parent's
-            other = PartitionRun(run.plan, run.run_id, run.partition.model_copy(update={"index": 1}), run.log)
+            other = dataclasses.replace(run, partition=run.partition.model_copy(update={"index": 1}))
             child[1] = ThreadPoolExecutor(1).submit(contextvars.copy_context().run, real_caption, other)
             return real_caption(run)
         return child.pop(1).result()  # the parent takes the child over: its partition ran already

@@ -15,9 +15,9 @@ import flows.pipeline as pipeline
 import flows.shard_report as shard_report
 import flows.shard_steps as shard_steps
 from flows.params import CaptionJob
-from flows.pipeline import PartitionRun, ShardPipeline
-from flows.plan import engine_spec
-from flows.plan import RunPlan, source_spec
+from flows.partition_run import PartitionRun
+from flows.pipeline import ShardPipeline
+from flows.plan import RunPlan, engine_spec, source_spec
 from recipes import get_recipe
 from tasks.engine.feed import FEED_REQUESTS
 from tasks.media.prepare import PreparedItem, PreparedShard
@@ -128,7 +128,7 @@ def _run(shards: int) -> None:
                      source_format="files")  # as the plan resolves it
     plan = RunPlan(job=job, recipe=get_recipe("llava"), model="llava", fingerprint="fingerprint",
                    source=source_spec(job), output=None)
-    run = PartitionRun(plan, "run", None, SilentLog())
+    run = PartitionRun.of(plan, "run", None, SilentLog())
     listing = [Shard(i, tuple(WorkItem(f"{i}/{n}.jpg", (ObjectRef(f"{i}/{n}.jpg", 1, ""),))
                               for n in range(SHARD_SIZE))) for i in range(shards)]
     pipeline = ShardPipeline(run, DoneIndex(), engine_spec(job))

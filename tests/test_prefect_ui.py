@@ -146,7 +146,7 @@ def test_an_operator_starts_the_server_runs_the_demo_and_sees_it_in_the_ui(tmp_p
         logs = httpx.post(f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}},
                           timeout=30).json()
         ours = [entry["message"] for entry in logs if entry["name"] == "vlm_caption"]
-        assert any(m.startswith("shard done shard=0 items=3") for m in ours), ours
+        assert any(m.startswith("batch done batch=1 first_shard=0 last_shard=0 shards=1 items=3") for m in ours), ours
         assert not any(m.lstrip().startswith("{") for m in ours), ours  # no JSON strings in the UI
 
         browser = chromium()
@@ -164,7 +164,7 @@ def test_an_operator_starts_the_server_runs_the_demo_and_sees_it_in_the_ui(tmp_p
         run_page = f"{ui}{base}/runs/flow-run/{run['id']}"
         # (The log tab shows the first page of lines; the run's last lines may be below it.)
         text = shows(browser, run_page, profile, run_name, "Completed", "engine ready model=",
-                     "shard done shard=0 items=3")
+                     "batch done batch=1 first_shard=0 last_shard=0 shards=1 items=3")
         assert '"event":' not in text  # the log tab reads `event key=value`, not JSON
         shows(browser, f"{run_page}?tab=Artifacts", profile, "vlm-caption-summary", "vlm-caption-samples")
         table = shows(browser, f"{ui}{base}/artifacts/artifact/{artifacts['vlm-caption-summary']['id']}", profile,

@@ -36,8 +36,6 @@ def test_no_product_module_is_over_300_lines():
     assert long_modules(300) == {}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 52: the walk is still over 40 stops (the pipeline's and the "
-                   "run's end go through flows/pipeline.py's ShardPipeline and flows/caption.py)")
 def test_a_job_travels_through_at_most_40_functions(modules):
     walk = walk_job(modules)
     listing = "\n".join(f"{module}: {', '.join(n for m, n in walk.stops if m == module)}"

@@ -30,7 +30,6 @@ from tasks.results.records import ResultRecord
 from tasks.sources.storage import Storage, key_within
 
 if TYPE_CHECKING:
-    from flows.plan import RunPlan
     from tasks.sources.formats import SourceSpec
 
 THUMB_PIXELS = 160
@@ -225,22 +224,20 @@ def media_fetcher(source: SourceSpec) -> Callable[[ResultRecord], bytes | None]:
     return fetch
 
 
-def gallery_after_run(plan: RunPlan, run_id: str, parts: list[str]) -> dict:
-    """Write the run's gallery next to its manifest and link it from a Prefect artifact; a
-    failure is reported in the manifest, never raised (the captions are written already). From
-    the plan: the output, the source (for the pictures), the fingerprint and the job's title."""
-    job, fingerprint = plan.job, plan.fingerprint
-    if job.gallery_items <= 0:
+def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list[str], *, items: int, title: str,
+                      fingerprint: str) -> dict:
+    """Write the run's gallery of at most `items` items (none: 0) next to its manifest in the
+    output `out`, its pictures read again from `source`, and link it from a Prefect artifact; a
+    failure is reported in the manifest, never raised (the captions are written already)."""
+    if items <= 0:
         return {"path": None}
     from tasks.observability import get_logger
     from tasks.settings import get_settings
 
     try:
-        out = plan.output
         unreadable: list[str] = []
         sampled: list[GalleryItem] = []
-        page, shown = build_gallery(run_records(out, parts, unreadable), media_fetcher(plan.source),
-                                    job.gallery_items, f"vlm-caption · {job.recipe} · {job.location}",
+        page, shown = build_gallery(run_records(out, parts, unreadable), media_fetcher(source), items, title,
                                     {"run": run_id, "fingerprint": fingerprint}, get_settings().gallery_fetch_s,
                                     sampled=sampled)
         out.write(gallery_key(run_id), page.encode())
