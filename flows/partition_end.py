@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tasks.claims import ShardClaims
 from tasks.results.done_index import DoneIndex
 from tasks.shard_plan import SharedListing
 from tasks.sources.items import Shard
 
+if TYPE_CHECKING:  # the pipeline calls these: a type only, no import cycle
+    from flows.pipeline import ShardPipeline
+
 RETAKE_POLL_S = 2.0  # how often a partition that has run out of shards looks at the others' claims
 
 
-def finish_partition(pipeline, claims: ShardClaims, plan: SharedListing,
+def finish_partition(pipeline: ShardPipeline, claims: ShardClaims, plan: SharedListing,
                      listing: Callable[[DoneIndex, str], SharedListing], load_done: Callable[[], DoneIndex]) -> None:
-    """`pipeline` a ShardPipeline (flows/pipeline.py) that has run the shards it claimed from
-    `plan`; `listing(done, shards)` the run's plan read again; `load_done()` the done-index now."""
+    """`pipeline` has run the shards it claimed from `plan`; `listing(done, shards)` the run's
+    plan read again; `load_done()` the done-index now."""
     retake_until_done(pipeline, claims, listing, load_done)
     if plan.copy_shards:
         retake_until_done(pipeline, claims, listing, load_done, until=plan.originals_done)
@@ -32,7 +36,7 @@ def finish_partition(pipeline, claims: ShardClaims, plan: SharedListing,
         retake_until_done(pipeline, claims, listing, load_done)
 
 
-def retake_until_done(pipeline, claims: ShardClaims, listing: Callable[[DoneIndex, str], SharedListing],
+def retake_until_done(pipeline: ShardPipeline, claims: ShardClaims, listing: Callable[[DoneIndex, str], SharedListing],
                       load_done: Callable[[], DoneIndex], until: Callable[[], bool] | None = None) -> None:
     """Until the run's claimed shards are done (and `until()` holds)."""
     while (retaken := claims.retake()) is not None or (until is not None and not until()):
