@@ -58,13 +58,13 @@ class Settings(BaseSettings):
     prepare_ahead: int = Field(
         2, description="Shards fetched and decoded ahead of the engine once it runs (while it starts, as many as "
         "its feed will hold).")
-    # What the run prepares while its engine builds. Media decoded ahead during the build slowed
-    # it more than the decoding saved (docs/benchmarks.md, "What a run prepares while its engine
-    # builds"), so by default only the decode pool's processes start beside it (`pool`); `feed`
-    # also decodes the feed's depth ahead, so the engine is full the moment it is up; `none`
-    # starts nothing until the engine is up.
+    # What the run prepares while its engine builds. `feed`: the decode pool starts and the
+    # feed's depth is decoded ahead, so the engine is full the moment it is up; `pool`: only the
+    # pool's processes start; `none`: nothing until the engine is up, leaving the build every
+    # core. On a GPU host `feed` came out best (docs/benchmarks.md, "What a run prepares while
+    # its engine builds"); the others are for hosts with few cores.
     prepare_while_engine_starts: Literal["feed", "pool", "none"] = Field(
-        "pool", description="What a run prepares while its engine builds: feed (the decode pool started and the "
+        "feed", description="What a run prepares while its engine builds: feed (the decode pool started and the "
         "feed's depth decoded ahead), pool (only the decode pool's processes started), none (nothing until the "
         "engine is up).")
     # vLLM's request rendering (the model's HF processor) in this many processes beside the

@@ -247,9 +247,10 @@ def test_skip_raw_and_skip_raw_n_reach_the_config(flags, skip_raw, skip_raw_n):
 
 
 def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_path, monkeypatch, capsys):
-    """`--warm-up`: raw over the first WARM_UP_ITEMS items runs before raw and the flow (so each
-    finds the host's kernels compiled), its figures kept apart as `warm_up` and printed as not
-    compared; without the flag no such phase runs. Without an engine: each phase's process is
+    """`--warm-up`: raw over the first WARM_UP_ITEMS items runs before raw, and the flow over as
+    many before the flow's phases (vLLM compiles and caches kernels by the engine's arguments,
+    which are not raw's), so each finds the host's kernels compiled; their figures are kept apart
+    as `warm_up` and `flow_warm_up` and printed as not compared; without the flag no such phase runs. Without an engine: each phase's process is
     stood in for."""
     import argparse
     import contextlib
@@ -265,7 +266,7 @@ def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_pat
 
     def fake_phase(phase, cfg, folder, model, *args, **kwargs):
         ran.append(phase)
-        return {"items": WARM_UP_ITEMS if phase == "warm-up" else cfg.images, "engine_ready_s": 9.0,
+        return {"items": WARM_UP_ITEMS if "warm-up" in phase else cfg.images, "engine_ready_s": 9.0,
                 "wall_s": 12.0, "generate_items_per_s": 2.0}
 
     monkeypatch.setattr(driver, "run_phase", fake_phase)
@@ -274,12 +275,15 @@ def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_pat
     for warm_up in (True, False):
         ran.clear()
         report = driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", images=1024, warm_up=warm_up))
-        assert ran == (["warm-up"] if warm_up else []) + ["raw", "flow"]
-        assert ("warm_up" in report) is warm_up
+        assert ran == (["warm-up", "raw", "flow-warm-up", "flow"] if warm_up else ["raw", "flow"])
+        assert ("warm_up" in report) is warm_up and ("flow_warm_up" in report) is warm_up
     ran.clear()
     report = driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", images=1024, warm_up=True))
     assert report["warm_up"] == {"items": WARM_UP_ITEMS, "engine_ready_s": 9.0, "wall_s": 12.0}
-    assert "warm-up (raw, 16 items, not compared): engine ready at 9.00 s" in capsys.readouterr().out
+    assert report["flow_warm_up"] == {"items": WARM_UP_ITEMS, "engine_ready_s": 9.0, "wall_s": 12.0}
+    printed = capsys.readouterr().out
+    assert "warm-up (raw, 16 items, not compared): engine ready at 9.00 s" in printed
+    assert "warm-up (the flow, 16 items, not compared): engine ready at 9.00 s" in printed
     # the phase's own process takes the first 16 of 1,024 items, as raw takes a slice
     taken = {}
     monkeypatch.setattr(phases, "phase_raw", lambda cfg, folder, model, part=None, **kw: taken.update(part=part) or {})
@@ -287,6 +291,11 @@ def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_pat
     monkeypatch.setattr(phases, "_torch_gpu_peak_mb", lambda: None)
     phases.child_main("warm-up", json.dumps({"workdir": str(tmp_path), "images": 1024}), str(tmp_path), "m")
     assert phases.raw_slice(list(range(1024)), *taken["part"]) == list(range(WARM_UP_ITEMS))
+    # the flow's warm-up is a run of the flow's own job, stopped after the first 16 items listed
+    monkeypatch.setattr(phases, "phase_flow", lambda cfg, folder, model, fan_out=1, limit=None:
+                        taken.update(limit=limit, fan_out=fan_out) or {})
+    phases.child_main("flow-warm-up", json.dumps({"workdir": str(tmp_path), "images": 1024}), str(tmp_path), "m")
+    assert (taken["limit"], taken["fan_out"]) == (WARM_UP_ITEMS, 1)
 
 
 def test_an_inventory_history_is_what_a_run_counts_as_done(prefect_api, s3_endpoint, s3_client, tiny_llava,

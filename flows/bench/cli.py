@@ -68,9 +68,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "once, one per GPU, each given 1/N of the items), which a --gpus run otherwise "
                         "runs and puts the fan-out over")
     parser.add_argument("--warm-up", action="store_true",
-                        help="first run raw vLLM over a few items, not compared: on a fresh host the first engine "
-                        "compiles its kernels (minutes on a GPU), so without it the first phase's engine-ready "
-                        "time is not comparable with the others'")
+                        help="first run raw vLLM, and the flow before its phases, over a few items, not compared: "
+                        "an engine whose arguments a host has not built before compiles its kernels (minutes on a "
+                        "fresh GPU host; vLLM caches them by the arguments, and the flow's are not raw's), so "
+                        "without it the first phase of each kind pays for that and its engine-ready time is not "
+                        "comparable")
     parser.add_argument("--json-schema", metavar="FILE|tags",
                         help="both phases answer in JSON matching this schema (vLLM's structured outputs)")
     parser.add_argument("--history", type=int, default=0, metavar="N",

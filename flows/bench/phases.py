@@ -94,7 +94,7 @@ def raw_slice(items: list, index: int, count: int) -> list:
     return items[index * len(items) // count:(index + 1) * len(items) // count]
 
 
-def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> dict[str, Any]:
+def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, limit: int | None = None) -> dict[str, Any]:
     started = _process_started()
     from flows.params import CaptionJob
     from flows.plan import make_plan, start_engine_first, take_partition_cores
@@ -108,7 +108,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1) -> 
     job = CaptionJob(source=source, output=output, recipe=cfg.recipe, model=model, shard_size=cfg.shard_size,
                      modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE,
                      sampling=cfg.sampling(), fan_out=fan_out, processor_device=cfg.processor_device,
-                     json_schema=cfg.structured())
+                     json_schema=cfg.structured(), limit=limit)
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect
     take_partition_cores(job)
     start_engine_first(plan)
@@ -203,6 +203,8 @@ def child_main(phase: str, config_json: str, folder: str, model: str) -> None:
         result = phase_raw(cfg, Path(folder), model, part=(int(index), int(count)))
     elif phase == "warm-up":  # the first WARM_UP_ITEMS items, as raw takes them
         result = phase_raw(cfg, Path(folder), model, part=(0, max(1, cfg.images // WARM_UP_ITEMS)))
+    elif phase == "flow-warm-up":  # the flow's own engine (its arguments are not raw's) over a few items
+        result = phase_flow(cfg, Path(folder), model, limit=WARM_UP_ITEMS)
     elif phase == "raw-same":
         result = phase_raw(cfg, Path(folder), model, processor_device=cfg.processor_device)
     else:

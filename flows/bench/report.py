@@ -161,6 +161,9 @@ def print_table(report: dict[str, Any], path: Path) -> None:
     if "warm_up" in report:
         print(f"warm-up (raw, {report['warm_up']['items']} items, not compared): engine ready at "
               f"{_fmt(report['warm_up']['engine_ready_s'])} s")
+    if "flow_warm_up" in report:
+        print(f"warm-up (the flow, {report['flow_warm_up']['items']} items, not compared): engine ready at "
+              f"{_fmt(report['flow_warm_up']['engine_ready_s'])} s")
     gaps = report.get("engine_ready_after_raw_s") or {}
     if gaps:
         print("engine ready later than raw's, each from its phase's start: " + ", ".join(
