@@ -20,6 +20,7 @@ from tasks.results.layout import (compacted_index_prefix, part_key, part_prefix,
 from tasks.results.writers import write_shard
 from tasks.sources.storage import open_storage
 from tests.test_done_index import FP, _item, _record
+from tests.recording_storage import RecordingStorage
 
 DAY = 86400.0
 RUN = "cafe0000-20260101T000000"
@@ -49,24 +50,6 @@ def clock(monkeypatch):
     return moved
 
 
-class Watched:
-    """The output's storage, recording what is listed (the prefixes) and read."""
-
-    def __init__(self, inner):
-        self.inner, self.listed, self.reads = inner, [], []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def iter_objects(self, glob=None, prefix="", start_after=""):
-        self.listed.append(prefix)
-        return self.inner.iter_objects(glob, prefix, start_after)
-
-    def read(self, key: str) -> bytes:
-        self.reads.append(key)
-        return self.inner.read(key)
-
-
 def write_parts(out, parts_id: str, shards, first: int = 0) -> None:
     """One result a part, records `first`, `first + 1`... (as a run's writer writes them, stamps included)."""
     for n, shard in enumerate(shards):
@@ -74,7 +57,7 @@ def write_parts(out, parts_id: str, shards, first: int = 0) -> None:
 
 
 def load(out):
-    watched = Watched(out)
+    watched = RecordingStorage(out)
     return load_done_index.fn(watched, FP), watched
 
 

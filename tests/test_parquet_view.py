@@ -24,6 +24,7 @@ from tasks.results.parquet_view import add_run
 from tasks.results.records import ResultRecord
 from tasks.results.writers import write_manifest, write_shard
 from tests.test_parquet_export import FP, RUN1, RUN2, out, record
+from tests.recording_storage import RecordingStorage
 
 RUN3 = "cccc3333-20260103T000000"
 RUN4 = "dddd4444-20260104T000000"
@@ -274,28 +275,6 @@ def test_files_an_older_version_wrote_are_rewritten_in_todays_schema(tmp_path):
         "conformed") is None  # once
 
 
-class Recording:
-    """A storage recording the prefixes listed and the keys read."""
-
-    def __init__(self, inner):
-        self.inner, self.listed, self.reads = inner, [], []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def iter_objects(self, glob=None, prefix="", start_after=""):
-        self.listed.append(prefix)
-        return self.inner.iter_objects(glob, prefix, start_after)
-
-    def read(self, key: str) -> bytes:
-        self.reads.append(key)
-        return self.inner.read(key)
-
-    def read_range(self, key: str, start: int, length: int) -> bytes:
-        self.reads.append(key)
-        return self.inner.read_range(key, start, length)
-
-
 def test_a_runs_step_reads_only_its_own_parts_and_takes_the_earlier_ones_from_its_done_index(tmp_path):
     """At a run's end the step asks the done-index the run loaded at its start which earlier
     results it computed again and in which parts they stand: it lists only the run's own parts
@@ -307,7 +286,7 @@ def test_a_runs_step_reads_only_its_own_parts_and_takes_the_earlier_ones_from_it
     o = out(output)
     load_done_index.fn(o, FP)  # as the run does at its start
     part = write_shard(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption"), record("e.jpg", RUN2, "egg")])
-    watched = Recording(o)
+    watched = RecordingStorage(o)
     report = add_run(watched, FP, RUN2, [part])
     assert report["rows"] == 2 and report["rewritten"] == {str(output / run_parquet_key(RUN1)): 1}
     assert [p for p in watched.listed if p.startswith("results/")] == [part_prefix(FP, RUN2)]
