@@ -30,6 +30,7 @@ from prefect import flow
 from prefect.events import Event
 from prefect.runtime import flow_run
 
+from flows.head_start import discard_head_start, settle_head_start
 from flows.params import CaptionJob, Partition
 from flows.partition_run import PartitionRun
 from flows.pipeline import caption_shards
@@ -99,10 +100,14 @@ def run_job(job: CaptionJob) -> dict:
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
     lease = one_run_per_job(plan.fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
     try:
+        asked = time.monotonic()
         with lease:
+            # `vlm-caption run` began a nightly run's done-index and listing already; kept if still true.
+            settle_head_start(plan, slot_wait_s=time.monotonic() - asked)
             return caption_job(plan, run_id, log, engine_first=early)
     finally:
         discard_early_engine()  # not taken: the run had nothing to do, or failed before its first item
+        discard_head_start(plan)
 
 
 def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> dict:

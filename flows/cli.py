@@ -164,13 +164,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         # vLLM's import, then the engine's start, which overlaps Prefect's start and the flow run's.
-        start_engine_first(plan)
+        server_up = lambda: None  # noqa: E731 - Prefect's client starts its embedded server itself
+        if not start_engine_first(plan):  # earlier results, no engine yet: Prefect's embedded server
+            from flows.head_start import begin_head_start  # and the done-index and listing begin now
+            from tasks.prefect_api import start_embedded_server_early
+
+            server_up = start_embedded_server_early()
+            begin_head_start(plan)  # on a thread, beside Prefect's start and the flow run's
         from tasks.engine.engine_process import wait_for_engine_process
 
         wait_for_engine_process()  # the engine's share of this process done before Prefect's start takes the GIL
         from flows.caption import vlm_caption
+        from flows.head_start import discard_head_start
 
-        summary = vlm_caption(job)
+        server_up()
+        try:
+            summary = vlm_caption(job)
+        finally:
+            discard_head_start()  # the flow's job was not the one begun, or it failed before its listing
     print_run_end(summary, job.output, log_path, args.log_format, source=job.location)
     return 0
 

@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from flows.head_start import take_head_start
 from flows.partition_end import finish_partition
 from flows.partition_run import PartitionRun
 from flows.shard_report import ShardReport
@@ -45,8 +46,9 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | Non
 
 def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, dict | None]:
     work = run.work
-    done = load_done_index(run.output, run.fingerprint)
-    stream = listing(run, done, claims)
+    started = take_head_start(run) if claims is None else None  # a nightly run's, begun before its flow
+    done = started[0] if started else load_done_index(run.output, run.fingerprint)
+    stream = started[1] if started else listing(run, done, claims)
     try:
         # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
         # listing is read whole first; image and video start on the first shard listed.

@@ -10,8 +10,9 @@ It uses no private name of Prefect. What it relies on, each part of Prefect's pu
   one line of ours on the terminal (tasks/terminal.py), at the start of `vlm-caption server`, or
   before a command's one-line error; anything else gets it on stderr as the process ends.
 - `prefect.server.api.server.SubprocessASGIServer()` (no port) is the embedded API server Prefect's
-  client starts when PREFECT_API_URL is unset (one instance per process, as Prefect's test harness
-  also uses it), with `running` and `stop()`.
+  client starts when PREFECT_API_URL is unset and PREFECT_SERVER_EPHEMERAL_ENABLED is on (one
+  instance per process, as Prefect's test harness also uses it), with `start()` (it waits until
+  the server answers; once started, a later call does nothing), `running` and `stop()`.
 - `prefect.logging.handlers.APILogWorker.drain_all(timeout=)` and
   `prefect.events.worker.EventsWorker.drain_all(timeout=)` send what the log and event workers hold
   (Prefect's test harness drains them so before it stops its server).
@@ -23,6 +24,8 @@ import atexit
 import contextlib
 import io
 import sys
+import threading
+from collections.abc import Callable
 from typing import IO, Any
 
 # What Prefect printed on stderr as it was first imported (its first-run telemetry notice), held
@@ -95,6 +98,29 @@ def running_embedded_server() -> Any | None:
         return None
     embedded = server.SubprocessASGIServer()
     return embedded if embedded.running else None
+
+
+def start_embedded_server_early() -> Callable[[], None]:
+    """Start Prefect's embedded server now, on a thread, where the run would start it (no
+    PREFECT_API_URL): its process starts while this one imports the flow and begins a nightly
+    run's listing. Returns what waits for it, which the caller calls before its first use of
+    Prefect's client: a start that failed is left to that client, which starts it again and
+    raises its own error."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return lambda: None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+
+    def start() -> None:
+        with contextlib.suppress(Exception):  # the client's own start raises it, with its message
+            server.start()
+
+    thread = threading.Thread(target=start, name="vlm-caption-prefect-server", daemon=True)
+    thread.start()
+    return thread.join
 
 
 def drain_and_stop(embedded: Any, timeout_s: float = 30) -> None:

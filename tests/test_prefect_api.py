@@ -93,3 +93,44 @@ print("-- stopped --", flush=True)
     assert "Stopping temporary server" in done.stderr, output[-3000:]  # Prefect's line, now
     at_exit = done.stderr.split("Stopping temporary server", 1)[1]
     assert "Stopping temporary server" not in at_exit and "Error logging to API" not in at_exit, output[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_an_embedded_server_started_early_is_the_one_the_flow_run_uses(tmp_path):
+    """`vlm-caption run` starts the embedded server on a thread before it imports the flow (a night
+    with earlier results): the flow run then finds it up, and no second server starts."""
+    script = """
+from prefect import flow
+from tasks.prefect_api import drain_and_stop, running_embedded_server, start_embedded_server_early
+
+wait = start_embedded_server_early()
+wait()
+server = running_embedded_server()
+assert server is not None, "no embedded server after the early start"
+
+@flow
+def hello():
+    return 1
+
+assert hello() == 1
+assert running_embedded_server() is server
+drain_and_stop(server)
+"""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API_URL")}
+    env["PREFECT_HOME"] = str(tmp_path / "home")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=570)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert output.count("Starting temporary server") == 1, output[-3000:]
+
+
+def test_no_embedded_server_is_started_early_where_the_run_has_an_api_url():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.prefect_api import running_embedded_server, start_embedded_server_early
+
+    before = running_embedded_server()
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        start_embedded_server_early()()
+    assert running_embedded_server() is before

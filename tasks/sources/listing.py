@@ -67,7 +67,12 @@ class ShardStream:
     run over a history of millions makes shards (task runs, parts, claims) for what is new, full
     ones wherever the new items are. A fanned-out run lists once and shares the shards through a
     plan in the output store (`tasks/shard_plan.py`: its PlanWriter is a ShardStream whose `put`
-    writes the plan's chunks instead of handing shards to a queue)."""
+    writes the plan's chunks instead of handing shards to a queue).
+
+    `begin()` starts the listing on a thread of its own before the flow run exists (a nightly
+    run's head start, flows/head_start.py); `start()` then makes the `list-source` task run that
+    waits for it. Counts of done items that find the queue full are added to the next one
+    handed over, so a listing of only done items never waits for the captioning."""
 
     ATTEMPTS = 3  # a listing that fails resumes after the items it already handed over
 
@@ -82,10 +87,31 @@ class ShardStream:
         self._unjudged: list[WorkItem] = []
         self._queue: queue.Queue = queue.Queue(maxsize=ahead)
         self._closed = threading.Event()
+        self._held_done = 0  # done items counted but not yet handed over (the queue was full)
+        self._thread: threading.Thread | None = None  # the listing begun before the flow run
+        self._error: BaseException | None = None  # how that listing ended, for its task run to raise
+
+    def begin(self) -> ShardStream:
+        """List now, on a thread of its own (no task run yet: `start` makes the one that waits)."""
+        self._thread = threading.Thread(target=self._produce_begun, name="vlm-caption-listing", daemon=True)
+        self._thread.start()
+        return self
+
+    def _produce_begun(self) -> None:
+        try:
+            self.produce()
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer by produce, raised by the task run
+            self._error = exc
 
     def start(self) -> ShardStream:
         list_source.submit(self)
         return self
+
+    def wait_begun(self) -> None:
+        """In the `list-source` task run of a begun listing: its end, or its error raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
     def close(self) -> None:
         """The run stopped taking shards (it failed): let the listing task end, not block."""
@@ -129,7 +155,22 @@ class ShardStream:
                 time.sleep(2 * attempt)
 
     def put(self, thing) -> None:
-        """Waits for room while the captioning is behind (nothing is dropped), until the run closes."""
+        """Waits for room while the captioning is behind (nothing is dropped), until the run closes.
+        A count of done items that finds no room is added to the next thing handed over instead."""
+        if self._closed.is_set():
+            raise StreamClosed
+        if isinstance(thing, AlreadyDone):
+            self._held_done += thing.items
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(AlreadyDone(self._held_done))
+                self._held_done = 0
+            return
+        if self._held_done:  # they came before `thing`
+            held, self._held_done = self._held_done, 0
+            self._put(AlreadyDone(held))
+        self._put(thing)
+
+    def _put(self, thing) -> None:
         while not self._closed.is_set():
             with contextlib.suppress(queue.Full):  # no room within 0.5 s: see whether closed, try again
                 self._queue.put(thing, timeout=0.5)
@@ -175,8 +216,12 @@ class ShardStream:
 
 @task(name="list-source", cache_policy=NONE, persist_result=False)
 def list_source(stream: ShardStream) -> dict:
-    """Page through the source, cutting it into shards for the run as it goes."""
-    stream.produce()
+    """Page through the source, cutting it into shards for the run as it goes (or wait for the
+    listing begun before the flow run)."""
+    if stream._thread is not None:
+        stream.wait_begun()
+    else:
+        stream.produce()
     counts = {"items": stream.items_listed, "shards": stream.shards_listed, "already_done": stream.already_done}
     get_logger(source=stream.source.uri).info("listed source", **counts)
     return counts

@@ -1,0 +1,176 @@
+"""A nightly run's head start: its done-index loaded and its listing begun as soon as its plan
+is made, on a thread of their own, while Prefect's server starts and the flow run is made.
+
+A run whose output holds results of its job starts no engine at once (flows/plan.py
+`engine_first`); what it has to do first is load the done-index and judge every listed item
+against it, which with a large history is most of the flow run, and which needs no Prefect. So
+`vlm-caption run` begins both (`begin_head_start`) right after the plan, before the embedded
+Prefect server is up. The flow, in the same process and with the same resolved job, takes them
+(`take_head_start`, flows/pipeline.py) instead of loading and listing again: its `load-done-index` task run waits for
+the load, its `list-source` task run for the listing (tasks/sources/listing.py `ShardStream.begin`),
+so the run shows the same task runs, counts and log lines.
+
+The load ran before the flow took the job's slot (tasks/concurrency.py), so another run of the
+job may have added results since. The flow checks once it holds the slot (`settle_head_start`): a
+slot that was not free at once, or a manifest written meanwhile (a run ended) and the head start
+is dropped, and the flow loads and lists as it would have.
+Only a run of its own (no fan-out, no partition) takes one; a fanned-out run lists into a shard plan.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from prefect import task
+from prefect.cache_policies import NONE
+
+from flows.partition_run import PartitionRun
+from flows.plan import RunPlan
+from tasks.observability import get_logger
+from tasks.results.done_index import DoneIndex, load_done_index
+from tasks.results.layout import manifest_key
+from tasks.sources.listing import ShardStream
+
+# Taking a free slot asks the server a few times; a slot that took longer was held by another run.
+SLOT_FREE_S = 5.0
+MANIFESTS = manifest_key("").rsplit("/", 1)[0] + "/"
+
+
+class HeadStart:
+    """The done-index's load, then the listing judged against it, on a thread begun before the flow."""
+
+    def __init__(self, plan: RunPlan):
+        self.key = plan_key(plan)
+        self.job = plan.job.model_dump_json()
+        self.plan = plan
+        self.done: DoneIndex | None = None
+        self.error: BaseException | None = None
+        self.manifests: frozenset[str] | None = None  # the output's manifests before the load
+        self.loaded = threading.Event()
+        job = plan.job
+        self.stream = ShardStream(plan.source, job.shard_size, job.limit,
+                                  pending=lambda items: self.done.pending_mask(items, job.questions_to_ask))
+        self.thread = threading.Thread(target=self._load_then_list, name="vlm-caption-head-start", daemon=True)
+
+    def _load_then_list(self) -> None:
+        try:
+            self.manifests = manifests_of(self.plan)
+            # The task's body, which also keeps the index for the run's Parquet step.
+            self.done = load_done_index.fn(self.plan.output, self.plan.fingerprint)
+        except BaseException as exc:  # noqa: BLE001 - the flow loads it itself, with the task's retries
+            self.error = exc
+        finally:
+            self.loaded.set()
+        if self.error is None:
+            self.stream.begin()
+
+    def drop(self, wait: bool = True) -> None:
+        """Not taken: the listing stopped; with `wait`, the load waited for, so that an index
+        loaded after this one is the one kept for the run's Parquet step."""
+        self.stream.close()
+        if wait:
+            self.loaded.wait()
+            self.stream.close()  # begun after the first close, if the load ended in between
+
+
+_started: dict[Key, HeadStart] = {}
+_lock = threading.Lock()
+
+
+Key = tuple[str, str, str, int, "int | None", tuple[str, ...]]
+
+
+def plan_key(plan: RunPlan) -> Key:
+    """Which partition's listing this is (the plan's, and the flow's PartitionRun's of it)."""
+    job = plan.job
+    return plan.fingerprint, plan.output.uri, plan.source.uri, job.shard_size, job.limit, job.questions_to_ask
+
+
+def run_key(run: PartitionRun) -> Key:
+    work = run.work
+    return run.fingerprint, run.output.uri, run.source.uri, work.shard_size, work.limit, work.questions
+
+
+def manifests_of(plan: RunPlan) -> frozenset[str]:
+    return frozenset(ref.key for ref in plan.output.iter_objects(prefix=MANIFESTS))
+
+
+def wants_head_start(plan: RunPlan) -> bool:
+    """A run of its own (no fan-out, not a partition); the caller knows it starts no engine first."""
+    return plan.job.fan_out <= 1 and plan.job.partition is None
+
+
+def begin_head_start(plan: RunPlan) -> bool:
+    """`vlm-caption run`, for a job whose output holds results of it: the load and the listing
+    begun now. True if begun."""
+    if not wants_head_start(plan):
+        return False
+    head = HeadStart(plan)
+    with _lock:
+        if head.key in _started:
+            return False
+        _started[head.key] = head
+    head.thread.start()
+    return True
+
+
+def settle_head_start(plan: RunPlan, slot_wait_s: float) -> None:
+    """Once the flow holds the job's slot: drop a head start another run's results may have
+    outdated (the slot was held by another run, or a run ended and wrote its manifest)."""
+    with _lock:
+        head = _started.get(plan_key(plan))
+    if head is None:
+        return
+    why = f"the job's slot took {slot_wait_s:.1f} s (another run held it)" if slot_wait_s > SLOT_FREE_S else None
+    if head.job != plan.job.model_dump_json():  # the flow resolved the job otherwise (a newer report)
+        why = "the flow's job is not the one begun"
+    if why is None:
+        head.loaded.wait()
+        try:
+            if head.manifests is not None and manifests_of(plan) != head.manifests:
+                why = "another run of the job ended meanwhile"
+        except Exception as exc:  # noqa: BLE001 - unsure: loaded again
+            why = f"the output's manifests could not be listed ({exc})"
+    if why is not None:
+        discard_head_start(plan)
+        get_logger(fingerprint=plan.fingerprint).info("done-index loaded again", why=why)
+
+
+def discard_head_start(plan: RunPlan | None = None) -> None:
+    """Drop the plan's head start (the flow found it outdated, or ended without it); with None,
+    every one left as the process's run ends (nothing loads after it: no wait)."""
+    with _lock:
+        heads = [_started.pop(plan_key(plan), None)] if plan is not None else list(_started.values())
+        if plan is None:
+            _started.clear()
+    for head in heads:
+        if head is not None:
+            head.drop(wait=plan is not None)
+
+
+def take_head_start(run: PartitionRun) -> tuple[DoneIndex, ShardStream] | None:
+    """The plan's done-index and begun listing, once; None where there is none (or its load
+    failed: the caller loads and lists as usual). Its `load-done-index` and `list-source` task
+    runs are made here, each waiting for its part."""
+    if run.partition is not None:
+        return None
+    with _lock:
+        head = _started.pop(run_key(run), None)
+    if head is None:
+        return None
+    done = wait_for_done_index(head)
+    if done is None:
+        head.drop()
+        return None
+    return done, head.stream.start()
+
+
+@task(name="load-done-index", cache_policy=NONE, persist_result=False)
+def wait_for_done_index(head: HeadStart) -> DoneIndex | None:
+    """The done-index the head start is loading, once it is loaded."""
+    head.loaded.wait()
+    if head.error is not None:
+        get_logger(fingerprint=head.plan.fingerprint).warning(
+            "the done-index's early load failed; loading it again", error=str(head.error))
+    return head.done

@@ -1,0 +1,132 @@
+"""A nightly run's head start (flows/head_start.py): `vlm-caption run` begins the done-index's
+load and the listing before Prefect's server is up; the flow takes them instead of loading and
+listing again, and shows the same task runs and counts. A head start another run may have
+outdated (it ended meanwhile) is dropped and the flow loads again. A listing begun with no one
+taking its shards yet does not wait on the done items it counts."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+import flows.head_start as head_start
+import flows.pipeline
+import tasks.sources.formats as formats
+from flows.bench.config import BenchConfig
+from flows.bench.history import Locations, add_new_items, synthesize
+from flows.caption import vlm_caption
+from flows.params import CaptionJob
+from flows.plan import make_plan
+from tasks.sources.formats import SourceSpec
+from tasks.sources.items import ObjectRef
+from tasks.sources.listing import AlreadyDone, ShardStream
+
+HISTORY, SHARD = 200, 8
+
+
+class Keys:
+    """A bucket of `count` keys, listed lazily."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def iter_objects(self, glob=None, prefix=""):
+        for i in range(self.count):
+            yield ObjectRef(f"img/{i:07d}.jpg", 1000 + i, f"etag-{i}")
+
+
+def test_a_begun_listing_of_done_items_ends_before_anyone_takes_them(monkeypatch):
+    monkeypatch.setattr(formats, "source_storage", lambda uri: Keys(20_000))
+    stream = ShardStream(SourceSpec("s3://synthetic/"), 64, None, pending=lambda items: [False] * len(items))
+    stream.begin()
+    for _ in range(600):  # no one reads: 20 batches of done items, a queue of 4
+        if stream.finished:
+            break
+        time.sleep(0.05)
+    assert stream.finished  # every item judged: only its end waits for a reader
+    listed = list(stream)
+    assert all(isinstance(x, AlreadyDone) for x in listed) and sum(x.items for x in listed) == 20_000
+
+
+def test_a_begun_listing_hands_done_counts_before_the_shard_after_them(monkeypatch):
+    monkeypatch.setattr(formats, "source_storage", lambda uri: Keys(10_000))
+    # only the last item has work left: its shard comes after every done item's count
+    stream = ShardStream(SourceSpec("s3://synthetic/"), 64, None,
+                         pending=lambda items: [item.id == "img/0009999.jpg" for item in items])
+    stream.begin()
+    listed = list(stream)
+    assert sum(x.items for x in listed[:-1] if isinstance(x, AlreadyDone)) == 9_999
+    assert [item.id for item in listed[-1].items] == ["img/0009999.jpg"]
+
+
+@pytest.fixture
+def history(tiny_llava, tmp_path):
+    cfg = BenchConfig(workdir=str(tmp_path), history=HISTORY, shard_size=SHARD, max_tokens=4)
+    where = Locations(tmp_path / "history", "folder")
+    new = synthesize(where, cfg, str(tiny_llava), {})
+    job = CaptionJob(source=where.source, output=where.out, model=str(tiny_llava), shard_size=SHARD,
+                     sampling={"max_tokens": 4})
+    return where, new, job
+
+
+def _task_runs(flow_run_id) -> Counter:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        assert all(run.state.is_completed() for run in runs), [(run.name, run.state.type) for run in runs]
+    return Counter(run.name.rsplit("-", 1)[0] for run in runs)
+
+
+def _loads(monkeypatch) -> list:
+    """The flow's own loads of the done-index (none when it took the head start's)."""
+    loads, load = [], flows.pipeline.load_done_index
+    monkeypatch.setattr(flows.pipeline, "load_done_index", lambda *a: loads.append(a) or load(*a))
+    return loads
+
+
+def test_the_flow_takes_the_begun_load_and_listing(prefect_api, history, monkeypatch):
+    where, new, job = history
+    add_new_items(where, new, {})  # two new items among the done ones
+    loads = _loads(monkeypatch)
+    monkeypatch.setattr(head_start, "SLOT_FREE_S", 600.0)  # a busy machine's slow server is not another run
+    plan = make_plan(job)
+    assert head_start.begin_head_start(plan)
+    state = vlm_caption(plan.job, return_state=True)
+    summary = state.result()
+    assert loads == []  # the head start's index, not a second load
+    assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY + 2, HISTORY, 2)
+    assert summary["succeeded"] == 2
+    names = _task_runs(state.state_details.flow_run_id)
+    assert names["load-done-index"] == 1 and names["list-source"] == 1, names
+    assert not head_start._started  # taken once
+
+
+def test_a_head_start_outdated_by_a_run_that_ended_meanwhile_is_dropped(prefect_api, history, monkeypatch):
+    where, _, job = history
+    loads = _loads(monkeypatch)
+    plan = make_plan(job)
+    assert head_start.begin_head_start(plan)
+    head = head_start._started[head_start.plan_key(plan)]
+    head.loaded.wait(30)
+    (where.base / "out" / "manifests" / "another-run.json").write_text(json.dumps({}))  # it ended just now
+    summary = vlm_caption(plan.job)
+    assert len(loads) == 1  # loaded again, after the job's slot was taken
+    assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY, HISTORY, 0)
+    assert not head_start._started
+
+
+def test_a_job_resolved_otherwise_by_the_flow_does_not_take_it(prefect_api, history, monkeypatch):
+    _, _, job = history
+    loads = _loads(monkeypatch)
+    plan = make_plan(job)
+    assert head_start.begin_head_start(plan)
+    summary = vlm_caption(job.model_copy(update={"shard_size": 16}))  # shards of another size: another listing
+    assert len(loads) == 1 and summary["skipped_already_done"] == HISTORY
+    assert len(head_start._started) == 1  # left for `vlm-caption run` to drop once its flow has ended
+    head_start.discard_head_start()
+    assert not head_start._started
