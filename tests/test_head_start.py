@@ -130,3 +130,16 @@ def test_a_job_resolved_otherwise_by_the_flow_does_not_take_it(prefect_api, hist
     assert len(head_start._started) == 1  # left for `vlm-caption run` to drop once its flow has ended
     head_start.discard_head_start()
     assert not head_start._started
+
+
+@pytest.mark.parametrize("etag", ["4d2-1f", "it's", 'say "hi"', "back\\slash", "ünï"])
+def test_a_listed_items_signature_is_the_one_its_result_was_written_with(etag):
+    from tasks.results.done_index import listed_signature_hash
+    from tasks.results.done_rows import listing_signature, signature_hash
+    from tasks.sources.items import WorkItem
+
+    one = WorkItem("a.jpg", (ObjectRef("a.jpg", 1234, etag),))
+    two = WorkItem("g", (ObjectRef("g/1.jpg", 1, etag), ObjectRef("g/2.jpg", 2, "x")))
+    for item in (one, two):
+        assert listed_signature_hash(item) == signature_hash(listing_signature(item))
+    assert listed_signature_hash(WorkItem("b.jpg", (ObjectRef("b.jpg", -1, etag),))) is None

@@ -46,7 +46,7 @@ from prefect.cache_policies import NONE
 
 from tasks.observability import get_logger
 from tasks.results.done_rows import (  # noqa: F401 - the done-index's names, as other modules import them
-    COMPACT_HEADER, COMPACT_MAGIC, ROW, SIDECAR_HEADER, SIDECAR_MAGIC, PartRows, Signature, _parse_part,
+    COMPACT_HEADER, COMPACT_MAGIC, ROW, SIDECAR_HEADER, SIDECAR_MAGIC, PartRows, Signature, _hash64, _parse_part,
     _read_sidecar, compacted_bytes, content_hash, index_rows, listing_signature, load_part_rows, parse_records,
     record_signature, result_key, sidecar_bytes, sidecar_key, signature_hash)
 from tasks.results.earlier import EarlierRecords
@@ -57,6 +57,18 @@ from tasks.sources.storage import Storage
 
 COMPACT_AFTER = 64  # parts read one by one that make a load write a new compacted index
 MAX_CANDIDATES = 64  # earlier results with the same bytes looked at for one (item, question)
+
+
+def listed_signature_hash(item: WorkItem) -> int | None:
+    """`signature_hash(listing_signature(item))`; a one-member item's (the usual case, once per
+    listed item) from the same text, `repr(((etag, size),))`, made without the tuples."""
+    if len(item.members) == 1:
+        member = item.members[0]
+        if not member.etag or member.size < 0:
+            return None
+        return _hash64(f"(({member.etag!r}, {int(member.size)}),)")
+    signature = listing_signature(item)
+    return None if signature is None else signature_hash(signature)
 
 
 class DoneIndex:
@@ -125,11 +137,10 @@ class DoneIndex:
         owners, keys, signatures = [], [], []
         unlisted = np.zeros(len(items), bool)  # a member's etag or size unknown: always pending
         for i, (item, wanted) in enumerate(zip(items, asked)):
-            signature = listing_signature(item)
-            if signature is None:
+            signed = listed_signature_hash(item)
+            if signed is None:
                 unlisted[i] = True
                 continue
-            signed = signature_hash(signature)
             for question in wanted:
                 owners.append(i)
                 keys.append(result_key(item.id, question))
