@@ -30,7 +30,7 @@ from prefect import flow
 from prefect.events import Event
 from prefect.runtime import flow_run
 
-from flows.head_start import discard_head_start, settle_head_start
+from flows.head_start import settle_head_start
 from flows.params import CaptionJob, Partition
 from flows.partition_run import PartitionRun
 from flows.pipeline import caption_shards
@@ -107,7 +107,6 @@ def run_job(job: CaptionJob) -> dict:
             return caption_job(plan, run_id, log, engine_first=early)
     finally:
         discard_early_engine()  # not taken: the run had nothing to do, or failed before its first item
-        discard_head_start(plan)
 
 
 def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> dict:

@@ -181,7 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             summary = vlm_caption(job)
         finally:
-            discard_head_start()  # the flow's job was not the one begun, or it failed before its listing
+            discard_head_start()  # the flow failed before its listing
     print_run_end(summary, job.output, log_path, args.log_format, source=job.location)
     return 0
 

@@ -12,15 +12,14 @@ so the run shows the same task runs, counts and log lines.
 
 The load ran before the flow took the job's slot (tasks/concurrency.py), so another run of the
 job may have added results since. The flow checks once it holds the slot (`settle_head_start`): a
-slot that was not free at once, or a manifest written meanwhile (a run ended) and the head start
-is dropped, and the flow loads and lists as it would have.
+slot that was not free at once, a manifest written meanwhile (a run ended), or a job the flow
+resolved otherwise, and the head start is dropped: the flow loads and lists as it would have.
 Only a run of its own (no fan-out, no partition) takes one; a fanned-out run lists into a shard plan.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 
 from prefect import task
 from prefect.cache_policies import NONE
@@ -64,6 +63,16 @@ class HeadStart:
             self.loaded.set()
         if self.error is None:
             self.stream.begin()
+
+    def outdated(self) -> str | None:
+        """Why the output may hold results this load has not (a run ended meanwhile), or None."""
+        self.loaded.wait()
+        try:
+            if self.manifests is not None and manifests_of(self.plan) != self.manifests:
+                return "another run of the job ended meanwhile"
+        except Exception as exc:  # noqa: BLE001 - unsure: loaded again
+            return f"the output's manifests could not be listed ({exc})"
+        return None
 
     def drop(self, wait: bool = True) -> None:
         """Not taken: the listing stopped; with `wait`, the load waited for, so that an index
@@ -117,36 +126,34 @@ def begin_head_start(plan: RunPlan) -> bool:
 
 def settle_head_start(plan: RunPlan, slot_wait_s: float) -> None:
     """Once the flow holds the job's slot: drop a head start another run's results may have
-    outdated (the slot was held by another run, or a run ended and wrote its manifest)."""
+    outdated (the slot was held by another run, or a run ended and wrote its manifest), or one
+    begun for another job than the flow resolved (a newer inventory report since)."""
     with _lock:
-        head = _started.get(plan_key(plan))
-    if head is None:
-        return
-    why = f"the job's slot took {slot_wait_s:.1f} s (another run held it)" if slot_wait_s > SLOT_FREE_S else None
-    if head.job != plan.job.model_dump_json():  # the flow resolved the job otherwise (a newer report)
-        why = "the flow's job is not the one begun"
-    if why is None:
-        head.loaded.wait()
-        try:
-            if head.manifests is not None and manifests_of(plan) != head.manifests:
-                why = "another run of the job ended meanwhile"
-        except Exception as exc:  # noqa: BLE001 - unsure: loaded again
-            why = f"the output's manifests could not be listed ({exc})"
-    if why is not None:
-        discard_head_start(plan)
-        get_logger(fingerprint=plan.fingerprint).info("done-index loaded again", why=why)
-
-
-def discard_head_start(plan: RunPlan | None = None) -> None:
-    """Drop the plan's head start (the flow found it outdated, or ended without it); with None,
-    every one left as the process's run ends (nothing loads after it: no wait)."""
-    with _lock:
-        heads = [_started.pop(plan_key(plan), None)] if plan is not None else list(_started.values())
-        if plan is None:
-            _started.clear()
+        heads = list(_started.values())
+    job = plan.job.model_dump_json()
     for head in heads:
-        if head is not None:
-            head.drop(wait=plan is not None)
+        why = None
+        if head.job != job:
+            why = "the flow's job is not the one begun"
+        elif slot_wait_s > SLOT_FREE_S:
+            why = f"the job's slot took {slot_wait_s:.1f} s (another run held it)"
+        else:
+            why = head.outdated()
+        if why is not None:
+            with _lock:
+                _started.pop(head.key, None)
+            head.drop()
+            get_logger(fingerprint=head.plan.fingerprint).info("done-index loaded again", why=why)
+
+
+def discard_head_start() -> None:
+    """Drop every head start left as `vlm-caption run`'s flow has ended (it failed before its
+    listing): nothing loads after it, so nothing is waited for."""
+    with _lock:
+        heads = list(_started.values())
+        _started.clear()
+    for head in heads:
+        head.drop(wait=False)
 
 
 def take_head_start(run: PartitionRun) -> tuple[DoneIndex, ShardStream] | None:
