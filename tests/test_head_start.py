@@ -141,3 +141,20 @@ def test_a_listed_items_signature_is_the_one_its_result_was_written_with(etag):
     for item in (one, two):
         assert listed_signature_hash(item) == signature_hash(listing_signature(item))
     assert listed_signature_hash(WorkItem("b.jpg", (ObjectRef("b.jpg", -1, etag),))) is None
+
+
+def test_vlm_caption_run_over_a_history_takes_its_head_start(prefect_api, history, monkeypatch, capsys):
+    from flows.cli import main
+
+    where, _, job = history
+    loads = _loads(monkeypatch)
+    monkeypatch.setattr(head_start, "SLOT_FREE_S", 600.0)
+    begun = []
+    monkeypatch.setattr(head_start, "begin_head_start",
+                        lambda plan, begin=head_start.begin_head_start: begun.append(begin(plan)) or begun[-1])
+    code = main(["run", where.source, "--model", job.model, "--out", where.out, "--shard-size", str(SHARD),
+                 "--max-tokens", "4", "-v"])
+    assert code == 0 and begun == [True]
+    assert loads == []  # the flow took the load and the listing `vlm-caption run` began
+    assert f"0 captioned: 0 ok, 0 failed; {HISTORY} already done" in capsys.readouterr().out
+    assert not head_start._started
