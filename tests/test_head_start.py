@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 
 import pytest
 
@@ -23,6 +22,7 @@ from flows.plan import make_plan
 from tasks.sources.formats import SourceSpec
 from tasks.sources.items import ObjectRef
 from tasks.sources.listing import AlreadyDone, ShardStream
+from tests.test_nightly import task_runs
 
 HISTORY, SHARD = 200, 8
 
@@ -72,16 +72,6 @@ def history(tiny_llava, tmp_path):
     return where, new, job
 
 
-def _task_runs(flow_run_id) -> Counter:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        assert all(run.state.is_completed() for run in runs), [(run.name, run.state.type) for run in runs]
-    return Counter(run.name.rsplit("-", 1)[0] for run in runs)
-
-
 def _loads(monkeypatch) -> list:
     """The flow's own loads of the done-index (none when it took the head start's)."""
     loads, load = [], flows.pipeline.load_done_index
@@ -101,7 +91,7 @@ def test_the_flow_takes_the_begun_load_and_listing(prefect_api, history, monkeyp
     assert loads == []  # the head start's index, not a second load
     assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY + 2, HISTORY, 2)
     assert summary["succeeded"] == 2
-    names = _task_runs(state.state_details.flow_run_id)
+    names = task_runs(state.state_details.flow_run_id, completed=True)
     assert names["load-done-index"] == 1 and names["list-source"] == 1, names
     assert not head_start._started  # taken once
 

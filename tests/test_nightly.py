@@ -21,13 +21,15 @@ HISTORY, SHARD = 300, 8
 PER_SHARD_TASKS = {"caption-batch", "start-engine"}  # the shards' task runs: a batch of them each
 
 
-def _task_runs(flow_run_id) -> Counter:
+def task_runs(flow_run_id, completed: bool = False) -> Counter:
+    """The flow run's task runs by name, each asserted ended in the server (`completed`: COMPLETED)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        assert all(run.state.is_final() for run in runs), [(run.name, run.state.type) for run in runs]
+        ended = [run.state.is_completed() if completed else run.state.is_final() for run in runs]
+        assert all(ended), [(run.name, run.state.type) for run in runs]
     return Counter(run.name.rsplit("-", 1)[0] for run in runs)
 
 
@@ -67,7 +69,7 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
     summary = state.result()
     assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY, HISTORY, 0)
     flow_run_id = state.state_details.flow_run_id
-    names = _task_runs(flow_run_id)
+    names = task_runs(flow_run_id)
     assert not PER_SHARD_TASKS & set(names), names  # 38 shards, all done: no task run for any
     assert names["list-source"] == 1 and sum(names.values()) <= 6, names
     assert built == []  # no engine, no decode pool
@@ -82,7 +84,7 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
     summary = state.result()
     assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY + 3, HISTORY, 3)
     assert summary["succeeded"] == 3
-    names = _task_runs(state.state_details.flow_run_id)
+    names = task_runs(state.state_details.flow_run_id)
     assert {name: names[name] for name in PER_SHARD_TASKS} == {"caption-batch": 1, "start-engine": 1}
     parts = sorted((where.base / "out" / "results").glob(f"*/part-{summary['run_id']}-*.jsonl"))
     assert len(parts) == 1

@@ -84,12 +84,7 @@ drain_and_stop(server)
 assert running_embedded_server() is None and server.server_process is None, "the embedded server still runs"
 print("-- stopped --", flush=True)
 """
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API_URL")}
-    env["PREFECT_HOME"] = str(tmp_path / "home")
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=570)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
+    done, output = _run_without_api_url(script, tmp_path)
     assert "Stopping temporary server" in done.stderr, output[-3000:]  # Prefect's line, now
     at_exit = done.stderr.split("Stopping temporary server", 1)[1]
     assert "Stopping temporary server" not in at_exit and "Error logging to API" not in at_exit, output[-3000:]
@@ -116,12 +111,7 @@ assert hello() == 1
 assert running_embedded_server() is server
 drain_and_stop(server)
 """
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API_URL")}
-    env["PREFECT_HOME"] = str(tmp_path / "home")
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=570)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
+    _, output = _run_without_api_url(script, tmp_path)
     assert output.count("Starting temporary server") == 1, output[-3000:]
 
 
@@ -134,3 +124,15 @@ def test_no_embedded_server_is_started_early_where_the_run_has_an_api_url():
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
         start_embedded_server_early()()
     assert running_embedded_server() is before
+
+
+def _run_without_api_url(script: str, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
+    """`script` in a Python of its own with no PREFECT_API_URL and a fresh PREFECT_HOME (so its
+    flow runs start Prefect's embedded server), asserted to succeed; its output returned too."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API_URL")}
+    env["PREFECT_HOME"] = str(tmp_path / "home")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=570)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    return done, output
