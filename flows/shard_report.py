@@ -101,8 +101,10 @@ def caption_batch(batch: Batch, number: int) -> dict[str, int]:
 def _settle(slot: Future, outcome: ShardOutcome) -> None:
     try:
         slot.set_result(outcome)
-    except InvalidStateError:  # settled already (its write ended as the run stopped)
-        pass
+    except InvalidStateError:  # settled already, by the run's stop, as its write ended
+        if outcome.part is not None:  # its batch said it failed; the part is there, and the next run skips it
+            get_logger().warning("a shard's part was written after the run stopped", shard=outcome.shard,
+                                 part=outcome.part)
 
 
 class ShardReport:
