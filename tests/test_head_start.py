@@ -14,15 +14,13 @@ import pytest
 import flows.head_start as head_start
 import flows.pipeline
 import tasks.sources.formats as formats
-from flows.bench.config import BenchConfig
-from flows.bench.history import Locations, add_new_items, synthesize
+from flows.bench.history import add_new_items
 from flows.caption import vlm_caption
-from flows.params import CaptionJob
 from flows.plan import make_plan
 from tasks.sources.formats import SourceSpec
 from tasks.sources.items import ObjectRef
 from tasks.sources.listing import AlreadyDone, ShardStream
-from tests.test_nightly import task_runs
+from tests.test_nightly import synthesized_history, task_runs
 
 HISTORY, SHARD = 200, 8
 
@@ -64,12 +62,7 @@ def test_a_begun_listing_hands_done_counts_before_the_shard_after_them(monkeypat
 
 @pytest.fixture
 def history(tiny_llava, tmp_path):
-    cfg = BenchConfig(workdir=str(tmp_path), history=HISTORY, shard_size=SHARD, max_tokens=4)
-    where = Locations(tmp_path / "history", "folder")
-    new = synthesize(where, cfg, str(tiny_llava), {})
-    job = CaptionJob(source=where.source, output=where.out, model=str(tiny_llava), shard_size=SHARD,
-                     sampling={"max_tokens": 4})
-    return where, new, job
+    return synthesized_history(tiny_llava, tmp_path, HISTORY, SHARD)
 
 
 def _loads(monkeypatch) -> list:

@@ -43,14 +43,20 @@ def _progress(flow_run_id) -> float:
     return next(a.data for a in artifacts if a.key == "vlm-caption-progress")
 
 
-@pytest.fixture
-def history(tiny_llava, tmp_path):
-    cfg = BenchConfig(workdir=str(tmp_path), history=HISTORY, shard_size=SHARD, max_tokens=4)
+def synthesized_history(model, tmp_path, size: int, shard: int):
+    """A folder of `size` items all captioned already (the bench's history, as a run writes it),
+    its new items' generator, and the job over it."""
+    cfg = BenchConfig(workdir=str(tmp_path), history=size, shard_size=shard, max_tokens=4)
     where = Locations(tmp_path / "history", "folder")
-    new = synthesize(where, cfg, str(tiny_llava), {})
-    job = CaptionJob(source=where.source, output=where.out, model=str(tiny_llava), shard_size=SHARD,
+    new = synthesize(where, cfg, str(model), {})
+    job = CaptionJob(source=where.source, output=where.out, model=str(model), shard_size=shard,
                      sampling={"max_tokens": 4})
     return where, new, job
+
+
+@pytest.fixture
+def history(tiny_llava, tmp_path):
+    return synthesized_history(tiny_llava, tmp_path, HISTORY, SHARD)
 
 
 def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, history, monkeypatch):
