@@ -190,6 +190,21 @@ def test_gpu_busy_is_reported_over_the_window_and_each_tenth_of_it():
     assert sampler.busy_pct(20.0, 30.0) is None  # no samples there: no figure
 
 
+def test_gpu_busy_is_sampled_on_the_gpus_the_bench_was_given(monkeypatch):
+    """NVML numbers every GPU of the host: a bench kept to GPU 1 (CUDA_VISIBLE_DEVICES=1) samples
+    GPU 1, not GPU 0, where another bench may be running."""
+    from flows.bench.harness import visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert visible_gpus(1) == [1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert visible_gpus(2) == [2, 3] and visible_gpus(1) == [2]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2c")  # UUIDs: NVML's order, from the first
+    assert visible_gpus(2) == [0, 1]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus(2) == [0, 1]
+
+
 def test_raw_n_processes_are_one_phase_from_the_first_engine_ready_to_the_last_result():
     """Raw, N processes as the report shows it, from each process's times (unix): items/s from
     the first engine ready to the last result, while generating (the first request to the last

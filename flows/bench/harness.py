@@ -20,9 +20,18 @@ LOOPBACK_S3 = "s3://bench"  # the bucket of the bench's own moto server
 S3_BLOCK = "vlm-caption-s3"  # the credentials block deployments/prefect.yaml's runs read
 
 
+def visible_gpus(devices: int) -> list[int]:
+    """NVML's indexes of the first `devices` GPUs of CUDA_VISIBLE_DEVICES (NVML ignores it), so
+    that a bench kept to GPU 1 of a host samples GPU 1; unset or not indexes: the first ones."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").replace(" ", "")
+    if visible and all(part.isdigit() for part in visible.split(",")):
+        return [int(part) for part in visible.split(",")][:devices]
+    return list(range(devices))
+
+
 class GpuSampler:
-    """GPU utilization through NVML every 0.2 s, the mean over the first `devices` GPUs (nothing
-    on a machine without NVIDIA GPUs)."""
+    """GPU utilization through NVML every 0.2 s, the mean over the first `devices` GPUs this
+    process may use (nothing on a machine without NVIDIA GPUs)."""
 
     def __init__(self, devices: int = 1):
         self.samples: list[tuple[float, float]] = []
@@ -31,7 +40,7 @@ class GpuSampler:
             import pynvml
 
             pynvml.nvmlInit()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(devices)]
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in visible_gpus(devices)]
             self._nvml = pynvml
         except Exception:  # noqa: BLE001 - no NVIDIA driver (or fewer GPUs): no figure
             self._nvml = None
