@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from typing import Any
 
@@ -23,6 +24,8 @@ from tasks.settings import get_settings
 LOGGER_NAME = "vlm_caption"
 EVENT_PREFIX = "vlm-caption"
 _configured = False
+_api_handler_added = False
+_CONFIGURING = threading.Lock()
 
 
 # ---- secrets never reach a log line ---------------------------------------------------------
@@ -141,36 +144,44 @@ def stream_renderer() -> Any:
 
 
 def configure_logging() -> None:
-    """Idempotent: safe to call from every flow and task."""
-    global _configured
+    """Idempotent: safe to call from every flow and task. The handler that sends the lines to
+    Prefect's UI is added once Prefect is imported in this process: the engine's thread logs
+    before `vllm.LLM` starts, and importing Prefect's logging there (about a second of
+    GIL-bound imports) would delay the engine; no line can reach a flow run before Prefect is
+    imported anyway."""
+    global _configured, _api_handler_added
     _install_redaction()
-    if _configured:
+    if _configured and (_api_handler_added or "prefect" not in sys.modules):
         return
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,  # each handler renders
-        ],
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        cache_logger_on_first_use=True,
-    )
-    stdlib = logging.getLogger(LOGGER_NAME)
-    stdlib.setLevel(logging.INFO)
-    stdlib.propagate = False
-    stream = logging.StreamHandler(sys.stderr)
-    stream.setFormatter(_Formatter(stream_renderer()))
-    stdlib.addHandler(stream)
-    from prefect.logging.handlers import APILogHandler
+    with _CONFIGURING:  # the engine's thread and the flow's may both log first
+        if not _configured:
+            structlog.configure(
+                processors=[
+                    structlog.contextvars.merge_contextvars,
+                    structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso"),
+                    structlog.processors.format_exc_info,
+                    structlog.stdlib.ProcessorFormatter.wrap_for_formatter,  # each handler renders
+                ],
+                logger_factory=structlog.stdlib.LoggerFactory(),
+                wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+                cache_logger_on_first_use=True,
+            )
+            stdlib = logging.getLogger(LOGGER_NAME)
+            stdlib.setLevel(logging.INFO)
+            stdlib.propagate = False
+            stream = logging.StreamHandler(sys.stderr)
+            stream.setFormatter(_Formatter(stream_renderer()))
+            stdlib.addHandler(stream)
+            _configured = True
+        if not _api_handler_added and "prefect" in sys.modules:
+            from prefect.logging.handlers import APILogHandler
 
-    api = APILogHandler()
-    api.setFormatter(_Formatter(render_for_people))
-    api.addFilter(lambda record: _in_prefect_run())  # outside a run there is nowhere to send it
-    stdlib.addHandler(api)
-    _configured = True
+            api = APILogHandler()
+            api.setFormatter(_Formatter(render_for_people))
+            api.addFilter(lambda record: _in_prefect_run())  # outside a run there is nowhere to send it
+            logging.getLogger(LOGGER_NAME).addHandler(api)
+            _api_handler_added = True
 
 
 def get_logger(**context: Any):

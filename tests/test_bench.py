@@ -60,7 +60,8 @@ def test_bench_compares_raw_flow_and_a_fan_out_on_videos_from_s3(tmp_path):
         assert proc["generate_items_per_s"] > 0
     assert fan_out["ratio_over_raw_n"]["ready_to_last_items_per_s"] == round(
         fan_out["ready_to_last_items_per_s"] / raw_n["ready_to_last_items_per_s"], 3)
-    assert set(report["engine_ready_after_raw_s"]) == {"flow_minus_raw", "fan_out_minus_raw_n"}
+    assert set(report["engine_ready_after_raw_s"]) == {"flow_minus_raw", "fan_out_minus_raw_n",
+                                                       "flow_minus_raw_before_build"}
     ratio = report["ratio_flow_over_raw"]
     assert ratio["generate_items_per_s"] == round(report["flow"]["generate_items_per_s"]
                                                   / report["raw"]["generate_items_per_s"], 3)
@@ -240,6 +241,12 @@ def test_a_fan_outs_first_engine_and_last_result_come_from_its_partitions():
               "raw_n": {"engine_ready_s": 10.0}}
     assert engine_ready_gaps(report) == {"flow_minus_raw": 6.5, "fan_out_minus_raw_n": 6.0}
     assert engine_ready_gaps({"raw": {}, "flow": {"engine_ready_s": 15.5}}) == {}
+    # With raw on the flow's processor device: the gap to it, and how much came before vllm.LLM
+    # began (each phase's ready time less its build, engine_start_s).
+    report = {"raw": {"engine_ready_s": 53.8, "engine_start_s": 30.0}, "raw_same": {"engine_ready_s": 39.4,
+              "engine_start_s": 20.4}, "flow": {"engine_ready_s": 45.1, "engine_start_s": 21.1}}
+    assert engine_ready_gaps(report) == {"flow_minus_raw": -8.7, "flow_minus_raw_same": 5.7,
+                                         "flow_minus_raw_before_build": 5.0}
 
 
 @pytest.mark.parametrize(("flags", "skip_raw", "skip_raw_n"), [

@@ -290,6 +290,30 @@ def test_a_run_whose_prefect_api_is_unreachable_says_what_to_do_before_any_engin
     assert not (tmp_path / "out").exists()
 
 
+def test_a_line_logged_before_prefect_is_imported_imports_none_of_it_and_later_lines_reach_the_ui():
+    """The engine's thread logs where the processor goes before `vllm.LLM` starts, while the
+    flow's thread has not imported Prefect yet: that line goes to stderr without importing
+    Prefect's logging (a second of imports before the engine's start), and the first line after
+    Prefect is imported adds the handler that sends lines to the flow run's logs."""
+    code = """
+import logging, sys
+from tasks.observability import LOGGER_NAME, get_logger
+get_logger().info("model processor placed", device="cuda")
+print("prefect imported:", "prefect" in sys.modules, [type(h).__name__ for h in logging.getLogger(LOGGER_NAME).handlers])
+import prefect
+get_logger().info("run started")
+get_logger().info("run finished")
+print("then:", [type(h).__name__ for h in logging.getLogger(LOGGER_NAME).handlers])
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["prefect imported: False ['StreamHandler']",
+                                        "then: ['StreamHandler', 'APILogHandler']"]
+    assert [json.loads(line)["event"] for line in done.stderr.splitlines()] == [
+        "model processor placed", "run started", "run finished"]
+
+
 def test_log_lines_read_as_event_key_value_in_the_ui_and_stay_json_for_machines():
     import structlog
     from prefect.logging.handlers import APILogHandler

@@ -268,12 +268,21 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 def engine_ready_gaps(report: dict[str, Any]) -> dict[str, float]:
     """How much later than raw's each flow phase's first engine was ready, each counted from its
     own phase's start (the issue's bound: a raw script's + 5 s): `flow_minus_raw` (the flow on one
-    GPU against raw), `fan_out_minus_raw_n` (the fan-out's first engine against raw, N processes'
-    first), where both phases ran."""
+    GPU against raw), `flow_minus_raw_same` (against raw with the flow's processor device, where
+    it ran), `fan_out_minus_raw_n` (the fan-out's first engine against raw, N processes' first),
+    where both phases ran. `flow_minus_raw_before_build`: how much of the flow's gap came before
+    `vllm.LLM` began (its imports, the plan), the rest being the build's own (engine_start_s)."""
     ready = lambda phase: (report.get(phase) or {}).get("engine_ready_s")  # noqa: E731
-    pairs = {"flow_minus_raw": ("flow", "raw"), "fan_out_minus_raw_n": ("fan_out", "raw_n")}
-    return {name: round(ready(phase) - ready(base), 2) for name, (phase, base) in pairs.items()
+    pairs = {"flow_minus_raw": ("flow", "raw"), "flow_minus_raw_same": ("flow", "raw_same"),
+             "fan_out_minus_raw_n": ("fan_out", "raw_n")}
+    gaps = {name: round(ready(phase) - ready(base), 2) for name, (phase, base) in pairs.items()
             if ready(phase) is not None and ready(base) is not None}
+    base = "raw_same" if ready("raw_same") is not None else "raw"
+    before = lambda phase: (ready(phase) - report[phase]["engine_start_s"]  # noqa: E731
+                            if ready(phase) is not None and (report[phase].get("engine_start_s") or 0) > 0 else None)
+    if before("flow") is not None and before(base) is not None:
+        gaps["flow_minus_raw_before_build"] = round(before("flow") - before(base), 2)
+    return gaps
 
 
 def flow_processor_on_gpu(cfg: BenchConfig) -> bool:

@@ -103,7 +103,9 @@ def ratios(flow: dict[str, Any], raw: dict[str, Any]) -> dict[str, float]:
             if isinstance(flow.get(m), (int, float)) and isinstance(raw.get(m), (int, float)) and raw[m]}
 
 
-GAP_NAMES = {"flow_minus_raw": "flow over raw", "fan_out_minus_raw_n": "fan-out over raw, N processes"}
+GAP_NAMES = {"flow_minus_raw": "flow over raw", "flow_minus_raw_same": "flow over raw with its processor",
+             "fan_out_minus_raw_n": "fan-out over raw, N processes",
+             "flow_minus_raw_before_build": "of which before vllm.LLM began"}
 
 
 def print_table(report: dict[str, Any], path: Path) -> None:
