@@ -231,7 +231,7 @@ def test_raw_n_processes_are_one_phase_from_the_first_engine_ready_to_the_last_r
 def test_a_fan_outs_first_engine_and_last_result_come_from_its_partitions():
     """The earliest engine ready of the run's own and its partitions' (a partition's report may
     lack it), the latest result of the run's window and its partitions'."""
-    from flows.bench.driver import engine_ready_gaps
+    from flows.bench.report import engine_ready_gaps
     from flows.bench.phases import first_ready_last_result
 
     briefs = [{"engine_ready_at": 5.0, "generate_to": 9.0}, {"engine_ready_at": 3.0, "generate_to": 11.0}, {}]

@@ -55,7 +55,7 @@ from flows.bench.config import CHECKPOINTS, BenchConfig
 from flows.bench.harness import GpuSampler, partition_workers, prefect_api, s3_source
 from flows.bench.media import make_bench_media, make_bench_tars
 from flows.bench.phases import RESULT_FILE
-from flows.bench.report import print_table, profile_summary, ratios, write_report
+from flows.bench.report import engine_ready_gaps, print_table, profile_summary, ratios, write_report
 
 
 def _read_result(path: Path, phase: str, returncode: int, stderr: str) -> dict[str, Any]:
@@ -263,26 +263,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         report["flow_profiles"] = [profile_summary(path) for path in profiles]
     print_table(report, write_report(report, work))
     return report
-
-
-def engine_ready_gaps(report: dict[str, Any]) -> dict[str, float]:
-    """How much later than raw's each flow phase's first engine was ready, each counted from its
-    own phase's start (the issue's bound: a raw script's + 5 s): `flow_minus_raw` (the flow on one
-    GPU against raw), `flow_minus_raw_same` (against raw with the flow's processor device, where
-    it ran), `fan_out_minus_raw_n` (the fan-out's first engine against raw, N processes' first),
-    where both phases ran. `flow_minus_raw_before_build`: how much of the flow's gap came before
-    `vllm.LLM` began (its imports, the plan), the rest being the build's own (engine_start_s)."""
-    ready = lambda phase: (report.get(phase) or {}).get("engine_ready_s")  # noqa: E731
-    pairs = {"flow_minus_raw": ("flow", "raw"), "flow_minus_raw_same": ("flow", "raw_same"),
-             "fan_out_minus_raw_n": ("fan_out", "raw_n")}
-    gaps = {name: round(ready(phase) - ready(base), 2) for name, (phase, base) in pairs.items()
-            if ready(phase) is not None and ready(base) is not None}
-    base = "raw_same" if ready("raw_same") is not None else "raw"
-    before = lambda phase: (ready(phase) - report[phase]["engine_start_s"]  # noqa: E731
-                            if ready(phase) is not None and (report[phase].get("engine_start_s") or 0) > 0 else None)
-    if before("flow") is not None and before(base) is not None:
-        gaps["flow_minus_raw_before_build"] = round(before("flow") - before(base), 2)
-    return gaps
 
 
 def flow_processor_on_gpu(cfg: BenchConfig) -> bool:
