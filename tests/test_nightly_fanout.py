@@ -6,9 +6,12 @@ synthesized by `vlm-caption bench --history`'s own code (flows/bench/history.py)
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
+import flows.caption
+import flows.pipeline
 import tasks.engine.vllm_engine as vllm_engine
 from flows.bench.config import BenchConfig
 from flows.bench.history import Locations, add_new_items, synthesize
@@ -58,9 +61,27 @@ def test_a_fanned_out_night_with_nothing_new_starts_no_child(partition_deploymen
     assert [p for p in (where.base / "out" / "claims").rglob("*") if p.is_file()] == []  # the plan removed
 
     # Two new items: the children are asked for (no worker takes them: the parent does, finding
-    # the shard captioned), and the new items are captioned once.
+    # the shard captioned), and the new items are captioned once. Partition 0 waits to generate
+    # until they are asked for: with this process's engine already built it could otherwise
+    # caption both items before the watch's next look at the shard plan, and then, as it should,
+    # start no child.
     monkeypatch.undo()
     add_new_items(where, new, {})
+    asked = threading.Event()
+
+    def start_children(*args, **kwargs):
+        try:
+            return starting(*args, **kwargs)
+        finally:
+            asked.set()
+
+    def generate(self, prepared):
+        assert asked.wait(60), "the children were not asked for at the shard plan's first shard"
+        return generating(self, prepared)
+
+    starting, generating = flows.caption.start_children, flows.pipeline.ShardPipeline.generate
+    monkeypatch.setattr(flows.caption, "start_children", start_children)
+    monkeypatch.setattr(flows.pipeline.ShardPipeline, "generate", generate)
     summary = vlm_caption(job)
     assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY + 2, HISTORY, 2)
     assert len(_child_runs(where.out)) == 2
