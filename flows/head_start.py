@@ -24,7 +24,7 @@ import threading
 from prefect import task
 from prefect.cache_policies import NONE
 
-from flows.partition_run import PartitionRun
+from flows.partition_run import PartitionRun, ShardWork
 from flows.plan import RunPlan
 from tasks.observability import get_logger
 from tasks.results.done_index import DoneIndex, load_done_index
@@ -41,7 +41,6 @@ class HeadStart:
 
     def __init__(self, plan: RunPlan):
         self.key = plan_key(plan)
-        self.job = plan.job.model_dump_json()
         self.plan = plan
         self.done: DoneIndex | None = None
         self.error: BaseException | None = None
@@ -83,22 +82,18 @@ class HeadStart:
             self.stream.close()  # begun after the first close, if the load ended in between
 
 
+Key = tuple[str, str, str, ShardWork]
 _started: dict[Key, HeadStart] = {}
 _lock = threading.Lock()
 
 
-Key = tuple[str, str, str, int, "int | None", tuple[str, ...]]
-
-
 def plan_key(plan: RunPlan) -> Key:
-    """Which partition's listing this is (the plan's, and the flow's PartitionRun's of it)."""
-    job = plan.job
-    return plan.fingerprint, plan.output.uri, plan.source.uri, job.shard_size, job.limit, job.questions_to_ask
+    """Which partition's listing this is: the plan's, as the flow's PartitionRun takes it (`run_key`)."""
+    return plan.fingerprint, plan.output.uri, plan.source.uri, ShardWork.of(plan.job)
 
 
 def run_key(run: PartitionRun) -> Key:
-    work = run.work
-    return run.fingerprint, run.output.uri, run.source.uri, work.shard_size, work.limit, work.questions
+    return run.fingerprint, run.output.uri, run.source.uri, run.work
 
 
 def manifests_of(plan: RunPlan) -> frozenset[str]:
@@ -133,7 +128,7 @@ def settle_head_start(plan: RunPlan, slot_wait_s: float) -> None:
     job = plan.job.model_dump_json()
     for head in heads:
         why = None
-        if head.job != job:
+        if head.plan.job.model_dump_json() != job:
             why = "the flow's job is not the one begun"
         elif slot_wait_s > SLOT_FREE_S:
             why = f"the job's slot took {slot_wait_s:.1f} s (another run held it)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flows.params import Partition
+from flows.params import CaptionJob, Partition
 from flows.plan import RunPlan
 from tasks.engine.arguments import EngineSpec
 from tasks.engine.vllm_engine import Sampling
@@ -33,6 +33,11 @@ class ShardWork:
     sampling: Sampling
     method: str  # "generate", or "chat" (the multi-image example's LLM.chat)
 
+    @classmethod
+    def of(cls, job: CaptionJob) -> ShardWork:
+        return cls(job.modality, job.questions_to_ask, job.shard_size, job.limit, job.num_frames, job.image_limit,
+                   Sampling(**job.sampling.model_dump(), structured=job.structured_output), job.method)
+
 
 @dataclass(frozen=True)
 class PartitionRun:
@@ -50,12 +55,8 @@ class PartitionRun:
 
     @classmethod
     def of(cls, plan: RunPlan, run_id: str, partition: Partition | None, log: Any) -> PartitionRun:
-        job = plan.job
-        work = ShardWork(job.modality, job.questions_to_ask, job.shard_size, job.limit, job.num_frames,
-                         job.image_limit, Sampling(**job.sampling.model_dump(), structured=job.structured_output),
-                         job.method)
-        return cls(run_id, partition, log, plan.source, plan.output, plan.fingerprint, plan.engine, work,
-                   f"Captioning {job.location} with {plan.recipe.name}")
+        return cls(run_id, partition, log, plan.source, plan.output, plan.fingerprint, plan.engine,
+                   ShardWork.of(plan.job), f"Captioning {plan.job.location} with {plan.recipe.name}")
 
     @property
     def index(self) -> int:
