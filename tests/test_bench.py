@@ -109,7 +109,7 @@ def test_variants_get_their_own_columns(tmp_path, capsys):
               "raw": phase(2.0), "flow": phase(3.0), "ratio_flow_over_raw": {"generate_items_per_s": 1.5},
               "flow_env": {args.flow_env[0]: {**phase(4.0), "ratio_over_raw": {"generate_items_per_s": 2.0}}},
               "fan_out": {**phase(5.0), "gpus": 2, "ratio_over_flow": {"generate_items_per_s": 1.667},
-                          "partitions": []},
+                          "partitions": [], "items": 1024, "copies": 768},
               "fan_out_env": {args.fan_out_env[0]: {**phase(4.5), "gpus": 2,
                                                     "ratio_over_flow": {"generate_items_per_s": 1.5}}}}
     print_table(report, tmp_path / "bench.json")
@@ -121,6 +121,10 @@ def test_variants_get_their_own_columns(tmp_path, capsys):
     row = next(line for line in out.splitlines() if "generate_items_per_s" in line)
     assert [cell.strip() for cell in row.strip("│ ").split("│")] == [
         "generate_items_per_s", "2.00", "3.00", "1.50", "4.00", "2.00", "5.00", "1.67", "4.50", "1.50"]
+    # a phase that captioned same-bytes items once did less than raw: said, for that phase only
+    assert [line for line in out.splitlines() if line.startswith("WARNING")] == [
+        "WARNING: fan-out took 768 of 1024 answers from items with the same bytes (no request); raw asked each: "
+        "its items/s are not raw's work"]
 
 
 @pytest.mark.parametrize("modality", ["image", "video", "multi-image"])
@@ -365,3 +369,15 @@ def test_an_inventory_history_is_what_a_run_counts_as_done(prefect_api, s3_endpo
     monkeypatch.setattr(vllm_engine, "_engine_for", no_engine)
     summary = vlm_caption(job)
     assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (200, 200, 0)
+
+
+def test_bench_clips_stay_distinct_past_256(tmp_path):
+    """The flow captions identical bytes once, so a bench whose clips repeated would measure a
+    quarter of the work at 1,024 clips (it did: clip i + 256 was clip i until the top blocks)."""
+    import hashlib
+
+    from flows.bench.media import make_bench_videos
+
+    folder = make_bench_videos(tmp_path / "clips", 513, 64, 48, 1)
+    digests = {hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("clip-*.mp4")}
+    assert len(digests) == 513

@@ -37,8 +37,8 @@ def _make_image(args: tuple[Path, int, int, int]) -> None:
 
 
 def make_bench_videos(folder: Path, count: int, width: int, height: int, frames: int) -> Path:
-    """`count` distinct MP4 clips of `frames * 2` frames at 8 fps (MPEG-4 part 2: every OpenCV
-    build writes it)."""
+    """`count` distinct MP4 clips (up to 65,536) of `frames * 2` frames at 8 fps (MPEG-4 part 2:
+    every OpenCV build writes it)."""
     import cv2
     import numpy as np
 
@@ -53,9 +53,21 @@ def make_bench_videos(folder: Path, count: int, width: int, height: int, frames:
             frame = np.zeros((height, width, 3), np.uint8)
             frame[:, :, 0] = (ramp * 3 + t * 9 + i * 37) % 256
             frame[:, :, 2] = (i * 53 + t * 5) % 256
+            _stamp_high_bits(frame, i)
             writer.write(frame)
         writer.release()
     return folder
+
+
+def _stamp_high_bits(frame, i: int) -> None:
+    """The colours above repeat every 256 clips, and the flow captions identical bytes once: clip
+    i + 256 would be clip i's copy. Bits 8-15 of i go in as solid green blocks along the top, large
+    enough to survive the codec; clips 0-255 stay as they were."""
+    height, width = frame.shape[:2]
+    block_w, block_h = max(width // 8, 1), max(height // 8, 1)
+    for bit in range(8):
+        if (i >> (8 + bit)) & 1:
+            frame[:block_h, bit * block_w:(bit + 1) * block_w, 1] = 255
 
 
 def make_bench_media(cfg: BenchConfig, work: Path) -> Path:

@@ -151,6 +151,8 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, lim
             "summed_gpu_items_per_s": (sum(p["generate_items_per_s"] for p in partitions) if partitions
                                        else generating),
             "failed": summary["failed"],  # under --json-schema: answers that did not parse
+            # answers taken from an item with the same bytes, no request: raw asks each file
+            "copies": (manifest.get("counts") or {}).get("duplicates", 0),
             "items_per_s": summary["processed"] / max(wall - ready_s, 1e-9) if ready_s is not None else None,
             "output_tokens_per_s": summary["output_tokens_per_s"],
             "first_result_s": (summary["first_result_s"] or 0.0) + (wall - summary["wall_s"]),

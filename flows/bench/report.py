@@ -186,6 +186,12 @@ def print_table(report: dict[str, Any], path: Path) -> None:
     if "flow_warm_up" in report:
         print(f"warm-up (the flow, {report['flow_warm_up']['items']} items, not compared): engine ready at "
               f"{_fmt(report['flow_warm_up']['engine_ready_s'])} s")
+    if not config.get("copies"):
+        for name, result in [("flow", report["flow"]), *report["flow_env"].items(),
+                             ("fan-out", report.get("fan_out") or {}), *report.get("fan_out_env", {}).items()]:
+            if result.get("copies"):
+                print(f"WARNING: {name} took {result['copies']} of {result['items']} answers from items with the "
+                      "same bytes (no request); raw asked each: its items/s are not raw's work")
     gaps = report.get("engine_ready_after_raw_s") or {}
     if gaps:
         print("engine ready later than raw's, each from its phase's start: " + ", ".join(
