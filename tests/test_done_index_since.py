@@ -12,7 +12,7 @@ import time as real_time
 
 import pytest
 
-from tasks.results import done_rows, writing_log
+from tasks.results import done_index, done_rows, layout, writing_log
 from tasks.results.done_index import COMPACT_AFTER, ROW, load_done_index
 from tasks.results.done_rows import COMPACT_HEADER, COMPACT_MAGIC_1
 from tasks.results.layout import (compacted_index_prefix, part_key, part_prefix, partition_parts_id,
@@ -45,8 +45,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     moved = Clock()
-    monkeypatch.setattr(done_rows, "time", moved)
-    monkeypatch.setattr(writing_log, "time", moved)
+    for module in (done_rows, writing_log, done_index, layout):
+        monkeypatch.setattr(module, "time", moved)
     return moved
 
 
@@ -248,3 +248,57 @@ def test_a_stamp_whose_own_write_took_too_long_is_written_again(tmp_path, clock,
     writing_log.after_part(out, FP, "4444-slow")
     assert len(written) == 2 and written[0] < written[1]
     assert sorted(ref.key for ref in out.iter_objects(prefix=writing_prefix(FP))) == written
+
+
+def stamps(out) -> list[str]:
+    return [ref.key for ref in out.iter_objects(prefix=writing_prefix(FP))]
+
+
+def test_stamps_no_load_can_need_are_removed_by_a_compaction(tmp_path, prefect_api, clock):
+    """Each compacted index carries when the ones before it were written; once one of those is a
+    week old, the stamps a week and two hours older than it go (writing_log.py, Removal), and the
+    history stays done without a listing of its parts."""
+    out = open_storage(str(tmp_path / "out"), create=True)
+    batch = COMPACT_AFTER + 2
+    clock.offset = -30 * DAY
+    write_parts(out, "aaaa-old", range(batch))
+    old_stamps = stamps(out)
+    clock.offset = -29 * DAY
+    load(out)  # the first index: everything listed
+    clock.offset = -20.5 * DAY
+    write_parts(out, "bbbb-mid", range(batch), first=1000)
+    kept = set(stamps(out)) - set(old_stamps)
+    clock.offset = -20 * DAY
+    load(out)  # its lineage: the first index's stamp (29 days old), not a week old when it loads
+    assert stamps(out) == old_stamps + sorted(kept)
+    clock.offset = -DAY
+    write_parts(out, "cccc-new", range(batch), first=2000)
+    clock.offset = 0
+    index, _ = load(out)  # the index of 20 days ago is a week old: stamps up to 27 days ago go
+    assert set(stamps(out)) >= kept and not set(stamps(out)) & set(old_stamps)
+    assert done(index, 0, batch - 1, 1000, 2000)
+    index, watched = load(out)  # the next night, nothing new
+    assert done(index, 0, 1000, 2000) and len(index) == 3 * batch
+    assert watched.listed == [compacted_index_prefix(FP), writing_prefix(FP)]
+
+
+def test_a_stamp_that_cannot_be_removed_is_counted_and_left(tmp_path, monkeypatch):
+    out = open_storage(str(tmp_path / "out"), create=True)
+    for written in ("20260101T000000", "20260102T000000", "20260103T000000", "20260201T000000"):
+        out.write(writing_prefix(FP) + f"{written}-w", b"")
+    refused = writing_prefix(FP) + "20260102T000000-w"
+
+    def delete(key: str) -> None:
+        if key == refused:
+            raise PermissionError("AccessDenied")
+        out.__class__.delete(out, key)
+
+    monkeypatch.setattr(out, "delete", delete)
+    monkeypatch.setattr(writing_log, "REMOVE_MAX", 2)  # the rest wait for the next compaction
+    assert writing_log.remove_stamps(out, FP, "20260110T000000") == (1, 1)
+    assert [key.rsplit("/", 1)[1] for key in stamps(out)] == [
+        "20260102T000000-w", "20260103T000000-w", "20260201T000000-w"]
+    assert writing_log.removable_through(["20260101T000000"], real_time.time()) == "20251224T220000"
+    assert writing_log.removable_through([writing_log.stamp(real_time.time() - DAY)], real_time.time()) is None
+    assert writing_log.trimmed_lineage(["20250101T000000", "20250301T000000", "29990101T000000"],
+                                       real_time.time()) == ["20250301T000000", "29990101T000000"]

@@ -38,6 +38,7 @@ results it replaces, and in which parts they stand, without reading the history 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -52,6 +53,7 @@ from tasks.results.done_rows import (  # noqa: F401 - the done-index's names, as
 from tasks.results.earlier import EarlierRecords
 from tasks.results.layout import compacted_index_key
 from tasks.results.records import ResultRecord
+from tasks.results.writing_log import remove_stamps, removable_through, trimmed_lineage
 from tasks.sources.items import WorkItem
 from tasks.sources.storage import Storage
 
@@ -231,7 +233,7 @@ def read_done_index(out: Storage, fingerprint: str) -> DoneIndex:
     loaded = load_part_rows(out, fingerprint)
     if loaded.read_one_by_one >= COMPACT_AFTER or loaded.renew:
         _compact(out, fingerprint, {key: (loaded.parts[key].size, rows) for key, rows in loaded.rows.items()},
-                 loaded.compacted, loaded.after, loaded.unreadable, get_logger(fingerprint=fingerprint))
+                 loaded, get_logger(fingerprint=fingerprint))
     done = DoneIndex(loaded.rows.values(), loaded.rows.keys(), out)
     done.resized = set(loaded.resized)
     return done
@@ -244,13 +246,15 @@ def loaded_index(out: Storage, fingerprint: str) -> DoneIndex | None:
         return _loaded.pop((out.uri, fingerprint), None)
 
 
-def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndarray]],
-             older: list[str], after: str, retry: list[str], log) -> None:
-    """Write the compacted index, then remove the ones it replaces. Best effort: the parts and
-    their sidecars stay the truth, so a failure here costs the next load time, never results."""
-    key = compacted_index_key(fingerprint)
+def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndarray]], loaded: PartRows,
+             log) -> None:
+    """Write the compacted index, then remove the ones it replaces and the `writing/` stamps no
+    load needs any more (tasks/results/writing_log.py, Removal). Best effort: the parts and their
+    sidecars stay the truth, so a failure here costs the next load time, never results."""
+    key, older = compacted_index_key(fingerprint), loaded.compacted
+    lineage = trimmed_lineage(loaded.lineage, time.time())
     try:
-        out.write(key, compacted_bytes(parts, after, retry))
+        out.write(key, compacted_bytes(parts, loaded.after, loaded.unreadable, lineage))
     except Exception as exc:  # noqa: BLE001 - an optimisation: a failed write must not fail the run
         log.warning("could not write the compacted done-index", index=out.describe(key), error=str(exc))
         return
@@ -260,3 +264,9 @@ def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndar
         except Exception as exc:  # noqa: BLE001 - left behind, it is read once more by the next load
             log.warning("could not remove a replaced done-index", index=out.describe(stale), error=str(exc))
     log.info("done-index compacted", index=out.describe(key), parts=len(parts), replaced=len(older))
+    if (through := removable_through(lineage, time.time())) is not None:
+        removed, failed = remove_stamps(out, fingerprint, through)
+        if failed:  # each is tried again at the next compaction
+            log.warning("some writing stamps could not be removed", through=through, removed=removed, failed=failed)
+        elif removed:
+            log.info("writing stamps removed", through=through, removed=removed)

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from tasks.observability import get_logger
 from tasks.results.layout import compacted_index_prefix, part_prefix, results_prefix
 from tasks.results.records import ResultRecord
-from tasks.results.writing_log import grace_stamp, writers_since
+from tasks.results.writing_log import grace_stamp, index_stamp, writers_since
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.storage import Storage
 from tasks.sources.transient import is_transient, retry_transient
@@ -87,10 +87,12 @@ def sidecar_key(part_key: str) -> str:
 class Compacted:
     """A compacted index: each part it holds (key, size, rows); `after`, the stamp from which a
     load lists `writing/` for the parts written since (None in the first format, which a load
-    cannot continue from: it lists everything); `retry`, parts it could not read."""
+    cannot continue from: it lists everything); `retry`, parts it could not read; `lineage`, when
+    the indexes before it were written (tasks/results/writing_log.py, Removal)."""
 
-    def __init__(self, parts: list[tuple[str, int, np.ndarray]], after: str | None, retry: list[str]):
-        self.parts, self.after, self.retry = parts, after, retry
+    def __init__(self, parts: list[tuple[str, int, np.ndarray]], after: str | None, retry: list[str],
+                 lineage: list[str] | None = None):
+        self.parts, self.after, self.retry, self.lineage = parts, after, retry, lineage or []
 
 
 def _read_compacted(out: Storage, key: str, log) -> Compacted | None:
@@ -118,16 +120,18 @@ def _read_compacted(out: Storage, key: str, log) -> Compacted | None:
     for part, size, count in covered:
         parts.append((part, size, table[at:at + count]))
         at += count
-    return Compacted(parts, extra["after"], list(extra["retry"]))
+    return Compacted(parts, extra["after"], list(extra["retry"]), list(extra.get("lineage", [])))
 
 
 def compacted_bytes(parts: dict[str, tuple[int, np.ndarray]], after: str | None = None,
-                    retry: Iterable[str] = ()) -> bytes:
+                    retry: Iterable[str] = (), lineage: Iterable[str] = ()) -> bytes:
     """One object holding every part's rows: (part key, its size, row count) as JSON, then where
-    a load goes on from (`after`, a `writing/` stamp, and the parts to `retry`), then the rows.
-    `after` defaults to now less the grace: only for a writer that wrote every part itself."""
+    a load goes on from (`after`, a `writing/` stamp, and the parts to `retry`) and the earlier
+    indexes' write stamps (`lineage`), then the rows. `after` defaults to now less the grace: only
+    for a writer that wrote every part itself."""
     covered = json.dumps([[key, size, len(rows)] for key, (size, rows) in parts.items()]).encode()
-    extra = json.dumps({"after": after or grace_stamp(time.time()), "retry": sorted(retry)}).encode()
+    extra = json.dumps({"after": after or grace_stamp(time.time()), "retry": sorted(retry),
+                        "lineage": sorted(lineage)}).encode()
     rows = np.concatenate([rows.astype(ROW) for _, rows in parts.values()]) if parts else np.empty(0, ROW)
     return (COMPACT_HEADER.pack(COMPACT_MAGIC, len(covered)) + covered + _EXTRA.pack(len(extra)) + extra
             + rows.tobytes())
@@ -189,14 +193,16 @@ class PartRows:
     sidecar was made from another body (cut short or rewritten by hand since); `compacted` the
     compacted indexes listed; `read_one_by_one` the parts none covered; `unreadable` those of
     them that could not be read; `after` where a compacted index of this load goes on from;
-    `renew` whether the latest compacted index is to be replaced (an old format, or damaged)."""
+    `renew` whether the latest compacted index is to be replaced (an old format, or damaged);
+    `lineage` the write stamps of the index read and of those before it."""
 
     def __init__(self, parts: dict[str, ObjectRef], rows: dict[str, np.ndarray], resized: set[str],
                  compacted: list[str], read_one_by_one: int, unreadable: list[str] | None = None,
-                 after: str = "", renew: bool = False):
+                 after: str = "", renew: bool = False, lineage: list[str] | None = None):
         self.parts, self.rows, self.resized = parts, rows, resized
         self.compacted, self.read_one_by_one = compacted, read_one_by_one
         self.unreadable, self.after, self.renew = unreadable or [], after, renew
+        self.lineage = lineage or []
 
 
 def listed_under(out: Storage, prefixes: Iterable[str]) -> dict[str, ObjectRef]:
@@ -258,5 +264,6 @@ def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
     rest = [part for key, part in parts.items() if key not in by_part]
     read, resized, unreadable = read_part_rows(out, rest, objects.keys(), log)
     by_part.update(read)  # a part that could not be read stays out: the next load tries it again
+    lineage = [*index.lineage, index_stamp(fingerprint, compacted[-1])] if index is not None else []
     return PartRows(parts, by_part, resized, compacted, len(rest), unreadable, grace_stamp(started),
-                    renew=bool(compacted) and (index is None or index.after is None))
+                    renew=bool(compacted) and (index is None or index.after is None), lineage=lineage)

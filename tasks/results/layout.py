@@ -31,7 +31,7 @@ def results_prefix(fingerprint: str) -> str:
 
 def compacted_index_key(fingerprint: str) -> str:
     """Sorts by when it was written (UTC, then a random tag for loads in the same second)."""
-    return f"{compacted_index_prefix(fingerprint)}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.vidx"
+    return f"{compacted_index_prefix(fingerprint)}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(time.time()))}-{uuid.uuid4().hex[:8]}.vidx"
 
 
 def compacted_index_prefix(fingerprint: str) -> str:

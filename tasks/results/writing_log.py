@@ -39,6 +39,17 @@ is now, the load holds it too, unless it listed P's writer and found P gone or o
 (then it read P again). Parts the load could not read are kept by name in its index and tried
 again by the next load.
 
+Removal: stamps would otherwise pile up (a writer leaves one every few minutes, every night), so
+a load that writes a compacted index removes the stamps no load can still need. Each index carries
+its lineage, the write stamps of the indexes before it (`index-<stamp>-<tag>.vidx`), trimmed to
+those less than KEEP_S old and the newest older one, G. Assume a load ends within KEEP_S of its
+start. A load still running started less than KEEP_S ago, after G was written, so it read G or an
+index written after it; any such index was made by a load that began at most KEEP_S before its
+write, so its `after` is at least stamp(G) - KEEP_S - GRACE_S, less the clocks' skew (under
+GRACE_S). A stamp at or before stamp(G) - KEEP_S - 2 GRACE_S is listed by no load again. A load
+removes at most REMOVE_MAX of them, several at a time (they overlap the engine's start); the rest
+go at the next compaction. Removing is best effort: a stamp left behind costs nothing but its name.
+
 Clocks: the loader's and the writers' clocks may each be off by up to (GRACE_S - WRITE_S) / 2
 (27 minutes; AWS S3 refuses a request whose clock is 15 minutes off). Concurrent writers (the
 partitions of a run, a run dying while another starts) and concurrent loads and compactions are
@@ -51,16 +62,22 @@ of an output is upgraded together.
 
 from __future__ import annotations
 
+import calendar
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from tasks.results.layout import writing_key, writing_prefix
+from tasks.results.layout import compacted_index_prefix, writing_key, writing_prefix
 from tasks.sources.storage import Storage
 
 WRITE_S = 300.0  # a stamp older than this no longer vouches for a part landing now
 REFRESH_S = WRITE_S / 2  # a writer writes a stamp at most every REFRESH_S (while it writes parts)
 GRACE_S = 3600.0  # a compacted index lists `writing/` from this long before its load began
 STAMP = "%Y%m%dT%H%M%S"
+STAMP_LEN = 15  # len("20261128T010203")
+KEEP_S = 7 * 86400.0  # a done-index load ends within this long of its start (see Removal above)
+REMOVE_MAX = 2000  # stamps one load removes at most
+REMOVERS = 16  # parallel deletes
 
 _lock = threading.Lock()
 _last: dict[tuple[str, str, str], float] = {}  # (output, fingerprint, parts_id) -> monotonic time of its stamp
@@ -105,3 +122,50 @@ def writers_since(out: Storage, fingerprint: str, after: str) -> set[str]:
 def grace_stamp(started: float) -> str:
     """The `after` of a compacted index made by a load that began at wall time `started`."""
     return stamp(started - GRACE_S)
+
+
+def index_stamp(fingerprint: str, key: str) -> str:
+    """When the compacted index `key` was written: the stamp its name begins with."""
+    return key[len(compacted_index_prefix(fingerprint)):][:STAMP_LEN]
+
+
+def trimmed_lineage(lineage: list[str], now: float) -> list[str]:
+    """The write stamps of earlier indexes a new index keeps: those less than KEEP_S old, and the
+    newest older one (G), which fixes what can be removed."""
+    cutoff = stamp(now - KEEP_S)
+    older = [written for written in lineage if written <= cutoff]
+    return sorted(set(older[-1:] + [written for written in lineage if written > cutoff]))
+
+
+def removable_through(lineage: list[str], now: float) -> str | None:
+    """The latest stamp no load can still list from (see Removal above), or None: no index in
+    `lineage` is KEEP_S old yet."""
+    older = [written for written in lineage if written <= stamp(now - KEEP_S)]
+    if not older:
+        return None
+    written = calendar.timegm(time.strptime(max(older), STAMP))
+    return stamp(written - KEEP_S - 2 * GRACE_S)
+
+
+def remove_stamps(out: Storage, fingerprint: str, through: str) -> tuple[int, int]:
+    """Remove up to REMOVE_MAX stamps taken at or before `through`; returns how many went and how
+    many could not be removed (left for the next compaction)."""
+    prefix = writing_prefix(fingerprint)
+    old = []
+    for ref in out.iter_objects(prefix=prefix):  # in key order: the oldest first
+        if ref.key[len(prefix):][:STAMP_LEN] > through or len(old) >= REMOVE_MAX:
+            break
+        old.append(ref.key)
+    if not old:
+        return 0, 0
+    with ThreadPoolExecutor(max_workers=min(REMOVERS, len(old))) as pool:
+        removed = sum(pool.map(lambda key: _deleted(out, key), old))
+    return removed, len(old) - removed
+
+
+def _deleted(out: Storage, key: str) -> bool:
+    try:
+        out.delete(key)
+        return True
+    except Exception:  # noqa: BLE001 - counted as not removed (the caller logs the count); tried again later
+        return False
