@@ -381,3 +381,51 @@ def test_bench_clips_stay_distinct_past_256(tmp_path):
     folder = make_bench_videos(tmp_path / "clips", 513, 64, 48, 1)
     digests = {hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("clip-*.mp4")}
     assert len(digests) == 513
+
+
+def test_start_rounds_alternate_and_report_the_median_gap(tmp_path, monkeypatch, capsys):
+    """`--start-rounds N`: after the compared phases, N pairs of raw (with the flow's processor
+    device) and the flow over 16 items, the first of each pair alternating; each round's
+    engine-ready gap split at `vllm.LLM`'s start, the medians printed and written."""
+    import argparse
+    import contextlib
+
+    from flows.bench import driver, phases
+    from flows.bench.cli import add_bench_arguments
+    from flows.bench.config import WARM_UP_ITEMS, BenchConfig
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    assert parser.parse_args(["--start-rounds", "3"]).start_rounds == 3
+    ran, flow_ready = [], iter([30.0, 24.0, 50.0])  # the gaps: +10, +4, +30 (one host hiccup)
+
+    def fake_phase(phase, cfg, folder, model, *args, **kwargs):
+        ran.append(phase)
+        ready = next(flow_ready) if phase == "start-flow" else 20.0
+        return {"items": cfg.images, "engine_ready_s": ready, "engine_start_s": 10.0 if phase == "start-raw" else 12.0,
+                "wall_s": 60.0, "generate_items_per_s": 2.0}
+
+    monkeypatch.setattr(driver, "run_phase", fake_phase)
+    monkeypatch.setattr(driver, "prefect_api", lambda *a: contextlib.nullcontext({}))
+    monkeypatch.setattr(driver, "make_bench_media", lambda cfg, work: work)
+    report = driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", images=1024, start_rounds=3))
+    assert ran == ["raw", "flow", "start-raw", "start-flow", "start-flow", "start-raw", "start-raw", "start-flow"]
+    rounds = report["start_rounds"]
+    assert [r["gaps"]["ready"] for r in rounds["rounds"]] == [10.0, 4.0, 30.0]
+    assert rounds["median"] == {"ready": 10.0, "before_build": 8.0, "build": 2.0}
+    assert json.loads((tmp_path / "bench.json").read_text())["start_rounds"] == rounds
+    assert ("engine ready, flow less raw with its processor, median of 3 rounds: +10.00 s (+8.00 s before "
+            "vllm.LLM began, +2.00 s in its build); each round: +10.00, +4.00, +30.00 s") in capsys.readouterr().out
+    # each round's raw: the first 16 items with the flow's processor device; its flow: the flow's job, 16 items
+    taken = {}
+    monkeypatch.setattr(phases, "phase_raw", lambda cfg, folder, model, part=None, processor_device="cpu":
+                        taken.update(part=part, device=processor_device) or {})
+    monkeypatch.setattr(phases, "phase_flow", lambda cfg, folder, model, fan_out=1, limit=None:
+                        taken.update(limit=limit) or {})
+    monkeypatch.setenv(phases.RESULT_FILE, str(tmp_path / "result.json"))
+    monkeypatch.setattr(phases, "_torch_gpu_peak_mb", lambda: None)
+    config = json.dumps({"workdir": str(tmp_path), "images": 1024, "processor_device": "cuda"})
+    phases.child_main("start-raw", config, str(tmp_path), "m")
+    phases.child_main("start-flow", config, str(tmp_path), "m")
+    assert phases.raw_slice(list(range(1024)), *taken["part"]) == list(range(WARM_UP_ITEMS))
+    assert (taken["device"], taken["limit"]) == ("cuda", WARM_UP_ITEMS)

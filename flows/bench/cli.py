@@ -73,6 +73,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "fresh GPU host; vLLM caches them by the arguments, and the flow's are not raw's), so "
                         "without it the first phase of each kind pays for that and its engine-ready time is not "
                         "comparable")
+    parser.add_argument("--start-rounds", type=int, default=0, metavar="N",
+                        help="after the compared phases, N rounds of raw (with the flow's processor device) and the "
+                        "flow over 16 items each, alternating which goes first: the engine-ready gap, flow less "
+                        "raw, as each round's and the median (a single phase's start moves with the host)")
     parser.add_argument("--json-schema", metavar="FILE|tags",
                         help="both phases answer in JSON matching this schema (vLLM's structured outputs)")
     parser.add_argument("--history", type=int, default=0, metavar="N",

@@ -65,6 +65,9 @@ class BenchConfig:
     history_source: str = "listing"
     history_keep: str | None = None  # a folder that keeps the synthesized history for the next bench
     history_new: bool = True  # False: only the night with nothing new
+    # N > 0: after the compared phases, N rounds of raw (the flow's processor) and the flow over
+    # WARM_UP_ITEMS items each, for the median of the engine-ready gap (flows/bench/rounds.py).
+    start_rounds: int = 0
 
     def structured(self) -> dict | None:
         """The schema as a dict, or None for prose."""

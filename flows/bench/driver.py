@@ -17,6 +17,8 @@ gone before the second starts:
   (`fan_out=N`: the run on GPU 0, one process worker per other GPU running the partition
   deployment), reported over the flow on one GPU, as the GPUs' items/s together and each GPU's
   own, summed, and over raw, N processes.
+- `--start-rounds N` adds N rounds of raw and the flow over a few items for the engine-ready
+  gap's median (flows/bench/rounds.py);
 - `--skip-raw` leaves out raw on one GPU (and "raw, same processor"), not raw, N processes:
   a fan-out's ratio that matters is over the flow on one GPU and over raw, N processes;
   `--skip-raw-n` leaves raw, N processes out.
@@ -56,6 +58,7 @@ from flows.bench.harness import GpuSampler, partition_workers, prefect_api, s3_s
 from flows.bench.media import make_bench_media, make_bench_tars
 from flows.bench.phases import RESULT_FILE
 from flows.bench.report import engine_ready_gaps, print_table, profile_summary, ratios, write_report
+from flows.bench.rounds import run_start_rounds
 
 
 def _read_result(path: Path, phase: str, returncode: int, stderr: str) -> dict[str, Any]:
@@ -245,6 +248,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         for i, overrides in enumerate(cfg.flow_env, start=1):
             result = run_phase("flow", cfg, folder, model, overrides, profiles[i], phase_env)
             report["flow_env"][overrides] = {**result, "ratio_over_raw": ratios(result, raw)}
+            write_report(report, work)
+        if cfg.start_rounds:  # the engine-ready gap as a median: one pair of phases moves with the host
+            report["start_rounds"] = run_start_rounds(
+                cfg.start_rounds, lambda phase: run_phase(phase, cfg, folder, model, env=phase_env))
             write_report(report, work)
         for overrides in ("", *cfg.fan_out_env) if cfg.gpus > 1 else ():
             settings = env_settings(overrides)

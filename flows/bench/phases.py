@@ -208,8 +208,11 @@ def child_main(phase: str, config_json: str, folder: str, model: str) -> None:
         result = phase_raw(cfg, Path(folder), model, part=(int(index), int(count)))
     elif phase == "warm-up":  # the first WARM_UP_ITEMS items, as raw takes them
         result = phase_raw(cfg, Path(folder), model, part=(0, max(1, cfg.images // WARM_UP_ITEMS)))
-    elif phase == "flow-warm-up":  # the flow's own engine (its arguments are not raw's) over a few items
+    elif phase in ("flow-warm-up", "start-flow"):  # the flow's own engine (its arguments are not raw's), a few items
         result = phase_flow(cfg, Path(folder), model, limit=WARM_UP_ITEMS)
+    elif phase == "start-raw":  # a round of --start-rounds: raw with the flow's processor, the same few items
+        result = phase_raw(cfg, Path(folder), model, processor_device=cfg.processor_device,
+                           part=(0, max(1, cfg.images // WARM_UP_ITEMS)))
     elif phase == "raw-same":
         result = phase_raw(cfg, Path(folder), model, processor_device=cfg.processor_device)
     else:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flows.bench.rounds import start_rounds_line
+
 METRICS = ("generate_items_per_s", "ready_to_last_items_per_s", "summed_gpu_items_per_s", "items_per_s", "wall_s",
            "first_result_s", "output_tokens_per_s", "peak_rss_mb", "gpu_busy_pct", "processor_gpu_peak_mb")
 # Shown in the table, not divided (how much later than raw's an engine was ready is a difference:
@@ -196,6 +198,8 @@ def print_table(report: dict[str, Any], path: Path) -> None:
     if gaps:
         print("engine ready later than raw's, each from its phase's start: " + ", ".join(
             f"{GAP_NAMES.get(name, name)} {value:+.2f} s" for name, value in gaps.items()))
+    if "start_rounds" in report:
+        print(start_rounds_line(report["start_rounds"]))
     ratio = report.get("fan_out", {}).get("ratio_over_raw_n", {}).get("ready_to_last_items_per_s")
     if ratio is not None:
         print(f"fan-out / raw {report['fan_out']['gpus']} processes, items/s from the first engine ready to the "
