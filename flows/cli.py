@@ -213,7 +213,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
                           fan_out_env=tuple(args.fan_out_env),
                           profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw,
-                          processor_device=args.processor_device, warm_up=args.warm_up, history=args.history,
+                          processor_device=args.processor_device, warm_up=args.warm_up, start_rounds=args.start_rounds,
+                          history=args.history,
                           history_source=args.history_source, history_keep=args.history_keep,
                           history_new=not args.history_nothing_new_only,
                           json_schema=json.dumps(schema) if schema is not None else None))

@@ -387,16 +387,18 @@ def test_start_rounds_alternate_and_report_the_median_gap(tmp_path, monkeypatch,
     """`--start-rounds N`: after the compared phases, N pairs of raw (with the flow's processor
     device) and the flow over 16 items, the first of each pair alternating; each round's
     engine-ready gap split at `vllm.LLM`'s start, the medians printed and written."""
-    import argparse
     import contextlib
 
     from flows.bench import driver, phases
-    from flows.bench.cli import add_bench_arguments
     from flows.bench.config import WARM_UP_ITEMS, BenchConfig
 
-    parser = argparse.ArgumentParser()
-    add_bench_arguments(parser)
-    assert parser.parse_args(["--start-rounds", "3"]).start_rounds == 3
+    import flows.bench
+    from flows.cli import build_parser, cmd_bench
+
+    given = []  # what `vlm-caption bench --start-rounds 3` hands the bench
+    monkeypatch.setattr(flows.bench, "run_bench", given.append)
+    cmd_bench(build_parser().parse_args(["bench", "--start-rounds", "3"]))
+    assert given[0].start_rounds == 3
     ran, flow_ready = [], iter([30.0, 24.0, 50.0])  # the gaps: +10, +4, +30 (one host hiccup)
 
     def fake_phase(phase, cfg, folder, model, *args, **kwargs):

@@ -133,7 +133,7 @@ def trimmed_lineage(lineage: list[str], now: float) -> list[str]:
     """The write stamps of earlier indexes a new index keeps: those less than KEEP_S old, and the
     newest older one (G), which fixes what can be removed."""
     cutoff = stamp(now - KEEP_S)
-    older = [written for written in lineage if written <= cutoff]
+    older = sorted(written for written in lineage if written <= cutoff)
     return sorted(set(older[-1:] + [written for written in lineage if written > cutoff]))
 
 
