@@ -302,3 +302,23 @@ def test_a_stamp_that_cannot_be_removed_is_counted_and_left(tmp_path, monkeypatc
     assert writing_log.removable_through([writing_log.stamp(real_time.time() - DAY)], real_time.time()) is None
     assert writing_log.trimmed_lineage(["20250101T000000", "20250301T000000", "29990101T000000"],
                                        real_time.time()) == ["20250301T000000", "29990101T000000"]
+
+
+def test_a_stamp_listing_that_fails_leaves_the_compaction_done(tmp_path, monkeypatch):
+    """Removing stamps is best effort, as the compaction is: a listing of `writing/` that fails is
+    logged, and the load goes on with its new index written."""
+    from types import SimpleNamespace
+
+    from tasks.results.done_rows import PartRows
+
+    out = open_storage(str(tmp_path / "out"), create=True)
+
+    def refused(*args):
+        raise ConnectionError("the store did not answer")
+
+    monkeypatch.setattr(done_index, "remove_stamps", refused)
+    said = []
+    log = SimpleNamespace(warning=lambda event, **fields: said.append(event), info=lambda event, **fields: None)
+    loaded = PartRows({}, {}, set(), [], 0, after="20260101T000000", lineage=["20250101T000000"])
+    done_index._compact(out, FP, {}, loaded, log)
+    assert len(indexes(out)) == 1 and said == ["could not list the writing stamps to remove"]

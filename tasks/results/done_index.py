@@ -264,9 +264,14 @@ def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndar
         except Exception as exc:  # noqa: BLE001 - left behind, it is read once more by the next load
             log.warning("could not remove a replaced done-index", index=out.describe(stale), error=str(exc))
     log.info("done-index compacted", index=out.describe(key), parts=len(parts), replaced=len(older))
-    if (through := removable_through(lineage, time.time())) is not None:
+    if (through := removable_through(lineage, time.time())) is None:
+        return
+    try:
         removed, failed = remove_stamps(out, fingerprint, through)
-        if failed:  # each is tried again at the next compaction
-            log.warning("some writing stamps could not be removed", through=through, removed=removed, failed=failed)
-        elif removed:
-            log.info("writing stamps removed", through=through, removed=removed)
+    except Exception as exc:  # noqa: BLE001 - the listing failed: best effort, as the compaction; tried at the next
+        log.warning("could not list the writing stamps to remove", through=through, error=str(exc))
+        return
+    if failed:  # each is tried again at the next compaction
+        log.warning("some writing stamps could not be removed", through=through, removed=removed, failed=failed)
+    elif removed:
+        log.info("writing stamps removed", through=through, removed=removed)
