@@ -254,11 +254,16 @@ def stamps(out) -> list[str]:
     return [ref.key for ref in out.iter_objects(prefix=writing_prefix(FP))]
 
 
-def test_stamps_no_load_can_need_are_removed_by_a_compaction(tmp_path, prefect_api, clock):
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_stamps_no_load_can_need_are_removed_by_a_compaction(tmp_path, prefect_api, clock, where, request):
     """Each compacted index carries when the ones before it were written; once one of those is a
     week old, the stamps a week and two hours older than it go (writing_log.py, Removal), and the
     history stays done without a listing of its parts."""
-    out = open_storage(str(tmp_path / "out"), create=True)
+    if where == "s3":
+        request.getfixturevalue("s3_client").create_bucket(Bucket="month")
+        out = open_storage("s3://month/out/")
+    else:
+        out = open_storage(str(tmp_path / "out"), create=True)
     batch = COMPACT_AFTER + 2
     clock.offset = -30 * DAY
     write_parts(out, "aaaa-old", range(batch))
