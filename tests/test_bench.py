@@ -381,6 +381,11 @@ def test_bench_clips_stay_distinct_past_256(tmp_path):
     folder = make_bench_videos(tmp_path / "clips", 513, 64, 48, 1)
     digests = {hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("clip-*.mp4")}
     assert len(digests) == 513
+    # a working folder an older bench filled (clip 256 a copy of clip 0) is made right, not reused
+    (folder / "clip-000256.mp4").write_bytes((folder / "clip-000000.mp4").read_bytes())
+    (folder / "clip-000300.mp4").write_bytes((folder / "clip-000044.mp4").read_bytes())
+    make_bench_videos(folder, 513, 64, 48, 1)
+    assert len({hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("clip-*.mp4")}) == 513
 
 
 def test_start_rounds_alternate_and_report_the_median_gap(tmp_path, monkeypatch, capsys):
