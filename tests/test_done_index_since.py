@@ -303,10 +303,10 @@ def test_a_stamp_that_cannot_be_removed_is_counted_and_left(tmp_path, monkeypatc
     assert writing_log.remove_stamps(out, FP, "20260110T000000") == (1, 1)
     assert [key.rsplit("/", 1)[1] for key in stamps(out)] == [
         "20260102T000000-w", "20260103T000000-w", "20260201T000000-w"]
-    assert writing_log.removable_through(["20260101T000000"], real_time.time()) == "20251224T220000"
-    assert writing_log.removable_through([writing_log.stamp(real_time.time() - DAY)], real_time.time()) is None
-    assert writing_log.trimmed_lineage(["20250101T000000", "20250301T000000", "29990101T000000"],
-                                       real_time.time()) == ["20250301T000000", "29990101T000000"]
+    assert writing_log.kept_lineage(["20260101T000000"], real_time.time())[1] == "20251224T220000"
+    assert writing_log.kept_lineage([writing_log.stamp(real_time.time() - DAY)], real_time.time())[1] is None
+    assert writing_log.kept_lineage(["20250101T000000", "20250301T000000", "29990101T000000"],
+                                    real_time.time())[0] == ["20250301T000000", "29990101T000000"]
 
 
 def test_a_stamp_listing_that_fails_leaves_the_compaction_done(tmp_path, monkeypatch):

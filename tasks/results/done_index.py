@@ -53,7 +53,7 @@ from tasks.results.done_rows import (  # noqa: F401 - the done-index's names, as
 from tasks.results.earlier import EarlierRecords
 from tasks.results.layout import compacted_index_key
 from tasks.results.records import ResultRecord
-from tasks.results.writing_log import remove_stamps, removable_through, trimmed_lineage
+from tasks.results.writing_log import kept_lineage, remove_stamps
 from tasks.sources.items import WorkItem
 from tasks.sources.storage import Storage
 
@@ -252,7 +252,7 @@ def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndar
     load needs any more (tasks/results/writing_log.py, Removal). Best effort: the parts and their
     sidecars stay the truth, so a failure here costs the next load time, never results."""
     key, older = compacted_index_key(fingerprint), loaded.compacted
-    lineage = trimmed_lineage(loaded.lineage, time.time())
+    lineage, through = kept_lineage(loaded.lineage, time.time())
     try:
         out.write(key, compacted_bytes(parts, loaded.after, loaded.unreadable, lineage))
     except Exception as exc:  # noqa: BLE001 - an optimisation: a failed write must not fail the run
@@ -264,7 +264,7 @@ def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndar
         except Exception as exc:  # noqa: BLE001 - left behind, it is read once more by the next load
             log.warning("could not remove a replaced done-index", index=out.describe(stale), error=str(exc))
     log.info("done-index compacted", index=out.describe(key), parts=len(parts), replaced=len(older))
-    if (through := removable_through(lineage, time.time())) is None:
+    if through is None:
         return
     try:
         removed, failed = remove_stamps(out, fingerprint, through)

@@ -22,9 +22,9 @@ import numpy as np
 from pydantic import ValidationError
 
 from tasks.observability import get_logger
-from tasks.results.layout import compacted_index_prefix, part_prefix, results_prefix
+from tasks.results.layout import compacted_index_prefix, compacted_index_written, part_prefix, results_prefix
 from tasks.results.records import ResultRecord
-from tasks.results.writing_log import grace_stamp, index_stamp, writers_since
+from tasks.results.writing_log import grace_stamp, writers_since
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.storage import Storage
 from tasks.sources.transient import is_transient, retry_transient
@@ -264,6 +264,6 @@ def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
     rest = [part for key, part in parts.items() if key not in by_part]
     read, resized, unreadable = read_part_rows(out, rest, objects.keys(), log)
     by_part.update(read)  # a part that could not be read stays out: the next load tries it again
-    lineage = [*index.lineage, index_stamp(fingerprint, compacted[-1])] if index is not None else []
+    lineage = [*index.lineage, compacted_index_written(fingerprint, compacted[-1])] if index is not None else []
     return PartRows(parts, by_part, resized, compacted, len(rest), unreadable, grace_stamp(started),
                     renew=bool(compacted) and (index is None or index.after is None), lineage=lineage)

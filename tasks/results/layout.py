@@ -19,6 +19,8 @@ import re
 import time
 import uuid
 
+STAMP = "%Y%m%dT%H%M%S"  # UTC: names that begin with one sort by when they were written
+STAMP_LEN = 15  # len("20261128T010203")
 _PARTITION_SUFFIX = re.compile(r"-p\d+$")
 _PART_NAME = re.compile(r"^part-(.+)-\d{5}\.jsonl$")
 PARQUET_VIEW_PREFIX = "parquet/"
@@ -31,7 +33,12 @@ def results_prefix(fingerprint: str) -> str:
 
 def compacted_index_key(fingerprint: str) -> str:
     """Sorts by when it was written (UTC, then a random tag for loads in the same second)."""
-    return f"{compacted_index_prefix(fingerprint)}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(time.time()))}-{uuid.uuid4().hex[:8]}.vidx"
+    return f"{compacted_index_prefix(fingerprint)}{time.strftime(STAMP, time.gmtime(time.time()))}-{uuid.uuid4().hex[:8]}.vidx"
+
+
+def compacted_index_written(fingerprint: str, key: str) -> str:
+    """When the compacted index `key` was written: the UTC stamp its name begins with."""
+    return key[len(compacted_index_prefix(fingerprint)):][:STAMP_LEN]
 
 
 def compacted_index_prefix(fingerprint: str) -> str:
@@ -79,7 +86,7 @@ def run_parquet_key(run_id: str) -> str:
 
 def compacted_parquet_key() -> str:
     """Sorts by when it was written (UTC, then a random tag for two in the same second)."""
-    return f"{PARQUET_VIEW_PREFIX}compacted-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
+    return f"{PARQUET_VIEW_PREFIX}compacted-{time.strftime(STAMP, time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
 
 
 def manifest_key(run_id: str) -> str:

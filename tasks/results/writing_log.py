@@ -67,14 +67,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tasks.results.layout import compacted_index_prefix, writing_key, writing_prefix
+from tasks.results.layout import STAMP, STAMP_LEN, writing_key, writing_prefix
 from tasks.sources.storage import Storage
 
 WRITE_S = 300.0  # a stamp older than this no longer vouches for a part landing now
 REFRESH_S = WRITE_S / 2  # a writer writes a stamp at most every REFRESH_S (while it writes parts)
 GRACE_S = 3600.0  # a compacted index lists `writing/` from this long before its load began
-STAMP = "%Y%m%dT%H%M%S"
-STAMP_LEN = 15  # len("20261128T010203")
 KEEP_S = 7 * 86400.0  # a done-index load ends within this long of its start (see Removal above)
 REMOVE_MAX = 2000  # stamps one load removes at most
 REMOVERS = 16  # parallel deletes
@@ -124,27 +122,16 @@ def grace_stamp(started: float) -> str:
     return stamp(started - GRACE_S)
 
 
-def index_stamp(fingerprint: str, key: str) -> str:
-    """When the compacted index `key` was written: the stamp its name begins with."""
-    return key[len(compacted_index_prefix(fingerprint)):][:STAMP_LEN]
-
-
-def trimmed_lineage(lineage: list[str], now: float) -> list[str]:
-    """The write stamps of earlier indexes a new index keeps: those less than KEEP_S old, and the
-    newest older one (G), which fixes what can be removed."""
+def kept_lineage(lineage: list[str], now: float) -> tuple[list[str], str | None]:
+    """What a new index keeps of `lineage` (the write stamps of the indexes before it): those less
+    than KEEP_S old and the newest older one, G; and the latest stamp no load can still list
+    from (see Removal above), or None while no index in it is KEEP_S old."""
     cutoff = stamp(now - KEEP_S)
     older = sorted(written for written in lineage if written <= cutoff)
-    return sorted(set(older[-1:] + [written for written in lineage if written > cutoff]))
-
-
-def removable_through(lineage: list[str], now: float) -> str | None:
-    """The latest stamp no load can still list from (see Removal above), or None: no index in
-    `lineage` is KEEP_S old yet."""
-    older = [written for written in lineage if written <= stamp(now - KEEP_S)]
+    kept = sorted(set(older[-1:] + [written for written in lineage if written > cutoff]))
     if not older:
-        return None
-    written = calendar.timegm(time.strptime(max(older), STAMP))
-    return stamp(written - KEEP_S - 2 * GRACE_S)
+        return kept, None
+    return kept, stamp(calendar.timegm(time.strptime(older[-1], STAMP)) - KEEP_S - 2 * GRACE_S)
 
 
 def remove_stamps(out: Storage, fingerprint: str, through: str) -> tuple[int, int]:
