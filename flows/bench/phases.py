@@ -201,18 +201,18 @@ def _process_started() -> float:
 
 def child_main(phase: str, config_json: str, folder: str, model: str) -> None:
     cfg = BenchConfig(**json.loads(config_json))
+    first_items = (0, max(1, cfg.images // WARM_UP_ITEMS))  # the slice that holds the first WARM_UP_ITEMS items
     if phase == "raw":
         result = phase_raw(cfg, Path(folder), model)
     elif phase.startswith("raw-n:"):  # "raw-n:i:n": the i-th process of raw, N processes
         _, index, count = phase.split(":")
         result = phase_raw(cfg, Path(folder), model, part=(int(index), int(count)))
     elif phase == "warm-up":  # the first WARM_UP_ITEMS items, as raw takes them
-        result = phase_raw(cfg, Path(folder), model, part=(0, max(1, cfg.images // WARM_UP_ITEMS)))
+        result = phase_raw(cfg, Path(folder), model, part=first_items)
     elif phase in ("flow-warm-up", "start-flow"):  # the flow's own engine (its arguments are not raw's), a few items
         result = phase_flow(cfg, Path(folder), model, limit=WARM_UP_ITEMS)
     elif phase == "start-raw":  # a round of --start-rounds: raw with the flow's processor, the same few items
-        result = phase_raw(cfg, Path(folder), model, processor_device=cfg.processor_device,
-                           part=(0, max(1, cfg.images // WARM_UP_ITEMS)))
+        result = phase_raw(cfg, Path(folder), model, processor_device=cfg.processor_device, part=first_items)
     elif phase == "raw-same":
         result = phase_raw(cfg, Path(folder), model, processor_device=cfg.processor_device)
     else:

@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flows.bench.rounds import start_rounds_line
-
 METRICS = ("generate_items_per_s", "ready_to_last_items_per_s", "summed_gpu_items_per_s", "items_per_s", "wall_s",
            "first_result_s", "output_tokens_per_s", "peak_rss_mb", "gpu_busy_pct", "processor_gpu_peak_mb")
 # Shown in the table, not divided (how much later than raw's an engine was ready is a difference:
@@ -122,12 +120,36 @@ def engine_ready_gaps(report: dict[str, Any]) -> dict[str, float]:
              "fan_out_minus_raw_n": ("fan_out", "raw_n")}
     gaps = {name: round(ready(phase) - ready(base), 2) for name, (phase, base) in pairs.items()
             if ready(phase) is not None and ready(base) is not None}
-    base = "raw_same" if ready("raw_same") is not None else "raw"
-    before = lambda phase: (ready(phase) - report[phase]["engine_start_s"]  # noqa: E731
-                            if ready(phase) is not None and (report[phase].get("engine_start_s") or 0) > 0 else None)
-    if before("flow") is not None and before(base) is not None:
-        gaps["flow_minus_raw_before_build"] = round(before("flow") - before(base), 2)
+    split = gap_split(report.get("flow") or {}, report.get("raw_same" if ready("raw_same") is not None else "raw") or {})
+    if split is not None:
+        gaps["flow_minus_raw_before_build"] = split["before_build"]
     return gaps
+
+
+def gap_split(flow: dict[str, Any], raw: dict[str, Any]) -> dict[str, float] | None:
+    """How much later the flow's engine was ready than raw's (`ready`), split where `vllm.LLM`
+    began: the part before (`before_build`: imports, the plan) and the build's own (`build`,
+    engine_start_s); None where either phase has no engine ready or no build of its own."""
+    def began(phase: dict[str, Any]) -> tuple[float, float] | None:
+        ready, build = phase.get("engine_ready_s"), phase.get("engine_start_s") or 0
+        return (ready, build) if ready is not None and build > 0 else None
+
+    if (flow_at := began(flow)) is None or (raw_at := began(raw)) is None:
+        return None
+    return {"ready": round(flow_at[0] - raw_at[0], 2),
+            "before_build": round((flow_at[0] - flow_at[1]) - (raw_at[0] - raw_at[1]), 2),
+            "build": round(flow_at[1] - raw_at[1], 2)}
+
+
+def start_rounds_line(start: dict[str, Any]) -> str:
+    """The table's line for `--start-rounds` (flows/bench/rounds.py)."""
+    median, counted = start["median"], [r["gaps"] for r in start["rounds"] if r["gaps"]]
+    if median is None:
+        return f"start rounds: none of {len(start['rounds'])} reported both engines"
+    each = ", ".join(f"{g['ready']:+.2f}" for g in counted)
+    return (f"engine ready, flow less raw with its processor, median of {len(counted)} rounds: {median['ready']:+.2f} s "
+            f"({median['before_build']:+.2f} s before vllm.LLM began, {median['build']:+.2f} s in its build); "
+            f"each round: {each} s")
 
 
 def print_table(report: dict[str, Any], path: Path) -> None:

@@ -14,6 +14,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from flows.bench.report import gap_split
+
 START_FIELDS = ("engine_ready_s", "engine_start_s")  # ready from the process's start; `vllm.LLM`'s build
 
 
@@ -30,30 +32,11 @@ def run_start_rounds(rounds: int, run: Callable[[str], dict[str, Any]]) -> dict[
 
 
 def start_gaps(results: list[dict[str, dict[str, float | None]]]) -> dict[str, Any]:
-    """Each round's gaps, flow less raw: engine ready, the part before `vllm.LLM` began, the
-    build's own; and each gap's median over the rounds."""
-    rounds = []
-    for result in results:
-        raw, flow = result["raw"], result["flow"]
-        if None in (raw["engine_ready_s"], flow["engine_ready_s"], raw["engine_start_s"], flow["engine_start_s"]):
-            rounds.append({**result, "gaps": None})  # a phase that reported no engine: not counted
-            continue
-        ready = flow["engine_ready_s"] - raw["engine_ready_s"]
-        build = flow["engine_start_s"] - raw["engine_start_s"]
-        rounds.append({**result, "gaps": {"ready": round(ready, 2), "before_build": round(ready - build, 2),
-                                          "build": round(build, 2)}})
+    """Each round's gaps, flow less raw (`gap_split`: engine ready, the part before `vllm.LLM`
+    began, the build's own; None for a round where a phase reported no engine), and each gap's
+    median over the rounds that have them."""
+    rounds = [{**result, "gaps": gap_split(result["flow"], result["raw"])} for result in results]
     counted = [r["gaps"] for r in rounds if r["gaps"]]
     median = {name: round(statistics.median(g[name] for g in counted), 2) for name in ("ready", "before_build", "build")} \
         if counted else None
     return {"rounds": rounds, "median": median}
-
-
-def start_rounds_line(start: dict[str, Any]) -> str:
-    """The table's line for the rounds."""
-    median, counted = start["median"], [r["gaps"] for r in start["rounds"] if r["gaps"]]
-    if median is None:
-        return f"start rounds: none of {len(start['rounds'])} reported both engines"
-    each = ", ".join(f"{g['ready']:+.2f}" for g in counted)
-    return (f"engine ready, flow less raw with its processor, median of {len(counted)} rounds: {median['ready']:+.2f} s "
-            f"({median['before_build']:+.2f} s before vllm.LLM began, {median['build']:+.2f} s in its build); "
-            f"each round: {each} s")
