@@ -216,7 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           processor_device=args.processor_device, warm_up=args.warm_up, start_rounds=args.start_rounds,
                           history=args.history,
                           history_source=args.history_source, history_keep=args.history_keep,
-                          history_new=not args.history_nothing_new_only,
+                          history_new=not args.history_nothing_new_only, history_new_at=args.history_new_at,
                           json_schema=json.dumps(schema) if schema is not None else None))
     return 0
 

@@ -436,3 +436,24 @@ def test_start_rounds_alternate_and_report_the_median_gap(tmp_path, monkeypatch,
     phases.child_main("start-flow", config, str(tmp_path), "m")
     assert phases.raw_slice(list(range(1024)), *taken["part"]) == list(range(WARM_UP_ITEMS))
     assert (taken["device"], taken["limit"]) == ("cuda", WARM_UP_ITEMS)
+
+
+def test_a_historys_new_items_sort_among_the_done_ones_or_after_them(monkeypatch):
+    """`--history-new-at end`: the night's new items sort after every done one (a bucket whose
+    keys begin with the day), so a rerun's listing reaches them last; by default they are spread
+    among them, the first right after the first done item."""
+    import flows.bench
+    from flows.bench.history import Locations, item_key, new_keys
+    from flows.cli import build_parser, cmd_bench
+
+    given = []
+    monkeypatch.setattr(flows.bench, "run_bench", given.append)
+    cmd_bench(build_parser().parse_args(["bench", "--history", "1000", "--history-new-at", "end"]))
+    assert (given[0].history, given[0].history_new_at) == (1000, "end")
+    done = [item_key(i) for i in range(20_000)]
+    where = Locations(Path("history"), "folder")
+    at_end, spread = new_keys(where, 20_000, "end"), new_keys(where, 20_000)
+    assert len(at_end) == len(spread) == 200 and not set(at_end) & set(done)
+    assert sorted(done + at_end)[len(done):] == sorted(at_end)
+    listed = sorted(done + spread)
+    assert listed.index(spread[0]) == 1 and listed.index(spread[-1]) < len(listed) - 1

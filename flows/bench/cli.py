@@ -90,5 +90,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--history-keep", metavar="DIR",
                         help="with --history: synthesize the history into DIR and keep it; a later bench with "
                         "the same settings uses it again (what the runs added is removed first); folder output")
+    parser.add_argument("--history-new-at", choices=["spread", "end"], default="spread",
+                        help="with --history: the 1%% new items spread evenly among the done ones (default), or all "
+                             "sorting after them (a bucket whose keys begin with the day)")
     parser.add_argument("--history-nothing-new-only", action="store_true",
                         help="with --history: only the night with nothing new (not the 1%% new nor the empty output)")

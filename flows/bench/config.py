@@ -65,6 +65,7 @@ class BenchConfig:
     history_source: str = "listing"
     history_keep: str | None = None  # a folder that keeps the synthesized history for the next bench
     history_new: bool = True  # False: only the night with nothing new
+    history_new_at: str = "spread"  # where the 1% new items sort: "spread" among the done ones, or "end"
     # N > 0: after the compared phases, N rounds of raw (the flow's processor) and the flow over
     # WARM_UP_ITEMS items each, for the median of the engine-ready gap (flows/bench/rounds.py).
     start_rounds: int = 0
