@@ -106,7 +106,8 @@ def test_variants_get_their_own_columns(tmp_path, capsys):
     assert args.fan_out_env == ["VLM_CAPTION_CPU_SHARE=all"]
     phase = lambda rate: {"generate_items_per_s": rate, "wall_s": 10.0}  # noqa: E731
     report = {"config": {"images": 4, "modality": "image", "width": 96, "height": 64}, "device": "cpu",
-              "raw": phase(2.0), "flow": phase(3.0), "ratio_flow_over_raw": {"generate_items_per_s": 1.5},
+              "raw": {**phase(2.0), "prompt_tokens": 4000, "cached_prompt_tokens": 3000},
+              "flow": phase(3.0), "ratio_flow_over_raw": {"generate_items_per_s": 1.5},
               "flow_env": {args.flow_env[0]: {**phase(4.0), "ratio_over_raw": {"generate_items_per_s": 2.0}}},
               "fan_out": {**phase(5.0), "gpus": 2, "ratio_over_flow": {"generate_items_per_s": 1.667},
                           "partitions": [], "items": 1024, "copies": 768},
@@ -121,10 +122,18 @@ def test_variants_get_their_own_columns(tmp_path, capsys):
     row = next(line for line in out.splitlines() if "generate_items_per_s" in line)
     assert [cell.strip() for cell in row.strip("│ ").split("│")] == [
         "generate_items_per_s", "2.00", "3.00", "1.50", "4.00", "2.00", "5.00", "1.67", "4.50", "1.50"]
-    # a phase that captioned same-bytes items once did less than raw: said, for that phase only
+    # a phase that captioned same-bytes items once did less than raw, and a raw phase whose prompts vLLM's
+    # prefix cache served (repeated media, not a prompt's shared text) did less than its items: said, for those only
     assert [line for line in out.splitlines() if line.startswith("WARNING")] == [
         "WARNING: fan-out took 768 of 1024 answers from items with the same bytes (no request); raw asked each: "
-        "its items/s are not raw's work"]
+        "its items/s are not raw's work",
+        "WARNING: raw took 3000 of its 4000 prompt tokens (75%) from vLLM's prefix cache: its items repeat, and "
+        "the engine encoded each once"]
+    # a block or two of every prompt's shared text is not a repeat
+    report.update(raw={**phase(2.0), "prompt_tokens": 4000, "cached_prompt_tokens": 64}, fan_out_env={})
+    del report["fan_out"]
+    print_table(report, tmp_path / "bench.json")
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("WARNING")]
 
 
 @pytest.mark.parametrize("modality", ["image", "video", "multi-image"])

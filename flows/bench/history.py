@@ -8,8 +8,7 @@ nightly `vlm-caption run` starts:
 
 - `nothing_new`: every item done;
 - `one_pct_new`: N/100 new items, spread evenly among the done ones (each sorts after a done one),
-  or with `--history-new-at end` all after them, as a bucket whose keys begin with the day lists
-  them (a rerun starts its engine at the first new item the listing reaches);
+  or with `--history-new-at end` all after them (a bucket whose keys begin with the day);
 - `new_only_empty_output`: the same new items alone, into an empty output (what they cost with
   no history); the ratio line puts `one_pct_new - nothing_new` over it.
 
@@ -128,14 +127,10 @@ def folder_of(key: str) -> str:
 
 
 def new_keys(where, n: int, at: str = "spread") -> list[str]:
-    """The keys of the night's 1% new items (`at`: "spread" or "end", `new_key`)."""
-    return [where.key_prefix + new_key(j, at) for j in range(max(1, n // 100))]
-
-
-def new_key(j: int, at: str = "spread") -> str:
-    """The j-th new item: "spread", right after done item 100*j, so the new ones are spread
-    evenly; "end", in a folder that sorts after every done item's (`item_key`'s `d` folders)."""
-    return f"new/{j:08d}.jpg" if at == "end" else f"d{100 * j // PER_FOLDER:04d}/{100 * j:08d}n.jpg"
+    """The keys of the night's 1% new items. The j-th: at "spread", right after done item 100*j, so
+    they are spread evenly; at "end", in a folder that sorts after every done item's (`item_key`)."""
+    return [where.key_prefix + (f"new/{j:08d}.jpg" if at == "end" else f"d{100 * j // PER_FOLDER:04d}/{100 * j:08d}n.jpg")
+            for j in range(max(1, n // 100))]
 
 
 def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, str]) -> list[str]:
@@ -288,13 +283,13 @@ def task_runs(db: Path) -> dict[str, Any]:
     seconds: Counter = Counter()
     for name, start, end in spans:  # each step's task runs, their seconds summed (they overlap)
         seconds[name.rsplit("-", 1)[0]] += _seconds(start, end)
+    # How far into the flow run its engine began: a rerun's starts at the first new item listed.
     engine = [start for name, start, _ in spans if name.rsplit("-", 1)[0] == "start-engine"]
+    engine_at = round(_seconds(flow[0], min(engine)), 2) if flow and flow[0] and engine else None
     return {"total": len(rows), "by_state": dict(Counter(state for _, state in rows)), "by_name": dict(names),
             "seconds_by_name": {name: round(s, 2) for name, s in seconds.items()},
             "flow_run_s": round(_seconds(*flow), 2) if flow and all(flow) else None,
-            # How far into the flow run its engine began: a rerun's starts at the first new item listed.
-            "start_engine_after_flow_start_s": round(_seconds(flow[0], min(engine)), 2) if flow and flow[0] and engine
-            else None,
+            "start_engine_after_flow_start_s": engine_at,
             "rows": tables, "db_mb": round(size / 2**20, 1)}
 
 

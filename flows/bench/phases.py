@@ -78,9 +78,12 @@ def phase_raw(cfg: BenchConfig, folder: Path, model: str, processor_device: str 
     outputs = llm.generate(inputs, SamplingParams(temperature=0.0, **cfg.sampling(), **structured), use_tqdm=False)
     generate_s = time.time() - generate_started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outputs)
     # engine_start_s: `vllm.LLM`'s own build, as the flow's; engine_ready_s: from the process's start
     return {"items": len(outputs), "engine_start_s": round(build_s, 2), "engine_ready_s": round(engine_s, 2),
             "decode_s": round(decode_s, 2), "output_tokens": tokens,
+            # what vLLM's prefix cache served: items that repeat are encoded once (docs/benchmarks.md)
+            "prompt_tokens": prompt_tokens, "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
             # generate returns everything at once: its end is the last (and the first) result
             "ready_to_last_items_per_s": len(outputs) / max(generate_started + generate_s - engine_ready_at, 1e-9),
             "generate_s": round(generate_s, 2), "generate_items_per_s": len(outputs) / generate_s,

@@ -103,6 +103,10 @@ def ratios(flow: dict[str, Any], raw: dict[str, Any]) -> dict[str, float]:
             if isinstance(flow.get(m), (int, float)) and isinstance(raw.get(m), (int, float)) and raw[m]}
 
 
+# A prompt's text before its media is the same in every request and may be served from vLLM's
+# prefix cache (a block or two); more than this share of all prompt tokens means media repeated.
+CACHED_SHARE_WARNED = 0.25
+
 GAP_NAMES = {"flow_minus_raw": "flow over raw", "flow_minus_raw_same": "flow over raw with its processor",
              "fan_out_minus_raw_n": "fan-out over raw, N processes",
              "flow_minus_raw_before_build": "of which before vllm.LLM began"}
@@ -216,6 +220,11 @@ def print_table(report: dict[str, Any], path: Path) -> None:
             if result.get("copies"):
                 print(f"WARNING: {name} took {result['copies']} of {result['items']} answers from items with the "
                       "same bytes (no request); raw asked each: its items/s are not raw's work")
+    for name, result in (("raw", report.get("raw") or {}), ("raw, same processor", report.get("raw_same") or {})):
+        cached, prompt = result.get("cached_prompt_tokens") or 0, result.get("prompt_tokens") or 0
+        if prompt and cached > CACHED_SHARE_WARNED * prompt:
+            print(f"WARNING: {name} took {cached} of its {prompt} prompt tokens ({100 * cached / prompt:.0f}%) from "
+                  "vLLM's prefix cache: its items repeat, and the engine encoded each once")
     gaps = report.get("engine_ready_after_raw_s") or {}
     if gaps:
         print("engine ready later than raw's, each from its phase's start: " + ", ".join(
