@@ -47,8 +47,14 @@ class BenchConfig:
     def runs_raw_n(self) -> bool:
         """Whether the "raw, N processes" phase runs: on a fan-out bench, unless --skip-raw-n."""
         return self.gpus > 1 and not self.skip_raw_n
-    # Raw vLLM over a few items before the measured phases (WARM_UP_ITEMS), its figures kept apart:
-    # the host's first engine compiles its kernels, so every measured phase finds them cached.
+
+    def runs_raw(self) -> bool:
+        """Whether any raw phase runs (raw, raw, N processes, the start rounds): if none, the
+        warm-up compiles only the flow's kernels."""
+        return not self.skip_raw or self.runs_raw_n() or self.start_rounds > 0
+    # Raw vLLM over a few items before the measured phases (WARM_UP_ITEMS), and the flow over as many
+    # before the flow's, their figures kept apart: the host's first engine for a set of engine
+    # arguments compiles its kernels, so every measured phase finds them cached.
     warm_up: bool = False
     # Where the flow's model processor runs (the job's processor_device). Raw runs it on the CPU
     # as the example does; where the flow's lands on the GPU, raw runs once more with it there

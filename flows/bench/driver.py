@@ -218,7 +218,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     report: dict[str, Any] = {"config": {**asdict(cfg), "model": model}, "device": _device(), "flow_env": {},
                               "raw": {}}
     # Each phase's figures are written as it ends: a run cut off (a lent GPU's time limit) keeps them.
-    if cfg.warm_up:  # kernels compiled (or found cached) before any phase that is compared
+    if cfg.warm_up and cfg.runs_raw():  # raw's kernels compiled (or found cached) before any raw phase
         report["warm_up"] = {k: v for k, v in run_phase("warm-up", cfg, folder, model).items()
                              if k in ("items", "engine_ready_s", "wall_s")}
         write_report(report, work)
