@@ -313,10 +313,10 @@ def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_pat
         assert ran == (["warm-up", "raw", "flow-warm-up", "flow"] if warm_up else ["raw", "flow"])
         assert ("warm_up" in report) is warm_up and ("flow_warm_up" in report) is warm_up
     # with no raw phase to run, only the flow's kernels are compiled first (minutes of a lent GPU saved)
-    for raw, rounds, phases_run in ((False, 0, ["flow-warm-up", "flow"]),
-                                    (False, 1, ["warm-up", "flow-warm-up", "flow", "start-raw", "start-flow"])):
+    for rounds, phases_run in ((0, ["flow-warm-up", "flow"]),
+                               (1, ["warm-up", "flow-warm-up", "flow", "start-raw", "start-flow"])):
         ran.clear()
-        driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", images=1024, warm_up=True, skip_raw=not raw,
+        driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", images=1024, warm_up=True, skip_raw=True,
                                      start_rounds=rounds))
         assert ran == phases_run
     ran.clear()
