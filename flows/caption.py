@@ -96,7 +96,8 @@ def run_job(job: CaptionJob) -> dict:
     # fan-out's parent asks for its children first (caption_job), their start beside its import.
     early = start_engine_first(plan, now=job.fan_out <= 1)
     if early:
-        log.info("engine starting first", why="the output holds no result of this job yet")
+        log.info("engine starting first", why="the output holds no result of this job yet, or objects came after "
+                 "where its last listing ended")
     # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
     lease = one_run_per_job(plan.fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
     try:
@@ -125,7 +126,7 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
             return start_children(job.partition_deployment, child_jobs, run_label, attempt=attempt,
                                   parent_run_id=run_id)
 
-        if engine_first:  # no result of the job yet, so work for all: the children are asked for before this
+        if engine_first:  # work for all (no result yet, or objects after the last listing): the children are asked for before this
             children = ask_for_children()  # process waits on vLLM's import, their start beside its engine's
         else:  # earlier results: asked for at the plan's first shard; a night with nothing new starts none
             on_work = ChildrenOnWork(plan.output, run_id, ask_for_children).start()

@@ -2,7 +2,7 @@
 is made, on a thread of their own, while Prefect's server starts and the flow run is made.
 
 A run whose output holds results of its job starts no engine at once (flows/plan.py
-`engine_first`); what it has to do first is load the done-index and judge every listed item
+`start_engine_first`, unless objects came after where its last listing ended); what it has to do first is load the done-index and judge every listed item
 against it, which with a large history is most of the flow run, and which needs no Prefect. So
 `vlm-caption run` begins both (`begin_head_start`) right after the plan, before the embedded
 Prefect server is up. The flow, in the same process and with the same resolved job, takes them
@@ -30,6 +30,7 @@ from tasks.observability import get_logger
 from tasks.results.done_index import DoneIndex, load_done_index
 from tasks.results.layout import manifest_key
 from tasks.sources.listing import ShardStream
+from tasks.sources.listing_end import keep_listing_end
 
 # Taking a free slot asks the server a few times; a slot that took longer was held by another run.
 SLOT_FREE_S = 5.0
@@ -48,7 +49,8 @@ class HeadStart:
         self.loaded = threading.Event()
         job = plan.job
         self.stream = ShardStream(plan.source, job.shard_size, job.limit,
-                                  pending=lambda items: self.done.pending_mask(items, job.questions_to_ask))
+                                  pending=lambda items: self.done.pending_mask(items, job.questions_to_ask),
+                                  on_end=lambda last: keep_listing_end(plan.output, plan.source, plan.fingerprint, last))
         self.thread = threading.Thread(target=self._load_then_list, name="vlm-caption-head-start", daemon=True)
 
     def _load_then_list(self) -> None:

@@ -73,7 +73,8 @@ class Partition(BaseModel):
     count: int = Field(..., ge=2)
     run_id: str = Field(..., min_length=1, description="The parent run's id: names parts and reports.")
     fingerprint: str | None = Field(None, description="The job's result set (recipe, model, question, sampling).")
-    engine_first: bool = Field(False, description="The parent found no earlier result: start the engine at once.")
+    engine_first: bool = Field(False, description="The parent found work at once (no earlier result, or objects "
+                               "after where the last listing ended): start the engine at once.")
 
     @model_validator(mode="after")
     def _index_in_range(self) -> Partition:

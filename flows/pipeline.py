@@ -29,6 +29,7 @@ from tasks.sources.extras import annotate_records
 from tasks.shard_plan import SharedListing
 from tasks.sources.items import Shard
 from tasks.sources.listing import AlreadyDone, Listed, ShardStream
+from tasks.sources.listing_end import keep_listing_end
 
 
 def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | None]:
@@ -76,10 +77,11 @@ def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None,
     a shard plan every partition reads (tasks/shard_plan.py)."""
     work = run.work
     pending = lambda items: done.pending_mask(items, work.questions)  # noqa: E731
+    ended = lambda last_key: keep_listing_end(run.output, run.source, run.fingerprint, last_key)  # noqa: E731
     if claims is None:
-        return ShardStream(run.source, work.shard_size, work.limit, pending=pending).start()
+        return ShardStream(run.source, work.shard_size, work.limit, pending=pending, on_end=ended).start()
     return SharedListing(run.output, run.run_id, claims, run.source, work.shard_size, work.limit,
-                         pending, shards=shards).start()
+                         pending, shards=shards, on_end=ended).start()
 
 
 class ShardPipeline:

@@ -21,10 +21,12 @@ from flows.params import CaptionJob
 from recipes import Recipe, RecipeError
 from tasks.engine.arguments import EngineSpec
 from tasks.engine.host_share import take_cpu_share
+from tasks.observability import get_logger
 from tasks.results.layout import results_prefix
 from tasks.results.records import job_fingerprint
 from tasks.settings import get_settings
 from tasks.sources.formats import SourceSpec
+from tasks.sources.listing_end import object_after_listing_end
 from tasks.sources.registry import READERS, reader_class
 from tasks.sources.storage import Storage, StorageError
 from tasks.sources.watermark import with_changed_since
@@ -95,26 +97,6 @@ def engine_spec(job: CaptionJob) -> EngineSpec:
                             images=images, processor_device=job.processor_device)
 
 
-def engine_first(plan: RunPlan) -> EngineSpec | None:
-    """The engine to start before anything else of the run, or None.
-
-    A job whose output holds no result of its fingerprint yet has every item still to do, so its
-    engine is started at once, beside Prefect's start, the job's slot and the listing (the engine's
-    start is most of a short run). A job with earlier results (a nightly rerun) starts its engine at
-    the first item the listing shows is not done, so a night with nothing new starts none. The
-    partitions of a fan-out follow their parent's finding. A multi-image job's engine waits for
-    the listing, whose largest group sets its image limit."""
-    if plan.engine is None or plan.job.modality == "multi-image":
-        return None
-    if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
-        return plan.engine if plan.job.partition.engine_first else None
-    history = plan.output.iter_objects(prefix=results_prefix(plan.fingerprint))
-    try:
-        return None if next(iter(history), None) is not None else plan.engine
-    finally:
-        getattr(history, "close", lambda: None)()
-
-
 def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str, source: SourceSpec | None = None) -> str:
     """The results this job's are interchangeable with (see `job_fingerprint`). The source format
     says which location that is (an inventory's is its bucket's: a listing of that bucket and every
@@ -147,17 +129,38 @@ def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
 
 
 def start_engine_first(plan: RunPlan, *, now: bool = True) -> bool:
-    """Start building the run's engine where `engine_first` wants one: vLLM imported here, by the
-    calling thread (never on a thread beside other work: tasks/engine/vllm_import.py says why),
-    then the engine built on a thread of its own (`tasks/engine/vllm_engine.py`). `vlm-caption run`
-    and the bench call it before they import Prefect, whose import beside vLLM's slows both.
-    `now=False` only answers: a fan-out's parent asks for its children first, their start beside
-    its import, then calls `build_engine_first`. A job with earlier results imports nothing here:
-    a night with nothing new needs no vLLM. True if an engine is (to be) built first."""
-    spec = engine_first(plan)
-    if spec is not None and now:
+    """Whether the run builds its engine before anything else, and if so (and `now`) its start:
+    vLLM imported here, by the calling thread (never on a thread beside other work:
+    tasks/engine/vllm_import.py says why), then the engine built on a thread of its own
+    (`tasks/engine/vllm_engine.py`). `vlm-caption run` and the bench call it before they import
+    Prefect, whose import beside vLLM's slows both. `now=False` only answers: a fan-out's parent
+    asks for its children first, their start beside its import, then calls `build_engine_first`.
+
+    A job whose output holds no result of its fingerprint yet has every item still to do, so its
+    engine is started at once, beside Prefect's start, the job's slot and the listing (the engine's
+    start is most of a short run). So is a job with earlier results whose folder or bucket holds an
+    object after the greatest key its last complete listing read (tasks/sources/listing_end.py: a
+    night's objects that sort after the history). Any other job with earlier results (a nightly
+    rerun) imports nothing here and starts its engine at the first item the listing shows is not
+    done, so a night with nothing new needs no vLLM. The partitions of a fan-out follow their
+    parent's finding. A multi-image job's engine waits for the listing, whose largest group sets
+    its image limit."""
+    if plan.engine is None or plan.job.modality == "multi-image":
+        return False
+    if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
+        first = plan.job.partition.engine_first
+    else:
+        history = plan.output.iter_objects(prefix=results_prefix(plan.fingerprint))
+        try:
+            first = next(iter(history), None) is None
+        finally:
+            getattr(history, "close", lambda: None)()
+        if not first and (newer := object_after_listing_end(plan.output, plan.source, plan.fingerprint)):
+            get_logger().info("an object came after where the last listing ended", key=newer)
+            first = True
+    if first and now:
         build_engine_first(plan)
-    return spec is not None
+    return first
 
 
 def build_engine_first(plan: RunPlan) -> None:

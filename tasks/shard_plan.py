@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tasks.claims import ShardClaims, claims_prefix
 from tasks.listed_copies import ListedCopies
@@ -66,10 +66,11 @@ class PlanWriter(ShardStream):
     """The lister's listing: what it hands over goes into the plan's chunks, not to a queue."""
 
     def __init__(self, out: Storage, run_id: str, owner: str, source: SourceSpec, shard_size: int,
-                 limit: int | None, pending: PendingMask, resume: dict | None = None):
+                 limit: int | None, pending: PendingMask, resume: dict | None = None,
+                 on_end: Callable[[str | None], None] | None = None):
         resume = resume or {}
         super().__init__(source, shard_size, limit, pending=pending, first_shard=resume.get("next_shard", 0),
-                         skip_items=resume.get("listed", 0))
+                         skip_items=resume.get("listed", 0), on_end=on_end)
         self.out, self.run_id, self.owner = out, run_id, owner
         self.chunk = resume.get("next_chunk", 0)
         self._shards: list[Shard] = []
@@ -140,13 +141,14 @@ class SharedListing:
     lister counted), "copies" (its copy shards only) or "all" (every shard: to retake some)."""
 
     def __init__(self, out: Storage, run_id: str, claims: ShardClaims, source: SourceSpec, shard_size: int,
-                 limit: int | None, pending: PendingMask, poll_s: float = POLL_S, shards: str = "originals"):
+                 limit: int | None, pending: PendingMask, poll_s: float = POLL_S, shards: str = "originals",
+                 on_end: Callable[[str | None], None] | None = None):
         self.out, self.run_id, self.claims, self.poll_s = out, run_id, claims, poll_s
         self.shards = shards
         self.copy_shards: set[int] = set()  # the plan's copy shards, as far as it was read
         self.shard_count = 0  # shards in the plan, once its end was read
         self.prefix = plan_prefix(run_id)
-        self._listing = dict(source=source, shard_size=shard_size, limit=limit, pending=pending)
+        self._listing = dict(source=source, shard_size=shard_size, limit=limit, pending=pending, on_end=on_end)
         self.writer: PlanWriter | None = None
         self.lists = False  # this partition listed (some of) the source
         self.log = get_logger(run_id=run_id, partition=claims.partition)

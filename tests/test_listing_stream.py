@@ -180,3 +180,22 @@ def test_done_items_are_judged_as_the_done_index_judges_each_one():
     expected = [bool(done.pending_by_listing(item, item.questions or ("q1",))) for item in items]
     assert expected == [False, True, False, True, True, True, True]
     assert list(done.pending_mask(items, ("q1",))) == expected
+
+
+def test_a_listing_read_to_its_end_hands_on_its_greatest_key(storage):
+    """`on_end`: once a listing without `limit` has read the source to its end (a failed page
+    resumed), the greatest key it read, which a folder's walk does not read last; never for a
+    listing cut by `limit` or one that failed (tasks/sources/listing_end.py keeps it)."""
+    class Walked(SyntheticStorage):  # a folder's walk: a folder's own files before its subfolders'
+        def iter_objects(self, glob=None, prefix=""):
+            yield from (ObjectRef(key, 1, "e") for key in ("z.jpg", "a/1.jpg", "a/2.jpg"))
+
+    ends = []
+    storage(SyntheticStorage(300, fail_at=130))
+    assert len(list(_stream(on_end=ends.append))) == 5
+    storage(Walked(0))
+    list(_stream(on_end=ends.append))
+    assert ends == ["img/0000299.jpg", "z.jpg"]
+    limited = ShardStream(SourceSpec("s3://synthetic/"), 4, 10, on_end=ends.append)
+    threading.Thread(target=limited.produce, daemon=True).start()
+    assert len(list(limited)) == 1 and ends == ["img/0000299.jpg", "z.jpg"]

@@ -1,5 +1,6 @@
 """A nightly rerun over a history costs what is new: with nothing new it makes no per-shard task
-run and builds no engine, and a few new items among many done ones make one full shard. The
+run and builds no engine, and a few new items among many done ones make one full shard; objects
+after the greatest key the last listing read have the next run build its engine first. The
 history is synthesized by `vlm-caption bench --history`'s own code (flows/bench/history.py), so
 this also checks that what the bench writes is what a run counts as done."""
 
@@ -13,9 +14,10 @@ import pytest
 import flows.pipeline
 import tasks.engine.vllm_engine as vllm_engine
 from flows.bench.config import BenchConfig
-from flows.bench.history import Locations, add_new_items, synthesize
+from flows.bench.history import Locations, add_new_items, item_key, small_jpeg, synthesize
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
+from flows.plan import make_plan, start_engine_first
 
 HISTORY, SHARD = 300, 8
 PER_SHARD_TASKS = {"caption-batch", "start-engine"}  # the shards' task runs: a batch of them each
@@ -82,6 +84,12 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
     assert _progress(flow_run_id) == 100.0  # the done items are the run's progress
     manifest = json.loads((where.base / "out" / "manifests" / f"{summary['run_id']}.json").read_text())
     assert manifest["counts"]["skipped_already_done"] == HISTORY and manifest["parts"] == []
+    # The listing read the folder to its end: its greatest key is kept, and the next run looks past it
+    # (tasks/sources/listing_end.py): the night's items below sort among the done ones, so its engine
+    # still waits for the listing to find them.
+    (end,) = (where.base / "out" / "listed").glob("*.json")
+    assert json.loads(end.read_text())["greatest_key"] == item_key(HISTORY - 1)
+    assert not start_engine_first(make_plan(job), now=False)
 
     # Three new items, one between each hundred done ones: one full shard of them, nothing else.
     monkeypatch.undo()
@@ -96,3 +104,12 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
     assert len(parts) == 1
     keys = sorted(json.loads(line)["key"] for line in parts[0].read_text().splitlines())
     assert keys == sorted(new)
+
+    # An object that sorts after everything listed (a night's keys that begin with the day): the next
+    # run builds its engine first, beside Prefect's start and the listing; one in the history's own
+    # folder, before the greatest key, is left for the listing to find.
+    (where.base / "src" / "d0000" / "00000001m.jpg").write_bytes(small_jpeg())
+    assert not start_engine_first(make_plan(job), now=False)
+    (where.base / "src" / "next-day").mkdir()
+    (where.base / "src" / "next-day" / "a.jpg").write_bytes(small_jpeg())
+    assert start_engine_first(make_plan(job), now=False)

@@ -13,6 +13,8 @@
                                                         view, tasks/results/parquet_view.py)
     parquet/compacted-<stamp>-<tag>.parquet             many runs' rows, merged by compaction
     parquet/results.parquet                             the view as older versions wrote it (one file)
+    listed/<fingerprint>-<scope>.json                   where the job's last complete listing ended
+                                                        (tasks/sources/listing_end.py)
 """
 
 import re

@@ -26,10 +26,19 @@ from tasks.sources.registry import open_reader
 from tasks.sources.watermark import changed_items
 
 
-def iter_items(source: SourceSpec) -> Iterator[WorkItem]:
-    """The source's items; with --modified-since only what changed (tasks/sources/watermark.py)."""
+def iter_items(source: SourceSpec, read: Callable[[WorkItem], None] | None = None) -> Iterator[WorkItem]:
+    """The source's items; with --modified-since only what changed (tasks/sources/watermark.py).
+    `read` sees every item the source gives, changed or not."""
     items = open_reader(source).items()
+    if read is not None:
+        items = _seen(items, read)
     return changed_items(items, source.changed) if source.changed is not None else items
+
+
+def _seen(items: Iterable[WorkItem], read: Callable[[WorkItem], None]) -> Iterator[WorkItem]:
+    for item in items:
+        read(item)
+        yield item
 
 
 def up_to(items: Iterable[WorkItem], limit: int | None) -> Iterator[WorkItem]:
@@ -72,13 +81,19 @@ class ShardStream:
     `begin()` starts the listing on a thread of its own before the flow run exists (a nightly
     run's head start, flows/head_start.py); `start()` then makes the `list-source` task run that
     waits for it. Counts of done items that find the queue full are added to the next one
-    handed over, so a listing of only done items never waits for the captioning."""
+    handed over, so a listing of only done items never waits for the captioning.
+
+    `on_end` is called with the greatest item id read (a folder is walked, not read in key order)
+    once a listing without `limit` has read the source to its end (tasks/sources/listing_end.py
+    keeps it for the next run)."""
 
     ATTEMPTS = 3  # a listing that fails resumes after the items it already handed over
 
     def __init__(self, source: SourceSpec, shard_size: int, limit: int | None, ahead: int = 4,
-                 pending: PendingMask | None = None, first_shard: int = 0, skip_items: int = 0):
+                 pending: PendingMask | None = None, first_shard: int = 0, skip_items: int = 0,
+                 on_end: Callable[[str | None], None] | None = None):
         self.source, self.shard_size, self.limit, self.pending = source, shard_size, limit, pending
+        self.on_end, self.greatest_read = on_end, None
         self.items_listed = skip_items  # handed over (in shards or as done), or waiting in the next shard
         self.shards_listed = first_shard
         self.already_done = 0
@@ -131,6 +146,8 @@ class ShardStream:
         try:
             self._list_with_retries()
             self.finished = True
+            if self.on_end is not None and self.limit is None:
+                self.on_end(self.greatest_read)
             self.put(None)
         except StreamClosed:
             return
@@ -178,7 +195,7 @@ class ShardStream:
         raise StreamClosed
 
     def _list_from(self, skip: int) -> None:
-        items = up_to(iter_items(self.source), self.limit)
+        items = up_to(iter_items(self.source, self._read), self.limit)
         for item in itertools.islice(items, skip, None):
             if self.pending is None:
                 self._take([item])
@@ -190,6 +207,10 @@ class ShardStream:
             self._judge()
         if self._batch:
             self._hand_over()
+
+    def _read(self, item: WorkItem) -> None:
+        if self.greatest_read is None or item.id > self.greatest_read:
+            self.greatest_read = item.id
 
     def _judge(self) -> None:
         batch, self._unjudged = self._unjudged, []

@@ -65,6 +65,10 @@ def matches_glob(relative: str, glob: str | None) -> bool:
     )
 
 
+def _all_before(folder: str, key: str) -> bool:  # every key under `folder` sorts before `key`
+    return bool(key) and folder < key and not key.startswith(folder)
+
+
 class LocalStorage:
     def __init__(self, root: str | Path, *, create: bool = False):
         self.root = Path(root).expanduser().resolve()
@@ -82,8 +86,11 @@ class LocalStorage:
             start = start.parent
         root = len(os.path.join(self.root, ""))
         for dirpath, dirnames, filenames in os.walk(start):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             folder = os.path.join(dirpath, "")  # strings: Path joins and relative_to were most of a big listing
+            below = folder[root:].replace(os.sep, "/")
+            # A folder whose every key sorts before `start_after` is not walked (one page after a key).
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                                 and not _all_before(below + d + "/", start_after))
             for name in sorted(filenames):
                 if name.startswith("."):
                     continue

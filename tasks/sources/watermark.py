@@ -86,14 +86,15 @@ def _iso(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def watermark_key(source: SourceSpec, fingerprint: str) -> str:
-    """One watermark per result set, location and glob: another glob, or another inventory
-    configuration of the same bucket, has listed other objects."""
+def scoped_key(folder: str, source: SourceSpec, fingerprint: str) -> str:
+    """One object under `folder` (WATERMARKS here) per result set and what a listing covers, its
+    location and glob: another glob, or another inventory configuration of the same bucket, lists
+    other objects."""
     from tasks.sources.inventory_report import report_series
 
     where = report_series(source.uri) if source.format == "inventory" else source.uri
     scope = hashlib.sha256(json.dumps([where.rstrip("/"), source.glob]).encode()).hexdigest()[:12]
-    return f"{WATERMARKS}{fingerprint}-{scope}.json"
+    return f"{folder}{fingerprint}-{scope}.json"
 
 
 def with_changed_since(source: SourceSpec, modified_since: str | None, output: Storage,
@@ -115,7 +116,7 @@ def with_changed_since(source: SourceSpec, modified_since: str | None, output: S
         as_of = time.time()
     if modified_since != "auto":
         return dataclasses.replace(source, changed=ChangedSince(_time_of(modified_since), None, as_of))
-    key = watermark_key(source, fingerprint)
+    key = scoped_key(WATERMARKS, source, fingerprint)
     kept = _read(output.describe(key))
     after = _time_of(kept["modified_after"]) if "modified_after" in kept else None
     return dataclasses.replace(source, changed=ChangedSince(after, output.describe(key), as_of))

@@ -1,0 +1,68 @@
+"""Where a job's last complete listing of a folder or bucket ended, kept in the output, so that
+its next run can tell before it lists whether objects came after it.
+
+A job with earlier results starts its engine at the first item its listing finds work in, so that
+a night with nothing new imports no vLLM and builds no engine (`flows/plan.py`, `start_engine_first`).
+Where a night's objects sort after the history (keys that begin with the day), the listing reaches
+them last: at 100,000 done on S3 the engine began 62 s later than with the new objects spread
+among the done ones (docs/benchmarks.md). The greatest key the job's last complete listing read
+(one that went to the end, without `limit`) answers that at the start: one page listed after it.
+An object there came since, so the run builds its engine first, beside Prefect's start and the
+listing; none, and it starts its engine as before. A hint only: what is done is the done-index's
+to say, and an object that came among the older keys is found by the listing as before.
+
+    listed/<fingerprint>-<scope>.json   {"greatest_key": ..., "written_at": ...}; the scope as a
+                                        watermark's (tasks/sources/watermark.py)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tasks.observability import get_logger
+from tasks.sources.formats import SourceSpec
+from tasks.sources.storage import Storage
+from tasks.sources.watermark import scoped_key
+
+LISTING_ENDS = "listed/"
+
+
+def listing_end_key(source: SourceSpec, fingerprint: str) -> str:
+    return scoped_key(LISTING_ENDS, source, fingerprint)
+
+
+def lists_in_key_order(source: SourceSpec) -> bool:
+    """A folder or bucket of media files: its objects are listed by key, so "after" means newer
+    keys. A manifest's, a Parquet file's or an inventory report's rows come in no such order."""
+    return source.format == "files"
+
+
+def keep_listing_end(output: Storage, source: SourceSpec, fingerprint: str, greatest_key: str | None) -> None:
+    """After a listing that went to the end (no `limit`): the greatest key it read. Not kept, it
+    is logged: the next run then starts its engine at its first new item, as without it."""
+    if greatest_key is None or not lists_in_key_order(source):
+        return
+    body = {"greatest_key": greatest_key, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        output.write(listing_end_key(source, fingerprint), json.dumps(body).encode())
+    except Exception as exc:  # noqa: BLE001 - a hint for the next run's engine start, not a result
+        get_logger(source=source.uri).warning("could not keep where the listing ended; the next run starts "
+                                              "its engine at its first new item", error=str(exc))
+
+
+def object_after_listing_end(output: Storage, source: SourceSpec, fingerprint: str) -> str | None:
+    """The first object after the greatest key the job's last complete listing read; None where there
+    is none, no such listing was kept, the source is not listed by key, or either could not be
+    read (logged: the run then starts its engine at its first new item)."""
+    if not lists_in_key_order(source):
+        return None
+    try:
+        greatest = json.loads(output.read(listing_end_key(source, fingerprint)))["greatest_key"]
+        first = next(iter(source.storage.iter_objects(source.glob, start_after=greatest)), None)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a hint for when the engine starts, not what is done
+        get_logger(source=source.uri).warning("could not look past where the last listing ended", error=str(exc))
+        return None
+    return first.key if first is not None else None
