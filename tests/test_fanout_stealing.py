@@ -55,7 +55,7 @@ def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_l
     import tasks.sources.listing as listing
 
     listings, iter_items = [], listing.iter_items
-    monkeypatch.setattr(listing, "iter_items", lambda source: listings.append(source.uri) or iter_items(source))
+    monkeypatch.setattr(listing, "iter_items", lambda source, *read: listings.append(source.uri) or iter_items(source, *read))
     source, out = tmp_path / "img", tmp_path / "out"
     source.mkdir()
     keys = [f"{i:02d}.png" for i in range(9)]
