@@ -126,8 +126,8 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
             return start_children(job.partition_deployment, child_jobs, run_label, attempt=attempt,
                                   parent_run_id=run_id)
 
-        if engine_first:  # work for all (no result yet, or objects after the last listing): the children are asked for before this
-            children = ask_for_children()  # process waits on vLLM's import, their start beside its engine's
+        if engine_first:  # work at once (no result yet, or objects after the last listing): the children are
+            children = ask_for_children()  # asked for before this process waits on vLLM's import, their start beside its engine's
         else:  # earlier results: asked for at the plan's first shard; a night with nothing new starts none
             on_work = ChildrenOnWork(plan.output, run_id, ask_for_children).start()
     if engine_first and job.fan_out > 1:  # the children asked for: vLLM's import, then the engine's start; a

@@ -2,8 +2,8 @@
 is made, on a thread of their own, while Prefect's server starts and the flow run is made.
 
 A run whose output holds results of its job starts no engine at once (flows/plan.py
-`start_engine_first`, unless objects came after where its last listing ended); what it has to do first is load the done-index and judge every listed item
-against it, which with a large history is most of the flow run, and which needs no Prefect. So
+`start_engine_first`, unless objects came after where its last listing ended); what it has to do
+first is load the done-index and judge every listed item against it, which with a large history is most of the flow run, and which needs no Prefect. So
 `vlm-caption run` begins both (`begin_head_start`) right after the plan, before the embedded
 Prefect server is up. The flow, in the same process and with the same resolved job, takes them
 (`take_head_start`, flows/pipeline.py) instead of loading and listing again: its `load-done-index` task run waits for
@@ -19,6 +19,7 @@ Only a run of its own (no fan-out, no partition) takes one; a fanned-out run lis
 
 from __future__ import annotations
 
+import functools
 import threading
 
 from prefect import task
@@ -50,7 +51,7 @@ class HeadStart:
         job = plan.job
         self.stream = ShardStream(plan.source, job.shard_size, job.limit,
                                   pending=lambda items: self.done.pending_mask(items, job.questions_to_ask),
-                                  on_end=lambda last: keep_listing_end(plan.output, plan.source, plan.fingerprint, last))
+                                  on_end=functools.partial(keep_listing_end, plan.output, plan.source, plan.fingerprint))
         self.thread = threading.Thread(target=self._load_then_list, name="vlm-caption-head-start", daemon=True)
 
     def _load_then_list(self) -> None:

@@ -5,6 +5,7 @@ other shards' are still in it, its part written as soon as its last request fini
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -77,7 +78,7 @@ def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None,
     a shard plan every partition reads (tasks/shard_plan.py)."""
     work = run.work
     pending = lambda items: done.pending_mask(items, work.questions)  # noqa: E731
-    ended = lambda last_key: keep_listing_end(run.output, run.source, run.fingerprint, last_key)  # noqa: E731
+    ended = functools.partial(keep_listing_end, run.output, run.source, run.fingerprint)  # the greatest key, at its end
     if claims is None:
         return ShardStream(run.source, work.shard_size, work.limit, pending=pending, on_end=ended).start()
     return SharedListing(run.output, run.run_id, claims, run.source, work.shard_size, work.limit,

@@ -49,8 +49,8 @@ class BenchConfig:
         return self.gpus > 1 and not self.skip_raw_n
 
     def runs_raw(self) -> bool:
-        """Whether any raw phase runs (raw, raw, N processes, the start rounds): if none, the
-        warm-up compiles only the flow's kernels."""
+        """Whether any raw phase runs (raw on one GPU, raw on N, or the start rounds' raw): if
+        none, the warm-up compiles only the flow's kernels."""
         return not self.skip_raw or self.runs_raw_n() or self.start_rounds > 0
     # Raw vLLM over a few items before the measured phases (WARM_UP_ITEMS), and the flow over as many
     # before the flow's, their figures kept apart: the host's first engine for a set of engine

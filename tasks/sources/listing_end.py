@@ -32,16 +32,17 @@ def listing_end_key(source: SourceSpec, fingerprint: str) -> str:
     return scoped_key(LISTING_ENDS, source, fingerprint)
 
 
-def lists_in_key_order(source: SourceSpec) -> bool:
-    """A folder or bucket of media files: its objects are listed by key, so "after" means newer
-    keys. A manifest's, a Parquet file's or an inventory report's rows come in no such order."""
+def lists_objects(source: SourceSpec) -> bool:
+    """A folder or bucket of media files, whose items are its objects: one that sorts after every
+    key a listing read is one that listing did not see. A manifest's, a Parquet file's or an
+    inventory report's rows are not listed from the storage they name."""
     return source.format == "files"
 
 
 def keep_listing_end(output: Storage, source: SourceSpec, fingerprint: str, greatest_key: str | None) -> None:
     """After a listing that went to the end (no `limit`): the greatest key it read. Not kept, it
     is logged: the next run then starts its engine at its first new item, as without it."""
-    if greatest_key is None or not lists_in_key_order(source):
+    if greatest_key is None or not lists_objects(source):
         return
     body = {"greatest_key": greatest_key, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
@@ -55,7 +56,7 @@ def object_after_listing_end(output: Storage, source: SourceSpec, fingerprint: s
     """The first object after the greatest key the job's last complete listing read; None where there
     is none, no such listing was kept, the source is not listed by key, or either could not be
     read (logged: the run then starts its engine at its first new item)."""
-    if not lists_in_key_order(source):
+    if not lists_objects(source):
         return None
     try:
         greatest = json.loads(output.read(listing_end_key(source, fingerprint)))["greatest_key"]
