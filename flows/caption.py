@@ -65,10 +65,16 @@ def _run_id() -> str:
 
 
 def _where() -> dict:
-    """Which worker, host and GPU ran this partition (shown in the manifest)."""
+    """Which worker, host and GPU ran this partition (shown in the manifest), and when its run was
+    asked for and its process began: with the engine's build and ready times, how a partition's
+    start splits between the worker, Prefect and the engine."""
+    import psutil
+
     return {"flow_run_id": str(flow_run.id) if flow_run.id else None,
             "worker": os.environ.get("PREFECT__WORKER_NAME"), "host": socket.gethostname(),
-            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": current_cpus()}
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": current_cpus(),
+            "asked_at": flow_run.scheduled_start_time.timestamp() if flow_run.id else None,
+            "process_started_at": psutil.Process().create_time()}
 
 
 @flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False, on_failure=[on_run_failed])

@@ -107,6 +107,10 @@ def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava)
     assert {p["state"] for p in manifest["partitions"]} == {"COMPLETED"}
     assert sum(p["shards"] for p in manifest["partitions"]) == 7  # 13 objects in shards of 2
     assert all(p["engine_ready_at"] for p in manifest["partitions"] if p["shards"])
+    # How each partition's start split: asked for, its worker's process began, vllm.LLM began, ready.
+    for p in (p for p in manifest["partitions"] if p["shards"]):
+        began = p["engine_ready_at"] - p["engine_build_s"]
+        assert p["asked_at"] - 0.5 <= p["process_started_at"] < began < p["engine_ready_at"], p
     # The Parquet export finds the source of the partitions' rows in the run's one manifest.
     assert not [run for run in manifest["parquet"].get("runs_without_source", {})
                 if run.startswith(manifest["run_id"])], manifest["parquet"]

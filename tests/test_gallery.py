@@ -110,6 +110,32 @@ def test_a_video_item_shows_a_strip_of_frames_and_a_bad_one_a_placeholder():
     assert page.count('class="placeholder">video<br>16 frames') == 2  # undecodable, unfetchable: no failure
 
 
+@pytest.mark.parametrize("cores, slots", [(1, 2), (12, 6), (64, 16)])
+def test_videos_are_decoded_on_half_the_cores_side_by_side(monkeypatch, cores, slots):
+    """The run's end waits for its page: its clips are fetched and decoded several at once, as many
+    as half the process's cores (at least 2, at most one per fetcher), never more."""
+    import threading
+    import time
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    clip = video_bytes(frames=8, fps=8, size=(64, 48))
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def fetch(r):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.1)  # long enough for every free slot to be taken meanwhile
+        with lock:
+            running[0] -= 1
+        return clip
+
+    records = [record(f"clip-{i}.mp4", video={"frames": 8}) for i in range(40)]
+    page, shown = build_gallery(records, fetch, 40, "run", {"run": "r"})
+    assert shown == 40 and page.count('<div class="strip"') == 40
+    assert most[0] == slots
+
+
 def chromium() -> str | None:
     return next((found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))),
                 None)

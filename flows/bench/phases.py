@@ -179,8 +179,12 @@ def _partition_figures(brief: dict[str, Any], process_started_at: float) -> dict
     """One partition of a fanned-out run as the manifest lists it, its times from the parent's
     process start: when its engine was ready, when it generated."""
     since = lambda at: round(at - process_started_at, 2) if at else None  # noqa: E731
+    ready_at, build_s = brief.get("engine_ready_at"), brief.get("engine_build_s")
     return {**{k: brief.get(k) for k in ("index", "worker", "devices", "processed", "generate_items_per_s")},
-            "engine_ready_s": since(brief.get("engine_ready_at")),
+            # a partition's start: asked for, its process began (a worker's poll), vllm.LLM began, ready
+            "asked_s": since(brief.get("asked_at")), "process_started_s": since(brief.get("process_started_at")),
+            "engine_build_began_s": since(ready_at - build_s) if ready_at and build_s is not None else None,
+            "engine_ready_s": since(ready_at),
             "generate_window_s": [since(brief.get("generate_from")), since(brief.get("generate_to"))]}
 
 

@@ -206,7 +206,9 @@ def print_table(report: dict[str, Any], path: Path) -> None:
     for part in report.get("fan_out", {}).get("partitions", []):
         start, end = part["generate_window_s"]
         print(f"partition {part['index']} on GPU {part['devices']} ({part['worker'] or 'the run itself'}): "
-              f"{part['processed']} items, engine ready at {_fmt(part['engine_ready_s'])} s, generated from "
+              f"{part['processed']} items, asked at {_fmt(part.get('asked_s'))} s, its process began at "
+              f"{_fmt(part.get('process_started_s'))} s, vllm.LLM at {_fmt(part.get('engine_build_began_s'))} s, "
+              f"engine ready at {_fmt(part['engine_ready_s'])} s, generated from "
               f"{_fmt(start)} s to {_fmt(end)} s at {_fmt(part['generate_items_per_s'])} items/s")
     if "warm_up" in report:
         print(f"warm-up (raw, {report['warm_up']['items']} items, not compared): engine ready at "

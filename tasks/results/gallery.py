@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import io
 import itertools
+import os
 import random
 import threading
 import time
@@ -39,7 +40,15 @@ THUMB_SOURCE_BYTES = 64 << 20  # an item larger than this is not fetched again f
 FETCHERS = 16
 STRIP_FRAMES = 4  # frames in a video item's strip, evenly spaced over the video
 STRIP_PIXELS = 96  # a strip frame's long side
-VIDEO_SLOTS = 2  # videos fetched and decoded at once (a decode holds the whole video; decodes take turns)
+
+
+def video_slots() -> int:
+    """Videos fetched and decoded at once: half the cores this process may use, at least 2 and
+    at most FETCHERS. Each slot holds one whole video (up to THUMB_SOURCE_BYTES), so not one per
+    fetcher. OpenCV decodes outside the GIL, so the slots decode side by side: the run ends
+    once its page is written, and two slots left a many-core host waiting on one core's decodes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(2, min(FETCHERS, cores // 2))
 
 
 def gallery_key(run_id: str) -> str:
@@ -130,7 +139,7 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
     items = sample_items(records, limit)
     if sampled is not None:  # the caller's copy of the sample (the UI's artifact lists it)
         sampled.extend(items)
-    video_slots = threading.BoundedSemaphore(VIDEO_SLOTS)
+    decoding = threading.BoundedSemaphore(video_slots())
     unfetched: list[str] = []  # items whose media could not be read again (each shows a placeholder)
 
     def read(record: ResultRecord) -> bytes | None:
@@ -145,7 +154,7 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
         if fetch is None or first.size > THUMB_SOURCE_BYTES:
             return None, []
         if first.video:
-            with video_slots:  # a few whole videos in memory at a time, not FETCHERS of them
+            with decoding:  # a few whole videos in memory at a time, not FETCHERS of them
                 data = read(first)
                 return None, frame_strip(data) if data else []
         data = read(first)
@@ -235,6 +244,7 @@ def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list
     from tasks.settings import get_settings
 
     try:
+        began = time.monotonic()
         unreadable: list[str] = []
         sampled: list[GalleryItem] = []
         page, shown = build_gallery(run_records(out, parts, unreadable), media_fetcher(source), items, title,
@@ -243,7 +253,9 @@ def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list
         out.write(gallery_key(run_id), page.encode())
         path = out.describe(gallery_key(run_id))
         shown_in_ui = publish_gallery(out, gallery_key(run_id), sampled)  # a link or a table the UI opens
-        return {"path": path, "items": shown, "bytes": len(page), **shown_in_ui,
+        # build_s: the run's end waits for its page (its pictures read and decoded again)
+        return {"path": path, "items": shown, "bytes": len(page), "build_s": round(time.monotonic() - began, 2),
+                **shown_in_ui,
                 **({"unreadable_parts": unreadable} if unreadable else {})}
     except Exception as exc:  # noqa: BLE001 - the page is a view; the run's results stand
         get_logger(run_id=run_id).warning("gallery not written", error=str(exc))

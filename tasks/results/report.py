@@ -77,6 +77,8 @@ class PartitionReport(Tally):
     host: str | None = None
     devices: str | None = None  # CUDA_VISIBLE_DEVICES of the worker
     cpus: str | None = None  # the cores it kept to (tasks/engine/host_share.py), as a cpulist
+    asked_at: float | None = None  # when its flow run was asked for (scheduled), epoch seconds
+    process_started_at: float | None = None  # when the process that ran it began
     state: str = "COMPLETED"
     engine: dict[str, Any] | None = None
     shards: int = 0  # shards it claimed (tasks/claims.py), retaken ones included
@@ -84,12 +86,13 @@ class PartitionReport(Tally):
 
     def brief(self) -> dict[str, Any]:
         return {**self.model_dump(include={"index", "state", "flow_run_id", "worker", "host", "devices",
-                                           "cpus", "listed", "processed", "succeeded", "generate_from", "generate_to",
+                                           "cpus", "asked_at", "process_started_at", "listed", "processed", "succeeded", "generate_from", "generate_to",
                                            "shards", "retaken", "device_s", "device", "duplicates"}),
                 "failed": sum(self.failures_by_kind.values()),
                 "flagged": self.quality_flagged,
                 "generate_items_per_s": self.generate_items_per_s(),
-                "engine_ready_at": (self.engine or {}).get("ready_at")}
+                "engine_ready_at": (self.engine or {}).get("ready_at"),
+                "engine_build_s": (self.engine or {}).get("startup_s")}
 
 
 class RunStats(Tally):
