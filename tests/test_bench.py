@@ -73,6 +73,11 @@ def test_bench_compares_raw_flow_and_a_fan_out_on_videos_from_s3(tmp_path):
     # the fan-out's own figure is the earliest
     readies = [p["engine_ready_s"] for p in fan_out["partitions"] if p["engine_ready_s"] is not None]
     assert fan_out["engine_ready_s"] <= min(readies, default=fan_out["engine_ready_s"])
+    # Each partition's start: the run asked for its child before its own vllm.LLM began (the
+    # child's start beside its import and build), and the worker's process began once asked.
+    parent, child = fan_out["partitions"]
+    assert child["asked_s"] < parent["engine_build_began_s"] < parent["engine_ready_s"]
+    assert child["asked_s"] - 0.5 <= child["process_started_s"]
     assert fan_out["ratio_over_flow"]["generate_items_per_s"] == round(
         fan_out["generate_items_per_s"] / report["flow"]["generate_items_per_s"], 3)
     workers = [p for p in psutil.process_iter(["cmdline"]) if "bench-gpu1" in " ".join(p.info["cmdline"] or [])]

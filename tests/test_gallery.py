@@ -136,6 +136,36 @@ def test_videos_are_decoded_on_half_the_cores_side_by_side(monkeypatch, cores, s
     assert most[0] == slots
 
 
+def test_where_the_run_decodes_its_clips_in_the_pool_the_gallerys_strips_are_decoded_there(monkeypatch):
+    """A GPU host decodes its clips in the decode pool's processes (VLM_CAPTION_VIDEO_DECODE_IN_POOL),
+    as one process decodes one clip at a time: the page's strips are decoded there too, several at
+    once, not one after another in the run's process while the run waits for its page."""
+    import tasks.media.pool as pool
+    from tasks.settings import get_settings
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("decoded in the run's process")
+
+    monkeypatch.setattr(pool, "decode_video", not_here)  # the pool's processes import their own
+    monkeypatch.setenv("VLM_CAPTION_VIDEO_DECODE_IN_POOL", "true")
+    monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "2")
+    get_settings.cache_clear()
+    monkeypatch.setattr(pool, "_POOL", None)  # a pool made now is made for videos
+    monkeypatch.setattr(pool, "_POOL_SIZE", 0)
+    try:
+        clips = {f"clip-{i}.mp4": video_bytes(frames=16, fps=8, size=(96, 64), seed=i) for i in range(6)}
+        clips["bad.mp4"] = b"not a video at all" * 50
+        records = [record(key, video={"frames": 8}) for key in clips]
+        page, shown = build_gallery(records, lambda r: clips[r.key], 10, "run", {"run": "r"})
+        assert shown == 7 and page.count('<div class="strip"') == 6
+        assert page.count('class="placeholder">video<br>8 frames') == 1  # the broken clip
+        assert pool._POOL is not None and len(pool._POOL._processes) == 2
+    finally:
+        if pool._POOL is not None:
+            pool._POOL.shutdown()
+        get_settings.cache_clear()
+
+
 def chromium() -> str | None:
     return next((found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))),
                 None)

@@ -45,8 +45,9 @@ STRIP_PIXELS = 96  # a strip frame's long side
 def video_slots() -> int:
     """Videos fetched and decoded at once: half the cores this process may use, at least 2 and
     at most FETCHERS. Each slot holds one whole video (up to THUMB_SOURCE_BYTES), so not one per
-    fetcher. OpenCV decodes outside the GIL, so the slots decode side by side: the run ends
-    once its page is written, and two slots left a many-core host waiting on one core's decodes."""
+    fetcher. Where the run decodes its clips in the decode pool's processes (a GPU host, by
+    default), the strips are decoded there side by side; else one at a time in this process
+    (tasks/media/video.py), the slots' fetches beside it. The run ends once its page is written."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     return max(2, min(FETCHERS, cores // 2))
 
@@ -107,17 +108,19 @@ def thumbnail(data: bytes) -> str | None:
 
 def frame_strip(data: bytes, frames: int = STRIP_FRAMES) -> list[str]:
     """`frames` evenly spaced frames of a video as small JPEG data URIs, decoded by the
-    captioning's own video decoder within its limits (max_video_seconds, ...); [] when the
-    video does not decode or its strip would be over THUMB_BYTES."""
+    captioning's own video decoder within its limits (max_video_seconds, ...), in the decode
+    pool where the run decodes its clips there; [] when the video does not decode or its strip
+    would be over THUMB_BYTES."""
     from PIL import Image
 
-    from tasks.media.video import VideoLimits, decode_video
+    from tasks.media.pool import decode_video_pooled
+    from tasks.media.video import VideoLimits
     from tasks.settings import get_settings
 
     settings = get_settings()
     try:
-        video = decode_video(data, num_frames=frames,
-                             limits=VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels))
+        video = decode_video_pooled(data, num_frames=frames,
+                                    limits=VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels))
         uris = []
         for frame in video.frames:
             image = Image.fromarray(frame).convert("RGB")
