@@ -36,6 +36,8 @@ from tasks.shard_plan import chunk_key, plan_prefix
 from tasks.sources.storage import Storage
 
 POLL_S = 5.0
+# The run ends up to one poll after its last child: a read per child a second is cheap beside that.
+CHILD_POLL_S = 1.0
 
 
 class FanOutError(FanOutFailure, RuntimeError):
@@ -161,7 +163,7 @@ CALLED_OFF = "the parent run failed before a worker started this partition; its 
 
 
 def wait_for_children(children: list[ChildRun], run_here: Callable[[ChildRun], str] | None = None,
-                      poll_s: float = POLL_S, claim_message: str = TAKEN_OVER) -> dict[int, str]:
+                      poll_s: float = CHILD_POLL_S, claim_message: str = TAKEN_OVER) -> dict[int, str]:
     """Block until every child reaches a final state; return each one's state name.
 
     With `run_here`, a child still waiting for a worker is claimed (marked CANCELLED with
