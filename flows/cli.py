@@ -167,8 +167,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         # A fan-out's parent imports neither yet: its flow asks for the children first, so that
         # their start (a worker's poll, Prefect's, vLLM's import) runs beside its own.
         server_up = lambda: None  # noqa: E731 - Prefect's client starts its embedded server itself
-        if not start_engine_first(plan, now=job.fan_out <= 1):  # earlier results, no engine yet: Prefect's embedded server
-            from flows.head_start import begin_head_start  # and the done-index and listing begin now
+        # Earlier results, no engine yet: Prefect's embedded server, the done-index and the listing begin now.
+        if not start_engine_first(plan, now=job.fan_out <= 1):
+            from flows.head_start import begin_head_start
             from tasks.prefect_api import start_embedded_server_early
 
             server_up = start_embedded_server_early()

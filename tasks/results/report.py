@@ -86,8 +86,9 @@ class PartitionReport(Tally):
 
     def brief(self) -> dict[str, Any]:
         return {**self.model_dump(include={"index", "state", "flow_run_id", "worker", "host", "devices",
-                                           "cpus", "asked_at", "process_started_at", "listed", "processed", "succeeded", "generate_from", "generate_to",
-                                           "shards", "retaken", "device_s", "device", "duplicates"}),
+                                           "cpus", "asked_at", "process_started_at", "listed", "processed",
+                                           "succeeded", "generate_from", "generate_to", "shards", "retaken",
+                                           "device_s", "device", "duplicates"}),
                 "failed": sum(self.failures_by_kind.values()),
                 "flagged": self.quality_flagged,
                 "generate_items_per_s": self.generate_items_per_s(),
