@@ -100,7 +100,7 @@ def run_job(job: CaptionJob) -> dict:
         log.info("keeping to cores", cpus=format_cpu_list(cpus), why=why)
     # vLLM imported here, then the engine built beside the slot, the done-index and the listing; a
     # fan-out's parent asks for its children first (caption_job), their start beside its import.
-    early = start_engine_first(plan, now=job.fan_out <= 1)
+    early = start_engine_first(plan)
     if early:
         log.info("engine starting first", why="the output holds no result of this job yet, or objects came after "
                  "where its last listing ended")

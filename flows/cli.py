@@ -164,11 +164,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         # vLLM's import, then the engine's start, which overlaps Prefect's start and the flow run's.
-        # A fan-out's parent imports neither yet: its flow asks for the children first, so that
-        # their start (a worker's poll, Prefect's, vLLM's import) runs beside its own.
+        # A fan-out's parent imports neither yet: its flow asks for the children first (flows/plan.py).
         server_up = lambda: None  # noqa: E731 - Prefect's client starts its embedded server itself
         # Earlier results, no engine yet: Prefect's embedded server, the done-index and the listing begin now.
-        if not start_engine_first(plan, now=job.fan_out <= 1):
+        if not start_engine_first(plan):
             from flows.head_start import begin_head_start
             from tasks.prefect_api import start_embedded_server_early
 

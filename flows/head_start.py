@@ -3,7 +3,8 @@ is made, on a thread of their own, while Prefect's server starts and the flow ru
 
 A run whose output holds results of its job starts no engine at once (flows/plan.py
 `start_engine_first`, unless objects came after where its last listing ended); what it has to do
-first is load the done-index and judge every listed item against it, which with a large history is most of the flow run, and which needs no Prefect. So
+first is load the done-index and judge every listed item against it, which with a large history
+is most of the flow run, and which needs no Prefect. So
 `vlm-caption run` begins both (`begin_head_start`) right after the plan, before the embedded
 Prefect server is up. The flow, in the same process and with the same resolved job, takes them
 (`take_head_start`, flows/pipeline.py) instead of loading and listing again: its `load-done-index` task run waits for

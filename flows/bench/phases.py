@@ -117,7 +117,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, lim
                      json_schema=cfg.structured(), limit=limit)
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect
     take_partition_cores(job)
-    start_engine_first(plan, now=fan_out <= 1)  # a fan-out's flow asks for its children first
+    start_engine_first(plan)  # a fan-out's parent: its flow asks for its children first
     from tasks.engine.engine_process import wait_for_engine_process
 
     wait_for_engine_process()  # the engine's share of this process done before Prefect's start takes the GIL

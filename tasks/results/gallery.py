@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import io
 import itertools
-import os
 import random
 import threading
 import time
@@ -48,8 +47,9 @@ def video_slots() -> int:
     fetcher. Where the run decodes its clips in the decode pool's processes (a GPU host, by
     default), the strips are decoded there side by side; else one at a time in this process
     (tasks/media/video.py), the slots' fetches beside it. The run ends once its page is written."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(2, min(FETCHERS, cores // 2))
+    from tasks.media.pool import usable_cores
+
+    return max(2, min(FETCHERS, usable_cores() // 2))
 
 
 def gallery_key(run_id: str) -> str:
@@ -157,7 +157,7 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
         if fetch is None or first.size > THUMB_SOURCE_BYTES:
             return None, []
         if first.video:
-            with decoding:  # a few whole videos in memory at a time, not FETCHERS of them
+            with decoding:  # video_slots() whole videos in memory at a time
                 data = read(first)
                 return None, frame_strip(data) if data else []
         data = read(first)
