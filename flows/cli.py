@@ -213,7 +213,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           width=int(width), height=int(height), shard_size=args.shard_size,
                           source=args.source, max_tokens=args.max_tokens, shape=args.shape,
                           modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
-                          fan_out_env=tuple(args.fan_out_env),
+                          fan_out_env=tuple(args.fan_out_env), also_gpus=tuple(args.also_gpus),
                           profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw,
                           processor_device=args.processor_device, warm_up=args.warm_up, start_rounds=args.start_rounds,
                           history=args.history,

@@ -478,3 +478,50 @@ def test_a_historys_new_items_sort_among_the_done_ones_or_after_them(monkeypatch
     assert sorted(done + at_end)[len(done):] == sorted(at_end)
     listed = sorted(done + spread)
     assert listed.index(spread[0]) == 1 and listed.index(spread[-1]) < len(listed) - 1
+
+
+def test_also_gpus_fans_out_again_over_fewer_gpus_against_the_same_one_gpu_flow(tmp_path, monkeypatch, capsys):
+    """`--gpus 4 --also-gpus 2`: the 1-GPU flow once, then the fan-out over 4 GPUs and over 2, each
+    phase's process told its own GPU count, its workers started for it, each put over the same flow
+    and shown in its own column with its partitions; an M that is not fewer GPUs is refused first."""
+    import argparse
+    import contextlib
+
+    from flows.bench import driver
+    from flows.bench.cli import add_bench_arguments
+    from flows.bench.config import BenchConfig
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    assert parser.parse_args(["--also-gpus", "2", "--also-gpus", "3"]).also_gpus == [2, 3]
+    ran, workers = [], []
+
+    def fake_phase(phase, cfg, folder, model, *args, **kwargs):
+        ran.append((phase, cfg.gpus))
+        rate = {"flow": 40.0, "fan-out": 40.0 * cfg.gpus}[phase]
+        return {"items": cfg.images, "engine_ready_s": 50.0, "wall_s": 100.0, "generate_items_per_s": rate,
+                "partitions": [{"index": i, "devices": str(i), "worker": None, "processed": 1, "engine_ready_s": 50.0,
+                                "generate_window_s": [50.0, 99.0], "generate_items_per_s": 40.0}
+                               for i in range(cfg.gpus)] if phase == "fan-out" else []}
+
+    @contextlib.contextmanager
+    def fake_workers(gpus, work, env):
+        workers.append(gpus)
+        yield
+
+    monkeypatch.setattr(driver, "run_phase", fake_phase)
+    monkeypatch.setattr(driver, "partition_workers", fake_workers)
+    monkeypatch.setattr(driver, "prefect_api", lambda *a: contextlib.nullcontext({}))
+    monkeypatch.setattr(driver, "make_bench_media", lambda cfg, work: work)
+    report = driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", images=10240, gpus=4, also_gpus=(2,),
+                                          skip_raw="raw,raw-n"))
+    assert ran == [("flow", 4), ("fan-out", 4), ("fan-out", 2)] and workers == [4, 2]
+    assert report["fan_out"]["ratio_over_flow"]["generate_items_per_s"] == 4.0
+    assert report["fan_out_gpus"]["2"]["ratio_over_flow"]["generate_items_per_s"] == 2.0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "metric" in line)
+    assert [name.strip() for name in header.strip("┃ ").split("┃")][-4:] == [
+        "flow on 4 GPUs", "/ flow", "flow on 2 GPUs", "/ flow"]
+    assert [line.split(",")[0] for line in out.splitlines() if ", partition " in line] == ["4 GPUs"] * 4 + ["2 GPUs"] * 2
+    with pytest.raises(SystemExit, match="1 < M < 4"):
+        driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", gpus=4, also_gpus=(4,)))

@@ -57,6 +57,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "flows, \"raw, N processes\": N raw vLLM scripts at once, one per GPU "
                         "(CUDA_VISIBLE_DEVICES=i), each given 1/N of the items, the fan-out reported over it "
                         "on items/s from the first engine ready to the last result (--skip-raw-n: not run)")
+    parser.add_argument("--also-gpus", type=int, action="append", default=[], metavar="M",
+                        help="with --gpus N: the fan-out once more over GPUs 0..M-1 (1 < M < N), put over the "
+                        "same 1-GPU flow: one bench call for 2 and 4 GPUs (repeatable)")
     parser.add_argument("--processor-device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="where the flow's model processor runs (default auto); raw runs it on the CPU "
                         "as the example does, and once more on the GPU when the flow's is there")

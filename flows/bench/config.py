@@ -31,6 +31,7 @@ class BenchConfig:
     # >1: the flow once more, fanned out over this many GPUs of this host (fan_out=N: the run on
     # GPU 0, one process worker per other GPU running the partition deployment); needs a server.
     gpus: int = 1
+    also_gpus: tuple[int, ...] = ()  # with gpus N: the fan-out again over M < N of them, over the same 1-GPU flow
     skip_raw: bool = False  # leave raw on one GPU out (a fan-out's ratio is over the flow on one GPU)
     # With gpus > 1, "raw, N processes" runs too (N raw scripts at once, one per GPU, each given
     # 1/N of the items: how a person uses N GPUs by hand), unless this is set.
@@ -43,6 +44,18 @@ class BenchConfig:
             skipped = set(self.skip_raw.split(","))
             object.__setattr__(self, "skip_raw_n", self.skip_raw_n or "raw-n" in skipped)
             object.__setattr__(self, "skip_raw", "raw" in skipped)
+
+    def check(self) -> None:
+        """Options that cannot go together, refused before anything is built."""
+        if self.source == "webdataset" and self.modality != "image":
+            raise SystemExit("--source webdataset packs the bench's photos in tars: use it with --modality image")
+        if self.gpus > 1 and self.source == "webdataset":
+            raise SystemExit("--gpus reads the items from a folder or S3, not from tars")
+        if any(not 1 < m < self.gpus for m in self.also_gpus):
+            raise SystemExit(f"--also-gpus M fans out over fewer GPUs than --gpus {self.gpus}: 1 < M < {self.gpus}")
+        if self.runs_raw_n() and self.images < self.gpus:
+            raise SystemExit(f"raw, {self.gpus} processes gives each at least one item: --images {self.gpus} or more "
+                             "(or --skip-raw-n)")
 
     def runs_raw_n(self) -> bool:
         """Whether the "raw, N processes" phase runs: on a fan-out bench, unless --skip-raw-n."""

@@ -49,7 +49,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -202,13 +202,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         from flows.bench.history import run_history
 
         return run_history(cfg)
-    if cfg.source == "webdataset" and cfg.modality != "image":
-        raise SystemExit("--source webdataset packs the bench's photos in tars: use it with --modality image")
-    if cfg.gpus > 1 and cfg.source == "webdataset":
-        raise SystemExit("--gpus reads the items from a folder or S3, not from tars")
-    if cfg.runs_raw_n() and cfg.images < cfg.gpus:
-        raise SystemExit(f"raw, {cfg.gpus} processes gives each at least one item: --images {cfg.gpus} or more "
-                         "(or --skip-raw-n)")
+    cfg.check()
     work = Path(cfg.workdir).resolve()
     folder = make_bench_media(cfg, work)
     if cfg.source == "webdataset":
@@ -253,14 +247,17 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             report["start_rounds"] = run_start_rounds(
                 cfg.start_rounds, lambda phase: run_phase(phase, cfg, folder, model, env=phase_env))
             write_report(report, work)
-        for overrides in ("", *cfg.fan_out_env) if cfg.gpus > 1 else ():
+        fan_outs = [(cfg.gpus, overrides) for overrides in ("", *cfg.fan_out_env)] + [(m, "") for m in cfg.also_gpus]
+        for gpus, overrides in fan_outs if cfg.gpus > 1 else ():
             settings = env_settings(overrides)
-            with partition_workers(cfg.gpus, work, {**phase_env, **settings}):
-                result = run_phase("fan-out", cfg, folder, model, env={**phase_env, **settings})
-            result = {**result, "gpus": cfg.gpus, "ratio_over_flow": ratios(result, report["flow"])}
-            if "raw_n" in report:  # its headline: ready_to_last_items_per_s, the fan-out over raw, N processes
+            with partition_workers(gpus, work, {**phase_env, **settings}):
+                result = run_phase("fan-out", replace(cfg, gpus=gpus), folder, model, env={**phase_env, **settings})
+            result = {**result, "gpus": gpus, "ratio_over_flow": ratios(result, report["flow"])}
+            if "raw_n" in report and gpus == cfg.gpus:  # its headline: ready_to_last_items_per_s, over raw, N processes
                 result["ratio_over_raw_n"] = ratios(result, report["raw_n"])
-            if overrides:
+            if gpus != cfg.gpus:
+                report.setdefault("fan_out_gpus", {})[str(gpus)] = result
+            elif overrides:
                 report.setdefault("fan_out_env", {})[overrides] = result
             else:
                 report["fan_out"] = result

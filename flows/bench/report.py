@@ -185,6 +185,8 @@ def print_table(report: dict[str, Any], path: Path) -> None:
         columns.append((f"flow on {fan_out['gpus']} GPUs", fan_out, fan_ratios))
         columns += [(f"{fan_out['gpus']} GPUs, {env}", result, [("/ flow", result["ratio_over_flow"])])
                     for env, result in report.get("fan_out_env", {}).items()]
+        columns += [(f"flow on {gpus} GPUs", result, [("/ flow", result["ratio_over_flow"])])
+                    for gpus, result in report.get("fan_out_gpus", {}).items()]
     table.add_column("metric")
     for name, _, ratio_columns in columns:
         table.add_column(name, justify="right")
@@ -203,9 +205,10 @@ def print_table(report: dict[str, Any], path: Path) -> None:
         print(f"raw process {proc['index']} on GPU {proc['devices']}: {proc['items']} items, engine ready at "
               f"{_fmt(proc['engine_ready_s'])} s, generated from {_fmt(start)} s to {_fmt(end)} s at "
               f"{_fmt(proc['generate_items_per_s'])} items/s, ended at {_fmt(proc['wall_s'])} s")
-    for part in report.get("fan_out", {}).get("partitions", []):
+    fan_outs = [report.get("fan_out") or {}, *report.get("fan_out_gpus", {}).values()]
+    for gpus, part in ((fan_out.get("gpus"), part) for fan_out in fan_outs for part in fan_out.get("partitions", [])):
         start, end = part["generate_window_s"]
-        print(f"partition {part['index']} on GPU {part['devices']} ({part['worker'] or 'the run itself'}): "
+        print(f"{gpus} GPUs, partition {part['index']} on GPU {part['devices']} ({part['worker'] or 'the run itself'}): "
               f"{part['processed']} items, asked at {_fmt(part.get('asked_s'))} s, its process began at "
               f"{_fmt(part.get('process_started_s'))} s, vllm.LLM at {_fmt(part.get('engine_build_began_s'))} s, "
               f"engine ready at {_fmt(part['engine_ready_s'])} s, generated from "
@@ -218,7 +221,8 @@ def print_table(report: dict[str, Any], path: Path) -> None:
               f"{_fmt(report['flow_warm_up']['engine_ready_s'])} s")
     if not config.get("copies"):
         for name, result in [("flow", report["flow"]), *report["flow_env"].items(),
-                             ("fan-out", report.get("fan_out") or {}), *report.get("fan_out_env", {}).items()]:
+                             ("fan-out", report.get("fan_out") or {}), *report.get("fan_out_env", {}).items(),
+                             *report.get("fan_out_gpus", {}).items()]:
             if result.get("copies"):
                 print(f"WARNING: {name} took {result['copies']} of {result['items']} answers from items with the "
                       "same bytes (no request); raw asked each: its items/s are not raw's work")
