@@ -139,27 +139,45 @@ def test_videos_are_decoded_on_half_the_cores_side_by_side(monkeypatch, cores, s
 def test_where_the_run_decodes_its_clips_in_the_pool_the_gallerys_strips_are_decoded_there(monkeypatch):
     """A GPU host decodes its clips in the decode pool's processes (VLM_CAPTION_VIDEO_DECODE_IN_POOL),
     as one process decodes one clip at a time: the page's strips are decoded there too, several at
-    once, not one after another in the run's process while the run waits for its page."""
+    once, not one after another in the run's process while the run waits for its page; and shrunk
+    there to the strip's size, so only small frames come back."""
+    import base64
+    import io
+
+    from PIL import Image
+
     import tasks.media.pool as pool
+    from tasks.results.gallery import STRIP_PIXELS
     from tasks.settings import get_settings
 
     def not_here(*args, **kwargs):
         raise AssertionError("decoded in the run's process")
 
+    arrived, take = [], pool.taken
+
+    def taken(frames):
+        frames = take(frames)
+        arrived.append(frames.shape)
+        return frames
+
     monkeypatch.setattr(pool, "decode_video", not_here)  # the pool's processes import their own
+    monkeypatch.setattr(pool, "taken", taken)
     monkeypatch.setenv("VLM_CAPTION_VIDEO_DECODE_IN_POOL", "true")
     monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "2")
     get_settings.cache_clear()
     monkeypatch.setattr(pool, "_POOL", None)  # a pool made now is made for videos
     monkeypatch.setattr(pool, "_POOL_SIZE", 0)
     try:
-        clips = {f"clip-{i}.mp4": video_bytes(frames=16, fps=8, size=(96, 64), seed=i) for i in range(6)}
+        clips = {f"clip-{i}.mp4": video_bytes(frames=16, fps=8, size=(192, 128), seed=i) for i in range(6)}
         clips["bad.mp4"] = b"not a video at all" * 50
         records = [record(key, video={"frames": 8}) for key in clips]
         page, shown = build_gallery(records, lambda r: clips[r.key], 10, "run", {"run": "r"})
         assert shown == 7 and page.count('<div class="strip"') == 6
         assert page.count('class="placeholder">video<br>8 frames') == 1  # the broken clip
         assert pool._POOL is not None and len(pool._POOL._processes) == 2
+        assert arrived == [(4, 64, STRIP_PIXELS, 3)] * 6  # 4 frames of 192x128, shrunk to 96x64 in the pool
+        first = page.split('<div class="strip"', 1)[1].split("base64,", 1)[1].split('"', 1)[0]
+        assert Image.open(io.BytesIO(base64.b64decode(first))).size == (STRIP_PIXELS, 64)
     finally:
         if pool._POOL is not None:
             pool._POOL.shutdown()

@@ -208,7 +208,8 @@ def print_table(report: dict[str, Any], path: Path) -> None:
     fan_outs = [report.get("fan_out") or {}, *report.get("fan_out_gpus", {}).values()]
     for gpus, part in ((fan_out.get("gpus"), part) for fan_out in fan_outs for part in fan_out.get("partitions", [])):
         start, end = part["generate_window_s"]
-        print(f"{gpus} GPUs, partition {part['index']} on GPU {part['devices']} ({part['worker'] or 'the run itself'}): "
+        where = part["worker"] or "the run itself"
+        print(f"{gpus} GPUs, partition {part['index']} on GPU {part['devices']} ({where}): "
               f"{part['processed']} items, asked at {_fmt(part.get('asked_s'))} s, its process began at "
               f"{_fmt(part.get('process_started_s'))} s, vllm.LLM at {_fmt(part.get('engine_build_began_s'))} s, "
               f"engine ready at {_fmt(part['engine_ready_s'])} s, generated from "

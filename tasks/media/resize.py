@@ -149,6 +149,26 @@ class ProcessorResize:
 ImageResize = ResizeTarget | ProcessorResize
 
 
+@dataclass(frozen=True)
+class FrameThumbnails:
+    """Video frames shrunk to at most `pixels` on the long side (PIL's thumbnail), where they are
+    decoded: a gallery strip is made of a few small frames, so its decode process sends back
+    those, not the whole frames for this process to shrink one at a time."""
+
+    pixels: int
+
+    def apply(self, frames):
+        import numpy as np
+        from PIL import Image
+
+        def shrink(frame):
+            image = Image.fromarray(frame)
+            image.thumbnail((self.pixels, self.pixels))
+            return np.asarray(image)
+
+        return np.stack([shrink(frame) for frame in frames]) if len(frames) else frames
+
+
 def processor_resize(model: str, mm_processor_kwargs: dict[str, Any] | None, media: str) -> ProcessorResize | None:
     """The checkpoint's own resize for `media` ("image" or "video"), or None (a processor not
     listed, no local config, a processor that caps pixels by frame count)."""

@@ -5,10 +5,11 @@ data URI, its questions and captions, structured fields and metadata, errors in 
 Its size is bounded whatever the run's: at most `items` items (a reservoir sample of the run's
 records, errors given up to a quarter of the places so that failures are seen), thumbnails of
 at most THUMB_PIXELS on the long side, texts cut (`gallery_page.py` writes the HTML). A video
-item shows a strip of STRIP_FRAMES evenly spaced frames (decoded again by `tasks/media/video.py`, the captioning's own
-decoder and limits, STRIP_PIXELS on the long side); an item's picture, thumbnail or strip, is
-at most THUMB_BYTES. What does not fetch or decode shows a placeholder instead, as does what
-is not fetched within the run's time for pictures (`VLM_CAPTION_GALLERY_FETCH_S`).
+item shows a strip of STRIP_FRAMES evenly spaced frames, decoded again by `tasks/media/video.py`
+(the captioning's own decoder and limits) and shrunk to STRIP_PIXELS on the long side where
+decoded; an item's picture, thumbnail or strip, is at most THUMB_BYTES. What does not fetch or
+decode shows a placeholder instead, as does what is not fetched within the run's time for
+pictures (`VLM_CAPTION_GALLERY_FETCH_S`).
 """
 
 from __future__ import annotations
@@ -114,17 +115,17 @@ def frame_strip(data: bytes, frames: int = STRIP_FRAMES) -> list[str]:
     from PIL import Image
 
     from tasks.media.pool import decode_video_pooled
+    from tasks.media.resize import FrameThumbnails
     from tasks.media.video import VideoLimits
     from tasks.settings import get_settings
 
     settings = get_settings()
     try:
-        video = decode_video_pooled(data, num_frames=frames,
+        video = decode_video_pooled(data, num_frames=frames, resize=FrameThumbnails(STRIP_PIXELS),
                                     limits=VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels))
         uris = []
-        for frame in video.frames:
+        for frame in video.frames:  # shrunk where it was decoded
             image = Image.fromarray(frame).convert("RGB")
-            image.thumbnail((STRIP_PIXELS, STRIP_PIXELS))
             uri = _jpeg(image, limit=THUMB_BYTES // max(1, len(video.frames)))
             if uri is None:
                 return []
