@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import Executor, ProcessPoolExecutor
 
 from tasks.media.image import MediaError, decode_image
-from tasks.media.resize import ImageResize, ProcessorResize
+from tasks.media.resize import FrameResize, ImageResize
 from tasks.media.shared_frames import share_frames, taken
 from tasks.media.video import DecodedVideo, VideoLimits, decode_video, video_loader
 from tasks.settings import get_settings
@@ -33,7 +33,7 @@ def decode_job(data: bytes, max_pixels: int, target: ImageResize | None):
     return (target.apply(image) if target else image), None
 
 
-def decode_video_job(data: bytes, num_frames: int, limits: VideoLimits, resize: ProcessorResize | None):
+def decode_video_job(data: bytes, num_frames: int, limits: VideoLimits, resize: FrameResize | None):
     """Runs in a pool process: (video, None) or (None, error), as `decode_job`. The frames travel
     in shared memory where there is room (tasks/media/shared_frames.py): the pool's one result
     pipe carried about 30 clips/s whatever the processes."""
@@ -167,7 +167,7 @@ def decode_images(blobs: list[bytes], max_pixels: int, target: ImageResize | Non
 
 
 def decode_video_pooled(data: bytes, *, num_frames: int, limits: VideoLimits,
-                        resize: ProcessorResize | None = None) -> DecodedVideo:
+                        resize: FrameResize | None = None) -> DecodedVideo:
     """One video, decoded (and its frames resized) in the pool where `videos_in_pool`, else here.
     A process decodes one video at a time (tasks/media/video.py), so without the pool a process's
     clips are decoded one after another (tasks/settings.py says what that costs)."""

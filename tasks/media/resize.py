@@ -169,6 +169,9 @@ class FrameThumbnails:
         return np.stack([shrink(frame) for frame in frames]) if len(frames) else frames
 
 
+FrameResize = ProcessorResize | FrameThumbnails  # what a video's decode may shrink its frames with
+
+
 def processor_resize(model: str, mm_processor_kwargs: dict[str, Any] | None, media: str) -> ProcessorResize | None:
     """The checkpoint's own resize for `media` ("image" or "video"), or None (a processor not
     listed, no local config, a processor that caps pixels by frame count)."""

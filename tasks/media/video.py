@@ -54,7 +54,8 @@ def video_loader():
 
 def decode_video(data: bytes, *, num_frames: int, limits: VideoLimits, resize=None) -> DecodedVideo:
     """Bytes -> `num_frames` uniformly sampled RGB frames plus metadata; `resize` (a
-    `ProcessorResize`) shrinks the frames to the size the model's video processor would make them.
+    `FrameResize`) shrinks the frames: to the size the model's video processor would make them, or
+    to a gallery strip's.
 
     Raises MediaError for empty, undecodable, frameless (audio-only) and over-limit videos.
     """
