@@ -29,6 +29,7 @@ import uuid
 from prefect import flow
 from prefect.events import Event
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import quote
 
 from flows.head_start import settle_head_start
 from flows.params import CaptionJob, Partition
@@ -154,7 +155,7 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     stats.charge(engine)  # this partition's device-seconds, before the children's are added
     mine = stats.report(own.index if own else 0, engine, **(shared or {}), **_where())
     if job.partition is not None:  # a child: the parent writes the run's one manifest
-        write_partition_report(plan.output, run_id, mine)
+        write_partition_report(plan.output, run_id, quote(mine))  # quote(): see the manifest's write below
         summary = stats.summary()
         publish_summary({**summary, "recipe": recipe.name, "partition": f"{own.index + 1}/{own.count}",
                          **(shared or {})}, stats.samples)
@@ -166,10 +167,12 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     manifest = stats.manifest(run_id=run_id, parameters=job.model_dump(mode="json"),
                               fingerprint=fingerprint, engine=engine,
                               partitions=[p.brief() for p in partitions])
-    manifest_uri = write_manifest(plan.output, run_id, manifest)
+    # quote(): Prefect walks a task's arguments for futures, and a manifest lists up to 10,000 flagged
+    # records and as many failures (about a second of walking per write), none of them a future.
+    manifest_uri = write_manifest(plan.output, run_id, quote(manifest))
     summary = stats.summary()
     # The run's new results added to the output's Parquet view; a failure is recorded, not raised.
-    manifest["parquet"] = export_after_run(plan.output, job.output, fingerprint, run_id, stats.parts)
+    manifest["parquet"] = export_after_run(plan.output, job.output, fingerprint, run_id, quote(stats.parts))
     # A page to look at: a sample of the run's items, thumbnails and captions; next to the manifest.
     manifest["gallery"] = gallery_after_run(plan.output, plan.source, run_id, stats.parts, items=job.gallery_items,
                                             title=f"vlm-caption · {recipe.name} · {job.location}",
@@ -177,7 +180,7 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     # --modified-since auto: the watermark moves on (keeping what to retry) where nothing can be lost.
     manifest["watermark"] = advance_watermark(plan.output, plan.source, stats, complete=job.limit is None and all(
         p.state == "COMPLETED" for p in partitions))
-    write_manifest(plan.output, run_id, manifest)
+    write_manifest(plan.output, run_id, quote(manifest))
     summary["parquet"] = manifest["parquet"].get("path")
     summary["gallery"] = manifest["gallery"].get("path")
     publish_summary({**summary, "recipe": recipe.name, "model": engine["model"] if engine else plan.model,
