@@ -5,6 +5,8 @@ costs it far more than the 336x448 the processor resizes it to first. Shrinking 
 pool (many processes, overlapped with generation) takes that work off vLLM's critical path.
 Only processors whose first step is a plain downscale are handled, and images are never
 enlarged; any other processor (any-resolution tiling, image splitting) gets the image as it is.
+A video's frames can also be shrunk to a gallery strip's size where they are decoded
+(`FrameThumbnails`).
 """
 
 from __future__ import annotations
