@@ -128,14 +128,14 @@ def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
     return take_cpu_share(get_settings().cpu_share)
 
 
-def start_engine_first(plan: RunPlan, *, now: bool = True) -> bool:
-    """Whether the run builds its engine before anything else, and if so (and `now`) its start:
+def start_engine_first(plan: RunPlan) -> bool:
+    """Whether the run builds its engine before anything else, and if so its start:
     vLLM imported here, by the calling thread (never on a thread beside other work:
     tasks/engine/vllm_import.py says why), then the engine built on a thread of its own
     (`tasks/engine/vllm_engine.py`). `vlm-caption run` and the bench call it before they import
-    Prefect, whose import beside vLLM's slows both. `now=False` only answers. A fan-out's parent
-    builds nothing here, on every path: it asks for its children first, whose start (a worker's
-    poll, Prefect's, their own vLLM import) is the longer, then calls `build_engine_first`.
+    Prefect, whose import beside vLLM's slows both. A fan-out's parent builds nothing here, on
+    every path: it asks for its children first, whose start (a worker's poll, Prefect's, their own
+    vLLM import) is the longer, then calls `build_engine_first`.
 
     A job whose output holds no result of its fingerprint yet has every item still to do, so its
     engine is started at once, beside Prefect's start, the job's slot and the listing (the engine's
@@ -159,7 +159,7 @@ def start_engine_first(plan: RunPlan, *, now: bool = True) -> bool:
         if not first and (newer := object_after_listing_end(plan.output, plan.source, plan.fingerprint)):
             get_logger().info("an object came after where the last listing ended", key=newer)
             first = True
-    if first and now and plan.job.fan_out <= 1:
+    if first and plan.job.fan_out <= 1:
         build_engine_first(plan)
     return first
 

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 import flows.pipeline
+import flows.plan
 import tasks.engine.vllm_engine as vllm_engine
 from flows.bench.config import BenchConfig
 from flows.bench.history import Locations, add_new_items, item_key, small_jpeg, synthesize
@@ -89,7 +90,9 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
     # still waits for the listing to find them.
     (end,) = (where.base / "out" / "listed").glob("*.json")
     assert json.loads(end.read_text())["greatest_key"] == item_key(HISTORY - 1)
-    assert not start_engine_first(make_plan(job), now=False)
+    first_builds = []  # what start_engine_first would build now, recorded instead
+    monkeypatch.setattr(flows.plan, "build_engine_first", first_builds.append)
+    assert not start_engine_first(make_plan(job)) and first_builds == []
 
     # Three new items, one between each hundred done ones: one full shard of them, nothing else.
     monkeypatch.undo()
@@ -109,7 +112,8 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
     # run builds its engine first, beside Prefect's start and the listing; one in the history's own
     # folder, before the greatest key, is left for the listing to find.
     (where.base / "src" / "d0000" / "00000001m.jpg").write_bytes(small_jpeg())
-    assert not start_engine_first(make_plan(job), now=False)
+    monkeypatch.setattr(flows.plan, "build_engine_first", first_builds.append)
+    assert not start_engine_first(make_plan(job)) and first_builds == []
     (where.base / "src" / "next-day").mkdir()
     (where.base / "src" / "next-day" / "a.jpg").write_bytes(small_jpeg())
-    assert start_engine_first(make_plan(job), now=False)
+    assert start_engine_first(make_plan(job)) and len(first_builds) == 1
