@@ -6,17 +6,22 @@ same objects twice. A Prefect global concurrency limit named after the job's fin
 slot, created when missing, taken with `strict` so a missing limit is an error and not a free
 pass) makes a second run wait for the first, then skip what the first did.
 
-A run that dies holding the slot (killed, out of memory) frees it when its 60 s lease expires,
-which Prefect's server does in its repossessor service. The embedded server that `vlm-caption
-run` starts without `PREFECT_API_URL` runs no such service and keeps leases in its own memory,
-so there the run also records its process id beside the Prefect home; a later run that finds
-the slot taken by a process that is gone frees it instead of waiting for hours.
+A run that dies holding the slot (killed, out of memory, its host lost) frees it when its 60 s
+lease expires, which a Prefect server does in its repossessor service. The embedded server that
+`vlm-caption run` starts without `PREFECT_API_URL` runs no such service and keeps its leases in
+the memory of the process that died, so there the slot is also guarded by an OS file lock beside
+the Prefect home, taken before the slot and let go after it. The kernel lets go of the lock of a
+process that ends in any way (SIGKILL at any instruction included), so a run that holds the lock
+knows no live run holds the slot: a slot still taken then belongs to a dead run and is freed.
+No order of steps can leave a slot without an owner that a later run cannot recognise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,63 +51,76 @@ def ensure_limit(name: str) -> None:
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
 
 
-def holder_file(name: str) -> Path | None:
-    """Where a run on the embedded server records its process id while it holds the job's slot
-    (None with a Prefect server, whose repossessor frees a dead run's slot)."""
+def lock_file(name: str) -> Path | None:
+    """The file a run on the embedded server holds locked (its process id inside, for messages)
+    while it may hold the job's slot; None with a Prefect server, whose repossessor frees a dead
+    run's slot."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
     if PREFECT_API_URL.value():
         return None
-    return Path(PREFECT_HOME.value()) / "vlm-caption-slots" / f"{name}.pid"
+    return Path(PREFECT_HOME.value()) / "vlm-caption-slots" / f"{name}.lock"
 
 
-def _alive(pid: int) -> bool:
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its file says: `pid 123 since 02:14:05`."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
+        pid = os.pread(fd, 32, 0).decode().split()[0]
+        since = time.strftime("%H:%M:%S", time.localtime(os.fstat(fd).st_mtime))
+        return f"pid {pid} since {since}"
+    except (OSError, IndexError, UnicodeDecodeError):
+        return "a run starting"
 
 
 def free_slot_of_a_dead_run(name: str, log) -> bool:
-    """On the embedded server: free the job's slot if the process that took it is gone."""
+    """Free the job's slot if it is taken: called while holding the job's lock file, when no
+    live run can hold the slot."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 
-    path = holder_file(name)
-    pid = _recorded_pid(path) if path is not None else None
-    if pid is None or _alive(pid):
-        return False
     with get_client(sync_client=True) as client:
+        if not client.read_global_concurrency_limit_by_name(name).active_slots:
+            return False
         client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
-    path.unlink(missing_ok=True)
-    log.warning("freed the job's slot: the run that held it is gone", limit=name, pid=pid)
+    log.warning("freed the job's slot: the run that held it is gone", limit=name)
     return True
 
 
 @contextlib.contextmanager
-def _holding(name: str) -> Iterator[None]:
-    path = holder_file(name)
+def _host_lock(name: str, wait_s: float, output: str, log) -> Iterator[None]:
+    path = lock_file(name)
     if path is None:
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{os.getpid()}\n")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
     try:
+        deadline, said = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    log.info("waiting for another run of this job", holder=_holder(fd), wait_s=wait_s)
+                    said = True
+                if time.monotonic() > deadline:
+                    raise _busy(name, wait_s, output, _holder(fd)) from None
+                time.sleep(1.0)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        free_slot_of_a_dead_run(name, log)
         yield
     finally:
-        if _recorded_pid(path) == os.getpid():  # a later run may have freed and taken the slot
-            with contextlib.suppress(OSError):
-                path.unlink()
+        os.close(fd)  # lets go of the lock; the file stays (removing it would race a waiting run)
 
 
-def _recorded_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
+def _busy(name: str, wait_s: float, output: str, holder: str = "") -> JobBusyError:
+    return JobBusyError(
+        f"another run of this job (same source, recipe, model and sampling; output {output}"
+        f"{'; ' + holder if holder else ''}) has been running for over {wait_s:.0f} s. Wait for it, then run "
+        f"again: what it finished is skipped. (Prefect concurrency limit {name!r}; VLM_CAPTION_JOB_WAIT_S sets "
+        "the wait.)")
 
 
 @contextlib.contextmanager
@@ -113,14 +131,15 @@ def one_run_per_job(fingerprint: str, output: str) -> Iterator[None]:
     wait_s = get_settings().job_wait_s
     log = get_logger(fingerprint=fingerprint)
     ensure_limit(name)
-    free_slot_of_a_dead_run(name, log)
-    log.info("taking the job's slot", limit=name, wait_s=wait_s)
-    try:
-        # A short lease, renewed while the run lives: a run whose host died frees the job in a minute.
-        with concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True, lease_duration=60), _holding(name):
-            yield
-    except TimeoutError as exc:
-        raise JobBusyError(
-            f"another run of this job (same source, recipe, model and sampling; output {output}) has been "
-            f"running for over {wait_s:.0f} s. Wait for it, then run again: what it finished is skipped. "
-            f"(Prefect concurrency limit {name!r}; VLM_CAPTION_JOB_WAIT_S sets the wait.)") from exc
+    with _host_lock(name, wait_s, output, log):
+        log.info("taking the job's slot", limit=name, wait_s=wait_s)
+        taken = False
+        try:
+            # A short lease, renewed while the run lives: a run whose host died frees the job in a minute.
+            with concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True, lease_duration=60):
+                taken = True
+                yield
+        except TimeoutError as exc:
+            if taken:  # the run's own time-out, not the wait for the slot
+                raise
+            raise _busy(name, wait_s, output) from exc
