@@ -183,7 +183,8 @@ def test_export_failure_at_run_end_is_recorded_not_raised(tmp_path, monkeypatch)
         raise OSError("disk full")
 
     monkeypatch.setattr(parquet_view, "add_run", broken)
-    assert export_after_run.fn(out(tmp_path), str(tmp_path), FP, RUN1, ["a part"]) == {"error": "OSError: disk full"}
+    assert export_after_run.fn(out(tmp_path), str(tmp_path), FP, RUN1, ["a part"]) == {
+        "error": "OSError: disk full", "complete": False}
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -221,12 +222,25 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
     monkeypatch.setattr(caption, "publish_summary", lambda *args: None)
     monkeypatch.setattr(caption, "emit", lambda *args, **kwargs: None)
     if fails:
-        monkeypatch.setattr(parquet_view, "add_run", lambda *args: 1 / 0)
+        monkeypatch.setattr(parquet_view, "add_run", lambda *args, **kwargs: 1 / 0)
     summary = caption.caption_job(plan, RUN1, get_logger())
     manifest = json.loads((Path(output) / "manifests" / f"{RUN1}.json").read_text())
     assert manifest["counts"]["processed"] == 2 and summary["processed"] == 2
     if fails:
-        assert summary["parquet"] is None and manifest["parquet"] == {"error": "ZeroDivisionError: division by zero"}
+        assert summary["parquet"] is None and manifest["parquet"] == {"error": "ZeroDivisionError: division by zero",
+                                                                      "complete": False}
+        # The next run, with nothing new, adds the failed run's results to the view.
+        monkeypatch.undo()
+        monkeypatch.setattr(caption, "caption_shards", lambda run: (RunStats(), None, None))
+        for name in ("write_manifest", "export_after_run"):
+            monkeypatch.setattr(caption, name, as_task(getattr(caption, name).fn))
+        monkeypatch.setattr(caption, "publish_summary", lambda *args: None)
+        monkeypatch.setattr(caption, "emit", lambda *args, **kwargs: None)
+        caption.caption_job(plan, RUN2, get_logger())
+        manifest = json.loads((Path(output) / "manifests" / f"{RUN2}.json").read_text())
+        assert manifest["parquet"]["complete"] and manifest["parquet"]["repaired"][RUN1]["rows"] == 2
+        assert sorted(pq.read_table(Path(output) / run_parquet_key(RUN1)).column("key").to_pylist()) == ["a.jpg",
+                                                                                                          "b.jpg"]
     else:
         assert summary["parquet"] == manifest["parquet"]["path"] == str(Path(output) / run_parquet_key(RUN1))
         assert manifest["parquet"]["rows"] == 2 and manifest["parquet"]["complete"]

@@ -318,3 +318,38 @@ def test_a_result_replaced_twice_in_a_fanned_out_run_and_one_in_a_compacted_file
     assert report["rows"] == 2 and report["rewritten"] == {str(output / "parquet" / merged): 1}
     rows = {r["key"]: r for r in assert_view_is_the_done_index(output)}
     assert rows["a.jpg"]["caption"] in ("a by p0", "a by p1") and sorted(rows) == ["a.jpg", "b.jpg", "d.jpg", "g.jpg"]
+
+
+def test_a_run_killed_before_its_view_file_is_added_by_the_next_run(tmp_path):
+    """Run 1 writes its parts and is killed before its view file (the view owes it one); run 2,
+    with nothing new, adds run 1's file and says the view is complete. Run 3 replaces one of run
+    1's results after run 2 was killed too: run 2's owed file first, then run 3's own, each result
+    once, the latest."""
+    from tasks.results.parquet_view import export_after_run
+
+    output = tmp_path / "out"
+    o = out(output)
+    write_shard(o, FP, RUN1, 0, [record("a.jpg", RUN1, "first caption"), record("b.jpg", RUN1, "a bee")])
+    write_shard(o, FP, RUN1, 1, [record("d.jpg", RUN1, "a dog")])
+    assert files(output) == set() and (output / "results" / FP / "view-owed" / RUN1).exists()
+
+    report = export_after_run.fn(out(output), str(output), FP, RUN2, [])
+    assert report["complete"] and report["repaired"][RUN1]["rows"] == 3 and report["path"] is None
+    assert files(output) == {f"run-{RUN1}.parquet"}
+    assert not list((output / "results" / FP / "view-owed").iterdir())
+    assert_view_is_the_done_index(output)
+
+    write_shard(o, FP, RUN2, 0, [record("e.jpg", RUN2, "an egg")])  # run 2 killed after its part
+    part = write_shard(o, FP, RUN3, 0, [reuploaded("a.jpg", RUN3, "second caption")])
+    report = export_after_run.fn(out(output), str(output), FP, RUN3, [part])
+    assert report["complete"] and report["repaired"][RUN2]["rows"] == 1 and report["rows"] == 1
+    assert files(output) == {f"run-{RUN1}.parquet", f"run-{RUN2}.parquet", f"run-{RUN3}.parquet"}
+    rows = assert_view_is_the_done_index(output)
+    assert {r["key"]: r["caption"] for r in rows} == {"a.jpg": "second caption", "b.jpg": "a bee", "d.jpg": "a dog",
+                                                      "e.jpg": "an egg"}
+
+    # Nothing owed: a run with nothing new lists the owed folder once and writes nothing.
+    watched = Watched(out(output))
+    assert export_after_run.fn(watched, str(output), FP, RUN4, []) == {"path": None, "rows": 0, "complete": True,
+                                                                        "seconds": 0.0}
+    assert watched.calls == ["iter_objects"]

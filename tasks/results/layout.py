@@ -7,6 +7,8 @@
     results/<fingerprint>/index-<stamp>.vidx           many parts' rows in one object (the same)
     results/<fingerprint>/writing/<stamp>-<parts_id>    empty: parts_id was writing parts at UTC <stamp>
                                                         (tasks/results/writing_log.py)
+    results/<fingerprint>/view-owed/<run_id>            empty: the run wrote parts, and the Parquet
+                                                        view has no file of its results yet
     manifests/<run_id>.json                             written when the run ends
     partitions/<run_id>/pNNN.json                       a fanned-out child's report
     parquet/run-<run_id>.parquet                        the final results a run added (the Parquet
@@ -49,6 +51,14 @@ def compacted_index_prefix(fingerprint: str) -> str:
 
 def writing_prefix(fingerprint: str) -> str:
     return f"{results_prefix(fingerprint)}writing/"
+
+
+def view_owed_prefix(fingerprint: str) -> str:
+    return f"{results_prefix(fingerprint)}view-owed/"
+
+
+def view_owed_key(fingerprint: str, run_id: str) -> str:
+    return f"{view_owed_prefix(fingerprint)}{run_id}"
 
 
 def writing_key(fingerprint: str, stamp: str, parts_id: str) -> str:

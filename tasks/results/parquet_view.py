@@ -25,8 +25,13 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
   in between, or a crash, sees a result twice, never not at all; compaction settles that.
 - Readers such as `datasets` refuse a folder whose files' columns differ: a run that adds a
   file rewrites, once, the files written in an older schema (records gain fields over versions).
-- A run killed before its end wrote no file, nor did one whose export failed (its manifest
-  says so): `vlm-caption export OUTPUT` rebuilds the view from every part, as one file.
+- A run owes the view its file from its first part on: before that part it leaves an empty
+  `results/<fp>/view-owed/<run_id>` (`owe_view`), removed once its file is written. A run killed
+  at any moment before then (or whose export failed) leaves it, and the next run of the job, with
+  or without new items, adds that run's file from all of its parts before its own
+  (`add_owed_runs`, one listing of a folder that is empty on a normal night): a rerun makes the
+  view whole, and its manifest's `complete` says whether it did. `vlm-caption export OUTPUT`
+  rebuilds the view from every part, as one file, for outputs older than this rule.
 - Compaction (`vlm-caption export OUTPUT --compact`, tasks/results/parquet_compact.py) merges the view's files into one, keeping
   the latest of a result held twice (by the run's stamp), from the files alone (no part is
   read); it writes the merged file, then removes the ones it merged. Run it while no run of
@@ -37,7 +42,9 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
 from __future__ import annotations
 
 import io
+import re
 import struct
+import threading
 import time
 from typing import Any
 
@@ -48,7 +55,8 @@ from prefect.cache_policies import NONE
 from tasks.observability import get_logger
 from tasks.results.done_index import DoneIndex, loaded_index, read_done_index, result_key
 from tasks.results.done_rows import listed_under, read_part_rows
-from tasks.results.layout import PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key
+from tasks.results.layout import (PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key, view_owed_key,
+                                   view_owed_prefix)
 from tasks.results.parquet import (RESIZED, ROW_GROUP_ROWS, latest_ordinals, part_order, results_schema, select_rows,
                                    write_rows)
 from tasks.results.parquet_compact import copy_rows, view_files
@@ -57,17 +65,50 @@ from tasks.sources.storage import Storage, key_within
 
 _NO_ROWS = np.empty(0, dtype=[("key", "<u8")])
 FOOTER_READ = 64 << 10  # the tail read for a file's schema: a run's file's whole footer
+_STAMP = re.compile(r"\d{8}T\d{6}")
+_owed: set[tuple[str, str, str]] = set()  # (output, fingerprint, run) this process has marked owed
+_owed_lock = threading.Lock()
+
+
+def owe_view(out: Storage, fingerprint: str, run_id: str) -> None:
+    """Before run `run_id`'s first part (once per process and run; the pipeline's writer threads
+    call it before each part): the view owes the run its file until `add_run` writes it."""
+    token = (out.uri, fingerprint, run_id)
+    with _owed_lock:
+        if token in _owed:
+            return
+        out.write(view_owed_key(fingerprint, run_id), b"")
+        _owed.add(token)
+
+
+def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log) -> dict[str, dict]:
+    """The view's file of each earlier run of this job that wrote parts and never had its file
+    written (killed, or its export failed), added oldest first: {run: what `add_run` wrote, or
+    {"error": ...}}. One listing of the owed runs' folder, empty on a normal night."""
+    owed = sorted((ref.key.rsplit("/", 1)[-1] for ref in out.iter_objects(prefix=view_owed_prefix(fingerprint))),
+                  key=lambda run: (m.group(0) if (m := _STAMP.search(run)) else "", run))
+    added: dict[str, dict] = {}
+    for run in owed:
+        if run == run_id:
+            continue
+        log.warning("Parquet view: adding the results of a run that ended before its view file", run=run)
+        try:
+            added[run] = add_run(out, fingerprint, run, [], whole_run=True)
+        except Exception as exc:  # noqa: BLE001 - recorded; the mark stays, so the next run tries again
+            added[run] = {"error": f"{type(exc).__name__}: {exc}", "complete": False}
+    return added
 
 
 def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, earlier: DoneIndex | None = None,
-            row_group_rows: int = ROW_GROUP_ROWS) -> dict:
+            row_group_rows: int = ROW_GROUP_ROWS, whole_run: bool = False) -> dict:
     """Add the final results of run `run_id` (its parts `parts`, as the run names them, and any
-    other part listed under its id) to the view, and return what was written: the run's file
-    and rows, the older files rewritten (rows removed from each), damaged parts. `earlier`: the
-    done-index of the run's start, by default the one this process loaded (`loaded_index`), else
-    one loaded here; it says which earlier parts hold a result the run computed again."""
+    other part listed under its id; with `whole_run`, every part listed under it) to the view,
+    and return what was written: the run's file and rows, the older files rewritten (rows
+    removed from each), damaged parts. `earlier`: the done-index of the run's start, by default
+    the one this process loaded (`loaded_index`), else one loaded here; it says which earlier
+    parts hold a result the run computed again."""
     started = time.perf_counter()
-    if not parts:  # nothing new: nothing to read, nothing to write
+    if not parts and not whole_run:  # nothing new: nothing to read, nothing to write
         return {"path": None, "rows": 0, "complete": True, "seconds": 0.0}
     log = get_logger(run_id=run_id, fingerprint=fingerprint)
     report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
@@ -114,6 +155,7 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
         if removed:
             rewritten[out.describe(member)] = removed
     conformed = _conform_files(out, key, report, log) if rows else []
+    out.delete(view_owed_key(fingerprint, run_id))  # the run's file is written: the view owes it nothing
     complete = not report["damaged_parts"] and not report["skipped_parts"]
     result = {"path": out.describe(key) if rows else None, "rows": rows, "row_groups": groups,
               "complete": complete, "seconds": round(time.perf_counter() - started, 3),
@@ -220,12 +262,19 @@ def _conform_files(out: Storage, own: str, report: dict, log) -> list[str]:
 def export_after_run(out: Storage, output_uri: str, fingerprint: str, run_id: str, parts: list[str]) -> dict:
     """The end-of-run step: the run's new results added to the view of its output `out`
     (`output_uri` as the job names it, for the message). A failure is logged and returned as
-    `{"error": ...}`, never raised: the run's captions are in its JSON Lines parts, and
-    `vlm-caption export` makes the view again from them."""
+    `{"error": ...}`, never raised: the run's captions are in its JSON Lines parts, and the
+    next run (or `vlm-caption export`) makes the view whole from them. Earlier runs the view
+    still owes a file (killed before their end) are added first; `complete` is true only when
+    every one of them and this run's own results are in the view."""
+    log = get_logger(run_id=run_id, fingerprint=fingerprint)
     try:
-        return add_run(out, fingerprint, run_id, parts)
-    except Exception as exc:  # noqa: BLE001 - the parts are written; the view is a convenience
-        get_logger().warning("Parquet export failed; the JSON Lines parts are complete. Run "
-                             f"`vlm-caption export {output_uri}` to make the view again",
-                             error=f"{type(exc).__name__}: {exc}")
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        repaired = add_owed_runs(out, fingerprint, run_id, log)
+        result = add_run(out, fingerprint, run_id, parts)
+    except Exception as exc:  # noqa: BLE001 - the parts are written; the next run adds them to the view
+        log.warning("Parquet export failed; the JSON Lines parts are complete, and the next run of the job adds "
+                    f"them to the view (or run `vlm-caption export {output_uri}`)", error=f"{type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}", "complete": False}
+    if repaired:
+        result = {**result, "repaired": repaired,
+                  "complete": result["complete"] and all(r.get("complete") for r in repaired.values())}
+    return result

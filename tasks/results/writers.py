@@ -19,7 +19,8 @@ from prefect.cache_policies import NONE
 
 from tasks.errors import OutOfSpaceError
 from tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
-from tasks.results.layout import manifest_key, part_key, partition_report_key
+from tasks.results.layout import manifest_key, part_key, partition_report_key, run_of
+from tasks.results.parquet_view import owe_view
 from tasks.results.records import ResultRecord
 from tasks.results.report import PartitionReport
 from tasks.results.writing_log import after_part, before_part
@@ -89,6 +90,7 @@ def write_shard_once(out: Storage, fingerprint: str, parts_id: str, shard_index:
     if records:
         key = part_key(fingerprint, parts_id, shard_index)
         body = "".join(record.model_dump_json() + "\n" for record in records).encode()
+        owe_view(out, fingerprint, run_of(parts_id))  # a run killed from here on has its view file added later
         before_part(out, fingerprint, parts_id)  # stamps: what a load lists new parts by (writing_log.py)
         try:
             write_object(out, key, body)
