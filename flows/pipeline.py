@@ -52,13 +52,9 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
     done = started[0] if started else load_done_index(run.output, run.fingerprint)
     stream = started[1] if started else listing(run, done, claims)
     try:
-        # Multi-image sizes vLLM's per-prompt image limit from the largest group, so that
-        # listing is read whole first; image and video start on the first shard listed.
-        if work.modality == "multi-image":
-            shards: Iterable[Listed] = list(stream)
-            spec = group_engine_spec(run.engine, [shard for shard in shards if isinstance(shard, Shard)])
-        else:
-            shards, spec = stream, run.engine
+        # The engine is the plan's: a multi-image job's per-prompt image limit is its group limit
+        # (--max-images), so its engine, like the others', starts before the listing has ended.
+        shards, spec = stream, run.engine
         run.log.info("run started", source=run.source.uri, output=run.output.uri, modality=work.modality,
                      questions=len(work.questions), already_done=len(done), partition=run.parts_id)
         pipeline = ShardPipeline(run, done, spec, claims)
@@ -262,10 +258,3 @@ class ShardPipeline:
         self.report.close()
         self.steps.shutdown()
         return stats, self.engine
-
-
-def group_engine_spec(spec: EngineSpec, shards: list[Shard]) -> EngineSpec:
-    """A multi-image job's engine: vLLM's per-prompt image limit from the largest group listed
-    (as the example sets it from its image count), capped by the plan's (the job's limit)."""
-    largest = max((len(item.members) for shard in shards for item in shard.items), default=1)
-    return spec.with_images(max(1, min(largest, spec.images)))

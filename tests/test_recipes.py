@@ -197,8 +197,8 @@ def test_the_engine_spec_holds_the_recipes_arguments_with_the_jobs_overrides():
     copy = pickle.loads(pickle.dumps(spec))
     assert copy == spec and {spec: "engine"}[copy] == "engine"
     assert spec != EngineSpec.build(llava, engine_overrides={"max_model_len": 4096})
-    groups = EngineSpec.build(get_recipe("idefics3"), modality="multi-image", images=8).with_images(3)
-    assert groups.args["limit_mm_per_prompt"] == {"image": 3}  # the largest group listed
+    groups = EngineSpec.build(get_recipe("idefics3"), modality="multi-image", images=3)
+    assert groups.args["limit_mm_per_prompt"] == {"image": 3}  # the job's group limit
     with pytest.raises(RecipeError, match="--trust-remote-code"):  # no spec runs remote code not asked for
         EngineSpec.build(get_recipe("internvl_chat"))
     assert EngineSpec.build(get_recipe("internvl_chat"), trust_remote_code=True).args["trust_remote_code"] is True

@@ -93,16 +93,19 @@ def test_partitions_charge_their_engines_and_the_parent_sums_them():
     parent.processed, child.processed = 30, 10
     parent.mark_generating(1000.0, 1100.0)
     child.mark_generating(1010.0, 1050.0)
-    parent.charge({"ready_at": 990.0, "engine_args": {"tensor_parallel_size": 2}, "sizing": {"device": "cuda"}})
-    child.charge({"ready_at": 1000.0, "engine_args": {}, "sizing": {"device": "cuda"}})
-    assert (parent.device_s, child.device_s) == (220.0, 50.0)  # 110 s x 2 GPUs; 50 s x 1
+    # From the engine's build (ready_at - startup_s) to the last result: the start is paid too.
+    parent.charge({"ready_at": 990.0, "startup_s": 40.0, "engine_args": {"tensor_parallel_size": 2},
+                   "sizing": {"device": "cuda"}})
+    child.charge({"ready_at": 1000.0, "startup_s": 30.0, "engine_args": {}, "sizing": {"device": "cuda"}})
+    assert (parent.device_s, child.device_s) == (300.0, 80.0)  # 150 s x 2 GPUs; 80 s x 1
     report = child.report(1, None)
-    assert report.brief()["device_s"] == 50.0
+    assert report.brief()["device_s"] == 80.0
     parent.absorb(report)
-    assert parent.cost()["device_s"] == 270.0 and parent.cost()["items_per_device_s"] == pytest.approx(40 / 270, abs=1e-3)
-    idle = RunStats()  # nothing generated (every item done already): no device time charged
-    idle.charge({"ready_at": 990.0, "engine_args": {}, "sizing": {"device": "cuda"}})
-    assert idle.device_s == 0.0 and cost_line(idle.cost()) == "no device time (nothing generated)"
+    assert parent.cost()["device_s"] == 380.0 and parent.cost()["items_per_device_s"] == pytest.approx(40 / 380, abs=1e-3)
+    idle = RunStats()  # nothing generated (every item done already): its engine's start is still paid
+    idle.charge({"ready_at": 990.0, "startup_s": 41.0, "engine_args": {}, "sizing": {"device": "cuda"}})
+    assert idle.device_s == 41.0
+    assert RunStats().cost()["device_s"] == 0 and cost_line(RunStats().cost()) == "no device time (nothing generated)"
 
 
 def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api, tiny_llava, tmp_path,

@@ -9,7 +9,7 @@ import copy
 import json
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from recipes import Recipe, RecipeError
@@ -49,11 +49,6 @@ class EngineSpec:
               images: int = 1, processor_device: str = "auto") -> EngineSpec:
         overrides = tuple(sorted((k, json.dumps(v)) for k, v in (engine_overrides or {}).items()))
         return cls(recipe, modality, model, overrides, trust_remote_code, images, processor_device)
-
-    def with_images(self, images: int) -> EngineSpec:
-        """The same engine with vLLM's per-prompt image limit set to `images` (multi-image sizes
-        it from the largest group listed)."""
-        return replace(self, images=images)
 
     def overrides(self) -> dict[str, Any]:
         return {key: json.loads(value) for key, value in self.engine_overrides}

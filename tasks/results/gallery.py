@@ -225,11 +225,14 @@ def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = N
 def media_fetcher(source: SourceSpec) -> Callable[[ResultRecord], bytes | None]:
     """How to read an item's (first) image or video again for its picture: the source format's
     reader locates the member a record names and reads it, as the captioning did."""
+    from tasks.sources.reader import BAD_INPUT
     from tasks.sources.registry import open_reader
 
     reader = open_reader(source)
 
     def fetch(record: ResultRecord) -> bytes | None:
+        if record.error is not None and record.error.get("kind") in (BAD_INPUT, "too_large"):
+            return None  # refused media (a name, a link out, a bomb): a thumbnail would read or decode them
         member = (record.members or [record])[0]
         ref = reader.locate(record.key, member.key, member.size, member.etag)
         return reader.read_member(ref) if ref is not None else None
@@ -238,10 +241,11 @@ def media_fetcher(source: SourceSpec) -> Callable[[ResultRecord], bytes | None]:
 
 
 def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list[str], *, items: int, title: str,
-                      fingerprint: str) -> dict:
+                      fingerprint: str, facts: dict | None = None) -> dict:
     """Write the run's gallery of at most `items` items (none: 0) next to its manifest in the
     output `out`, its pictures read again from `source`, and link it from a Prefect artifact; a
-    failure is reported in the manifest, never raised (the captions are written already)."""
+    failure is reported in the manifest, never raised (the captions are written already).
+    `facts`: the run's counts and cost, shown in the page's heading line."""
     if items <= 0:
         return {"path": None}
     from tasks.observability import get_logger
@@ -252,7 +256,8 @@ def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list
         unreadable: list[str] = []
         sampled: list[GalleryItem] = []
         page, shown = build_gallery(run_records(out, parts, unreadable), media_fetcher(source), items, title,
-                                    {"run": run_id, "fingerprint": fingerprint}, get_settings().gallery_fetch_s,
+                                    {"run": run_id, **(facts or {}), "fingerprint": fingerprint},
+                                    get_settings().gallery_fetch_s,
                                     sampled=sampled)
         out.write(gallery_key(run_id), page.encode())
         path = out.describe(gallery_key(run_id))

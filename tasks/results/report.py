@@ -40,8 +40,9 @@ class Tally(BaseModel):
     duplicates: int = 0  # records that took the answer of an item with the same bytes (no request)
     quality_retried: int = 0
     quality_fixed: int = 0
-    # What the run cost: seconds its engines were held (engine ready to last result) times their
-    # devices (tensor parallel size), on `device` (cuda, cpu, ...). Summed over partitions.
+    # What the run cost: seconds its engines held their devices (the engine's build began to its
+    # last result) times their devices (tensor parallel size), on `device` (cuda, cpu, ...).
+    # Summed over partitions.
     device_s: float = 0.0
     device: str | None = None
     samples: list[dict[str, str]] = Field(default_factory=list)
@@ -60,11 +61,15 @@ class Tally(BaseModel):
         self.generate_to = ended if self.generate_to is None else max(self.generate_to, ended)
 
     def charge(self, engine: dict[str, Any] | None) -> None:
-        """This partition's device-seconds: from its engine being ready to its last result, times
-        the devices the engine spans. Called once, when the partition's work has ended."""
-        if not engine or engine.get("ready_at") is None or self.generate_to is None:
+        """This partition's device-seconds: from its engine's build beginning (a device is paid
+        for from the moment it is held) to its last result, or to the engine being ready where
+        it got nothing to do, times the devices the engine spans. Called once, when the
+        partition's work has ended."""
+        if not engine or engine.get("ready_at") is None:
             return
-        self.device_s = round(engine_devices(engine) * max(0.0, self.generate_to - engine["ready_at"]), 3)
+        held_from = engine["ready_at"] - (engine.get("startup_s") or 0.0)
+        held_to = engine["ready_at"] if self.generate_to is None else max(self.generate_to, engine["ready_at"])
+        self.device_s = round(engine_devices(engine) * (held_to - held_from), 3)
         self.device = (engine.get("sizing") or {}).get("device") or self.device
 
 
