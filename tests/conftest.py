@@ -40,7 +40,7 @@ pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect serv
 # together; seconds from `--durations` of a fresh .ci/run on a 2-core machine (2026-11-27, 827 s).
 # Modules not named here take under 30 s each and follow in file order.
 STACK_MODULES = ("test_deployments", "test_api_outage")  # tests/postgres.py: prefect_stack
-LONGEST_FIRST = {"prefect-stack": 420, "test_bench": 220, "test_storage_faults": 170, "test_prefect_ui": 85,
+LONGEST_FIRST = {"prefect-stack": 420, "test_kills": 290, "test_bench": 220, "test_storage_faults": 170, "test_prefect_ui": 85,
                  "test_media_flow": 80, "test_demo": 80, "test_engine_faults": 70, "test_concurrency": 45,
                  "test_recipe_checks": 45, "test_real_processors": 40, "test_render_pool": 30}
 

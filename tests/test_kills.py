@@ -1,0 +1,119 @@
+"""A run killed at any moment leaves nothing stuck and nothing missing: `vlm-caption run` on the
+embedded server (no PREFECT_API_URL), its whole process group killed with SIGKILL at five points of
+its run (before its first part, between two parts, between its last part and its manifest, between
+its manifest and the Parquet step, just after "run finished"), each time with new images added,
+then run once more to its end. Every run after a kill takes the job's slot at once (the dead run's
+is freed), and in the end every image is captioned once and the Parquet view read as one dataset
+holds exactly the done-index's results, with a manifest that says so. No step by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as pads
+
+from tasks.results.done_index import load_part_rows, result_key
+from tasks.sources.storage import open_storage
+from tests.images import image_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The run, with one step of it made to kill the run's process group (the process, the embedded
+# server it started, the engine's processes) the moment it is reached: a kill at that instruction.
+_KILLED_AT = r"""
+import os, signal, sys
+point, argv = sys.argv[1], sys.argv[2:]
+
+def die(*args, **kwargs):
+    os.killpg(0, signal.SIGKILL)
+
+import flows.caption as caption
+import tasks.results.writers as writers
+
+if point == "before-first-part":
+    writers.write_shard_once = die
+elif point == "between-parts":
+    write, calls = writers.write_shard_once, []
+    def second_dies(*args, **kwargs):
+        calls.append(1)
+        return die() if len(calls) == 2 else write(*args, **kwargs)
+    writers.write_shard_once = second_dies
+elif point == "before-manifest":
+    caption.write_manifest = die
+elif point == "before-parquet":
+    caption.export_after_run = die
+elif point == "after-run-finished":
+    run = caption.caption_job
+    def then_die(*args, **kwargs):
+        run(*args, **kwargs)
+        die()
+    caption.caption_job = then_die
+from flows.cli import main
+sys.exit(main(argv))
+"""
+
+POINTS = ["before-first-part", "between-parts", "before-manifest", "before-parquet", "after-run-finished"]
+
+
+def _run(point: str, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _KILLED_AT, point, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, start_new_session=True)  # a group of its own to kill
+
+
+def _events(result: subprocess.CompletedProcess) -> list[dict]:
+    events = []
+    for line in (result.stdout + result.stderr).splitlines():
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                pass  # a line of another program's that happens to start with a brace
+    return events
+
+
+def test_a_run_killed_at_any_point_is_made_whole_by_the_next(tiny_llava, tmp_path):
+    source, output = tmp_path / "photos", tmp_path / "out"
+    source.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # the embedded server
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1", VLM_CAPTION_JOB_WAIT_S="300")
+    args = ["run", str(source), "--model", str(tiny_llava), "--out", str(output), "--shard-size", "1",
+            "--max-tokens", "4", "--log-format", "json"]
+    added = 0
+    for number, point in enumerate([*POINTS, "to-the-end"]):
+        for _ in range(2):  # new work for every run, so each reaches the point it is killed at
+            (source / f"{added:02d}.png").write_bytes(image_bytes("PNG", size=(40 + added, 32), color=(added * 9, 0, 0)))
+            added += 1
+        result = _run(point, args, env)
+        events = [e.get("event") for e in _events(result)]
+        if point == "to-the-end":
+            assert result.returncode == 0, result.stderr[-3000:]
+        else:
+            assert result.returncode == -signal.SIGKILL, (point, result.returncode, result.stderr[-3000:])
+        if number > 0:  # the run before died holding the job's slot: freed at once, no wait
+            assert "freed the job's slot: the run that held it is gone" in events, (point, events[:40])
+            assert "waiting for another run of this job" not in events
+
+    records = [json.loads(line) for part in output.glob("results/*/*.jsonl") for line in part.read_text().splitlines()]
+    keys = Counter(r["key"] for r in records)
+    assert keys == Counter(f"{i:02d}.png" for i in range(added)), keys  # none lost, none twice
+    assert all(r["error"] is None for r in records)
+
+    # The Parquet view, read as one dataset, is exactly the done-index's results.
+    fingerprint = records[0]["fingerprint"]
+    rows = pads.dataset(str(output / "parquet"), format="parquet").to_table().to_pylist()
+    assert sorted(r["key"] for r in rows) == sorted(keys)
+    done = np.concatenate(list(load_part_rows(open_storage(str(output)), fingerprint).rows.values()))
+    assert {result_key(r["key"], r["question"]) for r in rows} == set(done["key"].tolist())
+    manifests = sorted((json.loads(p.read_text()) for p in output.glob("manifests/*.json")),
+                       key=lambda m: m["run_id"].split("-", 1)[1])
+    assert manifests[-1]["parquet"]["complete"], manifests[-1]["parquet"]
+    # The runs killed after their first part and before their view file, each added by a later run.
+    repaired = {run for m in manifests for run in (m.get("parquet") or {}).get("repaired", {})}
+    assert len(repaired) == 3, [m.get("parquet") for m in manifests]
