@@ -86,12 +86,16 @@ def free_slot_of_a_dead_run(name: str, log) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _host_lock(name: str, wait_s: float, output: str, log) -> Iterator[None]:
+_held: dict[str, int] = {}  # the job lock files this process holds, by limit name: their descriptors
+
+
+def take_job_lock(name: str, wait_s: float, output: str, log, say=None) -> int | None:
+    """Take the job's lock file (embedded server only; None with a Prefect server), waiting up to
+    `wait_s` while another run holds it; `say(line)` is told once whom it waits for. Taken once
+    per process: a second call finds it held."""
     path = lock_file(name)
-    if path is None:
-        yield
-        return
+    if path is None or name in _held:
+        return _held.get(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
     try:
@@ -103,16 +107,45 @@ def _host_lock(name: str, wait_s: float, output: str, log) -> Iterator[None]:
             except BlockingIOError:
                 if not said:
                     log.info("waiting for another run of this job", holder=_holder(fd), wait_s=wait_s)
+                    if say is not None:
+                        say(f"waiting for another run of this job ({_holder(fd)}); it ends, then this one "
+                            "skips what it did. Ctrl-C to stop waiting")
                     said = True
                 if time.monotonic() > deadline:
-                    raise _busy(name, wait_s, output, _holder(fd)) from None
+                    raise _busy(name, wait_s, output, _holder(fd))
                 time.sleep(1.0)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[name] = fd
+    return fd
+
+
+def hold_job_lock(fingerprint: str, output: str, say) -> None:
+    """`vlm-caption run`: the job's lock taken before anything starts (no server, no engine while
+    another run of the job holds it), held until the process ends."""
+    take_job_lock(lease_name(fingerprint), get_settings().job_wait_s, output, get_logger(fingerprint=fingerprint),
+                  say)
+
+
+@contextlib.contextmanager
+def _host_lock(name: str, wait_s: float, output: str, log) -> Iterator[None]:
+    """The job's lock file held around the slot: taken here and let go after (the process's own
+    lock, taken by `hold_job_lock`, stays held); a slot still taken then belongs to a dead run."""
+    mine = name not in _held
+    fd = take_job_lock(name, wait_s, output, log)
+    if fd is None:
+        yield
+        return
+    try:
         free_slot_of_a_dead_run(name, log)
         yield
     finally:
-        os.close(fd)  # lets go of the lock; the file stays (removing it would race a waiting run)
+        if mine:
+            del _held[name]
+            os.close(fd)  # lets go of the lock; the file stays (removing it would race a waiting run)
 
 
 def _busy(name: str, wait_s: float, output: str, holder: str = "") -> JobBusyError:

@@ -99,3 +99,52 @@ def test_a_run_killed_on_the_embedded_server_does_not_keep_the_job_forever(tmp_p
     waited = float(second.stdout.split("TOOK-SLOT")[1].split()[0])
     assert waited < 30  # not the 120 s wait, let alone forever
     assert "the run that held it is gone" in second.stdout + second.stderr
+
+
+_HOLD = """
+import sys, time
+from tasks.concurrency import hold_job_lock
+hold_job_lock("deadbeef", "/out", print)
+print("HOLDING", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_says_whom_it_waits_for_and_starts_nothing(tmp_path, monkeypatch):
+    """`vlm-caption run` takes the job's lock before it starts a server or an engine: a second run
+    of the job says at once which process it waits for, and gives up with that in its error;
+    the lock needs no Prefect server."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    from tasks import concurrency
+    from tasks.settings import get_settings
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "home"))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD], env=env, cwd=Path(__file__).resolve().parents[1],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "HOLDING"
+        monkeypatch.setenv("VLM_CAPTION_JOB_WAIT_S", "2")
+        get_settings.cache_clear()
+        said: list[str] = []
+        with temporary_settings(updates={PREFECT_HOME: str(tmp_path / "home")}, restore_defaults={PREFECT_API_URL}):
+            with pytest.raises(JobBusyError, match=f"pid {holder.pid} since"):
+                concurrency.hold_job_lock("deadbeef", "/out", said.append)
+            assert len(said) == 1 and said[0].startswith(f"waiting for another run of this job (pid {holder.pid} since")
+            assert "Ctrl-C to stop waiting" in said[0]
+            holder.kill()
+            holder.wait()
+            # The holder gone (killed), the lock is free at once.
+            concurrency.hold_job_lock("deadbeef", "/out", said.append)
+            assert concurrency.lease_name("deadbeef") in concurrency._held and len(said) == 1
+            os.close(concurrency._held.pop(concurrency.lease_name("deadbeef")))
+    finally:
+        holder.kill()
+        holder.wait()
+        get_settings.cache_clear()
