@@ -45,7 +45,6 @@ from tasks.errors import UserError
 from tasks.fanout import CALLED_OFF, ChildrenOnWork, start_children, wait_for_children, wait_for_orphans
 from tasks.observability import configure_logging, emit, get_logger, publish_summary
 from tasks.results.gallery import gallery_after_run
-from tasks.tiny_checkpoint import is_tiny_checkpoint
 from tasks.results.parquet_view import export_after_run
 from tasks.results.report import PartitionReport, RunStats
 from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
@@ -176,8 +175,7 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     manifest["parquet"] = export_after_run(plan.output, job.output, fingerprint, run_id, quote(stats.parts))
     # A page to look at: a sample of the run's items, thumbnails and captions; next to the manifest.
     facts = {"captioned": summary["succeeded"], "failed": summary["failed"],
-             "already done": summary["skipped_already_done"], "cost": summary["cost"],
-             **({"note": "random-weight test model: its captions are noise"} if is_tiny_checkpoint(plan.model) else {})}
+             "already done": summary["skipped_already_done"], "cost": summary["cost"]}
     manifest["gallery"] = gallery_after_run(plan.output, plan.source, run_id, stats.parts, items=job.gallery_items,
                                             title=f"vlm-caption · {recipe.name} · {job.location}",
                                             fingerprint=fingerprint, facts=facts)

@@ -123,6 +123,8 @@ class CaptionJob(BaseModel):
     column: str | None = Field(
         None, description="Parquet: the column holding each row's media (URLs, s3:// URIs, paths or image "
         "bytes); empty: the first of image, jpg, png, webp, url, URL, uri, path. Other columns are kept.")
+    follow_links: bool = Field(False, description="A local folder source: read its symbolic links that lead "
+                               "outside it (off: each is a `bad_input` record, its target never read).")
     gallery_items: int = Field(
         200, ge=0, le=5000, description="Items shown on the run's HTML gallery (a sample; 0: no gallery).")
     model: str | None = Field(None, description="Model id or local path instead of the recipe's.")

@@ -14,6 +14,7 @@ location per process (`tasks/sources/storage.py`), so making the plan twice open
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,8 +51,8 @@ class RunPlan:
     fingerprint: str  # which results this run's are interchangeable with
     source: SourceSpec
     output: Storage  # where results, manifests, the gallery and Parquet go; partitions coordinate here
-    # The engine to build, its arguments resolved. Multi-image's is for the job's image limit: the
-    # pipeline narrows it to the largest group listed (`EngineSpec.with_images`).
+    # The engine to build, its arguments resolved; multi-image's per-prompt image limit is the
+    # job's group limit, known before the listing.
     engine: EngineSpec | None = None
 
 
@@ -115,7 +116,8 @@ def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str, source: SourceSp
 def source_spec(job: CaptionJob) -> SourceSpec:
     """Where a resolved job's items come from (the plan's is `resolve_source`'s, storage opened)."""
     fmt = "manifest" if job.manifest is not None else job.source_format
-    return reader_class(fmt).spec_for(job.location, modality=job.modality, glob=job.glob, column=job.column)
+    spec = reader_class(fmt).spec_for(job.location, modality=job.modality, glob=job.glob, column=job.column)
+    return dataclasses.replace(spec, follow_links=job.follow_links)
 
 
 def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
@@ -144,9 +146,8 @@ def start_engine_first(plan: RunPlan) -> bool:
     night's objects that sort after the history). Any other job with earlier results (a nightly
     rerun) imports nothing here and starts its engine at the first item the listing shows is not
     done, so a night with nothing new needs no vLLM. The partitions of a fan-out follow their
-    parent's finding. A multi-image job's engine waits for the listing, whose largest group sets
-    its image limit."""
-    if plan.engine is None or plan.job.modality == "multi-image":
+    parent's finding."""
+    if plan.engine is None:
         return False
     if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
         first = plan.job.partition.engine_first

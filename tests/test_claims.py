@@ -170,7 +170,7 @@ def planned_source(monkeypatch):
 
     def make(count: int):
         source = CountedSource(count)
-        monkeypatch.setattr(formats, "source_storage", lambda uri: source)
+        monkeypatch.setattr(formats, "source_storage", lambda uri, follow_links=False: source)
         return source, SourceSpec("s3://synthetic/")
     return make
 

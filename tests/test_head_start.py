@@ -37,7 +37,7 @@ class Keys:
 
 
 def test_a_begun_listing_of_done_items_ends_before_anyone_takes_them(monkeypatch):
-    monkeypatch.setattr(formats, "source_storage", lambda uri: Keys(20_000))
+    monkeypatch.setattr(formats, "source_storage", lambda uri, follow_links=False: Keys(20_000))
     stream = ShardStream(SourceSpec("s3://synthetic/"), 64, None, pending=lambda items: [False] * len(items))
     stream.begin()
     for _ in range(600):  # no one reads: 20 batches of done items, a queue of 4
@@ -50,7 +50,7 @@ def test_a_begun_listing_of_done_items_ends_before_anyone_takes_them(monkeypatch
 
 
 def test_a_begun_listing_hands_done_counts_before_the_shard_after_them(monkeypatch):
-    monkeypatch.setattr(formats, "source_storage", lambda uri: Keys(10_000))
+    monkeypatch.setattr(formats, "source_storage", lambda uri, follow_links=False: Keys(10_000))
     # only the last item has work left: its shard comes after every done item's count
     stream = ShardStream(SourceSpec("s3://synthetic/"), 64, None,
                          pending=lambda items: [item.id == "img/0009999.jpg" for item in items])

@@ -40,7 +40,7 @@ class SyntheticStorage:
 @pytest.fixture
 def storage(monkeypatch):
     def use(store: SyntheticStorage) -> SyntheticStorage:
-        monkeypatch.setattr(formats, "source_storage", lambda uri: store)  # what SourceSpec.storage opens
+        monkeypatch.setattr(formats, "source_storage", lambda uri, follow_links=False: store)  # what SourceSpec.storage opens
         return store
     return use
 
@@ -84,7 +84,7 @@ def test_limit_cuts_the_listing_into_shards_of_the_first_items(storage):
 def _peak_while_consuming(count: int) -> int:
     store = SyntheticStorage(count)
     source_open = formats.source_storage
-    formats.source_storage = lambda uri: store
+    formats.source_storage = lambda uri, follow_links=False: store
     try:
         tracemalloc.start()
         seen = sum(len(shard.items) for shard in _stream())

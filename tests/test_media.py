@@ -41,6 +41,43 @@ def test_pixel_guard_refuses_huge_images_without_decoding_them():
     assert info.value.error.kind == "too_large" and "VLM_CAPTION_MAX_IMAGE_PIXELS" in str(info.value)
 
 
+def big_png(side: int) -> bytes:
+    """A side x side PNG of one colour: compressed small (10000 x 10000 is about 100 KB)."""
+    from PIL import Image
+    import io
+
+    buffer = io.BytesIO()
+    Image.new("L", (side, side)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_the_products_pixel_limit_is_the_one_applied_and_named():
+    """100,000,000 pixels: over the product's 64,000,000 and over Pillow's own 89,478,485. The error
+    names the product's limit and the setting that moves it, never Pillow's (issue 65)."""
+    from PIL import Image
+
+    before = Image.MAX_IMAGE_PIXELS
+    with pytest.raises(MediaError) as info:
+        decode_image(big_png(10_000), max_pixels=64_000_000)
+    error = info.value.error
+    assert error.kind == "too_large" and not error.retryable
+    assert "64,000,000" in error.message and "VLM_CAPTION_MAX_IMAGE_PIXELS" in error.message
+    assert "100,000,000 pixels" in error.message
+    assert "89478485" not in error.message and "178956970" not in error.message
+    assert Image.MAX_IMAGE_PIXELS == before  # Pillow's own value back for whatever else opens images
+
+
+def test_a_limit_above_pillows_own_lets_the_image_through(monkeypatch):
+    """Raised above Pillow's limit (here made small), the product's setting is what decides."""
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)
+    assert decode_image(big_png(60), max_pixels=10_000).size == (60, 60)  # 3,600 > Pillow's 1,000
+    with pytest.raises(MediaError, match="over the limit of 2,000 pixels"):
+        decode_image(big_png(60), max_pixels=2_000)
+    assert Image.MAX_IMAGE_PIXELS == 1_000
+
+
 def test_a_prepared_shard_counts_the_bytes_of_its_decoded_media():
     """The engine feed is bounded by these bytes (`feed_media_bytes`): RGB pixels of an image,
     of every image of a group, every frame of a video; an item that failed holds none."""

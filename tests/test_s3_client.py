@@ -161,7 +161,7 @@ def test_format_detection_retries_a_throttled_listing_and_never_guesses(monkeypa
     from tasks.sources.registry import detect_format
 
     store = FlakyStorage({"00000.tar": b"x"}, _error("SlowDown", 503), failures=2)
-    monkeypatch.setattr(formats, "source_storage", lambda uri: store)
+    monkeypatch.setattr(formats, "source_storage", lambda uri, follow_links=False: store)
     assert detect_format("s3://flaky/", "auto", False) == "webdataset"
 
     store.failures = 10

@@ -1,5 +1,8 @@
+import os
+
 import pytest
 
+from tasks.sources.items import BadInput
 from tasks.sources.storage import LocalStorage, S3Storage, StorageError, open_storage
 
 
@@ -115,3 +118,82 @@ def test_read_range_on_s3_retries_cut_and_failed_gets_like_read(s3_client, s3_en
         proxy.close()
         get_settings.cache_clear()
     assert proxy.injected["truncate"] > 0 and sum(proxy.injected.values()) > 5, proxy.injected
+
+
+# ---- a folder source's keys and links (issue 65) --------------------------------------------
+def _linked_folder(tmp_path):
+    """src/ with a file, links into it and out of it; elsewhere/ beside it, with a secret."""
+    src, elsewhere = tmp_path / "src", tmp_path / "elsewhere"
+    (src / "sub").mkdir(parents=True)
+    (elsewhere / "dir").mkdir(parents=True)
+    (src / "a.jpg").write_bytes(b"inside")
+    (elsewhere / "secret.jpg").write_bytes(b"SECRET-BYTES")
+    (elsewhere / "dir" / "y.jpg").write_bytes(b"SECRET-Y")
+    (src / "outside.jpg").symlink_to(elsewhere / "secret.jpg")
+    (src / "outdir").symlink_to(elsewhere / "dir")
+    (src / "copy.jpg").symlink_to("a.jpg")  # a link inside: that file again
+    (src / "sub" / "up").symlink_to("..")  # a link to a folder inside (above it): never walked
+    (src / "dangling.jpg").symlink_to("nothing-there")
+    return src
+
+
+def test_a_source_lists_links_out_of_its_folder_as_refused_and_never_reads_them(tmp_path):
+    from tasks.sources.items import RefusedRef
+
+    src = _linked_folder(tmp_path)
+    store = LocalStorage(src, follow_links=False)
+    refs = {ref.key: ref for ref in store.iter_objects()}
+    assert sorted(refs) == ["a.jpg", "copy.jpg", "dangling.jpg", "outdir", "outside.jpg"]
+    assert not isinstance(refs["copy.jpg"], RefusedRef) and refs["copy.jpg"].size == len(b"inside")
+    for key in ("outdir", "outside.jpg"):
+        assert isinstance(refs[key], RefusedRef) and "a link to outside the source folder" in refs[key].problem
+        assert refs[key].size == os.lstat(src / key).st_size  # the link's own, nothing of its target
+    assert isinstance(refs["dangling.jpg"], RefusedRef) and "leads to no file" in refs["dangling.jpg"].problem
+    assert store.read("copy.jpg") == b"inside"
+    for key in ("outside.jpg", "outdir/y.jpg"):  # through a link out, listed or not
+        with pytest.raises(BadInput, match="a link to outside the source folder"):
+            store.read(key)
+        with pytest.raises(BadInput):
+            store.read_range(key, 0, 4)
+    assert list(store.iter_objects(prefix="outdir/")) == []
+
+
+@pytest.mark.parametrize("key", ["../elsewhere/secret.jpg", "sub/../../elsewhere/secret.jpg", "/etc/passwd"])
+def test_a_key_that_leads_out_of_the_folder_is_refused_whatever_the_links(tmp_path, key):
+    from tasks.sources.ranged import open_seekable
+
+    src = _linked_folder(tmp_path)
+    for store in (LocalStorage(src, follow_links=False), LocalStorage(src)):
+        with pytest.raises(BadInput, match="leads outside the folder"):
+            store.read(key)
+        with pytest.raises(BadInput):
+            open_seekable(store, key, 4)
+        with pytest.raises(BadInput):
+            store.write(key, b"x")
+    assert (tmp_path / "elsewhere" / "secret.jpg").read_bytes() == b"SECRET-BYTES"
+
+
+def test_follow_links_reads_links_out_of_the_folder_as_before(tmp_path):
+    src = _linked_folder(tmp_path)
+    store = LocalStorage(src, follow_links=True)
+    refs = {ref.key: ref for ref in store.iter_objects()}
+    assert sorted(refs) == ["a.jpg", "copy.jpg", "dangling.jpg", "outdir/y.jpg", "outside.jpg"]
+    assert store.read("outside.jpg") == b"SECRET-BYTES" and store.read("outdir/y.jpg") == b"SECRET-Y"
+
+
+def test_the_jobs_follow_links_reaches_the_source_storage_and_the_cli_sets_it(tmp_path):
+    import argparse
+
+    from flows.cli_job import add_job_options, job_fields
+    from flows.params import CaptionJob
+    from tasks.sources.preflight import resolve_source
+
+    src = _linked_folder(tmp_path)
+    parser = argparse.ArgumentParser()
+    add_job_options(parser)
+    assert job_fields(parser.parse_args(["--follow-links"]))["follow_links"] is True
+    assert "follow_links" not in job_fields(parser.parse_args([]))
+    for follow in (False, True):
+        job = CaptionJob(source=str(src), output=str(tmp_path / "out"), follow_links=follow)
+        _, spec = resolve_source(job)
+        assert spec.follow_links is follow and spec.storage.follow_links is follow

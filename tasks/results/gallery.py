@@ -29,6 +29,7 @@ from tasks.results.gallery_page import GalleryItem, render_gallery
 from tasks.results.layout import manifest_key
 from tasks.results.records import ResultRecord
 from tasks.sources.storage import Storage, key_within
+from tasks.tiny_checkpoint import is_tiny_checkpoint
 
 if TYPE_CHECKING:
     from tasks.sources.formats import SourceSpec
@@ -143,6 +144,8 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
     items = sample_items(records, limit)
     if sampled is not None:  # the caller's copy of the sample (the UI's artifact lists it)
         sampled.extend(items)
+    if any(record.model and is_tiny_checkpoint(record.model) for item in items[:1] for record in item.records[:1]):
+        summary = {**summary, "note": "random-weight test model: its captions are noise"}
     decoding = threading.BoundedSemaphore(video_slots())
     unfetched: list[str] = []  # items whose media could not be read again (each shows a placeholder)
 

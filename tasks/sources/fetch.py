@@ -20,15 +20,19 @@ class TooLargeError(ValueError):
 
 class MediaFetcher:
     """Reads media by location, keys relative to `base`; shared by a prepare step's fetch threads.
-    Other buckets are opened once each (one storage per bucket per process)."""
+    Other buckets are opened once each (one storage per bucket per process). With `keys_only`
+    (a listing's objects) every key is one under `base`, whatever it looks like: a bucket's key
+    `in//etc/passwd` or `in/s3://other/x` is that object, never a path on this host or elsewhere."""
 
-    def __init__(self, base: Storage):
-        self.base = base
+    def __init__(self, base: Storage, *, keys_only: bool = False):
+        self.base, self.keys_only = base, keys_only
         self._buckets: dict[str, Storage] = {}
         self._lock = threading.Lock()
 
     def read(self, ref: ObjectRef) -> bytes:
         key = ref.key
+        if self.keys_only:
+            return self.base.read(key)
         scheme = urlparse(key).scheme
         if scheme in ("http", "https"):
             return _http_get(key, get_settings().max_object_bytes)

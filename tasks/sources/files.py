@@ -7,7 +7,7 @@ import functools
 from collections.abc import Iterator
 
 from tasks.sources.fetch import MediaFetcher
-from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.items import ObjectRef, RefusedRef, WorkItem
 from tasks.sources.reader import SourceReader
 
 
@@ -21,7 +21,7 @@ class FilesReader(SourceReader):
 
     @functools.cached_property
     def fetcher(self) -> MediaFetcher:
-        return MediaFetcher(self.storage)
+        return MediaFetcher(self.storage, keys_only=True)  # listed keys, never locations
 
     def check(self):
         next(iter(self.storage.iter_objects()), None)  # one page is enough to prove access
@@ -32,8 +32,8 @@ class FilesReader(SourceReader):
         return self.storage.iter_objects(self.spec.glob)
 
     def items(self) -> Iterator[WorkItem]:
-        for ref in self.objects():
-            yield WorkItem(ref.key, (ref,))
+        for ref in self.objects():  # a link the storage refuses is its item's `bad_input` record
+            yield WorkItem(ref.key, (ref,), problem=ref.problem if isinstance(ref, RefusedRef) else None)
 
     def read_member(self, member: ObjectRef) -> bytes:
         return self.fetcher.read(member)

@@ -20,10 +20,11 @@ if TYPE_CHECKING:
     from tasks.sources.watermark import ChangedSince
 
 
-def source_storage(uri: str) -> Storage:
+def source_storage(uri: str, follow_links: bool = False) -> Storage:
     """The storage of a source's folder or bucket prefix (one per S3 location per process,
-    `tasks/sources/storage.py`)."""
-    return open_storage(uri)
+    `tasks/sources/storage.py`). A folder's links that lead out of it are not followed unless
+    the job says so (`tasks/sources/local_paths.py`)."""
+    return open_storage(uri, follow_links=follow_links)
 
 
 class _OpenedOnce:
@@ -33,9 +34,13 @@ class _OpenedOnce:
     location: str
 
     @property
+    def links_followed(self) -> bool:
+        return False
+
+    @property
     def storage(self) -> Storage:
         if self.opened is None:
-            object.__setattr__(self, "opened", source_storage(self.location))
+            object.__setattr__(self, "opened", source_storage(self.location, self.links_followed))
         return self.opened  # type: ignore[return-value]
 
 
@@ -114,11 +119,19 @@ class SourceSpec(_OpenedOnce):
     # the bucket an inventory report lists (`uri` is then the report's manifest.json).
     items_root: str | None = None
     changed: ChangedSince | None = None  # --modified-since (tasks/sources/watermark.py)
+    follow_links: bool = False  # the job's: read a folder's links that lead out of it
     opened: Storage | None = field(default=None, compare=False, repr=False)  # at `base`, opened once
 
     @property
     def is_manifest(self) -> bool:
         return self.format == "manifest"
+
+    @property
+    def links_followed(self) -> bool:
+        """A manifest, path list or inventory report names its media itself (a manifest absolute
+        paths too): what it names, through a link or not, is what the job asked for. A listed
+        folder's links are followed where the job says so."""
+        return self.follow_links or self.items_root is not None
 
     @property
     def location(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from tasks.sources.files import FilesReader
-from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.items import ObjectRef, RefusedRef, WorkItem
 from tasks.sources.reader import SourceReader
 
 ROOT_GROUP = "."  # objects at the source root, beside the folders
@@ -40,5 +40,6 @@ def folder_groups(refs: Iterable[ObjectRef]) -> list[WorkItem]:
     for ref in refs:
         folder = ref.key.rsplit("/", 1)[0] if "/" in ref.key else ROOT_GROUP
         groups.setdefault(folder, []).append(ref)
-    return [WorkItem(folder, tuple(sorted(members, key=lambda m: m.key)))
-            for folder, members in sorted(groups.items())]
+    return [WorkItem(folder, tuple(sorted(members, key=lambda m: m.key)),
+                     problem=next((m.problem for m in members if isinstance(m, RefusedRef)), None))
+            for folder, members in sorted(groups.items())]  # a group with a refused link is refused whole

@@ -3,7 +3,13 @@ from them: one object (image, video), one folder of images (a group), or one man
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+
+class BadInput(ValueError):
+    """An item's own problem (damaged, empty, not media, a name or link refused): its records are
+    final `bad_input` errors naming it; a rerun would only repeat it."""
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,14 @@ class ObjectRef:
     size: int = -1
     etag: str = ""
     last_modified: float | None = None
+
+
+@dataclass(frozen=True)
+class RefusedRef(ObjectRef):
+    """A listed object the storage will not read (a link leading out of a folder source): its
+    item is a `bad_input` record saying why, made from the listing alone."""
+
+    problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -48,3 +62,39 @@ class Shard:
     index: int
     items: tuple[WorkItem, ...]
 
+
+def _is_text(key: str) -> bool:
+    if key.isascii():  # most keys, at no cost (a flag of the string)
+        return True
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def text_key(key: str) -> str:
+    """`key` itself where it is text; else a reversible rendering of its bytes. A folder's names
+    and a tar's member names arrive as Python decodes file names (bytes that are not UTF-8 as lone
+    surrogates, `surrogateescape`), which no hash, JSON record, Parquet cell or page can encode:
+    such a key becomes its bytes as UTF-8 with each backslash doubled and each byte that is not
+    UTF-8 written `\\xNN` (`odd \\xff name.jpg`), which reads back to the exact bytes."""
+    if _is_text(key):
+        return key
+    try:
+        raw = key.encode("utf-8", "surrogateescape")  # the name's own bytes
+    except UnicodeEncodeError:  # a lone surrogate of another origin (a JSON escape)
+        raw = key.encode("utf-8", "surrogatepass")
+    return raw.replace(b"\\", b"\\\\").decode("utf-8", "backslashreplace")
+
+
+def as_text(item: WorkItem) -> WorkItem:
+    """The item where its id and keys are text (nearly always: itself); else the same item under
+    its keys rendered by `text_key`, a final `bad_input` error saying so (its bytes are never read:
+    a key that is not text cannot be recorded, looked up or shown faithfully)."""
+    if _is_text(item.id) and all(_is_text(m.key) for m in item.members):
+        return item
+    members = tuple(dataclasses.replace(m, key=text_key(m.key)) for m in item.members)
+    problem = (f"{text_key(item.id)}: the name is not valid UTF-8 (its bytes that are not are shown as \\xNN, "
+               "a backslash as \\\\); rename it to caption it")
+    return dataclasses.replace(item, id=text_key(item.id), members=members, problem=problem)

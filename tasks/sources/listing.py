@@ -21,7 +21,7 @@ from prefect.cache_policies import NONE
 
 from tasks.observability import get_logger
 from tasks.sources.formats import SourceSpec
-from tasks.sources.items import Shard, WorkItem
+from tasks.sources.items import Shard, WorkItem, as_text
 from tasks.sources.registry import open_reader
 from tasks.sources.watermark import changed_items
 
@@ -29,7 +29,7 @@ from tasks.sources.watermark import changed_items
 def iter_items(source: SourceSpec, read: Callable[[WorkItem], None] | None = None) -> Iterator[WorkItem]:
     """The source's items; with --modified-since only what changed (tasks/sources/watermark.py).
     `read` sees every item the source gives, changed or not."""
-    items = open_reader(source).items()
+    items = map(as_text, open_reader(source).items())  # a name that is not text: a bad_input item, not a crash
     if read is not None:
         items = _seen(items, read)
     return changed_items(items, source.changed) if source.changed is not None else items

@@ -6,6 +6,7 @@ nothing behind; the message says what to do."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,7 +67,8 @@ def resolve_source(job) -> tuple[Any, SourceSpec]:
         fmt = detect_format(job.location, job.source_format, job.manifest is not None)
     reader = reader_class(fmt)
     with storage_errors(job.location, reader.checking):
-        spec = reader(reader.spec_for(job.location, modality=job.modality, glob=job.glob, column=job.column)).check()
+        spec = reader.spec_for(job.location, modality=job.modality, glob=job.glob, column=job.column)
+        spec = reader(dataclasses.replace(spec, follow_links=job.follow_links)).check()
         spec.storage  # noqa: B018 - opened here, once, and handed down with the spec
     update = {"source_format": "files" if reader.name == "manifest" else fmt, "column": spec.column,
               "modified_since": resolve_modified_since(job.modified_since)}  # a duration: one time for all

@@ -65,5 +65,5 @@ class RangeFile(io.RawIOBase):
 def open_seekable(storage: Storage, key: str, size: int) -> BinaryIO:
     """A seekable file over the object: the file itself for a folder, ranged reads for S3."""
     if isinstance(storage, LocalStorage):
-        return open(storage.root / key, "rb")
+        return open(storage.path(key), "rb")  # the folder's rules on keys and links (local_paths.py)
     return RangeFile(storage, key, size)  # type: ignore[return-value]

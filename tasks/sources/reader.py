@@ -24,15 +24,10 @@ from collections.abc import Iterator
 from typing import ClassVar
 
 from tasks.sources.formats import SourceSpec
-from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.items import BadInput, ObjectRef, WorkItem
 from tasks.sources.storage import Storage
 
-BAD_INPUT = "bad_input"
-
-
-class BadInput(ValueError):
-    """An item's own problem (damaged, empty, not media): its records are final `bad_input`
-    errors naming it; a rerun would only repeat it."""
+BAD_INPUT = "bad_input"  # the error kind of a `BadInput` (tasks/sources/items.py: storage raises it too)
 
 
 class SourceReader(ABC):

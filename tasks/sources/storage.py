@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 
 from tasks.errors import UserError
 from tasks.sources.items import ObjectRef
+from tasks.sources.local_paths import key_path, walk_files
 from tasks.sources.s3_client import shared_s3_client
 
 
@@ -65,18 +66,18 @@ def matches_glob(relative: str, glob: str | None) -> bool:
     )
 
 
-def _all_before(folder: str, key: str) -> bool:  # every key under `folder` sorts before `key`
-    return bool(key) and folder < key and not key.startswith(folder)
-
-
 class LocalStorage:
-    def __init__(self, root: str | Path, *, create: bool = False):
+    """A folder. Its keys stay below it, and a source's links leading out of it are not followed
+    unless `follow_links` (`tasks/sources/local_paths.py` says how each is refused)."""
+
+    def __init__(self, root: str | Path, *, create: bool = False, follow_links: bool = True):
         self.root = Path(root).expanduser().resolve()
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
         elif not self.root.is_dir():
             raise StorageError(f"{root}: no such folder. Give an existing folder or an s3:// URI.")
         self.uri = str(self.root)
+        self.follow_links = follow_links
 
     def iter_objects(self, glob: str | None = None, prefix: str = "", start_after: str = "") -> Iterator[ObjectRef]:
         start = self.root / prefix
@@ -84,31 +85,22 @@ class LocalStorage:
             if not prefix or prefix.endswith("/") or not start.parent.is_dir():
                 return
             start = start.parent
-        root = len(os.path.join(self.root, ""))
-        for dirpath, dirnames, filenames in os.walk(start):
-            folder = os.path.join(dirpath, "")  # strings: Path joins and relative_to were most of a big listing
-            below = folder[root:].replace(os.sep, "/")
-            # A folder whose every key sorts before `start_after` is not walked (one page after a key).
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
-                                 and not _all_before(below + d + "/", start_after))
-            for name in sorted(filenames):
-                if name.startswith("."):
-                    continue
-                relative = (folder + name)[root:].replace(os.sep, "/")
-                if not relative.startswith(prefix) or relative <= start_after:
-                    continue  # judged on the name: no stat for a key not listed
-                if matches_glob(relative, glob):
-                    stat = os.stat(folder + name)
-                    yield ObjectRef(relative, stat.st_size, f"{stat.st_size:x}-{stat.st_mtime_ns:x}", stat.st_mtime)
+        yield from walk_files(self.uri, str(start), prefix, start_after, lambda key: matches_glob(key, glob),
+                              self.follow_links)
+
+    def path(self, key: str) -> str:
+        """The file `key` names; `RefusedKey` where it leads outside the folder."""
+        return key_path(self.uri, key, self.follow_links)
 
     def read(self, key: str) -> bytes:
-        return (self.root / key).read_bytes()
+        with open(self.path(key), "rb") as handle:
+            return handle.read()
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """`length` bytes from `start`; fewer only where the file ends first."""
         if length <= 0:
             return b""
-        with open(self.root / key, "rb") as handle:
+        with open(self.path(key), "rb") as handle:
             handle.seek(start)
             return handle.read(length)
 
@@ -116,7 +108,7 @@ class LocalStorage:
     def _staged(self, key: str, data: bytes) -> Iterator[tuple[str, Path]]:
         """`data` in a temporary file beside `key`'s path (its folders made), and that path;
         the temporary name is gone afterwards, moved or linked into place or not."""
-        path = self.root / key
+        path = Path(key_path(self.uri, key))  # never written outside the folder
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         try:
@@ -141,10 +133,10 @@ class LocalStorage:
                 return False
 
     def exists(self, key: str) -> bool:
-        return (self.root / key).exists()
+        return os.path.exists(self.path(key))
 
     def delete(self, key: str) -> None:
-        (self.root / key).unlink(missing_ok=True)
+        Path(key_path(self.uri, key)).unlink(missing_ok=True)
 
     def describe(self, key: str) -> str:
         return str(self.root / key)
@@ -281,8 +273,9 @@ def split_parent(uri: str) -> tuple[str, str]:
     return (parent + "/" if "://" in parent or parent else "/"), name
 
 
-def open_storage(uri: str, *, create: bool = False) -> Storage:
-    """A Storage for `s3://bucket/prefix`, `file:///path` or a plain local path."""
+def open_storage(uri: str, *, create: bool = False, follow_links: bool = True) -> Storage:
+    """A Storage for `s3://bucket/prefix`, `file:///path` or a plain local path; a folder's links
+    leading out of it followed or not (`follow_links`: a source's is the job's, `source_storage`)."""
     if not uri or not uri.strip():
         raise StorageError("empty storage location: give a folder or an s3://bucket/prefix URI")
     parsed = urlparse(uri)
@@ -291,10 +284,10 @@ def open_storage(uri: str, *, create: bool = False) -> Storage:
             raise StorageError(f"{uri}: missing bucket name; use s3://BUCKET/PREFIX/")
         return shared_s3_storage(parsed.netloc, parsed.path.lstrip("/"))
     if parsed.scheme == "file":
-        return LocalStorage(parsed.path, create=create)
+        return LocalStorage(parsed.path, create=create, follow_links=follow_links)
     if parsed.scheme and len(parsed.scheme) > 1:  # "C:" on Windows is a drive, not a scheme
         raise StorageError(
             f"{uri}: unsupported scheme {parsed.scheme!r}. Use s3://bucket/prefix "
             "(AWS S3, MinIO, R2, Ceph via VLM_CAPTION_S3_ENDPOINT_URL) or a local folder."
         )
-    return LocalStorage(uri, create=create)
+    return LocalStorage(uri, create=create, follow_links=follow_links)

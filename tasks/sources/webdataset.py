@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from tasks.observability import get_logger
 from tasks.sources.braces import has_braces
 from tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files, split_location
-from tasks.sources.items import ObjectRef, WorkItem
+from tasks.sources.items import ObjectRef, RefusedRef, WorkItem
 from tasks.sources.ranged import open_seekable
 from tasks.sources.reader import BadInput, SourceReader
 from tasks.sources.storage import Storage, StorageError
@@ -111,6 +111,9 @@ class _Sample:
 def iter_webdataset_items(files: FileSet, modality: str, glob: str | None = None, log=None) -> Iterator[WorkItem]:
     storage = files.storage
     for tar in iter_files(files, glob, log):
+        if isinstance(tar, RefusedRef):  # a link out of the folder: one item saying so, never read
+            yield _defect(tar, 0, tar.problem)
+            continue
         yield from tar_items(storage, tar, modality)
 
 
