@@ -6,6 +6,7 @@ FastAPI below 0.137, where Prefect's UI app cannot be built (`'FastAPI' object h
 'frontend'`), and the newest FastAPI (0.155 on) removed arguments Prefect 3.8 still passes
 (`Body() got an unexpected keyword argument 'min_items'`). Prefect is pinned to the project's
 exact version, so the server and the project's workers and flow runs speak the same API.
+`--background` and `--stop`: flows/server_background.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import threading
 from collections.abc import Callable
 from importlib.metadata import version
+from pathlib import Path
 
 from tasks.errors import PrefectUnavailable, UsageError
 
@@ -105,11 +107,15 @@ def database_note(env: dict[str, str]) -> str:
     for name in ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL"):
         if env.get(name):
             return f"the database at {name}"
-    home = env.get("PREFECT_HOME") or os.path.expanduser("~/.prefect")
-    return f"SQLite in {home} (PREFECT_HOME)"
+    return f"SQLite in {prefect_home(env)} (PREFECT_HOME)"
 
 
-def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subprocess.Popen) -> int:
+def prefect_home(env: dict[str, str]) -> Path:
+    return Path(env.get("PREFECT_HOME") or "~/.prefect").expanduser()
+
+
+def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subprocess.Popen,
+          stopped_by: str = "Ctrl-C stops the server") -> int:
     """Check the port, say where the UI and API are, then run the server until it ends or Ctrl-C
     (SIGINT, or SIGTERM) stops it."""
     check_port_free(host, port)
@@ -121,7 +127,7 @@ def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subproc
           f"  UI:  {url}\n"
           f"  In each shell that deploys, starts workers or runs flows:\n"
           f"    export PREFECT_API_URL={url}/api\n"
-          f"  (The first start downloads Prefect's wheels. Ctrl-C stops the server.)", flush=True)
+          f"  (The first start downloads Prefect's wheels. {stopped_by}.)", flush=True)
     from tasks.prefect_api import show_prefect_notice_now
 
     show_prefect_notice_now(sys.stdout, import_now=True)

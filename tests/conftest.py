@@ -41,8 +41,9 @@ pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect serv
 # Modules not named here take under 30 s each and follow in file order.
 STACK_MODULES = ("test_deployments", "test_api_outage")  # tests/postgres.py: prefect_stack
 LONGEST_FIRST = {"prefect-stack": 420, "test_kills": 290, "test_bench": 220, "test_storage_faults": 170, "test_prefect_ui": 85,
-                 "test_media_flow": 80, "test_demo": 80, "test_engine_faults": 70, "test_concurrency": 45,
-                 "test_recipe_checks": 45, "test_real_processors": 40, "test_render_pool": 30}
+                 "test_interrupt": 240, "test_media_flow": 80, "test_demo": 80, "test_engine_faults": 70, "test_concurrency": 45,
+                 "test_recipe_checks": 45, "test_real_processors": 40, "test_render_pool": 30,
+                 "test_readme_operate": 400}  # (436 s with -n 0 on a busy 2-core machine, not a fresh .ci/run)
 
 
 def schedule_unit(nodeid: str) -> str:
@@ -70,9 +71,49 @@ def pytest_cmdline_main(config) -> None:
         config.option.numprocesses = 0
 
 
+# The fast tier (`uv run pytest -m fast`, CI's first step): every test that needs none of these
+# fixtures (a checkpoint for an engine, a Prefect API, S3 on loopback, PostgreSQL) and is not in a
+# module that starts processes of its own. `_no_process_in_the_fast_tier` holds them to it: a fast
+# test that starts a process (an engine, a server, a subprocess) fails, naming this list.
+HEAVY_FIXTURES = {"checkpoints_root", "prefect_api", "s3_endpoint", "postgres", "prefect_stack"}
+HEAVY_MODULES = {"test_bench", "test_storage_faults", "test_prefect_ui", "test_media_flow", "test_demo",
+                 "test_engine_faults", "test_concurrency", "test_recipe_checks", "test_real_processors",
+                 "test_render_pool", "test_kills", "test_readme_operate", "test_resize", "test_gallery",
+                 "test_prefect_api", "test_processor_device", "test_vllm_api", "test_interrupt", *STACK_MODULES}
+
+
+def is_fast(item) -> bool:
+    module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return module not in HEAVY_MODULES and not HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "fast: starts no engine, server or process (the fast tier, tests/conftest.py)")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_in_the_fast_tier(request, monkeypatch):
+    if request.node.get_closest_marker("fast") is None:
+        yield
+        return
+    import _posixsubprocess
+
+    def refused(*args, **kwargs):
+        raise RuntimeError(f"a fast-tier test started a process: add {request.node.module.__name__!r} to "
+                           "HEAVY_MODULES in tests/conftest.py")
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refused)  # subprocess and multiprocessing's spawn
+    monkeypatch.setattr(os, "fork", refused)
+    yield
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Longest units first (xdist keeps this order: --no-loadscope-reorder); within a unit, file
-    order, but the stack's outage test last: it restarts the server."""
+    """Fast-tier tests marked; longest units first (xdist keeps this order: --no-loadscope-reorder);
+    within a unit, file order, but the stack's outage test last: it restarts the server."""
+    for item in items:
+        if is_fast(item):
+            item.add_marker(pytest.mark.fast)
+
     def key(item):
         unit = schedule_unit(item.nodeid)
         return -LONGEST_FIRST.get(unit, 0), unit == "prefect-stack" and "outage" in item.nodeid

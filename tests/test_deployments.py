@@ -5,13 +5,12 @@ work pool from our base job template, `prefect deploy --all`, the zombie automat
 AwsCredentials block pointing at moto's S3 server, and two process workers (`--limit 1`, CUDA_VISIBLE_DEVICES 0 and 1). Then
 `prefect deployment run vlm-caption/prod` with the tiny checkpoint, checked through the
 Prefect REST API and the bucket; and a worker killed mid-run, then the deployment run again.
+The README's "Operate it" block itself, as typed: tests/test_readme_operate.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections import Counter
 from datetime import datetime
@@ -22,7 +21,7 @@ import pytest
 
 from tasks.engine.host_share import current_cpus
 from tests.images import image_bytes
-from tests.postgres import BUCKET, FINAL, REPO, _descendants
+from tests.postgres import BUCKET, FINAL, _descendants
 
 pytestmark = pytest.mark.timeout(1500)  # a hung worker must fail the test, not stall CI
 
@@ -222,69 +221,3 @@ def test_a_run_whose_parameters_do_not_validate_is_named_and_fails_once(stack, t
     assert run["state_type"] == "FAILED" and run["run_count"] <= 1, run["state"]
     assert run["state"]["message"] == "invalid job: output: empty location", run["state"]["message"]
     assert run["name"] == f"llava · {tmp_path}", run["name"]  # not Prefect's random name
-
-
-def readme_operate_block() -> list[str]:
-    """The README's "Operate it" commands, a continued line joined, comments kept (bash skips them)."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Operate it"):]
-    block = section[section.index("```bash\n") + len("```bash\n"):]
-    block = block[:block.index("```")]
-    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
-
-
-def test_the_readme_operate_block_as_written_at_a_terminal(stack, tiny_llava, tmp_path):
-    """Every command of README's "Operate it" typed into a shell on a pseudo-terminal, as a person
-    does from the clone, local folders as buckets: each exits 0 with no question asked, the three
-    deployments are made from the variables, and the `dev` run it starts completes. The server
-    line is the stack's own server (`vlm-caption server`, tests/postgres.py), on its port."""
-    import re
-
-    import pexpect
-
-    lines = readme_operate_block()
-    assert lines[0].startswith("uv run vlm-caption server")  # running: the stack's
-    media = tmp_path / "media"
-    for i in range(3):
-        (media / "images").mkdir(parents=True, exist_ok=True)
-        (media / "images" / f"p{i}.jpg").write_bytes(image_bytes(size=(64 + i, 48)))
-    # A documented variable: dev's model (a tiny checkpoint here; no model is downloaded).
-    stack.cli("variable", "set", "vlm_caption_dev_model", str(tiny_llava), "--overwrite")
-    env = {key: value for key, value in stack.env.items()
-           if key not in ("PREFECT_API_URL", "PREFECT_CLI_PROMPT", "PREFECT_WORKER_QUERY_SECONDS")}
-    env.update({"TERM": "xterm", "PS1": "$ "})
-    shell = pexpect.spawn("bash", ["--norc", "--noprofile", "-i"], cwd=str(REPO), env=env, encoding="utf-8",
-                          timeout=600, dimensions=(40, 160))
-    transcript = tmp_path / "terminal.txt"
-    shell.logfile_read = open(transcript, "w")
-    try:
-        for number, line in enumerate(lines[1:], start=1):
-            line = line.replace("127.0.0.1:4200", f"127.0.0.1:{stack.port}").replace("s3://media/", f"{media}/")
-            shell.sendline(line)
-            shell.sendline(f'echo "rc{number}=$?"')  # (a line may end in a comment or `&`)
-            found = shell.expect([rf"rc{number}=(\d+)", r"\[y/n\]", r"\? [A-Z].*[:?]"])
-            assert found == 0, f"{line!r} asked a question:\n{transcript.read_text()[-3000:]}"
-            assert shell.match.group(1) == "0", f"{line!r} failed:\n{transcript.read_text()[-4000:]}"
-        screen = transcript.read_text()
-        run_id = re.findall(r"UUID:\s*([0-9a-f-]{36})", screen)[-1]  # the last command's: the dev run
-        run = stack.wait_for(run_id, timeout=600)
-        assert run["state_type"] == "COMPLETED", stack.log_tail("worker-gpu0", "worker-gpu1") + screen[-3000:]
-        assert run["name"] == f"llava · {media}/images/"
-        for name in ("prod", "partition", "dev"):  # deployed again, from the block's variables
-            deployment = stack.get(f"/deployments/name/vlm-caption/{name}")
-            if name != "partition":
-                assert deployment["parameters"]["job"]["source"] == f"{media}/images/", deployment["parameters"]
-        assert list((media / "captions-dev" / "results").glob("*/*.jsonl"))  # dev's own output
-    finally:
-        shell.sendline("kill %1")  # the block's worker, in the background
-        shell.sendline("exit")
-        shell.close(force=True)
-        for pid in _descendants(shell.pid) - {shell.pid}:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        # The next tests' deployments read the stack's variables again.
-        stack.cli("variable", "set", "vlm_caption_source", f"s3://{BUCKET}/images/", "--overwrite")
-        stack.cli("variable", "set", "vlm_caption_output", f"s3://{BUCKET}/captions/", "--overwrite")
-        stack.cli("variable", "set", "vlm_caption_dev_output", f"s3://{BUCKET}/dev-captions/", "--overwrite")
