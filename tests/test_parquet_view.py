@@ -348,6 +348,14 @@ def test_a_run_killed_before_its_view_file_is_added_by_the_next_run(tmp_path):
     assert {r["key"]: r["caption"] for r in rows} == {"a.jpg": "second caption", "b.jpg": "a bee", "d.jpg": "a dog",
                                                       "e.jpg": "an egg"}
 
+    # `vlm-caption export` (the view made again from every part) leaves nothing owed: a run
+    # killed now has its results in the rebuilt file, and a later run adds no file of it again.
+    write_shard(o, FP, RUN4, 0, [record("f.jpg", RUN4, "a fig")])
+    assert main(["export", str(output)]) == 0
+    assert not list((output / "results" / FP / "view-owed").iterdir())
+    assert "repaired" not in export_after_run.fn(out(output), str(output), FP, RUN4 + "x", [])
+    assert_view_is_the_done_index(output)
+
     # Nothing owed: a run with nothing new lists the owed folder once and writes nothing.
     watched = Watched(out(output))
     assert export_after_run.fn(watched, str(output), FP, RUN4, []) == {"path": None, "rows": 0, "complete": True,

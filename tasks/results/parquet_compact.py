@@ -125,9 +125,11 @@ def compact_view(out: Storage) -> dict:
 def rebuild_view(out: Storage, *, row_group_rows: int = ROW_GROUP_ROWS) -> dict:
     """The view made again from every part (`vlm-caption export OUTPUT`): one compacted file,
     then the files it replaces removed. Reads the whole history: for repairs (a run killed
-    before its end, parts changed by hand), not for each run."""
+    before its end, parts changed by hand), not for each run. The runs the view owed a file
+    (killed before it) are in the new file: they are owed nothing more."""
     files = view_files(out)
+    owed = [ref.key for ref in out.iter_objects(prefix="results/") if "/view-owed/" in ref.key]
     report = export_parquet(out, out, compacted_parquet_key(), row_group_rows=row_group_rows)
-    for ref in files:
-        out.delete(ref.key)
+    for key in [ref.key for ref in files] + owed:
+        out.delete(key)
     return {**report, "replaced": [out.describe(ref.key) for ref in files]}
