@@ -10,8 +10,8 @@ import json
 import os
 import sys
 
-from flows.cli_job import add_job_options, job_fields, json_schema_option
-from tasks.errors import UsageError, UserError
+from flows.cli_job import Subcommand, job_fields, json_schema_option
+from tasks.interrupt import stoppable
 
 DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
 
@@ -31,10 +31,8 @@ def _port(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flows.bench.cli import add_bench_arguments
-
     parser = argparse.ArgumentParser(prog="vlm-caption", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Subcommand)
 
     run = sub.add_parser("run", help="run the vlm-caption flow on a bucket or folder")
     run.add_argument("source", nargs="?", help="s3://bucket/prefix/ or a local folder (of media, tar shards or "
@@ -42,20 +40,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--manifest", help="instead of a source: a JSON Lines file of items (s3:// or local), "
                      'each line {"id": ..., "media": [...], "question": ...}')
     run.add_argument("--out", required=True, help="s3://bucket/prefix/ or a local folder")
-    add_job_options(run)
+    run.more, run.needs_source = "flows.cli_job:add_job_options", True
 
     demo = sub.add_parser("demo", help="caption a few generated images, offline, on CPU or GPU")
     demo.add_argument("--dir", default="vlm-caption-demo", help="working folder (default: ./vlm-caption-demo)")
     demo.add_argument("--images", type=int, default=8, help="how many sample images to make")
-    add_job_options(demo)
+    demo.more = "flows.cli_job:add_job_options"
 
     bench = sub.add_parser("bench", help="the flow against raw vLLM (the example's way) on this machine")
-    add_bench_arguments(bench)
+    bench.more = "flows.bench.cli:add_bench_arguments"
 
     server = sub.add_parser("server", help="start Prefect's server with its UI (in its own environment, "
                             "via uv), for deployments, workers and runs to report to")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--port", type=_port, default=4200, help="port (default 4200)")
+    server.add_argument("--background", action="store_true", help="start it in the background, its output in "
+                        "--log; return once its API answers")
+    server.add_argument("--stop", action="store_true", help="stop the server --background started on --port")
+    server.add_argument("--log", default="vlm-caption-server.log", help="--background's log (./vlm-caption-server.log)")
 
     export = sub.add_parser("export", help="make an output's Parquet view (OUTPUT/parquet/, read as one dataset "
                             "by datasets, pandas, DuckDB) again from every part, as one file; exits 1 when a "
@@ -201,6 +203,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from flows.bench import BenchConfig, run_bench
     from flows.params import resolve_json_schema
+    from tasks.errors import UsageError
 
     width, _, height = args.size.partition("x")
     if not (width.isdigit() and height.isdigit()):
@@ -224,9 +227,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from flows.server import serve
+    from flows.server_background import server_command
 
-    return serve(args.host, args.port)
+    return server_command(args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -247,25 +250,29 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench, "server": cmd_server, "export": cmd_export}
-    if args.command == "recipes":
-        handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
-    else:
-        handler = handlers[args.command]
-    try:
-        return handler(args)
-    except Exception as exc:
-        code = report_user_error(exc)
-        if code is None:
-            raise  # a bug: its traceback
-        return code
+    argv = sys.argv[1:] if argv is None else argv
+    with stoppable(argv[:1] in (["run"], ["demo"])):  # a Ctrl-C stops a run within seconds, from its start
+        args = build_parser().parse_args(argv)
+        handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench, "server": cmd_server, "export": cmd_export}
+        if args.command == "recipes":
+            handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
+        else:
+            handler = handlers[args.command]
+        try:
+            return handler(args)
+        except Exception as exc:
+            code = report_user_error(exc)
+            if code is None:
+                raise  # a bug: its traceback
+            return code
 
 
 def report_user_error(exc: Exception) -> int | None:
     """A user's error as one line per problem on stderr (no traceback); its exit code
     (tasks/errors.py; docs/operations.md, "Exit codes"). None for anything else."""
     from pydantic import ValidationError
+
+    from tasks.errors import UsageError, UserError
 
     if isinstance(exc, ValidationError):
         from flows.run_state import validation_lines

@@ -1,14 +1,50 @@
 """The job's command-line options (`vlm-caption run` and `demo`): the arguments, and the
-CaptionJob fields they give. `flows/cli.py` builds the parser with them."""
+CaptionJob fields they give; `Subcommand`, the parser that adds them once its subcommand is used.
+`flows/cli.py` builds the parser with them."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from typing import Any
 
-from tasks.errors import UsageError
-from tasks.sources.registry import SOURCE_FORMATS, formats_help
+
+# `vlm-caption run` given neither what to caption nor where the results go.
+RUN_NEEDS = ("the following arguments are required: source (s3://bucket/prefix/ or a folder; or --manifest "
+             "FILE) and --out (s3://bucket/prefix/ or a folder), e.g. vlm-caption run ./photos --out ./captions")
+
+
+class Subcommand(argparse.ArgumentParser):
+    """A subcommand's parser. `more` ("module:function") adds the options that come from modules slow
+    to import (the job's name every source reader; the bench's import the bench): imported and added
+    when the subcommand is parsed or its help shown, so that `vlm-caption --help` does not wait for them."""
+
+    more: str | None = None
+    needs_source: bool = False  # `run`: a missing --out with no source either is one message for both
+    _given: argparse.Namespace | None = None
+
+    def _complete(self) -> None:
+        if self.more is not None:
+            module, _, function = self.more.partition(":")
+            self.more = None
+            getattr(importlib.import_module(module), function)(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._complete()
+        self._given = argparse.Namespace() if namespace is None else namespace  # what error() finds given
+        return super().parse_known_args(args, self._given)
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
+
+    def error(self, message: str):
+        given = self._given
+        if (self.needs_source and "--out" in message and given is not None
+                and getattr(given, "source", None) is None and getattr(given, "manifest", None) is None):
+            message = RUN_NEEDS
+        super().error(message)
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:
@@ -31,6 +67,7 @@ def _choices(text: str) -> list[str]:
 def json_schema_option(value: str | None) -> dict[str, Any] | str | None:
     """`--json-schema`: a built-in schema's name, or a JSON Schema file (checked by the job)."""
     from flows.params import BUILTIN_SCHEMAS
+    from tasks.errors import UsageError
 
     if value is None or value in BUILTIN_SCHEMAS:
         return value
@@ -43,6 +80,9 @@ def json_schema_option(value: str | None) -> dict[str, Any] | str | None:
 
 
 def add_job_options(parser: argparse.ArgumentParser) -> None:
+    # Here, not at the top: the registry imports every source reader, which `vlm-caption --help` need not wait for.
+    from tasks.sources.registry import SOURCE_FORMATS, formats_help
+
     parser.add_argument("--recipe", default="llava", help="recipe name (default: llava)")
     parser.add_argument("--question", action="append", dest="questions", metavar="QUESTION",
                         help="asked about every item, one record each (repeatable)")
@@ -66,6 +106,9 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modified-since", metavar="TIME|DURATION|auto",
                         help="only objects modified after this time (2026-11-20T03:00:00Z), this long before the "
                         "run (26h, 2d), or auto: since the watermark the last completed run left in the output")
+    parser.add_argument("--follow-links", action="store_true",
+                        help="a local folder source: read its symbolic links that lead outside the folder "
+                        "(off: each is a bad_input record, its target never read)")
     parser.add_argument("--gallery-items", type=int,
                         help="items on the run's HTML gallery beside its manifest (default 200; 0: none)")
     parser.add_argument("--temperature", type=float)
@@ -96,6 +139,8 @@ def job_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {"recipe": args.recipe, "trust_remote_code": args.trust_remote_code}
     if args.skip_model_check:
         fields["skip_model_check"] = True
+    if args.follow_links:
+        fields["follow_links"] = True
     for name in ("questions", "model", "shard_size", "limit", "glob", "modality", "method", "num_frames",
                  "max_images", "processor_device", "source_format", "column", "gallery_items",
                  "modified_since"):

@@ -21,6 +21,9 @@ from tasks.prefect_api import drain_and_stop, release_notice, running_embedded_s
 
 # The terminal's stderr while a quiet run holds descriptors 1 and 2; None otherwise.
 _terminal: IO[str] | None = None
+# The run's progress on the terminal (the latest), and whether a Ctrl-C stopped the run (tasks/interrupt.py).
+_progress: TerminalProgress | None = None
+_interrupted = False
 
 def user_stream() -> IO[str]:
     """Where the progress bar goes: the terminal, whatever a quiet run did to stderr."""
@@ -58,14 +61,17 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
         try:
             yield log_path
         finally:
-            _release_engine()  # else vLLM ends its processes at exit, a warning on the terminal
-            _stop_embedded_prefect_server(server_before)  # else it says so at exit, on the terminal
             _terminal = None
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, copy in saved.items():
-                os.dup2(copy, fd)
-                os.close(copy)
+            # Stopped by a Ctrl-C, the run's end ends the engine and the server (tasks/interrupt.py), and
+            # what they and the run's threads print as they end stays in the log: 1 and 2 are left on it.
+            if not _interrupted:
+                _release_engine()  # else vLLM ends its processes at exit, a warning on the terminal
+                _stop_embedded_prefect_server(server_before)  # else it says so at exit, on the terminal
+                sys.stdout.flush()
+                sys.stderr.flush()
+                for fd, copy in saved.items():
+                    os.dup2(copy, fd)
+                    os.close(copy)
             terminal.close()
 
 
@@ -81,6 +87,21 @@ def run_terminal(output: str, *, verbose: bool, log_format: str | None) -> Itera
 
     with quiet_terminal(log_file_for(output, get_settings().log_dir)) as log_path:
         yield log_path
+
+
+def stop_for_interrupt() -> None:
+    """A Ctrl-C (tasks/interrupt.py): the progress stops where it is, its bar left as it was and the
+    cursor shown, and a quiet run keeps its log as descriptors 1 and 2 to the end."""
+    global _interrupted
+    _interrupted = True
+    if _progress is not None:
+        _progress.stop()
+
+
+def captioned_so_far() -> int:
+    """Items the run's progress counted (their parts written, or being written: a run stopped by
+    Ctrl-C waits for those)."""
+    return _progress.done if _progress is not None else 0
 
 
 def _release_engine() -> None:
@@ -125,7 +146,10 @@ class TerminalProgress:
     def __init__(self, total_items: int, description: str):
         from rich.console import Console
 
+        global _progress
+        _progress = self
         self.total, self.done, self.errors = total_items, 0, 0
+        self.stopped = False  # by a Ctrl-C: nothing more is shown
         # The rate counts from the first result: before it come the listing and the engine's
         # start (the longest wait of a run), which would make the first ETAs several times too long.
         self.first: tuple[float, int] | None = None  # when, and how many items were done then
@@ -160,6 +184,8 @@ class TerminalProgress:
         if rate is None and self.done >= self.total:
             rate = self.whole_rate(now)  # all done within the window (a small run): never "-" at the end
         shown = "-" if rate is None else f"{rate:.2f}"
+        if self.stopped:
+            return
         if self.bar is not None:
             self.bar.update(self.task, advance=items, rate=shown, errors=self.errors)
             return
@@ -188,9 +214,15 @@ class TerminalProgress:
         return f"{seconds // 60}:{seconds % 60:02d}"
 
     def close(self) -> None:
-        if self.bar is not None:
+        if self.bar is not None and not self.stopped:
             if self.bar.tasks[0].fields["rate"] == "-" and (rate := self.whole_rate(time.monotonic())):
                 self.bar.update(self.task, rate=f"{rate:.2f}")  # a run that stopped short of its total
+            self.bar.stop()
+
+    def stop(self) -> None:
+        """Stopped where it is (a Ctrl-C): the bar's last state stays on the terminal."""
+        self.stopped = True
+        if self.bar is not None:
             self.bar.stop()
 
 

@@ -23,6 +23,27 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
+def test_help_imports_neither_prefect_nor_vllm_nor_torch():
+    """`vlm-caption --help` answers at once: none of the heavy libraries is imported for it, nor
+    pydantic, the source readers or the bench (each subcommand's options come when it is used)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", EXE, "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: vlm-caption"), done.stderr[-3000:]
+    imported = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    heavy = [name for name in imported if name.split(".")[0] in ("prefect", "vllm", "torch", "transformers", "pydantic")
+             or name.startswith(("tasks.sources", "flows.bench"))]
+    assert len(imported) > 20 and not heavy, heavy
+
+
+def test_run_with_nothing_names_the_source_and_the_output_in_one_message(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["run"])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("vlm-caption run: error: ") and "source" in error and "--out" in error, error
+    assert "vlm-caption run ./photos --out ./captions" in error  # what to type
+
+
 def test_bench_with_a_bad_size_is_one_line_and_exit_2():
     done = subprocess.run([EXE, "bench", "--size", "640by480"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
