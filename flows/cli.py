@@ -1,7 +1,5 @@
 """`vlm-caption` command line: run, demo, bench, server, export, recipes list, recipes show.
-
-`recipes ...` import neither torch, vLLM nor Prefect, so they answer at once.
-"""
+`--help` and `recipes ...` import neither torch, vLLM nor Prefect, so they answer at once."""
 
 from __future__ import annotations
 
@@ -11,11 +9,9 @@ import os
 import sys
 
 from flows.cli_job import Subcommand, job_fields, json_schema_option
-from tasks.interrupt import stoppable
+from tasks.interrupt import exit_now_if_building, stoppable
 
 DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
-
-
 EMBEDDED_SERVER_HINT = (
     "Prefect's embedded API server did not start in time (a fresh database on a slow or busy "
     "machine). Run the command again, raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS "
@@ -161,8 +157,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     import_prefect()
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
     from flows.plan import start_engine_first, take_partition_cores
+    from tasks.concurrency import hold_job_lock
+    from tasks.observability import phase
     from tasks.terminal import print_run_end, run_terminal
 
+    # Another run of this job on this Prefect home: waited for here, saying so, before any engine or server.
+    hold_job_lock(plan.fingerprint, job.output, lambda line: print(f"vlm-caption: {line}", file=sys.stderr))
     take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         # vLLM's import, then the engine's start, which overlaps Prefect's start and the flow run's.
@@ -181,6 +181,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from flows.caption import vlm_caption
         from flows.head_start import discard_head_start
 
+        from prefect.settings import PREFECT_API_URL
+
+        phase("starting Prefect", api=PREFECT_API_URL.value() or "embedded")
         server_up()
         try:
             summary = vlm_caption(job)
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             code = report_user_error(exc)
             if code is None:
                 raise  # a bug: its traceback
-            return code
+            return exit_now_if_building(code)  # a failed run does not wait for an engine it will not use
 
 
 def report_user_error(exc: Exception) -> int | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -85,6 +86,20 @@ def _end(at_once: bool = False) -> None:
         _say(f"vlm-caption: stopped; {captioned_so_far()} captioned kept, run again to resume")
     _end_children(0 if at_once else LINGER_S)
     os._exit(EXIT_CODE)
+
+
+def exit_now_if_building(code: int) -> int:
+    """A run that failed while its engine was still being built: nothing will use that engine,
+    and Python's exit would wait for its build (minutes on a busy CPU: the build holds the engine
+    lock that the exit hook takes). So its children are ended and the process exits now with
+    `code`; with no build going on, `code` is returned."""
+    engine = sys.modules.get("tasks.engine.vllm_engine")
+    if engine is None or not engine.building():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _end_children(LINGER_S)
+    os._exit(code)
 
 
 def _end_children(linger_s: float) -> None:

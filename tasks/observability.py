@@ -15,6 +15,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -187,6 +188,18 @@ def configure_logging() -> None:
 def get_logger(**context: Any):
     configure_logging()
     return structlog.get_logger(LOGGER_NAME).bind(**context)
+
+
+PHASE_LISTENERS: list[Callable[[str], None]] = []  # a quiet run's terminal (tasks/terminal.py)
+
+
+def phase(what: str, **fields: Any) -> None:
+    """A step of a run beginning (starting Prefect, loading vLLM, building the engine, loading what
+    is done, listing): a log line (the UI's too, inside a flow run), and a line at the terminal of
+    `vlm-caption run`, so slow can be told from hung from the first second."""
+    get_logger().info(what, phase=True, **fields)
+    for listener in list(PHASE_LISTENERS):
+        listener(what)
 
 
 def emit(event: str, run_id: str, **payload: Any) -> None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from tasks.observability import PHASE_LISTENERS
 from tasks.prefect_api import drain_and_stop, release_notice, running_embedded_server
 
 # The terminal's stderr while a quiet run holds descriptors 1 and 2; None otherwise.
@@ -58,10 +59,12 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
         os.dup2(log.fileno(), 2)
         _terminal = terminal
         release_notice(terminal)
+        PHASE_LISTENERS.append(say_phase)
         try:
             yield log_path
         finally:
             _terminal = None
+            PHASE_LISTENERS.remove(say_phase)
             # Stopped by a Ctrl-C, the run's end ends the engine and the server (tasks/interrupt.py), and
             # what they and the run's threads print as they end stays in the log: 1 and 2 are left on it.
             if not _interrupted:
@@ -96,6 +99,20 @@ def stop_for_interrupt() -> None:
     _interrupted = True
     if _progress is not None:
         _progress.stop()
+
+
+def say_phase(what: str) -> None:
+    """A step of the run beginning, on the terminal with the seconds since the command began
+    (above the progress bar once it shows)."""
+    import psutil
+
+    if _terminal is None or _interrupted:
+        return
+    line = f"vlm-caption: {time.time() - psutil.Process().create_time():5.1f} s  {what}"
+    if _progress is not None and _progress.bar is not None and not _progress.stopped:
+        _progress.console.print(line, highlight=False, soft_wrap=True)
+    else:
+        print(line, file=_terminal, flush=True)
 
 
 def captioned_so_far() -> int:

@@ -41,7 +41,7 @@ pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect serv
 # Modules not named here take under 30 s each and follow in file order.
 STACK_MODULES = ("test_deployments", "test_api_outage")  # tests/postgres.py: prefect_stack
 LONGEST_FIRST = {"prefect-stack": 420, "test_kills": 290, "test_bench": 220, "test_storage_faults": 170, "test_prefect_ui": 85,
-                 "test_interrupt": 240, "test_media_flow": 80, "test_demo": 80, "test_engine_faults": 70, "test_concurrency": 45,
+                 "test_interrupt": 150, "test_media_flow": 80, "test_demo": 80, "test_engine_faults": 70, "test_concurrency": 45,
                  "test_recipe_checks": 45, "test_real_processors": 40, "test_render_pool": 30,
                  "test_readme_operate": 400}  # (436 s with -n 0 on a busy 2-core machine, not a fresh .ci/run)
 
@@ -82,9 +82,33 @@ HEAVY_MODULES = {"test_bench", "test_storage_faults", "test_prefect_ui", "test_m
                  "test_prefect_api", "test_processor_device", "test_vllm_api", "test_interrupt", *STACK_MODULES}
 
 
+# Tests of otherwise fast modules that start a process (a CLI in a subprocess, a decode pool, moto).
+HEAVY_TESTS = {
+    "test_bad_inputs::test_the_whole_corpus_decodes_in_bounded_memory",
+    "test_bad_inputs::test_the_video_corpus_decodes_in_bounded_memory",
+    "test_engine_process::test_it_waits_for_the_engine_process_to_start_then_goes_on",
+    "test_host_share::test_a_partition_keeps_to_its_cores_with_its_threads_and_pools_and_a_single_run_keeps_all",
+    "test_listing_stream::test_memory_does_not_grow_with_the_listing",
+    "test_model_check::test_cli_the_issue_offline_and_not_cached_is_one_line_in_seconds",
+    "test_model_check::test_cli_too_little_disk_for_the_download",
+    "test_operator_terminal::test_help_imports_neither_prefect_nor_vllm_nor_torch",
+    "test_operator_terminal::test_bench_with_a_bad_size_is_one_line_and_exit_2",
+    "test_operator_terminal::test_run_with_a_model_that_is_not_there_is_one_line_and_exit_2",
+    "test_progress::test_a_quiet_run_sends_this_process_and_its_children_to_the_log_and_keeps_the_terminal",
+    "test_progress::test_a_quiet_run_shuts_its_engine_down_into_the_log",
+    "test_progress::test_prefects_first_run_notice_goes_to_the_quiet_runs_log",
+    "test_recipes::test_chat_template_renders_offline_with_a_local_tokenizer",
+    "test_recipes::test_recipes_show_imports_no_torch_or_vllm",
+    "test_recipes::test_recipes_list_json_has_the_contract_columns",
+}
+
+
 def is_fast(item) -> bool:
     module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-    return module not in HEAVY_MODULES and not HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
+    name = item.nodeid.split("::", 1)[-1].split("[", 1)[0]
+    on_s3 = "s3" in getattr(getattr(item, "callspec", None), "id", "").split("-")  # a case served by moto
+    return (module not in HEAVY_MODULES and f"{module}::{name}" not in HEAVY_TESTS and not on_s3
+            and not HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
 def pytest_configure(config) -> None:
@@ -102,8 +126,10 @@ def _no_process_in_the_fast_tier(request, monkeypatch):
         raise RuntimeError(f"a fast-tier test started a process: add {request.node.module.__name__!r} to "
                            "HEAVY_MODULES in tests/conftest.py")
 
-    monkeypatch.setattr(_posixsubprocess, "fork_exec", refused)  # subprocess and multiprocessing's spawn
-    monkeypatch.setattr(os, "fork", refused)
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refused)  # multiprocessing's spawn
+    monkeypatch.setattr(subprocess, "_fork_exec", refused)  # subprocess's own name for it
+    for name in ("fork", "posix_spawn", "posix_spawnp"):
+        monkeypatch.setattr(os, name, refused)
     yield
 
 

@@ -8,11 +8,13 @@ holds exactly the done-index's results, with a manifest that says so. No step by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -117,3 +119,55 @@ def test_a_run_killed_at_any_point_is_made_whole_by_the_next(tiny_llava, tmp_pat
     # The runs killed after their first part and before their view file, each added by a later run.
     repaired = {run for m in manifests for run in (m.get("parquet") or {}).get("repaired", {})}
     assert len(repaired) == 3, [m.get("parquet") for m in manifests]
+
+
+_FAILS_WHILE_BUILDING = r"""
+import sys, time
+import flows.caption as caption
+from tasks.errors import UserError
+from tasks.engine import vllm_engine
+
+def fails_as_the_engine_builds(*args, **kwargs):
+    while not vllm_engine.building():  # the run fails while its engine is being built
+        time.sleep(0.05)
+    raise UserError("the source went away")
+caption.caption_job = fails_as_the_engine_builds
+from flows.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_that_fails_while_its_engine_builds_ends_at_once(tiny_llava, tmp_path):
+    """A failed run does not wait for the engine it will not use (its build holds the lock that
+    Python's exit waits for: minutes on a busy CPU): one line, the error's exit code, no process
+    left behind. The test runs the run in a process group of its own and looks for survivors."""
+    import psutil
+
+    source = tmp_path / "photos"
+    source.mkdir()
+    (source / "a.png").write_bytes(image_bytes("PNG", size=(40, 32)))
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    run = subprocess.Popen([sys.executable, "-c", _FAILS_WHILE_BUILDING, "run", str(source), "--model", str(tiny_llava),
+                            "--out", str(tmp_path / "out")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 2, err[-3000:]  # a UserError's exit code
+        assert "vlm-caption: error: the source went away" in err
+        assert "building the engine" in err and "engine ready" not in err  # it did not wait for the build
+        deadline = time.monotonic() + 10  # killed processes are reaped by init a moment after the run's end
+        while (left := [p for p in psutil.process_iter(["status"]) if _in_group(p, run.pid)
+                        and p.info["status"] != psutil.STATUS_ZOMBIE]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, [(p, p.cmdline()) for p in left]  # the engine's process ended with the run
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+
+
+def _in_group(process, group: int) -> bool:
+    try:
+        return os.getpgid(process.pid) == group
+    except (ProcessLookupError, PermissionError):
+        return False

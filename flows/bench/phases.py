@@ -112,7 +112,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, lim
     elif cfg.source == "webdataset":  # the same JPEGs in tar shards (made by run_bench)
         source = str(make_bench_tars(folder, Path(cfg.workdir).resolve()))
     job = CaptionJob(source=source, output=output, recipe=cfg.recipe, model=model, shard_size=cfg.shard_size,
-                     modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE,
+                     modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE, follow_links=True,
                      sampling=cfg.sampling(), fan_out=fan_out, processor_device=cfg.processor_device,
                      json_schema=cfg.structured(), limit=limit)
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect

@@ -63,7 +63,7 @@ class CaptionEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        from tasks.observability import get_logger
+        from tasks.observability import get_logger, phase
 
         self.spec = spec
         self.recipe = spec.recipe
@@ -80,9 +80,11 @@ class CaptionEngine:
             renderers = 0  # the user asked for vLLM's cache, which needs one renderer
         elif renderers:
             self.args["mm_processor_cache_gb"] = 0  # see tasks/engine/render.py
+        phase("building the engine", model=self.model)
         started = time.perf_counter()
         self.llm = LLM(**self.args)
         self.startup_s = time.perf_counter() - started
+        phase("engine ready", seconds=round(self.startup_s, 1))
         self.ready_at = time.time()  # when it could take requests (epoch seconds; the bench measures from it)
         self.tokenizer = self.llm.get_tokenizer()
         self.stop_token_ids = resolve_stop_ids(self.tokenizer, self.recipe, spec.modality)
@@ -240,6 +242,11 @@ def start_engine_early(spec: EngineSpec) -> None:
     threading.Thread(target=build, name="engine-start", daemon=True).start()
 
 
+def building() -> bool:
+    """Whether an engine is being built (or let go of) in this process now."""
+    return _LOCK.locked()
+
+
 def early_builds() -> list[Future]:
     """The engine builds `start_engine_early` started that no `get_engine` has taken yet."""
     with _EARLY_LOCK:
@@ -260,11 +267,8 @@ def discard_early_engine() -> bool:
 
 def get_engine(spec: EngineSpec) -> CaptionEngine:
     """The process's engine for `spec`, built on first use (or by `start_engine_early`) and
-    reused afterwards.
-
-    A worker serves one model at a time: asking for another spec releases the old engine. An
-    engine whose process died (killed, out of memory) is replaced by a new one.
-    """
+    reused afterwards. A worker serves one model at a time: asking for another spec releases the
+    old engine. An engine whose process died (killed, out of memory) is replaced by a new one."""
     with _EARLY_LOCK:
         building = _EARLY.pop(spec, None)
     if building is not None:

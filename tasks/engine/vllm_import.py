@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
+
+from tasks.observability import phase
 
 # Importing vLLM otherwise runs logging.config.dictConfig, which shuts down every handler in the
 # process -- Prefect's API log handler included, whose flush then deadlocks inside a running
@@ -30,6 +33,8 @@ def ensure_vllm_imported() -> None:
     video loader) and the render pool all import parts of it, and transformers' lazy modules
     fail ("cannot import name 'AutoTokenizer'") when two threads import them at once. A second
     caller waits for the first's import."""
+    if "vllm.multimodal.video" not in sys.modules:
+        phase("loading vLLM")
     with _LOCK, contextlib.suppress(Exception):  # the engine's own import reports any failure
         import vllm.engine.arg_utils  # noqa: F401
         import vllm.multimodal.video  # noqa: F401

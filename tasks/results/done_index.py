@@ -45,7 +45,7 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.observability import get_logger
+from tasks.observability import get_logger, phase
 from tasks.results.done_rows import (  # noqa: F401 - the done-index's names, as other modules import them
     COMPACT_HEADER, COMPACT_MAGIC, ROW, SIDECAR_HEADER, SIDECAR_MAGIC, PartRows, Signature, _hash64, _parse_part,
     _read_sidecar, compacted_bytes, content_hash, index_rows, listing_signature, load_part_rows, parse_records,
@@ -230,6 +230,7 @@ def load_done_index(out: Storage, fingerprint: str) -> DoneIndex:
 
 def read_done_index(out: Storage, fingerprint: str) -> DoneIndex:
     """`load_done_index`'s body, outside a task and keeping nothing."""
+    phase("loading what earlier runs did", output=out.uri)
     loaded = load_part_rows(out, fingerprint)
     if loaded.read_one_by_one >= COMPACT_AFTER or loaded.renew:
         _compact(out, fingerprint, {key: (loaded.parts[key].size, rows) for key, rows in loaded.rows.items()},

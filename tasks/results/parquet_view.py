@@ -81,10 +81,12 @@ def owe_view(out: Storage, fingerprint: str, run_id: str) -> None:
         _owed.add(token)
 
 
-def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log) -> dict[str, dict]:
+def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log,
+                  earlier: DoneIndex | None = None) -> dict[str, dict]:
     """The view's file of each earlier run of this job that wrote parts and never had its file
     written (killed, or its export failed), added oldest first: {run: what `add_run` wrote, or
-    {"error": ...}}. One listing of the owed runs' folder, empty on a normal night."""
+    {"error": ...}}. One listing of the owed runs' folder, empty on a normal night. `earlier`:
+    the done-index of this run's start (loaded here if needed and not given)."""
     owed = sorted((ref.key.rsplit("/", 1)[-1] for ref in out.iter_objects(prefix=view_owed_prefix(fingerprint))),
                   key=lambda run: (m.group(0) if (m := _STAMP.search(run)) else "", run))
     added: dict[str, dict] = {}
@@ -93,7 +95,9 @@ def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log) -> dict[str,
             continue
         log.warning("Parquet view: adding the results of a run that ended before its view file", run=run)
         try:
-            added[run] = add_run(out, fingerprint, run, [], whole_run=True)
+            if earlier is None:
+                earlier = read_done_index(out, fingerprint)
+            added[run] = add_run(out, fingerprint, run, [], whole_run=True, earlier=earlier)
         except Exception as exc:  # noqa: BLE001 - recorded; the mark stays, so the next run tries again
             added[run] = {"error": f"{type(exc).__name__}: {exc}", "complete": False}
     return added
@@ -130,7 +134,9 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
     added = np.unique(np.concatenate([k[w] for k, w in zip(keyed, wanted)] or [_NO_ROWS["key"]]).astype(np.uint64))
     key = run_parquet_key(run_id)
     if earlier is None:
-        earlier = loaded_index(out, fingerprint) or read_done_index(out, fingerprint)
+        earlier = loaded_index(out, fingerprint)
+        if earlier is None:  # (not `or`: an empty index, a first run's, is falsy)
+            earlier = read_done_index(out, fingerprint)
     holders, replaced = _holders(out, earlier, {part.key for part in mine}, added, key)
     again: set[tuple[str, str]] = set()  # (item key, question) of the results replaced: few, usually none
 
@@ -268,8 +274,9 @@ def export_after_run(out: Storage, output_uri: str, fingerprint: str, run_id: st
     every one of them and this run's own results are in the view."""
     log = get_logger(run_id=run_id, fingerprint=fingerprint)
     try:
-        repaired = add_owed_runs(out, fingerprint, run_id, log)
-        result = add_run(out, fingerprint, run_id, parts)
+        earlier = loaded_index(out, fingerprint)  # this run's, from its start (None where it loaded none)
+        repaired = add_owed_runs(out, fingerprint, run_id, log, earlier)
+        result = add_run(out, fingerprint, run_id, parts, earlier=earlier)
     except Exception as exc:  # noqa: BLE001 - the parts are written; the next run adds them to the view
         log.warning("Parquet export failed; the JSON Lines parts are complete, and the next run of the job adds "
                     f"them to the view (or run `vlm-caption export {output_uri}`)", error=f"{type(exc).__name__}: {exc}")

@@ -19,7 +19,7 @@ from typing import Union
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.observability import get_logger
+from tasks.observability import get_logger, phase
 from tasks.sources.formats import SourceSpec
 from tasks.sources.items import Shard, WorkItem, as_text
 from tasks.sources.registry import open_reader
@@ -143,6 +143,7 @@ class ShardStream:
 
     def produce(self) -> None:
         """Runs in the listing task: every shard into the queue, then the end (or the error)."""
+        phase("listing the source", source=self.source.uri)
         try:
             self._list_with_retries()
             self.finished = True
