@@ -245,3 +245,25 @@ def _children_cpu_s() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def test_a_modality_the_source_does_not_hold_is_said_with_every_other_problem(tmp_path):
+    """A folder of images asked for videos (and a model that is not there): both problems, each one
+    line saying what to do, before anything starts; the right modality passes the check."""
+    from flows.params import CaptionJob
+    from flows.plan import PreflightError, make_plan
+    from tests.images import image_bytes
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i in range(3):
+        (photos / f"{i}.jpg").write_bytes(image_bytes(size=(32, 24)))
+    (photos / "notes.txt").write_text("not media")
+    with pytest.raises(PreflightError) as raised:
+        make_plan(CaptionJob(source=str(photos), output=str(tmp_path / "out"), recipe="qwen2_vl", modality="video",
+                             model=str(tmp_path / "no-such-model")))
+    lines = str(raised.value)
+    assert "holds images (0.jpg, ...), not videos: use --modality image" in lines
+    assert "no-such-model" in lines
+    job = CaptionJob(source=str(photos), output=str(tmp_path / "out"), recipe="qwen2_vl", skip_model_check=True)
+    assert make_plan(job).job.modality == "image"

@@ -4,11 +4,23 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 
 from tasks.sources.fetch import MediaFetcher
+from tasks.sources.storage import StorageError
+from tasks.sources.webdataset import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from tasks.sources.items import ObjectRef, RefusedRef, WorkItem
 from tasks.sources.reader import SourceReader
+
+
+MODALITY_PAGE = 1000  # objects the check reads for what the source holds (one S3 page)
+
+
+def _kind(key: str) -> str | None:
+    """"image" or "video" by a key's extension; None for anything else (text, metadata)."""
+    ext = key.rsplit(".", 1)[-1].lower() if "." in key.rsplit("/", 1)[-1] else ""
+    return "image" if ext in IMAGE_EXTENSIONS else "video" if ext in VIDEO_EXTENSIONS else None
 
 
 class FilesReader(SourceReader):
@@ -24,7 +36,17 @@ class FilesReader(SourceReader):
         return MediaFetcher(self.storage, keys_only=True)  # listed keys, never locations
 
     def check(self):
-        next(iter(self.storage.iter_objects()), None)  # one page is enough to prove access
+        """One page proves access, and tells a small source of images asked for videos (or the
+        other way round), which would otherwise be an error record per item. (A larger one is not
+        judged on its first page: thumbnails may sort before their videos.)"""
+        page = list(itertools.islice(self.storage.iter_objects(self.spec.glob), MODALITY_PAGE))
+        kinds = {_kind(ref.key) for ref in page} - {None}
+        wanted = "video" if self.spec.modality == "video" else "image"
+        if len(page) < MODALITY_PAGE and kinds and wanted not in kinds:
+            found = next(ref.key for ref in page if _kind(ref.key))
+            raise StorageError(
+                f"{self.spec.where}: holds {kinds.pop()}s ({found}, ...), not {wanted}s: use --modality "
+                f"{'video' if wanted == 'image' else 'image'}, or a source of {wanted}s")
         return self.spec
 
     def objects(self) -> Iterator[ObjectRef]:
