@@ -253,7 +253,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    from_shell, argv = argv is None, sys.argv[1:] if argv is None else argv
     with stoppable(argv[:1] in (["run"], ["demo"])):  # a Ctrl-C stops a run within seconds, from its start
         args = build_parser().parse_args(argv)
         handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench, "server": cmd_server, "export": cmd_export}
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             code = report_user_error(exc)
             if code is None:
                 raise  # a bug: its traceback
-            return exit_now_if_building(code)  # a failed run does not wait for an engine it will not use
+            return exit_now_if_building(code) if from_shell else code  # not for an engine it will not use
 
 
 def report_user_error(exc: Exception) -> int | None:

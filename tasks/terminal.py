@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from tasks.observability import PHASE_LISTENERS
 from tasks.prefect_api import drain_and_stop, release_notice, running_embedded_server
 
 # The terminal's stderr while a quiet run holds descriptors 1 and 2; None otherwise.
@@ -46,6 +45,8 @@ def log_file_for(output: str, settings_dir: str | None) -> Path:
 @contextlib.contextmanager
 def quiet_terminal(log_path: Path) -> Iterator[Path]:
     """Descriptors 1 and 2 (this process and every child started meanwhile) to `log_path`."""
+    from tasks.observability import PHASE_LISTENERS  # here: `--help` imports this module, not the settings'
+
     global _terminal
     log_path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()

@@ -133,7 +133,7 @@ def fails_as_the_engine_builds(*args, **kwargs):
     raise UserError("the source went away")
 caption.caption_job = fails_as_the_engine_builds
 from flows.cli import main
-sys.exit(main(sys.argv[1:]))
+sys.exit(main())  # as the console script calls it: its arguments from sys.argv
 """
 
 
