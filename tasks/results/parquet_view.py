@@ -42,7 +42,6 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
 from __future__ import annotations
 
 import io
-import re
 import struct
 import threading
 import time
@@ -65,7 +64,6 @@ from tasks.sources.storage import Storage, key_within
 
 _NO_ROWS = np.empty(0, dtype=[("key", "<u8")])
 FOOTER_READ = 64 << 10  # the tail read for a file's schema: a run's file's whole footer
-_STAMP = re.compile(r"\d{8}T\d{6}")
 _owed: set[tuple[str, str, str]] = set()  # (output, fingerprint, run) this process has marked owed
 _owed_lock = threading.Lock()
 
@@ -87,8 +85,9 @@ def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log,
     written (killed, or its export failed), added oldest first: {run: what `add_run` wrote, or
     {"error": ...}}. One listing of the owed runs' folder, empty on a normal night. `earlier`:
     the done-index of this run's start (loaded here if needed and not given)."""
-    owed = sorted((ref.key.rsplit("/", 1)[-1] for ref in out.iter_objects(prefix=view_owed_prefix(fingerprint))),
-                  key=lambda run: (m.group(0) if (m := _STAMP.search(run)) else "", run))
+    # Oldest first, by the UTC stamp in the run's id, as parts are ordered.
+    owed = [ref.key.rsplit("/", 1)[-1]
+            for ref in sorted(out.iter_objects(prefix=view_owed_prefix(fingerprint)), key=part_order)]
     added: dict[str, dict] = {}
     for run in owed:
         if run == run_id:
