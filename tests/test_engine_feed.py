@@ -1,197 +1,142 @@
-"""The continuous engine feed's bookkeeping, against a stand-in for vLLM's LLM that finishes
-requests out of order, a few per step, and rejects some while rendering (as vLLM rejects a
-prompt that is too long): every request resolves exactly once, rejections stay with their
-request, and a dead engine fails everything in flight instead of hanging it. The same holds
-when a render pool renders the requests, and a render worker that dies fails its requests as
-an engine failure (the shard is retried), never as the items' own errors."""
+"""The continuous engine feed's bookkeeping, against a stand-in for vLLM's `AsyncLLM` that
+finishes requests out of order and rejects some (as vLLM rejects a prompt that is too long, or
+wraps a request's own error in `EngineGenerateError`): every request resolves exactly once, from
+shards submitting on threads of their own, with several shards' requests in the engine at once;
+rejections stay with their request; a dead engine fails everything in flight and everything
+later instead of hanging it; releasing the engine fails what is in flight and shuts it down."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-from concurrent.futures.process import BrokenProcessPool
 
 from tasks.engine.feed import ENGINE_STOP_S, EngineDied, EngineFeed
-from tasks.engine.render import RenderJob, render
-
-# `render` imports vLLM's prompt parsing on its first call, in the feed's thread: 15-30 s on a
-# busy 2-core machine, which the first test's 30 s wait for a result would otherwise include.
-import vllm.renderers.inputs.preprocess  # noqa: F401
 
 
-class StandInRenderer:
-    """vLLM's renderer as `render()` calls it: rejects a prompt that is too long."""
+class EngineGenerateError(Exception):
+    """vLLM's wrapper of one request's unexpected error (matched by name)."""
 
-    model_config = SimpleNamespace(is_encoder_decoder=False)
-    default_cmpl_tok_params = None
 
-    def __init__(self):
+class StandInAsyncLLM:
+    """`AsyncLLM.generate` as the feed calls it. `die_after`: finished requests before the engine
+    dies (every waiter then raises, and `errored` turns true, as vLLM's output handler does).
+    `hold`: a condition every request waits on before it finishes (10 s at most)."""
+
+    def __init__(self, die_after: int | None = None, hold=None):
+        self.errored, self.die_after, self.hold = False, die_after, hold
+        self.in_engine = self.max_in_engine = self.finished = 0
         self.threads: set[str] = set()
-
-    def render_cmpl(self, prompts, tok_params):
-        self.threads.add(threading.current_thread().name)
-        (prompt,) = prompts
-        if prompt["prompt"].startswith("bad"):
-            raise ValueError(f"prompt {prompt['prompt']!r} is longer than the model's context")
-        return [{"type": "token", **prompt}]
-
-
-class StandInLLM:
-    def __init__(self, die_after_steps: int | None = None, first_step_waits_for=None):
-        # `first_step_waits_for`: a condition the first forward pass waits on (10 s at most), so
-        # that a test sees other shards' requests arrive while one is in the engine however
-        # slowly the machine schedules its threads.
-        self.first_step_waits_for = first_step_waits_for
-        self.pending: list[str] = []
-        self.steps = 0
-        self.max_in_engine = 0
-        self.die_after_steps = die_after_steps
+        self.shutdowns: list[tuple[str, float]] = []
         self.rng = random.Random(7)
-        self.owner: set[str] = set()
-        self.renderer = StandInRenderer()
-        self.added: list[str] = []
-        self.llm_engine = SimpleNamespace(step=self._step, add_request=self._add_request)
 
-    def _add_request(self, request_id, rendered, params, lora_request=None):
-        self.owner.add(threading.current_thread().name)
-        assert rendered["type"] == "token"  # only rendered requests reach the engine
-        self.added.append(rendered["prompt"])
-        self.pending.append(request_id)  # outputs carry the caller's id ...
-        self.max_in_engine = max(self.max_in_engine, len(self.pending))
-        return f"{request_id}-{self.rng.getrandbits(32):08x}"  # ... vLLM returns it suffixed
-
-    def _step(self):
-        self.owner.add(threading.current_thread().name)
-        self.steps += 1
-        time.sleep(0.002)  # a forward pass takes time; shards hand in requests meanwhile
-        if self.steps == 1 and self.first_step_waits_for:
+    async def generate(self, prompt, params, request_id, lora_request=None, tokenization_kwargs=None):
+        self.threads.add(threading.current_thread().name)
+        text = prompt["prompt"]
+        if text.startswith("bad"):
+            raise ValueError(f"prompt {text!r} is longer than the model's context")
+        if text.startswith("odd"):
+            raise EngineGenerateError() from OSError(f"cannot read the media of {text!r}")
+        self.in_engine += 1
+        self.max_in_engine = max(self.max_in_engine, self.in_engine)
+        try:
             deadline = time.monotonic() + 10
-            while not self.first_step_waits_for() and time.monotonic() < deadline:
-                time.sleep(0.001)
-        if self.die_after_steps is not None and self.steps > self.die_after_steps:
-            raise RuntimeError("EngineCore died")
-        self.rng.shuffle(self.pending)
-        done, self.pending = self.pending[:3], self.pending[3:]
-        return [SimpleNamespace(request_id=r, finished=True) for r in done] + \
-               [SimpleNamespace(request_id=r, finished=False) for r in self.pending[:1]]
+            while self.hold and not self.hold() and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(self.rng.random() / 100)  # a forward pass; requests finish out of order
+            if self.errored or (self.die_after is not None and self.finished >= self.die_after):
+                self.errored = True
+                raise RuntimeError("EngineCore died")
+            self.finished += 1
+            yield SimpleNamespace(request_id=request_id, prompt=text, finished=True)
+        finally:
+            self.in_engine -= 1
+
+    def shutdown(self, timeout=None):
+        self.shutdowns.append((threading.current_thread().name, timeout))
 
 
-class StandInRenderPool:
-    """`RenderPool`'s interface over threads named render-*; `broken` fails every rendering as
-    a pool whose worker process died does."""
-
-    def __init__(self, renderer, broken: bool = False):
-        self.ready, self.renderer, self.broken = True, renderer, broken
-        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="render")
-
-    def submit(self, job):
-        if self.broken:
-            future = Future()
-            future.set_exception(BrokenProcessPool("A process in the process pool was terminated abruptly"))
-            return future
-        return self._threads.submit(render, self.renderer, job)
+def _submit(feed: EngineFeed, text: str):
+    return feed.submit({"prompt": text}, params=None)
 
 
-@pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize("shard_size", [1, 7, 64])
-def test_every_request_resolves_once_across_concurrent_shards(shard_size, pooled):
-    # The first forward pass lasts until three requests are in the engine or waiting in the
-    # feed's queue (with shards of 1: one from each of the three shards running at once).
-    llm = StandInLLM(first_step_waits_for=lambda: len(llm.pending) + feed._inbox.qsize() >= 3)
-    pool_renderer = StandInRenderer()
-    feed = EngineFeed(llm, StandInRenderPool(pool_renderer) if pooled else None)
-    prompts = [f"{'bad' if i % 11 == 5 else 'ok'}-{i}" for i in range(150)]
-    shards = [prompts[i:i + shard_size] for i in range(0, len(prompts), shard_size)]
+def test_every_request_resolves_once_across_concurrent_shards(shard_size):
+    feed = EngineFeed(StandInAsyncLLM)
+    texts = [f"{'bad' if i % 11 == 5 else 'odd' if i % 13 == 6 else 'ok'}-{i}" for i in range(200)]
+    shards = [texts[i:i + shard_size] for i in range(0, len(texts), shard_size)]
 
     def run_shard(shard):
-        futures = [feed.submit(RenderJob(prompt={"prompt": p}), params=None) for p in shard]
+        futures = [_submit(feed, text) for text in shard]
         results = []
-        for prompt, future in zip(shard, futures):
+        for text, future in zip(shard, futures):
             try:
-                results.append((prompt, future.result(timeout=30).request_id))
-            except ValueError as exc:
-                results.append((prompt, f"error: {exc}"))
+                results.append((text, future.result(timeout=60).prompt))
+            except (ValueError, OSError) as exc:
+                results.append((text, f"{type(exc).__name__}: {exc}"))
         return results
 
-    with ThreadPoolExecutor(max_workers=3) as pool:  # shards overlap, as the flow runs them
-        results = [r for shard in pool.map(run_shard, shards) for r in shard]
+    with ThreadPoolExecutor(max_workers=8) as shard_threads:
+        results = [r for shard in shard_threads.map(run_shard, shards) for r in shard]
     feed.close()
-    assert [p for p, _ in results] == prompts  # every request answered, in its shard's order
-    ids = [r for _, r in results if not r.startswith("error")]
-    assert len(ids) == len(set(ids)) == sum(1 for p in prompts if p.startswith("ok"))  # none twice
-    assert all("longer than the model's context" in r for p, r in results if p.startswith("bad"))
-    assert llm.owner == {"vllm-feed"}  # only the feed thread touches the engine
-    assert sorted(llm.added) == sorted(p for p in prompts if p.startswith("ok"))
-    if pooled:  # every request rendered by the pool, none by the feed thread
-        assert not llm.renderer.threads and all(t.startswith("render") for t in pool_renderer.threads)
-    else:
-        assert llm.renderer.threads == {"vllm-feed"}
-    if shard_size == 1:
-        assert llm.max_in_engine > 1  # requests of several shards were in the engine together
+    assert [text for text, _ in results] == texts  # each request resolved once, in its shard
+    for text, outcome in results:
+        if text.startswith("bad"):
+            assert outcome.startswith("ValueError") and "longer than the model's context" in outcome
+        elif text.startswith("odd"):  # the request's own error, not vLLM's wrapper
+            assert outcome == f"OSError: cannot read the media of {text!r}"
+        else:
+            assert outcome == text
+    assert feed.llm.threads == {"vllm-feed"}  # one thread talks to the engine
+    assert feed.llm.max_in_engine > shard_size  # requests of several shards were in the engine together
+
+
+def test_the_engine_is_built_on_the_feeds_own_thread():
+    built_on = []
+    feed = EngineFeed(lambda: built_on.append(threading.current_thread().name) or StandInAsyncLLM())
+    assert built_on == ["vllm-feed"]
+    feed.close()
+    with pytest.raises(ZeroDivisionError):  # a build that fails is the caller's error, its loop ended
+        EngineFeed(lambda: 1 / 0)
 
 
 def test_a_dead_engine_fails_every_waiting_request_and_later_ones():
-    feed = EngineFeed(StandInLLM(die_after_steps=2))
-    futures = [feed.submit(RenderJob(prompt={"prompt": f"ok-{i}"}), params=None) for i in range(20)]
+    feed = EngineFeed(lambda: StandInAsyncLLM(die_after=5))
     outcomes = []
-    for future in futures:
+    for future in [_submit(feed, f"ok-{i}") for i in range(20)]:
         try:
             future.result(timeout=30)
             outcomes.append("done")
         except EngineDied as exc:
             outcomes.append("died")
             assert "EngineCore died" in str(exc)
-    assert "died" in outcomes  # nothing hangs
+    assert outcomes.count("done") == 5 and outcomes.count("died") == 15  # nothing hangs
     with pytest.raises(EngineDied):
-        feed.submit(RenderJob(prompt={"prompt": "ok-late"}), params=None).result(timeout=5)
+        _submit(feed, "ok-late").result(timeout=5)
+    feed.close()
 
 
-def test_closing_the_feed_fails_what_is_in_flight_and_shuts_the_engine_down_from_its_thread():
-    """Releasing an engine (exit, another model) stops vLLM's engine process cleanly, from the
-    thread that owns the engine; requests still in it fail as an engine failure, none hangs."""
+def test_closing_the_feed_fails_what_is_in_flight_and_shuts_the_engine_down():
+    """Releasing an engine (exit, another model) stops vLLM's engine process cleanly; requests
+    still in it fail as an engine failure, none hangs, and later ones fail at once."""
     closing = threading.Event()
-    llm = StandInLLM(first_step_waits_for=closing.is_set)  # requests are in the engine at close
-    shutdowns = []
-    llm.llm_engine.engine_core = SimpleNamespace(
-        shutdown=lambda timeout: shutdowns.append((threading.current_thread().name, timeout)))
-    feed = EngineFeed(llm)
-    futures = [feed.submit(RenderJob(prompt={"prompt": f"ok-{i}"}), params=None) for i in range(6)]
+    feed = EngineFeed(lambda: StandInAsyncLLM(hold=closing.is_set))
+    futures = [_submit(feed, f"ok-{i}") for i in range(6)]
     deadline = time.monotonic() + 30
-    while llm.steps == 0 and time.monotonic() < deadline:
+    while feed.llm.in_engine < 6 and time.monotonic() < deadline:
         time.sleep(0.01)
-    closing.set()
     feed.close()
-    assert shutdowns == [("vllm-feed", ENGINE_STOP_S)]
-    finished, released = 0, 0
+    assert feed.llm.shutdowns == [("vllm-feed", ENGINE_STOP_S)]
     for future in futures:  # every one resolved by the time close() returned
-        try:
+        with pytest.raises(EngineDied, match="released"):
             future.result(timeout=0)
-            finished += 1
-        except EngineDied as exc:
-            assert "released" in str(exc)
-            released += 1
-    # One step ran (it finishes three at most); the rest were in flight or queued at close.
-    assert finished + released == 6 and released >= 3
-    with pytest.raises(EngineDied):
-        feed.submit(RenderJob(prompt={"prompt": "ok-late"}), params=None).result(timeout=5)
-
-
-def test_a_render_worker_that_dies_fails_its_requests_as_an_engine_failure():
-    llm = StandInLLM()
-    feed = EngineFeed(llm, StandInRenderPool(llm.renderer, broken=True))
-    futures = [feed.submit(RenderJob(prompt={"prompt": f"ok-{i}"}), params=None) for i in range(5)]
-    for future in futures:  # EngineDied makes the shard retry on a new engine and pool ...
-        with pytest.raises(EngineDied, match="terminated abruptly"):
-            future.result(timeout=10)
-    assert llm.added == []  # ... and no item is recorded as failed by its own fault
-    # Video frames stay in the engine's process (pooled=False): rendered by the feed itself.
-    assert feed.submit(RenderJob(prompt={"prompt": "ok-video"}), params=None, pooled=False).result(timeout=10)
-    feed.close()
+    with pytest.raises(EngineDied, match="released"):
+        _submit(feed, "ok-late").result(timeout=5)
 
 
 def test_the_feed_depth_keeps_twice_the_engines_batch_of_images_in_flight(monkeypatch):

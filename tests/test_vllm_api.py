@@ -1,7 +1,10 @@
-"""What the project relies on in vLLM beyond its public API (tasks/engine/vllm_api.py), checked
-against the installed vLLM, so that an upgrade that changes any of it fails here, by name, rather
-than in a run: the engine arguments recorded for vLLM 0.26.0, the engine-core client's shutdown,
-its dead flag and the queue a waiting `step()` reads, and `EngineDeadError`."""
+"""What the project names in vLLM (tasks/engine/vllm_api.py), checked against the installed vLLM,
+so that an upgrade that changes any of it fails here, by name, rather than in a run: the engine
+arguments recorded for vLLM 0.26.0, `AsyncLLM` built as the offline `LLM` sizes itself, its
+`vllm_config` and `EngineDeadError`. And, with real engines on tiny checkpoints: the requests the
+product hands `AsyncLLM` are the very prompts `LLM.generate` and `LLM.chat` make of the example's
+input (the same prompt token ids, the same greedy tokens), and a killed engine process fails the
+requests waiting on it at once."""
 
 from __future__ import annotations
 
@@ -64,80 +67,98 @@ def test_a_misspelled_engine_argument_is_refused_before_vllm_is_imported():
     assert imported.startswith(hint) and imported.endswith(" True")
 
 
-def test_the_engine_core_client_still_has_what_the_feed_reads():
-    """By name, without an engine: `LLM.llm_engine`, `LLMEngine.engine_core`, whose `step()` waits
-    on `outputs_queue`; the client's `resources.engine_dead`, `shutdown(timeout)`, and the
-    `EngineDeadError` it raises once the engine is dead."""
-    from vllm import LLM
-    from vllm.v1.engine import core_client, exceptions
-    from vllm.v1.engine.llm_engine import LLMEngine
+def test_the_engine_is_vllms_async_engine_sized_as_the_offline_class():
+    import vllm
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine import exceptions
+    from vllm.v1.engine.async_llm import AsyncLLM
 
-    def names(function) -> set[str]:  # the attributes and globals its code reads or sets
-        return set(inspect.unwrap(function).__code__.co_names)
-
-    assert {"llm_engine", "renderer"} <= names(LLM.__init__)
-    assert "engine_core" in names(LLMEngine.__init__)
-    assert {"engine_core", "get_output"} <= names(LLMEngine.step)
-    assert "outputs_queue" in names(core_client.SyncMPClient.__init__)
-    assert "outputs_queue" in names(core_client.SyncMPClient.get_output)
-    assert "resources" in names(core_client.MPClient.__init__)
-    assert "engine_dead" in {field.name for field in dataclasses.fields(core_client.BackgroundResources)}
-    assert "timeout" in inspect.signature(core_client.MPClient.shutdown).parameters
-    assert core_client.EngineDeadError is exceptions.EngineDeadError
+    assert vllm.AsyncLLMEngine is AsyncLLM
+    assert "usage_context" in inspect.signature(AsyncLLM.from_engine_args).parameters
+    assert UsageContext.LLM_CLASS.name == "LLM_CLASS"
+    assert "vllm_config" in inspect.unwrap(AsyncLLM.__init__).__code__.co_names
+    assert {"errored", "shutdown", "generate", "get_tokenizer"} <= set(dir(AsyncLLM))
     assert vllm_api.is_dead_engine_error(exceptions.EngineDeadError())
     assert not vllm_api.is_dead_engine_error(RuntimeError("a request's own error"))
 
 
+QUESTION = "What is in the picture?"
 
-@pytest.fixture
-def engine_in_its_own_process(tiny_llava, monkeypatch):
-    """A tiny engine whose core runs in a process of its own, as on a GPU (the suite runs them
-    in-process, tests/conftest.py); vLLM caches its settings, so the cache is dropped around it."""
-    import vllm.envs
+
+def _images(count: int):
+    from PIL import Image
+
+    return [Image.new("RGB", (64 + 16 * i, 48), (40 * i, 120, 200)) for i in range(count)]
+
+
+@pytest.mark.parametrize(("family", "modality", "method", "pictures"), [
+    ("llava", "image", "generate", 1),
+    ("idefics3", "multi-image", "generate", 2),
+    ("idefics3", "multi-image", "chat", 2),
+])
+def test_the_engines_prompts_are_the_ones_llm_makes(checkpoints_root, family, modality, method, pictures):
+    """The product's request for an item (tasks/engine/vllm_engine.py) through `AsyncLLM` gives the
+    prompt token ids and greedy tokens that `LLM.generate` (the recipe's prompt) or `LLM.chat` (the
+    multi-image example's conversation: the question, then the pictures) give for it."""
     from vllm import LLM
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
-    vllm.envs.disable_envs_cache()
-    llm = LLM(model=str(tiny_llava), enforce_eager=True, skip_mm_profiling=True, max_model_len=1024,
-              kv_cache_memory_bytes=256 * 1024**2)
-    yield llm
-    vllm_api.shutdown_engine(llm, timeout=20)
-    monkeypatch.undo()
-    vllm.envs.disable_envs_cache()
+    from recipes import get_recipe
+    from tasks.engine.arguments import EngineSpec
+    from tasks.engine.vllm_engine import CaptionEngine, EngineRequest, Sampling
+    from tests.checkpoints import build_checkpoint
+
+    model = str(build_checkpoint(family, checkpoints_root))
+    spec = EngineSpec.build(get_recipe(family), modality=modality, model=model, images=pictures)
+    images = _images(pictures)
+    media = images if modality == "multi-image" else images[0]
+    uuids = [f"picture-{i}" for i in range(pictures)] if modality == "multi-image" else "picture-0"
+    engine = CaptionEngine(spec)
+    try:
+        params = engine.sampling_params(Sampling(max_tokens=6))
+        request = EngineRequest(QUESTION, media, uuids, count=pictures)
+        ours = engine._feed.submit(engine._prompt(request, method), params,
+                                   tokenization={"add_special_tokens": False} if method == "chat" else None).result(600)
+        prompt = engine.prompt_for(QUESTION, pictures)
+        args = dict(engine.args)
+    finally:
+        engine.release()
+    llm = LLM(**args)
+    if method == "generate":
+        (theirs,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": media}}, params, use_tqdm=False)
+    else:
+        parts = [{"type": "image_pil", "image_pil": image} for image in images]
+        (theirs,) = llm.chat([{"role": "user", "content": [{"type": "text", "text": QUESTION}, *parts]}], params,
+                             use_tqdm=False, chat_template=spec.recipe.prompting(modality).chat_template)
+    del llm
+    assert ours.prompt_token_ids == theirs.prompt_token_ids
+    assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
 
 
-def test_a_step_waiting_on_a_killed_engine_process_is_woken_by_the_adapter(engine_in_its_own_process):
-    """vLLM 0.26 leaves a `step()` waiting forever once its engine process dies; the adapter sees
-    the death and wakes that step, which raises `EngineDeadError` (the feed's watchdog). If vLLM
-    starts waking it by itself, the watchdog can go: this test then fails at "still waiting"."""
-    from vllm import SamplingParams
+def test_a_killed_engine_process_fails_the_requests_waiting_on_it(tiny_llava):
+    """`AsyncLLM` raises to every waiter when its engine process dies: the shard's requests fail
+    with `EngineDied` (the shard is retried on a new engine), none waits forever."""
+    from recipes import get_recipe
+    from tasks.engine.arguments import EngineSpec
+    from tasks.engine.feed import EngineDied
+    from tasks.engine.vllm_engine import CaptionEngine, EngineRequest, Sampling
 
-    llm = engine_in_its_own_process
-    died, wake = vllm_api.engine_process_watch(llm)
-    llm.llm_engine.add_request("long", "a b c", SamplingParams(max_tokens=900, ignore_eos=True))
-    llm.llm_engine.step()  # the engine answers while its process lives
-    assert not died()
+    engine = CaptionEngine(EngineSpec.build(get_recipe("llava"), model=str(tiny_llava)))
+    (image,) = _images(1)
     raised: list[BaseException] = []
 
-    def step_until_it_raises():
+    def generate_long():
         try:
-            while True:
-                llm.llm_engine.step()
-        except BaseException as error:  # noqa: BLE001 - what the waiting step raised
+            engine.run([EngineRequest(QUESTION, image, "long")], Sampling(max_tokens=900, ignore_eos=True))
+        except BaseException as error:  # noqa: BLE001 - what the waiting request raised
             raised.append(error)
 
-    stepping = threading.Thread(target=step_until_it_raises, daemon=True)
-    stepping.start()
+    waiting = threading.Thread(target=generate_long, daemon=True)
+    waiting.start()
+    time.sleep(2)
+    assert waiting.is_alive(), raised
     for pid in engine_core_pids():
         os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while not died() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert died(), "vLLM's client did not mark the killed engine process dead"
-    stepping.join(timeout=5)
-    assert stepping.is_alive() and not raised, f"still waiting: vLLM now wakes the step by itself ({raised})"
-    wake(RuntimeError("the engine process died"))
-    stepping.join(timeout=30)
-    assert raised and vllm_api.is_dead_engine_error(raised[0])
-    vllm_api.shutdown_engine(llm, timeout=20)  # a dead engine's shutdown returns
+    waiting.join(timeout=60)
+    assert not waiting.is_alive(), "still waiting on a dead engine"
+    assert len(raised) == 1 and isinstance(raised[0], EngineDied) and engine.dead, raised
+    engine.release()  # a dead engine's release returns

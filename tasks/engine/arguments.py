@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,15 +125,10 @@ def eager_engine_processes(args: dict[str, Any], *, on_cpu: bool) -> None:
     """Call before starting a CPU engine. vLLM's CPU sampler is `torch.compile`d even under
     `enforce_eager`, so each new engine process has inductor probe and build C++ for the host's
     vector ISA before its first batch: about 20 s of a 58 s start on a 2-core host (measured),
-    for a sampler as fast eager at caption batch sizes. The engine's processes are spawned and
-    read this from the environment; TORCH_COMPILE_DISABLE=0 set by the user keeps the compile.
-    An engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) finds torch imported
-    already, its setting read, so it is set on torch too: Qwen2-VL's sampler compiled for 24.6 s
-    of a 28 s in-process start otherwise."""
+    for a sampler as fast eager at caption batch sizes. The engine's process is spawned and
+    reads this from the environment; TORCH_COMPILE_DISABLE=0 set by the user keeps the compile."""
     if on_cpu and args.get("enforce_eager"):
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
-        if os.environ["TORCH_COMPILE_DISABLE"] == "1" and (dynamo := sys.modules.get("torch._dynamo.config")):
-            dynamo.disable = True
 
 
 def _cuda_present() -> bool:

@@ -1,30 +1,26 @@
-"""A continuous feed for one long-lived vLLM engine.
+"""A continuous feed for one long-lived vLLM engine: vLLM's `AsyncLLM`, fed from any thread.
 
-`LLM.generate` per shard adds a shard's requests, runs them to the last one and returns, so
-the running batch drains to zero at the end of every shard (measured: 0.85x raw vLLM on an
-H100 at the default shard size). Here one thread owns the engine: it adds requests as shards
-hand them in (`LLMEngine.add_request`, one request at a time so a request vLLM rejects fails
-alone) and steps the engine (`LLMEngine.step`) while any is unfinished, resolving each
-request's future as it finishes. Several shards' requests are in the engine at once; the shard
-stays the unit of bookkeeping, never a batch boundary.
-
-Each request is rendered first (tokens, and the HF processor over its media): by a
-`RenderPool` when there is one and it is ready, otherwise by the feed thread itself.
+`LLM.generate` per shard runs a shard's requests to the last one, so the running batch drains
+to zero at the end of every shard (measured: 0.85x raw vLLM on an H100 at the default shard
+size). `AsyncLLM` is vLLM's engine for a continuous feed: each request is one `generate` call,
+and the engine batches whatever is in it. Here an event loop of the feed's own (one thread) runs
+one coroutine per request and vLLM's output handler; a shard's thread submits its requests and
+waits on their futures, so several shards' requests are in the engine at once and the shard
+stays the unit of bookkeeping, never a batch boundary. A request vLLM rejects fails alone; when
+the engine dies, `AsyncLLM` raises to every waiter, and each fails with `EngineDied`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
-import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Any
 
 from tasks.engine import vllm_api
-from tasks.engine.render import RenderJob, render
 from tasks.errors import EngineFailure
 from tasks.settings import get_settings
 
@@ -92,150 +88,75 @@ def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | No
     return max(2, depth)
 
 
-@dataclass
-class _Submission:
-    job: RenderJob
-    params: Any
-    lora: Any
-    future: Future
-    rendered: Any = None  # the EngineInput, when the render pool made it
-
-
 class EngineDied(EngineFailure, RuntimeError):
     """The engine stopped answering while requests were in it (e.g. its process was killed)."""
 
 
 class EngineFeed:
-    def __init__(self, llm, render_pool=None):
-        self._llm = llm
-        self._render_pool = render_pool
-        self._inbox: queue.Queue[_Submission | None] = queue.Queue()
-        self._pending: dict[str, Future] = {}
-        self._ids = itertools.count()
-        self._dead: BaseException | None = None
-        self._dead_lock = threading.Lock()  # a rendered request is never queued after the drain
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="vllm-feed", daemon=True)
+    """Requests into one `AsyncLLM` from any thread. `build` makes the engine on the feed's loop
+    (its client's sockets and queues belong to the loop that uses them)."""
+
+    def __init__(self, build: Callable[[], Any]):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-feed", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._watch, name="vllm-feed-watchdog", daemon=True).start()
+        self._ids = itertools.count()
+        self._closed = False
 
-    def submit(self, job: RenderJob, params, lora=None, *, pooled: bool = True) -> Future:
-        """A future that resolves to the request's vLLM `RequestOutput` (or raises its error).
-        `pooled=False` keeps the rendering in this process (large media not worth a copy)."""
-        submission = _Submission(job, params, lora, Future())
-        pool = self._render_pool
-        rendering = None
-        if pooled and pool is not None and pool.ready:
-            try:
-                rendering = pool.submit(job)
-            except RuntimeError:  # the pool is closed or broken: render here
-                rendering = None
-        if rendering is None:
-            self._queue(submission)
-        else:
-            rendering.add_done_callback(lambda done: self._rendered(submission, done))
-        return submission.future
+        async def make():
+            return build()
 
-    def _rendered(self, submission: _Submission, rendering: Future) -> None:
-        error = EngineDied("the render pool was closed") if rendering.cancelled() else rendering.exception()
-        if isinstance(error, (BrokenProcessPool, EngineDied)):  # not this request's fault: retry the shard
-            submission.future.set_exception(EngineDied(f"rendering stopped: {error}"))
-        elif error is not None:
-            submission.future.set_exception(error)
-        else:
-            submission.rendered = rendering.result()
-            self._queue(submission)
+        try:
+            self.llm = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
 
-    def _queue(self, submission: _Submission) -> None:
-        with self._dead_lock:
-            if self._dead is None:
-                self._inbox.put(submission)
-                return
-        submission.future.set_exception(EngineDied(f"the engine is gone: {self._dead}"))
+    def submit(self, prompt: dict[str, Any], params, lora=None, tokenization: dict | None = None) -> Future:
+        """A future that resolves to the request's vLLM `RequestOutput` (or raises its error)."""
+        if self._closed:
+            failed: Future = Future()
+            failed.set_exception(EngineDied("the engine was released"))
+            return failed
+        return asyncio.run_coroutine_threadsafe(self._generate(prompt, params, lora, tokenization), self._loop)
+
+    async def _generate(self, prompt, params, lora, tokenization):
+        final = None
+        try:
+            async for output in self.llm.generate(prompt, params, f"vc-{next(self._ids)}", lora_request=lora,
+                                                  tokenization_kwargs=tokenization):
+                final = output
+        except asyncio.CancelledError:
+            raise EngineDied("the engine was released") from None
+        except Exception as exc:  # noqa: BLE001 - sorted: the engine's death, or this request's own error
+            if vllm_api.is_dead_engine_error(exc) or self.llm.errored:
+                raise EngineDied(f"the vLLM engine process died: {type(exc).__name__}: {exc}") from None
+            # AsyncLLM wraps an unexpected error of one request (bad media, say) in its own type.
+            cause = exc.__cause__ if type(exc).__name__ == "EngineGenerateError" and exc.__cause__ else exc
+            raise cause from None
+        return final
 
     def close(self) -> None:
-        """Stop feeding and shut vLLM's engine process down, from the feed thread (the only one
-        that touches the engine); requests still in the engine fail with `EngineDied`."""
-        self._closed.set()
-        self._inbox.put(None)
-        self._thread.join(ENGINE_STOP_S + 10)
-
-    def _watch(self) -> None:
-        """Wake the feed if the engine process dies under it.
-
-        vLLM 0.26's client notices a dead engine process but never wakes a `step()` already
-        waiting for outputs: it would wait forever. This hands that wait an error to raise
-        (tasks/engine/vllm_api.py), so the waiting shards fail and are retried on a new engine."""
-        watch = vllm_api.engine_process_watch(self._llm)
-        if watch is None:
+        """Stop feeding and shut vLLM's engine process down; requests still in the engine fail
+        with `EngineDied`."""
+        if self._closed:
             return
-        died, wake = watch
-        while not self._closed.wait(1.0):
-            if died():
-                wake(EngineDied("the vLLM engine process died"))
-                return
+        self._closed = True
 
-    # ---- the feed thread, the only one that touches the engine -------------------------------
-    def _loop(self) -> None:
-        try:
-            while True:
-                # Block for new work only when the engine has nothing to do.
-                block = not self._pending
-                while True:
-                    try:
-                        item = self._inbox.get(block=block)
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        self._fail_all(EngineDied("the engine was released"))
-                        return
-                    self._add(item)
-                    block = False
-                if self._pending:
-                    self._step()
-        except BaseException as exc:  # noqa: BLE001 - every waiting shard must hear of it
-            self._fail_all(exc)
-        finally:
-            self._stop_engine()
+        async def stop():
+            waiting = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in waiting:
+                task.cancel()
+            await asyncio.wait(waiting, timeout=ENGINE_STOP_S) if waiting else None
+            # vLLM's own clean-up: left to the interpreter's exit, multiprocessing terminates the
+            # engine process first, and vLLM logs "engine core exited unexpectedly" after every run.
+            with contextlib.suppress(Exception):  # already dead: nothing left to stop
+                self.llm.shutdown(timeout=ENGINE_STOP_S)
 
-    def _stop_engine(self) -> None:
-        """Shut the engine process down the way vLLM does. Left to the interpreter's exit,
-        multiprocessing terminates it before vLLM's own clean-up runs, and vLLM then logs
-        "engine core exited unexpectedly" (or "force killing") after every clean run."""
-        with contextlib.suppress(Exception):  # already dead: nothing left to stop
-            vllm_api.shutdown_engine(self._llm, ENGINE_STOP_S)
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(ENGINE_STOP_S * 2 + 10)
+        self._stop_loop()
 
-    def _add(self, item: _Submission) -> None:
-        request_id = f"vc-{next(self._ids)}"  # outputs carry this id (vLLM suffixes its own copy)
-        try:
-            rendered = item.rendered if item.rendered is not None else render(self._llm.renderer, item.job)
-            self._llm.llm_engine.add_request(request_id, rendered, item.params, lora_request=item.lora)
-        except Exception as exc:  # noqa: BLE001 - this request's own error (too long, bad media)
-            if vllm_api.is_dead_engine_error(exc):  # not this request's: fail all, retry shards
-                item.future.set_exception(EngineDied(str(exc)))
-                raise
-            item.future.set_exception(exc)
-            return
-        self._pending[request_id] = item.future
-
-    def _step(self) -> None:
-        for output in self._llm.llm_engine.step():
-            if output.finished:
-                future = self._pending.pop(output.request_id, None)
-                if future is not None:
-                    future.set_result(output)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._dead_lock:
-            self._dead = exc
-        error = EngineDied(f"the engine failed with requests in flight: {type(exc).__name__}: {exc}")
-        for future in self._pending.values():
-            future.set_exception(error)
-        self._pending.clear()
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                item.future.set_exception(error)
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

@@ -1,22 +1,14 @@
-"""What this project relies on in vLLM beyond its documented API, in one place.
+"""What this project names in vLLM beyond its top-level API, in one place.
 
-Everything else it uses of vLLM is public: `vllm.LLM` (its `llm_engine`, `renderer`,
-`get_tokenizer`), `LLMEngine.add_request` and `LLMEngine.step` (as vLLM's own
-`llm_engine_example.py` drives them), `SamplingParams`, `EngineArgs`. vLLM 0.26, which
-pyproject.toml pins, has no public way to do what follows; tests/test_vllm_api.py fails when an
-upgrade changes any of it:
+The engine is `vllm.AsyncLLMEngine` (vLLM's `AsyncLLM`, the engine `vllm serve` runs), built
+from `vllm.AsyncEngineArgs`; requests are `PromptType` dicts and `SamplingParams`. Beside those,
+tests/test_vllm_api.py checks what follows, and fails when an upgrade changes any of it:
 
-- `LLM.llm_engine.engine_core`, the client of the engine-core process (`SyncMPClient` in
-  `vllm/v1/engine/core_client.py`):
-  - `.shutdown(timeout=...)` stops that process the way vLLM's own clean-up does (`LLM` has no
-    shutdown of its own).
-  - `.resources.engine_dead` turns true when the process dies (the client's monitor thread).
-  - `.outputs_queue` is what `LLMEngine.step()` waits on. When the process dies, the client
-    shuts down without putting anything there, so a `step()` already waiting would wait forever;
-    an exception put there wakes it (it raises `EngineDeadError`). `AsyncLLM` raises that to
-    every waiter by itself: a feed built on it would need none of the three.
-- `vllm.v1.engine.exceptions.EngineDeadError`, what `add_request` raises once the process is
-  dead.
+- `UsageContext.LLM_CLASS`, so the engine is sized (`max_num_seqs`, `max_num_batched_tokens`)
+  as the offline `vllm.LLM` of the examples and of a hand-written script is, not as a server;
+- the engine's `vllm_config` (the `EngineClient` protocol's attribute), read for the sizing the
+  manifest records;
+- `vllm.v1.engine.exceptions.EngineDeadError`, what a request raises once the engine is dead;
 - `EngineArgs`' fields as of vLLM 0.26.0 (`ENGINE_ARGUMENTS`), so that a misspelled
   `--engine-arg` fails at once, before vLLM's long import. Only for that release; another
   release's are read from `EngineArgs` once vLLM is imported, before the engine is built.
@@ -28,7 +20,6 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import sys
-from collections.abc import Callable
 from typing import Any
 
 RECORDED_VERSION = "0.26.0"
@@ -109,27 +100,25 @@ def engine_argument_names(*, import_vllm: bool = False) -> frozenset[str] | None
     return frozenset(field.name for field in dataclasses.fields(arg_utils.EngineArgs))
 
 
-def _engine_core(llm) -> Any:
-    """vLLM's client of the engine-core process (None for a stand-in without one)."""
-    return getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+def build_async_engine(args: dict[str, Any]):
+    """vLLM's `AsyncLLM` for `args` (`LLM`'s keyword arguments), with `LLM`'s defaults: sized
+    as the offline class and without the periodic stats log."""
+    from vllm import AsyncEngineArgs, AsyncLLMEngine
+    from vllm.usage.usage_lib import UsageContext
+
+    args = {"disable_log_stats": True, **args}
+    return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.LLM_CLASS)
 
 
-def engine_process_watch(llm) -> tuple[Callable[[], bool], Callable[[BaseException], None]] | None:
-    """For an engine whose core runs in a process of its own: a check that the process has
-    died, and a way to hand a `step()` waiting on it an error to raise. None for an engine core
-    in this process (nothing can die apart from it)."""
-    core = _engine_core(llm)
-    resources, outputs = getattr(core, "resources", None), getattr(core, "outputs_queue", None)
-    if resources is None or outputs is None:
-        return None
-    return (lambda: bool(getattr(resources, "engine_dead", False))), outputs.put_nowait
-
-
-def shutdown_engine(llm, timeout: float) -> None:
-    """Stop the engine-core process and wait up to `timeout` seconds before vLLM kills it."""
-    core = _engine_core(llm)
-    if core is not None:
-        core.shutdown(timeout=timeout)
+def engine_sizing(llm) -> dict[str, Any]:
+    """How vLLM sized the engine: its batch limits, context and KV cache."""
+    config = llm.vllm_config
+    cache, scheduler = config.cache_config, config.scheduler_config
+    blocks = cache.num_gpu_blocks or 0
+    return {"max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "max_model_len": config.model_config.max_model_len,
+            "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "kv_cache_blocks": blocks, "kv_cache_tokens": blocks * cache.block_size}
 
 
 def is_dead_engine_error(error: BaseException) -> bool:

@@ -1,6 +1,6 @@
 """The only module that talks to vLLM.
 
-`get_engine(spec)` returns the process's `CaptionEngine`: one `vllm.LLM`, built once from the
+`get_engine(spec)` returns the process's `CaptionEngine`: one vLLM `AsyncLLM`, built once from the
 engine arguments the run's plan resolved (`EngineSpec`), completed for the hardware at hand, and
 reused by every shard this worker process handles.
 """
@@ -18,13 +18,12 @@ from typing import Any
 
 from recipes import RecipeError
 from recipes.base import MEDIA_KIND
-from recipes.requests import prompt_text, resolve_stop_ids
+from recipes.requests import prompt_text, render_chat, resolve_stop_ids
+from tasks.engine import vllm_api
 from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
 from tasks.engine.feed import EngineDied, EngineFeed
-from tasks.engine.render import RenderJob, RenderPool
 from tasks.engine.vllm_import import ensure_vllm_imported
 from tasks.results.records import GenerationOutput
-from tasks.settings import get_settings
 
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_MAX_TOKENS = 256
@@ -60,7 +59,6 @@ class EngineRequest:
 class CaptionEngine:
     def __init__(self, spec: EngineSpec):
         ensure_vllm_imported()  # with VLLM_CONFIGURE_LOGGING set (tasks/engine/vllm_import.py)
-        from vllm import LLM
         from vllm.platforms import current_platform
 
         from tasks.observability import get_logger, phase
@@ -73,24 +71,16 @@ class CaptionEngine:
         self.model = self.args["model"]
         # Where the model's processor runs, and why: a CPU placement on a GPU host can hold the GPU back.
         get_logger().info("model processor placed", device=self.processor.device, reason=self.processor.reason)
-        renderers = render_processes()
-        if self.processor.device == "cuda":
-            renderers = 0  # each render process would hold a CUDA context of its own
-        elif "mm_processor_cache_gb" in spec.overrides():
-            renderers = 0  # the user asked for vLLM's cache, which needs one renderer
-        elif renderers:
-            self.args["mm_processor_cache_gb"] = 0  # see tasks/engine/render.py
         phase("building the engine", model=self.model)
         started = time.perf_counter()
-        self.llm = LLM(**self.args)
+        self._feed = EngineFeed(lambda: vllm_api.build_async_engine(self.args))
+        self.llm = self._feed.llm
         self.startup_s = time.perf_counter() - started
         phase("engine ready", seconds=round(self.startup_s, 1))
         self.ready_at = time.time()  # when it could take requests (epoch seconds; the bench measures from it)
         self.tokenizer = self.llm.get_tokenizer()
         self.stop_token_ids = resolve_stop_ids(self.tokenizer, self.recipe, spec.modality)
         self.lora_request = self._lora_request()
-        self._render_pool = RenderPool(self.llm.llm_engine.vllm_config, renderers) if renderers else None
-        self._feed = EngineFeed(self.llm, self._render_pool)
         self.dead = False
 
     def sizing(self) -> dict[str, Any]:
@@ -99,20 +89,11 @@ class CaptionEngine:
         with KV cache; `engine_overrides` changes any of it). Written into the manifest."""
         from vllm.platforms import current_platform
 
-        config = self.llm.llm_engine.vllm_config
-        cache, scheduler = config.cache_config, config.scheduler_config
         device: dict[str, Any] = {"device": current_platform.device_type}
         with contextlib.suppress(Exception):  # not every platform can name itself
             device["device_name"] = current_platform.get_device_name()
             device["device_memory_gib"] = round(current_platform.get_device_total_memory() / 2**30, 1)
-        blocks = cache.num_gpu_blocks or 0
-        return {**device, "max_num_seqs": scheduler.max_num_seqs,
-                "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-                "max_model_len": config.model_config.max_model_len,
-                "gpu_memory_utilization": cache.gpu_memory_utilization,
-                "kv_cache_blocks": blocks, "kv_cache_tokens": blocks * cache.block_size,
-                "render_processes": self._render_pool.processes if self._render_pool else 0,
-                **self.processor.manifest()}
+        return {**device, **vllm_api.engine_sizing(self.llm), **self.processor.manifest()}
 
     def prompt_for(self, question: str, count: int = 1) -> str:
         """The exact prompt text for one item (the chat template rendered if needed)."""
@@ -139,16 +120,16 @@ class CaptionEngine:
 
     def run(self, requests: list[EngineRequest], sampling: Sampling,
             method: str = "generate") -> list[GenerationOutput]:
-        """Hand the requests to the engine's continuous feed, rendered as `LLM.generate` or
-        `LLM.chat` would render them, and wait for these; a request vLLM rejects fails alone."""
+        """Hand the requests to the engine's continuous feed and wait for these; a request vLLM
+        rejects fails alone. `method`: the examples' `generate` (the recipe's prompt) or `chat`."""
         if not requests:
             return []
         if method == "chat":
             self._check_chat_template()
         params = self.sampling_params(sampling)
-        # Video frames are large: copying them to a render process costs more than it saves.
-        pooled = self.spec.modality != "video"
-        futures = [self._feed.submit(self._render_job(r, method), params, self.lora_request, pooled=pooled)
+        # A rendered chat holds its special tokens already, as `LLM.chat` tokenizes it.
+        tokenization = {"add_special_tokens": False} if method == "chat" else None
+        futures = [self._feed.submit(self._prompt(r, method), params, self.lora_request, tokenization)
                    for r in requests]
         outputs = []
         for future in futures:
@@ -161,19 +142,18 @@ class CaptionEngine:
                 outputs.append(GenerationOutput(None, None, 0, 0, error=f"{type(exc).__name__}: {exc}"))
         return outputs
 
-    def _render_job(self, request: EngineRequest, method: str) -> RenderJob:
+    def _prompt(self, request: EngineRequest, method: str) -> dict[str, Any]:
+        """The request as vLLM's `PromptType`: the recipe's prompt (`generate`), or (`chat`, the
+        multi-image example's) the question then one image part per picture, rendered with the
+        model's (or the recipe's) chat template as `LLM.chat` renders it."""
         kind = MEDIA_KIND[self.spec.modality]
         if method == "generate":
-            return RenderJob(prompt={"prompt": self.prompt_for(request.question, request.count),
-                                     "multi_modal_data": {kind: request.media},
-                                     "multi_modal_uuids": {kind: request.uuids}})
-        # The multi-image example's chat method: the question, then one image part per picture,
-        # rendered with the model's (or the recipe's) chat template.
-        images = request.media if isinstance(request.media, list) else [request.media]
-        uuids = request.uuids if isinstance(request.uuids, list) else [request.uuids]
-        parts = [{"type": "image_pil", "image_pil": image, "uuid": uuid} for image, uuid in zip(images, uuids)]
-        return RenderJob(conversation=[{"role": "user", "content": [{"type": "text", "text": request.question}, *parts]}],
-                         chat_template=self.prompting.chat_template)
+            text = self.prompt_for(request.question, request.count)
+        else:
+            pictures = len(request.media) if isinstance(request.media, list) else 1
+            content = [{"type": "text", "text": request.question}, *([{"type": "image"}] * pictures)]
+            text = render_chat(self.tokenizer, [{"role": "user", "content": content}], self.prompting.chat_template)
+        return {"prompt": text, "multi_modal_data": {kind: request.media}, "multi_modal_uuids": {kind: request.uuids}}
 
     def _check_chat_template(self) -> None:
         """The chat method renders through a chat template: without one every item would fail."""
@@ -183,10 +163,8 @@ class CaptionEngine:
                 f"(recipe {self.recipe.name!r} gives none either); use method 'generate'")
 
     def release(self) -> None:
-        """Stop the feed, which shuts vLLM's engine process down, and the render pool."""
+        """Stop the feed and shut vLLM's engine process down."""
         self._feed.close()
-        if self._render_pool is not None:
-            self._render_pool.close()
         self.llm = None
 
     def _lora_request(self):
@@ -211,11 +189,6 @@ def _output(request_output) -> GenerationOutput:
         output_tokens=len(completion.token_ids or []),
         prompt=request_output.prompt,
     )
-
-
-def render_processes() -> int:
-    """Render workers for an engine (`VLM_CAPTION_RENDER_PROCESSES`; 0, the default: none)."""
-    return max(0, get_settings().render_processes)
 
 
 _ENGINES: dict[EngineSpec, CaptionEngine] = {}
