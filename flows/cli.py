@@ -8,9 +8,13 @@ import json
 import os
 import sys
 
-from flows.cli_job import Subcommand, job_fields, json_schema_option
+from flows.cli_job import Subcommand, entry_point, job_fields
 from tasks.interrupt import exit_now_if_building, stoppable
+from tasks.prefect_api import embedded_server_defaults
 
+# The bench is a tool beside the product (bench/), never imported by it: its options and its
+# handler are named here and imported only when `vlm-caption bench` is used.
+BENCH_OPTIONS, BENCH_HANDLER = "bench.cli:add_bench_arguments", "bench.cli:cmd_bench"
 DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
 EMBEDDED_SERVER_HINT = (
     "Prefect's embedded API server did not start in time (a fresh database on a slow or busy "
@@ -44,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.more = "flows.cli_job:add_job_options"
 
     bench = sub.add_parser("bench", help="the flow against raw vLLM (the example's way) on this machine")
-    bench.more = "flows.bench.cli:add_bench_arguments"
+    bench.more = BENCH_OPTIONS
 
     server = sub.add_parser("server", help="start Prefect's server with its UI (in its own environment, "
                             "via uv), for deployments, workers and runs to report to")
@@ -203,32 +207,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args, job_fields(args))
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from flows.bench import BenchConfig, run_bench
-    from flows.params import resolve_json_schema
-    from tasks.errors import UsageError
-
-    width, _, height = args.size.partition("x")
-    if not (width.isdigit() and height.isdigit()):
-        raise UsageError(f"--size {args.size}: expected WIDTHxHEIGHT in pixels, e.g. 640x480")
-    try:  # checked as a job checks it, before any phase runs
-        schema = resolve_json_schema(json_schema_option(args.json_schema))
-    except ValueError as exc:
-        raise UsageError(f"--json-schema: {exc}") from None
-    run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images, copies=args.copies,
-                          width=int(width), height=int(height), shard_size=args.shard_size,
-                          source=args.source, max_tokens=args.max_tokens, shape=args.shape,
-                          modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
-                          fan_out_env=tuple(args.fan_out_env), also_gpus=tuple(args.also_gpus),
-                          profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw,
-                          processor_device=args.processor_device, warm_up=args.warm_up, start_rounds=args.start_rounds,
-                          history=args.history,
-                          history_source=args.history_source, history_keep=args.history_keep,
-                          history_new=not args.history_nothing_new_only, history_new_at=args.history_new_at,
-                          json_schema=json.dumps(schema) if schema is not None else None))
-    return 0
-
-
 def cmd_server(args: argparse.Namespace) -> int:
     from flows.server_background import server_command
 
@@ -254,13 +232,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from_shell, argv = argv is None, sys.argv[1:] if argv is None else argv
-    with stoppable(argv[:1] in (["run"], ["demo"])):  # a Ctrl-C stops a run within seconds, from its start
+    runs = argv[:1] in (["run"], ["demo"])
+    # A Ctrl-C stops a run within seconds, from its start; Prefect's settings for its embedded server
+    # (the bench's flow phases get them from its environment too).
+    with stoppable(runs), embedded_server_defaults(runs or argv[:1] == ["bench"]):
         args = build_parser().parse_args(argv)
-        handlers = {"run": cmd_run, "demo": cmd_demo, "bench": cmd_bench, "server": cmd_server, "export": cmd_export}
+        handlers = {"run": cmd_run, "demo": cmd_demo, "bench": BENCH_HANDLER, "server": cmd_server, "export": cmd_export}
         if args.command == "recipes":
             handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
         else:
-            handler = handlers[args.command]
+            handler = entry_point(handlers[args.command])
         try:
             return handler(args)
         except Exception as exc:

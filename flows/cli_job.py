@@ -7,12 +7,22 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 
 # `vlm-caption run` given neither what to caption nor where the results go.
 RUN_NEEDS = ("the following arguments are required: source (s3://bucket/prefix/ or a folder; or --manifest "
              "FILE) and --out (s3://bucket/prefix/ or a folder), e.g. vlm-caption run ./photos --out ./captions")
+
+
+def entry_point(ref: str | Callable[..., Any]) -> Callable[..., Any]:
+    """A function named "module:function", imported now (a callable is itself): how the CLI reaches
+    what it imports only when used, and the bench (a tool beside the product, bench/) at all."""
+    if callable(ref):
+        return ref
+    module, _, function = ref.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 class Subcommand(argparse.ArgumentParser):
@@ -26,9 +36,8 @@ class Subcommand(argparse.ArgumentParser):
 
     def _complete(self) -> None:
         if self.more is not None:
-            module, _, function = self.more.partition(":")
-            self.more = None
-            getattr(importlib.import_module(module), function)(self)
+            more, self.more = self.more, None
+            entry_point(more)(self)
 
     def parse_known_args(self, args=None, namespace=None):
         self._complete()
@@ -114,6 +123,11 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--retry-looping", type=float, nargs="?", const=1.3, metavar="PENALTY",
+                        help="ask again, with this repetition penalty (1.3 if none given), for each looping or "
+                        "empty caption")
+    parser.add_argument("--no-dedup", dest="dedup", action="store_false",
+                        help="ask for every item, copies of another's bytes too (default: each distinct media once)")
     parser.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
                         metavar="KEY=VALUE", help="vLLM engine argument override (repeatable)")
     parser.add_argument("--processor-device", choices=["auto", "cuda", "cpu"],
@@ -141,9 +155,11 @@ def job_fields(args: argparse.Namespace) -> dict[str, Any]:
         fields["skip_model_check"] = True
     if args.follow_links:
         fields["follow_links"] = True
+    if not args.dedup:
+        fields["dedup"] = False
     for name in ("questions", "model", "shard_size", "limit", "glob", "modality", "method", "num_frames",
                  "max_images", "processor_device", "source_format", "column", "gallery_items",
-                 "modified_since"):
+                 "modified_since", "retry_looping"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     sampling = {k: getattr(args, k) for k in ("temperature", "max_tokens", "seed")

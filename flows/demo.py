@@ -72,6 +72,11 @@ def run_demo(args, job_fields: dict[str, Any]) -> int:
     job_fields.setdefault("shard_size", 4)
     job = CaptionJob(source=str(images), output=str(results), **job_fields)
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
+        from prefect.settings import PREFECT_API_URL
+
+        from tasks.observability import phase
+
+        phase("starting Prefect", api=PREFECT_API_URL.value() or "embedded")  # as `run` says it
         summary = vlm_caption(job)
 
     print()

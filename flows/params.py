@@ -131,32 +131,34 @@ class CaptionJob(BaseModel):
     skip_model_check: bool = Field(
         False, description="Start without checking the model first (that it can be loaded, and that its "
         "model_type is one the recipe is for): for a model that takes the recipe's prompts under another type.")
-    engine_overrides: dict[str, Any] = Field(
-        default_factory=dict, description="vLLM engine arguments that win over the recipe's."
-    )
-    trust_remote_code: bool = Field(
-        False, description="Allow recipes whose model runs its repository's own Python code."
-    )
+    engine_overrides: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments that win "
+                                             "over the recipe's.")
+    trust_remote_code: bool = Field(False, description="Allow recipes whose model runs its repository's own "
+                                    "Python code.")
     processor_device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="Where the model's HF processor (resize, normalise, patchify) runs: `auto` "
         "puts it on the GPU for recipes with a fast processor checked there (Qwen2-VL, Qwen2.5-VL), "
         "on the CPU otherwise. The manifest's engine section records the choice and why.")
-    fan_out: int = Field(
-        1, ge=1, le=1024,
-        description="Split the listing into this many partitions: this run captions one and starts "
-        "the others as child runs of `partition_deployment` (one per GPU worker).",
-    )
-    partition_deployment: str = Field(
-        "vlm-caption/partition", description="Deployment that runs the child partitions of a fan-out."
-    )
-    partition: Partition | None = Field(
-        None, description="Set by a fanned-out parent run; leave empty when starting a job."
-    )
+    fan_out: int = Field(1, ge=1, le=1024, description="Split the listing into this many partitions: this run "
+                         "captions one and starts the others as child runs of `partition_deployment` (one per "
+                         "GPU worker).")
+    partition_deployment: str = Field("vlm-caption/partition", description="Deployment that runs the child "
+                                      "partitions of a fan-out.")
+    partition: Partition | None = Field(None, description="Set by a fanned-out parent run; leave empty when "
+                                        "starting a job.")
     json_schema: dict[str, Any] | str | None = Field(
         None, description="Structured output: every answer is JSON matching this JSON Schema (or `tags`: "
         "a built-in {tags: [...], caption} schema); the record's `structured` holds it parsed.")
     regex: str | None = Field(None, description="Structured output: every answer matches this regular expression.")
     choice: list[str] | None = Field(None, description="Structured output: every answer is one of these strings.")
+    retry_looping: float | None = Field(
+        None, gt=0, description="Ask once more, with this vLLM `repetition_penalty` (1.3 is a fair start), for each "
+        "caption that loops or is empty (its record's `quality` flags), and keep the better answer (the record's "
+        "`retried_for`: the first answer's flags). Empty: not asked again.")
+    dedup: bool = Field(
+        True, description="Caption each distinct media once: an (item, question) whose bytes (sha256, or listed S3 "
+        "ETags that are MD5s) were asked already, in this run or an earlier one of the job, takes that answer with "
+        "no request, its record's `duplicate_of` naming the item captioned. Off: every item is asked.")
     _recipe: Recipe | None = PrivateAttr(None)  # `recipe` looked up, once: `resolved_recipe`
 
     @model_validator(mode="before")
@@ -247,12 +249,10 @@ class CaptionJob(BaseModel):
     def _regex(cls, value: str | None) -> str | None:
         import re
 
-        if value is not None:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"not a valid regular expression: {exc}") from None
-        return value
+        try:
+            return value if value is None else re.compile(value).pattern
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
 
     @field_validator("choice")
     @classmethod

@@ -32,11 +32,14 @@ class ShardWork:
     image_limit: int  # the most images a multi-image group may hold
     sampling: Sampling
     method: str  # "generate", or "chat" (the multi-image example's LLM.chat)
+    retry_looping: float | None  # the repetition penalty a looping caption is asked again with, or None
+    dedup: bool  # the same media captioned once (tasks/same_media.py)
 
     @classmethod
     def of(cls, job: CaptionJob) -> ShardWork:
         return cls(job.modality, job.questions_to_ask, job.shard_size, job.limit, job.num_frames, job.image_limit,
-                   Sampling(**job.sampling.model_dump(), structured=job.structured_output), job.method)
+                   Sampling(**job.sampling.model_dump(), structured=job.structured_output), job.method,
+                   job.retry_looping, job.dedup)
 
 
 @dataclass(frozen=True)

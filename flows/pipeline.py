@@ -9,10 +9,9 @@ import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from flows.head_start import take_head_start
-from flows.partition_end import finish_partition
 from flows.partition_run import PartitionRun
 from flows.shard_report import ShardReport
 from flows.shard_steps import ShardSteps
@@ -31,6 +30,8 @@ from tasks.shard_plan import SharedListing
 from tasks.sources.items import Shard
 from tasks.sources.listing import AlreadyDone, Listed, ShardStream
 from tasks.sources.listing_end import keep_listing_end
+
+RETAKE_POLL_S = 2.0  # how often a partition that has run out of shards looks at the others' claims
 
 
 def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | None]:
@@ -62,9 +63,35 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
     finally:
         stream.close()
     if claims is not None:  # the others' claimed shards, a gone partition's, then the plan's copies
-        finish_partition(pipeline, claims, stream, lambda done, shards: listing(run, done, claims, shards),
-                         lambda: load_done_index(run.output, run.fingerprint))
+        finish_partition(pipeline, run, claims, stream)
     return pipeline.close()
+
+
+def finish_partition(pipeline: ShardPipeline, run: PartitionRun, claims: ShardClaims, plan: SharedListing) -> None:
+    """After the shards it claimed from `plan`, a partition waits for the run's other claimed
+    shards, captioning here those of a partition that is gone (tasks/claims.py), then takes the
+    plan's copy shards once every other shard is done, with the done-index loaded again so that
+    each copy finds its original's answer (tasks/shard_plan.py)."""
+    def again(shards: str, pick: Callable[[Iterable[Listed]], Iterable[Listed]]) -> None:
+        pipeline.done = load_done_index(run.output, run.fingerprint)  # with what was written since
+        plan_again = listing(run, pipeline.done, claims, shards)  # the run's plan, read again
+        try:
+            pipeline.run(pick(plan_again))
+        finally:
+            plan_again.close()
+
+    def retake_until_done(until: Callable[[], bool] = lambda: True) -> None:
+        while (retaken := claims.retake()) is not None or not until():
+            if retaken:  # a gone partition's, captioned here (what it wrote before it went is on the done-index)
+                again("all", lambda shards: (s for s in shards if isinstance(s, Shard) and s.index in retaken))
+            else:
+                time.sleep(RETAKE_POLL_S)
+
+    retake_until_done()
+    if plan.copy_shards:
+        retake_until_done(plan.originals_done)
+        again("copies", claims.claimed)  # the originals' answers are on the done-index now
+        retake_until_done()
 
 
 def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None,
@@ -78,7 +105,7 @@ def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None,
     if claims is None:
         return ShardStream(run.source, work.shard_size, work.limit, pending=pending, on_end=ended).start()
     return SharedListing(run.output, run.run_id, claims, run.source, work.shard_size, work.limit,
-                         pending, shards=shards, on_end=ended).start()
+                         pending, shards=shards, on_end=ended, dedup=work.dedup).start()
 
 
 class ShardPipeline:
@@ -100,8 +127,9 @@ class ShardPipeline:
         self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, work.shard_size, len(work.questions)))
         self.preparing: set = set()  # prepare futures not yet done
         media = MediaOptions(work.modality, work.num_frames, work.image_limit, resize=image_resize_target(spec),
-                             frame_resize=frame_resize_target(spec))
-        self.options = GenerateOptions(spec, work.sampling, work.method, work.num_frames)
+                             frame_resize=frame_resize_target(spec), dedup=work.dedup)
+        self.options = GenerateOptions(spec, work.sampling, work.method, work.num_frames, work.retry_looping,
+                                       work.dedup)
         self.steps = ShardSteps(run.source, run.output, work.questions, media, self.options,
                                 run.fingerprint, run.parts_id, run.log)
         self.report = ShardReport(run)

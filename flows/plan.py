@@ -110,7 +110,8 @@ def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str, source: SourceSp
         media["column"] = job.column
     return job_fingerprint(
         source=location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
-        media=media, sampling=job.sampling.fingerprint_dict(), structured=job.structured_output)
+        media=media, sampling=job.sampling.fingerprint_dict(), structured=job.structured_output,
+        retry_looping=job.retry_looping, dedup=job.dedup)
 
 
 def source_spec(job: CaptionJob) -> SourceSpec:

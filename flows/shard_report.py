@@ -23,6 +23,7 @@ from prefect.cache_policies import NONE
 
 from flows.partition_run import PartitionRun
 from tasks.errors import is_permanent
+from tasks.interrupt import part_written
 from tasks.observability import Progress, emit, get_logger
 from tasks.results.records import ResultRecord
 from tasks.results.report import MAX_FAILURES_LISTED, RunStats
@@ -147,6 +148,8 @@ class ShardReport:
                 error = done.exception()  # nothing of the shard was written: that is what it tells
             else:
                 part = done.result()
+                if part is not None:  # what a run stopped by Ctrl-C says it kept (tasks/interrupt.py)
+                    part_written(len({record.key for record in records}))
             _settle(slot, ShardOutcome(shard.index, **counts, part=part, error=error))
 
         writing.add_done_callback(settle)

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import psutil  # imported here, not in the handler: a Ctrl-C may come in the middle of an import
 
-from tasks.terminal import captioned_so_far, stop_for_interrupt
+from tasks.terminal import stop_for_interrupt
 
 GRACE_S = 3.0  # the main thread's time to unwind after the first Ctrl-C
 LINGER_S = 0.5  # the children's time to end when asked (SIGTERM) before they are killed
@@ -38,17 +38,19 @@ EXIT_CODE = 130  # 128 + SIGINT
 _asked = False  # the first Ctrl-C came
 _tty = -1  # descriptor 2 as the command began: the terminal (a quiet run's 2 becomes its log)
 _ending = threading.Lock()  # held by whichever ends the run: the main thread or the watchdog
+_kept = 0  # items whose parts this command has written: what a stopped run says it kept
+_counting = threading.Lock()
 
 
 @contextlib.contextmanager
 def stoppable(active: bool = True) -> Iterator[None]:
     """Ctrl-C as above while the command runs, the previous handler back after it (tests call the
     CLI in-process). Not `active`, or off the main thread (only it may set a handler): nothing changes."""
-    global _tty
+    global _tty, _kept
     if not active or threading.current_thread() is not threading.main_thread():
         yield
         return
-    _tty = os.dup(2)
+    _tty, _kept = os.dup(2), 0
     previous = signal.signal(signal.SIGINT, _on_ctrl_c)
     try:
         yield
@@ -74,6 +76,15 @@ def _on_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def part_written(items: int) -> None:
+    """A part of `items` items is on the output (called as its write ends, on the writer's thread):
+    what a stopped run says it kept is what the output holds, not what the progress had shown (a
+    part may land before the progress counts it, the Ctrl-C between the two)."""
+    global _kept
+    with _counting:
+        _kept += items
+
+
 def _watchdog() -> None:
     time.sleep(GRACE_S)
     _end()
@@ -83,7 +94,7 @@ def _end(at_once: bool = False) -> None:
     """The end of a stopped run, from the main thread, the watchdog or a second Ctrl-C (which waits
     neither for the other two nor for the children). Never returns."""
     if _ending.acquire(blocking=not at_once):  # not acquired: the other is ending it, and has said so
-        _say(f"vlm-caption: stopped; {captioned_so_far()} captioned kept, run again to resume")
+        _say(f"vlm-caption: stopped; {_kept} captioned kept, run again to resume")
     _end_children(0 if at_once else LINGER_S)
     os._exit(EXIT_CODE)
 

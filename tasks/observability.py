@@ -15,7 +15,6 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -190,13 +189,12 @@ def get_logger(**context: Any):
     return structlog.get_logger(LOGGER_NAME).bind(**context)
 
 
-PHASE_LISTENERS: list[Callable[[str], None]] = []  # a quiet run's terminal (tasks/terminal.py)
-
-
 def phase(what: str, **fields: Any) -> None:
     """A step of a run beginning (starting Prefect, loading vLLM, building the engine, loading what
     is done, listing): a log line (the UI's too, inside a flow run), and a line at the terminal of
     `vlm-caption run`, so slow can be told from hung from the first second."""
+    from tasks.terminal import PHASE_LISTENERS
+
     get_logger().info(what, phase=True, **fields)
     for listener in list(PHASE_LISTENERS):
         listener(what)

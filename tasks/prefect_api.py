@@ -2,31 +2,43 @@
 knows it, so that a Prefect upgrade that changes any of it fails tests/test_prefect_api.py
 instead of opening a quiet run's terminal.
 
-It uses no private name of Prefect. What it relies on, each part of Prefect's public modules:
+It uses Prefect's public machinery only (its settings, its client), no name below them:
 - Prefect prints its first-run telemetry notice on `sys.stderr` while `import prefect` runs, and
   only where stdout or stderr is a terminal (and this PREFECT_HOME has not shown it; DO_NOT_TRACK=1
   or a CI variable turn it off with Prefect's usage data). `import_prefect` does that first import
   with stderr held, so the notice is placed where a person reads it once: in a quiet run's log with
   one line of ours on the terminal (tasks/terminal.py), at the start of `vlm-caption server`, or
   before a command's one-line error; anything else gets it on stderr as the process ends.
-- `prefect.server.api.server.SubprocessASGIServer()` (no port) is the embedded API server Prefect's
-  client starts when PREFECT_API_URL is unset and PREFECT_SERVER_EPHEMERAL_ENABLED is on (one
-  instance per process, as Prefect's test harness also uses it), with `start()` (it waits until
-  the server answers; once started, a later call does nothing), `running` and `stop()`.
-- `prefect.logging.handlers.APILogWorker.drain_all(timeout=)` and
-  `prefect.events.worker.EventsWorker.drain_all(timeout=)` send what the log and event workers hold
-  (Prefect's test harness drains them so before it stops its server).
+- Without PREFECT_API_URL (and PREFECT_SERVER_EPHEMERAL_ENABLED on, Prefect's default), Prefect's
+  client (`get_client()`) starts Prefect's embedded ("temporary") API server, a process of its own,
+  once per process, and waits up to PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS for it to
+  answer; the server gets this process's environment, and Prefect stops it as the process exits
+  (after its log and event workers have sent what they hold). Prefect reads its settings from the
+  environment as it is imported: `embedded_server_defaults` sets what `run` and `demo` need there,
+  as the command begins (importing a module of this package changes no environment variable).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import io
+import os
 import sys
 import threading
-from collections.abc import Callable
-from typing import IO, Any
+from collections.abc import Callable, Iterator
+from typing import IO
+
+# Prefect's settings for a run that may start its embedded server, where the user set none. Prefect
+# gives the server 20 s to start: a fresh database's migrations on a busy 2-core machine take longer,
+# and a new user's first run must not fail on it. Its SQLite waits 10 s for a lock by default: a busy
+# machine needs longer. And it reports "database is locked" while its analytics run beside it.
+EMBEDDED_SERVER_DEFAULTS = {
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "600",
+    "PREFECT_SERVER_DATABASE_TIMEOUT": "60",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
 
 # What Prefect printed on stderr as it was first imported (its first-run telemetry notice), held
 # for the run's terminal to place.
@@ -88,55 +100,40 @@ def show_prefect_notice_now(file: IO[str], *, import_now: bool = False) -> None:
         print(text, file=file, flush=True)
 
 
-def running_embedded_server() -> Any | None:
-    """Prefect's embedded API server, where this process runs one (a run without PREFECT_API_URL
-    started it, or a test harness did); None otherwise. Nothing is imported for a process whose
-    Prefect never started one. (The CLI could start it itself, `SubprocessASGIServer().start()`,
-    but that would wait for it before the engine's start, which now overlaps it.)"""
-    server = sys.modules.get("prefect.server.api.server")
-    if server is None:
-        return None
-    embedded = server.SubprocessASGIServer()
-    return embedded if embedded.running else None
+@contextlib.contextmanager
+def embedded_server_defaults(active: bool = True) -> Iterator[None]:
+    """EMBEDDED_SERVER_DEFAULTS in this process's environment while a command runs, each where the
+    environment has none (a user's own value wins), then taken out again. Set as `run` and `demo`
+    begin, before Prefect is imported (it reads them then), they reach Prefect's client, its embedded
+    server's process and any child the run starts. Not `active`: nothing changes."""
+    added = {name: value for name, value in EMBEDDED_SERVER_DEFAULTS.items() if active and name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name, value in added.items():
+            if os.environ.get(name) == value:
+                del os.environ[name]
 
 
 def start_embedded_server_early() -> Callable[[], None]:
     """Start Prefect's embedded server now, on a thread, where the run would start it (no
-    PREFECT_API_URL): its process starts while this one imports the flow and begins a nightly
-    run's listing. Returns what waits for it, which the caller calls before its first use of
-    Prefect's client: a start that failed is left to that client, which starts it again and
-    raises its own error."""
+    PREFECT_API_URL): Prefect's client starts it, and its process starts while this one imports the
+    flow and begins a nightly run's listing. Returns what waits for it, which the caller calls before
+    its first use of Prefect's client: a start that failed is left to that client, which starts it
+    again and raises its own error. The thread runs in this thread's context (Prefect's settings)."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return lambda: None
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
+    from prefect.client.orchestration import get_client
 
     def start() -> None:
         with contextlib.suppress(Exception):  # the client's own start raises it, with its message
-            server.start()
+            with get_client(sync_client=True) as client:  # starts the embedded server, waits for it
+                client.api_healthcheck()
 
-    thread = threading.Thread(target=start, name="vlm-caption-prefect-server", daemon=True)
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(start,), name="vlm-caption-prefect-server", daemon=True)
     thread.start()
     return thread.join
-
-
-def drain_and_stop(embedded: Any, timeout_s: float = 30) -> None:
-    """Send what Prefect's log and event workers hold (else they find no server at exit), then
-    stop the embedded server now: Prefect stops it at exit, with a log line on the terminal."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    try:
-        for worker in (APILogWorker, EventsWorker):
-            worker.drain_all(timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - the run is over: nothing here may fail it
-        print(f"vlm-caption: Prefect's log and event workers not drained ({type(exc).__name__}: {exc}); "
-              "their last lines may be missing from the API", file=sys.stderr)  # the run's log
-    try:
-        embedded.stop()
-    except Exception as exc:  # noqa: BLE001 - Prefect stops it at exit instead
-        print(f"vlm-caption: Prefect's embedded server not stopped now ({type(exc).__name__}: {exc}); "
-              "it stops as the process ends", file=sys.stderr)

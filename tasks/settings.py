@@ -67,16 +67,6 @@ class Settings(BaseSettings):
         "feed", description="What a run prepares while its engine builds: feed (the decode pool started and the "
         "feed's depth decoded ahead), pool (only the decode pool's processes started), none (nothing until the "
         "engine is up).")
-    # vLLM's request rendering (the model's HF processor) in this many processes beside the
-    # engine; 0: in the engine's process, as vLLM does. Turns vLLM's multimodal processor cache
-    # off (see tasks/engine/render.py). Off by default: starting the workers competes with a
-    # short run, and the images the decode pool has already shrunk leave the processor little to
-    # do (docs/benchmarks.md, "Figures behind the defaults"). Try it for long runs of heavy
-    # processors.
-    render_processes: int = Field(
-        0, description="Processes that render requests (the model's HF processor) beside the engine; 0: in the "
-        "engine's process, as vLLM does. Turns vLLM's multimodal processor cache off. For long runs of heavy "
-        "processors.")
     # Two engines on one host, each sizing its threads to every core, contend for the cores and
     # each GPU does less than one alone (tasks/engine/host_share.py; docs/benchmarks.md, "Two
     # H100s"). A partition of a fanned-out run keeps to its GPU's share of the host's cores.
@@ -136,19 +126,6 @@ class Settings(BaseSettings):
     job_wait_s: float = Field(
         6 * 3600.0, description="Seconds a second run of the same job waits for the first (one run per job), "
         "then fails with a clear message.")
-    # Caption checks (tasks/results/quality.py) flag every record; asking again costs a second
-    # request for each looping or empty one, so it is the operator's choice.
-    dedup: bool = Field(
-        True, description="Caption each distinct media once: an item whose bytes (sha256, or listed S3 ETags that "
-        "are MD5s) and question were asked already, in this run (any partition) or an earlier one with the same "
-        "fingerprint, takes that answer with no engine request, its record's `duplicate_of` naming the key of the "
-        "item captioned. false: every item is asked.")
-    retry_looping: bool = Field(
-        False, description="Ask once more, with a repetition penalty, for each caption that loops or is empty "
-        "(its record's `quality` flags), and keep the better answer (fewer flags); counted in the manifest as "
-        "`quality_retried` and `quality_fixed`.")
-    retry_repetition_penalty: float = Field(
-        1.3, description="vLLM's `repetition_penalty` for the re-ask of `VLM_CAPTION_RETRY_LOOPING` (1.0: none).")
     gpu_hour_price: float | None = Field(
         None, description="Price of one GPU (or, on a CPU host, one engine) per hour, in your currency: the "
         "summary and the manifest then give the run's cost per 1,000 items from its device-seconds. Unset: no "

@@ -14,11 +14,11 @@ lister that is gone before `end.json` (its heartbeat stood still, or it said it 
 replaced: the partition that wins `plan/lister.r1` lists again after the items the last chunk
 covers. A listing that fails writes `plan/failed.json`, and every partition stops with its message.
 
-Copies (tasks/listed_copies.py): an item the lister finds to be the same media as one listed
+Copies (tasks/same_media.py): an item the lister finds to be the same media as one listed
 before it goes into a *copy shard* (a chunk line `[index, items, 1]`), not beside the others. The
 partitions take the copy shards last, once every other shard of the plan is done (`shards=
 "copies"`, after `originals_done`), with the done-index loaded again: each copy then finds its
-original's answer there (tasks/results/copies.py) whichever partition captioned it, and makes no
+original's answer there whichever partition captioned it, and makes no
 request; a copy whose original failed is captioned like any item. So a copy is captioned once
 however the shards were shared, and no partition waits on another's shard in the middle of its
 pipeline (a partition that is gone has its shards retaken first, as for any shard).
@@ -31,9 +31,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from tasks.claims import ShardClaims, claims_prefix
-from tasks.listed_copies import ListedCopies
 from tasks.observability import get_logger
-from tasks.settings import get_settings
+from tasks.same_media import ListedCopies
 from tasks.sources.formats import SourceSpec
 from tasks.sources.items import ObjectRef, Shard, WorkItem
 from tasks.sources.listing import AlreadyDone, Listed, PendingMask, ShardStream, StreamClosed
@@ -67,14 +66,14 @@ class PlanWriter(ShardStream):
 
     def __init__(self, out: Storage, run_id: str, owner: str, source: SourceSpec, shard_size: int,
                  limit: int | None, pending: PendingMask, resume: dict | None = None,
-                 on_end: Callable[[str | None], None] | None = None):
+                 on_end: Callable[[str | None], None] | None = None, dedup: bool = True):
         resume = resume or {}
         super().__init__(source, shard_size, limit, pending=pending, first_shard=resume.get("next_shard", 0),
                          skip_items=resume.get("listed", 0), on_end=on_end)
         self.out, self.run_id, self.owner = out, run_id, owner
         self.chunk = resume.get("next_chunk", 0)
         self._shards: list[Shard] = []
-        self.copies = ListedCopies(source.storage if source.format == "files" else None) if get_settings().dedup else None
+        self.copies = ListedCopies(source.storage if source.format == "files" else None) if dedup else None
         self._copy_batch: list[WorkItem] = []
         self._copy_shards: set[int] = set()
         self._done = 0
@@ -142,13 +141,14 @@ class SharedListing:
 
     def __init__(self, out: Storage, run_id: str, claims: ShardClaims, source: SourceSpec, shard_size: int,
                  limit: int | None, pending: PendingMask, poll_s: float = POLL_S, shards: str = "originals",
-                 on_end: Callable[[str | None], None] | None = None):
+                 on_end: Callable[[str | None], None] | None = None, dedup: bool = True):
         self.out, self.run_id, self.claims, self.poll_s = out, run_id, claims, poll_s
         self.shards = shards
         self.copy_shards: set[int] = set()  # the plan's copy shards, as far as it was read
         self.shard_count = 0  # shards in the plan, once its end was read
         self.prefix = plan_prefix(run_id)
-        self._listing = dict(source=source, shard_size=shard_size, limit=limit, pending=pending, on_end=on_end)
+        self._listing = dict(source=source, shard_size=shard_size, limit=limit, pending=pending, on_end=on_end,
+                             dedup=dedup)
         self.writer: PlanWriter | None = None
         self.lists = False  # this partition listed (some of) the source
         self.log = get_logger(run_id=run_id, partition=claims.partition)

@@ -5,25 +5,32 @@ output and its warnings: Triton on a CPU host, NUMA binding, tcmalloc) goes to t
 whose path is printed once. `quiet_terminal` does it at the file-descriptor level, so the engine's
 processes (spawned children inherit descriptors 1 and 2) and the embedded Prefect server write
 there too; the progress bar and the summary keep the terminal through `user_stream`.
-`-v` (or `--log-format json`, for machines) leaves the terminal as it is.
+`-v` (or `--log-format json`, for machines) leaves the terminal as it is. What the process prints
+as it exits after a quiet run (Prefect stopping its embedded server) goes to the run's log too.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import IO, Any, Iterator
 
-from tasks.prefect_api import drain_and_stop, release_notice, running_embedded_server
+from tasks.prefect_api import release_notice
+
+# Who hears each phase of a run as it begins (`tasks.observability.phase`): a quiet run's terminal.
+PHASE_LISTENERS: list[Callable[[str], None]] = []
 
 # The terminal's stderr while a quiet run holds descriptors 1 and 2; None otherwise.
 _terminal: IO[str] | None = None
 # The run's progress on the terminal (the latest), and whether a Ctrl-C stopped the run (tasks/interrupt.py).
 _progress: TerminalProgress | None = None
 _interrupted = False
+_exit_log: list[Path] = []  # where what the process prints as it exits goes: the last quiet run's log
 
 def user_stream() -> IO[str]:
     """Where the progress bar goes: the terminal, whatever a quiet run did to stderr."""
@@ -45,14 +52,11 @@ def log_file_for(output: str, settings_dir: str | None) -> Path:
 @contextlib.contextmanager
 def quiet_terminal(log_path: Path) -> Iterator[Path]:
     """Descriptors 1 and 2 (this process and every child started meanwhile) to `log_path`."""
-    from tasks.observability import PHASE_LISTENERS  # here: `--help` imports this module, not the settings'
-
     global _terminal
     log_path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
-    server_before = running_embedded_server()  # a test harness's, or a caller's: not ours to stop
     with open(log_path, "ab", buffering=0) as log:
         terminal = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
         print(f"vlm-caption: the run's log (Prefect, vLLM): {log_path}", file=terminal)
@@ -70,12 +74,14 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
             # what they and the run's threads print as they end stays in the log: 1 and 2 are left on it.
             if not _interrupted:
                 _release_engine()  # else vLLM ends its processes at exit, a warning on the terminal
-                _stop_embedded_prefect_server(server_before)  # else it says so at exit, on the terminal
                 sys.stdout.flush()
                 sys.stderr.flush()
                 for fd, copy in saved.items():
                     os.dup2(copy, fd)
                     os.close(copy)
+                if not _exit_log:
+                    atexit.register(_to_exit_log)
+                _exit_log[:] = [log_path]
             terminal.close()
 
 
@@ -116,12 +122,6 @@ def say_phase(what: str) -> None:
         print(line, file=_terminal, flush=True)
 
 
-def captioned_so_far() -> int:
-    """Items the run's progress counted (their parts written, or being written: a run stopped by
-    Ctrl-C waits for those)."""
-    return _progress.done if _progress is not None else 0
-
-
 def _release_engine() -> None:
     """The run's engine shut down now, into the log: at exit vLLM's process manager may say, on
     the terminal, that it force-killed an engine process slow to end (on a busy machine).
@@ -136,11 +136,19 @@ def _release_engine() -> None:
               "ends", file=sys.stderr)  # the run's log
 
 
-def _stop_embedded_prefect_server(before: Any | None) -> None:
-    """The embedded Prefect server this run started, stopped now, into the log."""
-    server = running_embedded_server()
-    if server is not None and server is not before:
-        drain_and_stop(server)
+def _to_exit_log() -> None:
+    """Descriptors 1 and 2 to the last quiet run's log as the process exits: what it prints then
+    (Prefect stopping its embedded server, a line on stderr) goes there. Registered as a quiet run
+    ends, after Prefect's exit hooks (its server started during the run), it runs before them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        log = os.open(_exit_log[0], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError:  # its folder removed meanwhile (a caller's temporary one): the terminal, then
+        return
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
 
 
 def _fit(text: str, width: int) -> str:

@@ -40,7 +40,9 @@ job, and follows the job down the calls. Its rules:
 of a module or inside a function (a lazy import still ties the two), except those under
 `if TYPE_CHECKING:`. `import_cycles` looks only at module-level imports (those run at import
 time, where a cycle bites); `upward_imports` at all of them: the layers are flows -> tasks ->
-recipes, so tasks never imports flows and recipes imports neither.
+recipes, so tasks never imports flows and recipes imports neither. `tool_imports`: a tool beside
+the product (TOOLS: bench/, which may import the product) is never imported by it, at the top of
+a module or inside a function (the CLI names the bench's functions as strings, flows/cli.py).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("flows", "tasks", "recipes")  # the product's code, top layer first
-SIZE_CHECKED = ("flows", "tasks", "recipes", "deployments")  # no module over 300 lines here
+TOOLS = ("bench",)  # beside the product: they import it, it never imports them
+SIZE_CHECKED = ("flows", "tasks", "recipes", "deployments", *TOOLS)  # no module over 300 lines here
 TASK_METHODS = {"submit", "map", "fn", "delay"}
 
 
@@ -200,6 +203,18 @@ def upward_imports(modules: dict[str, Module]) -> list[Import]:
     """Imports from a lower layer into a higher one (tasks -> flows, recipes -> tasks or flows)."""
     return sorted((e for e in import_edges(modules) if layer(e.target) > layer(e.source)),
                   key=lambda e: (e.source, e.target))
+
+
+def tool_imports(modules: dict[str, Module]) -> list[str]:
+    """Imports of a tool (TOOLS) by a product module, at the top or inside a function, each as
+    "module:line -> imported"."""
+    found = []
+    for module in modules.values():
+        for node, _ in _imports(module):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) \
+                else [_absolute(module, node)]
+            found += [f"{module.name}:{node.lineno} -> {name}" for name in names if name.split(".")[0] in TOOLS]
+    return sorted(found)
 
 
 def long_modules(limit: int = 300, root: Path = ROOT) -> dict[str, int]:

@@ -184,33 +184,31 @@ def prefect_api():
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """moto's standalone S3 server on loopback (its conditional PUTs atomic, as S3's are:
-    flows/bench/loopback_s3.py), reached over real HTTP by boto3."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("moto server did not start")
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1", "VLM_CAPTION_S3_ENDPOINT_URL": url,
-    }
-    from tasks.settings import settings_environment
+    bench/loopback_s3.py), reached over real HTTP by boto3."""
+    from bench.processes import started
 
-    with settings_environment(env):
-        yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # stopped however the session ends (issue 68: no server left running after a failed test)
+    with started([sys.executable, "-m", "bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("moto server did not start")
+        env = {
+            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "VLM_CAPTION_S3_ENDPOINT_URL": url,
+        }
+        from tasks.settings import settings_environment
+
+        with settings_environment(env):
+            yield url
 
 
 @pytest.fixture

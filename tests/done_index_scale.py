@@ -40,7 +40,7 @@ def main(total: int, out: str, s3: bool = False) -> None:
     import os
     from pathlib import Path
 
-    from flows.bench.harness import s3_source
+    from bench.harness import s3_source
 
     with s3_source(Path(out), Path(tempfile.mkdtemp())) as env:
         uri = {**os.environ, **env}["VLM_CAPTION_BENCH_S3"].rstrip("/") + "/images/"  # where it uploaded

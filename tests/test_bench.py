@@ -3,20 +3,95 @@ Its figures say nothing about a GPU; the test checks the comparison is made and 
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 
 def _bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`vlm-caption bench` in a session of its own: however it ends (a failure, the timeout), it is
+    stopped with every process it started (bench/processes.py), none left running (issue 68)."""
+    from bench.processes import run_to_end
+
     exe = Path(sys.executable).with_name("vlm-caption")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
-    done = subprocess.run([str(exe), "bench", "--dir", str(tmp_path / "bench"), "--size", "96x64", "--shard-size", "2",
-                           "--max-tokens", "3", *args], capture_output=True, text=True, timeout=1500, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    command = [str(exe), "bench", "--dir", str(tmp_path / "bench"), "--size", "96x64", "--shard-size", "2",
+               "--max-tokens", "3", *args]
+    returncode, stdout, stderr = run_to_end(command, timeout=1500, grace=60, env=env)
+    assert returncode == 0, stderr[-3000:]
+    done = subprocess.CompletedProcess(command, returncode, stdout, stderr)
     return done, json.loads((tmp_path / "bench" / "bench.json").read_text())
+
+
+@pytest.mark.timeout(400)  # a hang fails it, and its clean-up still runs
+def test_a_bench_that_fails_part_way_leaves_no_process_behind(tmp_path, monkeypatch):
+    """Issue 68: a failed bench had left its Prefect server, its loopback moto S3 and a worker
+    running. Here the bench's own Prefect server and moto are up when the flow phase's process
+    starts a child of its own (as a phase's engine core or embedded Prefect server does) and
+    fails: the bench raises, and nothing it started is left, that orphaned child included."""
+    import psutil
+
+    from bench import driver
+    from bench.config import BenchConfig
+
+    ours = psutil.Process()
+    before = {p.pid for p in ours.children(recursive=True)}  # a session fixture's server, if any
+    pid_file = tmp_path / "phase-child.pid"
+    phase = ("import subprocess, sys\n"
+             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+             f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+             "sys.exit('the phase failed')")
+    monkeypatch.setattr(driver, "phase_command", lambda *args: [sys.executable, "-c", phase])
+    cfg = BenchConfig(workdir=str(tmp_path / "bench"), model="m", images=2, width=32, height=24, source="s3",
+                      prefect="server", skip_raw=True)
+    with pytest.raises(RuntimeError, match="bench phase flow failed"):
+        driver.run_bench(cfg)
+    left = [p for p in ours.children(recursive=True) if p.pid not in before]
+    assert left == [], [p.cmdline() for p in left]
+    _assert_gone(int(pid_file.read_text()))
+
+
+def test_a_process_the_bench_started_is_stopped_with_all_under_it_even_what_ignores_sigterm(tmp_path):
+    """What `started` stops as its block raises (a timeout, as `_bench`'s): the process though it
+    ignores SIGTERM (SIGKILL after the grace), and its child though that left its session."""
+    import psutil
+
+    from bench.processes import started
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import signal, subprocess, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(600)")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(subprocess.TimeoutExpired), started([sys.executable, "-c", script], grace=1) as proc:
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.1)
+        proc.communicate(timeout=0.1)
+    assert proc.returncode == -signal.SIGKILL  # it ignored SIGTERM
+    assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before] == []
+    _assert_gone(int(pid_file.read_text()))
+
+
+def _assert_gone(pid: int) -> None:
+    """The process is gone (or a zombie its new parent, init, has yet to reap)."""
+    import psutil
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.time() + 10
+    while not gone() and time.time() < deadline:
+        time.sleep(0.1)
+    assert gone(), psutil.Process(pid).cmdline()
 
 
 def test_bench_compares_raw_flow_and_a_fan_out_on_videos_from_s3(tmp_path):
@@ -100,14 +175,14 @@ def test_variants_get_their_own_columns(tmp_path, capsys):
     settings as the column's name; `--flow-env` values reach BenchConfig as typed."""
     import argparse
 
-    from flows.bench.cli import add_bench_arguments
-    from flows.bench.report import print_table
+    from bench.cli import add_bench_arguments
+    from bench.report import print_table
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
-    args = parser.parse_args(["--flow-env", "VLM_CAPTION_FEED_DEPTH=1,VLM_CAPTION_RENDER_PROCESSES=0",
+    args = parser.parse_args(["--flow-env", "VLM_CAPTION_FEED_DEPTH=1,VLM_CAPTION_PREPARE_AHEAD=4",
                               "--fan-out-env", "VLM_CAPTION_CPU_SHARE=all"])
-    assert args.flow_env == ["VLM_CAPTION_FEED_DEPTH=1,VLM_CAPTION_RENDER_PROCESSES=0"]
+    assert args.flow_env == ["VLM_CAPTION_FEED_DEPTH=1,VLM_CAPTION_PREPARE_AHEAD=4"]
     assert args.fan_out_env == ["VLM_CAPTION_CPU_SHARE=all"]
     phase = lambda rate: {"generate_items_per_s": rate, "wall_s": 10.0}  # noqa: E731
     report = {"config": {"images": 4, "modality": "image", "width": 96, "height": 64}, "device": "cpu",
@@ -148,9 +223,9 @@ def test_each_modality_reaches_raw_as_its_example_builds_it(tmp_path, modality):
     group of GROUP_SIZE, sampled frames with their metadata for recipes that need it)."""
     from PIL import Image
 
-    from flows.bench.config import BenchConfig
-    from flows.bench.media import GROUP_SIZE, bench_items, make_bench_media
-    from flows.bench.phases import example_media
+    from bench.config import BenchConfig
+    from bench.media import GROUP_SIZE, bench_items, make_bench_media
+    from bench.phases import example_media
 
     cfg = BenchConfig(workdir=str(tmp_path), modality=modality, images=3, width=64, height=48, frames=4)
     items = bench_items(cfg, make_bench_media(cfg, tmp_path))
@@ -168,9 +243,9 @@ def test_each_modality_reaches_raw_as_its_example_builds_it(tmp_path, modality):
 def test_the_profile_is_told_apart_by_process(tmp_path):
     """py-spy's raw output with --subprocesses: each child's stacks under its own process, told
     apart by what it runs (the engine core, the decode pool) and summarized on its own."""
-    from flows.bench.report import profile_summary
+    from bench.report import profile_summary
 
-    flow = 'process 10:"python -m flows.bench.phases flow"'
+    flow = 'process 10:"python -m bench.phases flow"'
     core = f'{flow};process 11:"python -c from multiprocessing.spawn import spawn_main"'
     (tmp_path / "p.txt").write_text("\n".join([
         f"{flow};thread (10): MainThread;<module> (bench.py:1);phase_flow (bench.py:2);wait (threading.py:3) 30",
@@ -179,15 +254,14 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
         f"{core};thread (11): MainThread;run_engine_core (vllm/v1/engine/core.py:1);schedule (scheduler.py:7) 60",
         f"{core};thread (11): MainThread;run_engine_core (vllm/v1/engine/core.py:1);"
         f"EngineCore.__init__ (vllm/v1/engine/core.py:90);capture_model (gpu_model_runner.py:4) 20",
-        # both pools' initializers are `_start_worker`: each pool is told by its module
+        # the decode pool's initializer `_start_worker` is told by its module
         f"{flow};process 13:\"spawn\";thread (13): MainThread;_start_worker (tasks/media/pool.py:58);"
         f"video_loader (tasks/media/video.py:52);_find_and_load (<frozen importlib._bootstrap>:1) 2",
-        f"{flow};process 14:\"spawn\";thread (14): MainThread;_start_worker (tasks/engine/render.py:80) 1",
     ]))
     summary = profile_summary(tmp_path / "p.txt")
-    assert summary["samples"] == 123
-    core_row, flow_row, decode_row, render_row = summary["processes"]
-    assert (decode_row["role"], render_row["role"]) == ("decode pool", "render pool")
+    assert summary["samples"] == 122
+    core_row, flow_row, decode_row = summary["processes"]
+    assert decode_row["role"] == "decode pool"
     assert (core_row["role"], core_row["samples"], core_row["share_of_all_pct"]) == ("vllm engine core", 80, 65.0)
     assert core_row["starting_pct"] == 25.0  # the engine's construction (CUDA-graph capture) is start-up
     assert core_row["by_function_pct"] == {"schedule (scheduler.py:7)": 75.0}
@@ -199,7 +273,7 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
 
 def test_gpu_busy_is_reported_over_the_window_and_each_tenth_of_it():
     """A ramp and a drained tail show in the first and last tenths, not only as a lower mean."""
-    from flows.bench.harness import GpuSampler
+    from bench.harness import GpuSampler
 
     sampler = GpuSampler()
     # 0.2 s samples over 10 s: 50% in the first second, 100% after, 0% in the last second.
@@ -212,7 +286,7 @@ def test_gpu_busy_is_reported_over_the_window_and_each_tenth_of_it():
 def test_gpu_busy_is_sampled_on_the_gpus_the_bench_was_given(monkeypatch):
     """NVML numbers every GPU of the host: a bench kept to GPU 1 (CUDA_VISIBLE_DEVICES=1) samples
     GPU 1, not GPU 0, where another bench may be running."""
-    from flows.bench.harness import visible_gpus
+    from bench.harness import visible_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert visible_gpus(1) == [1]
@@ -228,8 +302,8 @@ def test_raw_n_processes_are_one_phase_from_the_first_engine_ready_to_the_last_r
     """Raw, N processes as the report shows it, from each process's times (unix): items/s from
     the first engine ready to the last result, while generating (the first request to the last
     result), each process's own engine-ready time and rate; times from the phase's start."""
-    from flows.bench.driver import raw_n_figures
-    from flows.bench.phases import raw_slice
+    from bench.driver import raw_n_figures
+    from bench.phases import raw_slice
 
     assert [raw_slice(list(range(5)), i, 2) for i in range(2)] == [[0, 1], [2, 3, 4]]
     t0 = 1000.0
@@ -249,8 +323,8 @@ def test_raw_n_processes_are_one_phase_from_the_first_engine_ready_to_the_last_r
 def test_a_fan_outs_first_engine_and_last_result_come_from_its_partitions():
     """The earliest engine ready of the run's own and its partitions' (a partition's report may
     lack it), the latest result of the run's window and its partitions'."""
-    from flows.bench.report import engine_ready_gaps
-    from flows.bench.phases import first_ready_last_result
+    from bench.report import engine_ready_gaps
+    from bench.phases import first_ready_last_result
 
     briefs = [{"engine_ready_at": 5.0, "generate_to": 9.0}, {"engine_ready_at": 3.0, "generate_to": 11.0}, {}]
     assert first_ready_last_result({"ready_at": 5.0}, [6.0, 9.0], briefs) == (3.0, 11.0)
@@ -275,8 +349,8 @@ def test_skip_raw_and_skip_raw_n_reach_the_config(flags, skip_raw, skip_raw_n):
     BenchConfig through the one `skip_raw` value `vlm-caption bench` hands it."""
     import argparse
 
-    from flows.bench.cli import add_bench_arguments
-    from flows.bench.config import BenchConfig
+    from bench.cli import add_bench_arguments
+    from bench.config import BenchConfig
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
@@ -295,9 +369,9 @@ def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_pat
     import argparse
     import contextlib
 
-    from flows.bench import driver, phases
-    from flows.bench.cli import add_bench_arguments
-    from flows.bench.config import WARM_UP_ITEMS, BenchConfig
+    from bench import driver, phases
+    from bench.cli import add_bench_arguments
+    from bench.config import WARM_UP_ITEMS, BenchConfig
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
@@ -351,13 +425,13 @@ def test_an_inventory_history_is_what_a_run_counts_as_done(prefect_api, s3_endpo
     finds every item done (no engine), and the night's new items (in the bucket, in the next day's
     report) are the only ones captioned; `--history-keep` finds the history again, as it was."""
     import tasks.engine.vllm_engine as vllm_engine
-    from flows.bench.config import BenchConfig
-    from flows.bench.history import HISTORY_RUN, add_new_items, synthesize
-    from flows.bench.history_inventory import InventoryLocations, kept_history
+    from bench.config import BenchConfig
+    from bench.history import HISTORY_RUN, add_new_items, synthesize
+    from bench.history_inventory import InventoryLocations, kept_history
     from flows.caption import vlm_caption
     from flows.params import CaptionJob
 
-    s3_client.create_bucket(Bucket="bench")  # where the report's items are (flows/bench/history_inventory.py)
+    s3_client.create_bucket(Bucket="bench")  # where the report's items are (bench/history_inventory.py)
     cfg = BenchConfig(workdir=str(tmp_path), history=200, shard_size=8, max_tokens=4, history_source="inventory")
     where = InventoryLocations(tmp_path / "history", "folder")
     new = synthesize(where, cfg, str(tiny_llava), {})
@@ -397,7 +471,7 @@ def test_bench_clips_stay_distinct_past_256(tmp_path):
     quarter of the work at 1,024 clips (it did: clip i + 256 was clip i until the top blocks)."""
     import hashlib
 
-    from flows.bench.media import make_bench_videos
+    from bench.media import make_bench_videos
 
     folder = make_bench_videos(tmp_path / "clips", 513, 64, 48, 1)
     digests = {hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("clip-*.mp4")}
@@ -415,14 +489,14 @@ def test_start_rounds_alternate_and_report_the_median_gap(tmp_path, monkeypatch,
     engine-ready gap split at `vllm.LLM`'s start, the medians printed and written."""
     import contextlib
 
-    from flows.bench import driver, phases
-    from flows.bench.config import WARM_UP_ITEMS, BenchConfig
-
-    import flows.bench
-    from flows.cli import build_parser, cmd_bench
+    import bench
+    from bench import driver, phases
+    from bench.cli import cmd_bench
+    from bench.config import WARM_UP_ITEMS, BenchConfig
+    from flows.cli import build_parser
 
     given = []  # what `vlm-caption bench --start-rounds 3` hands the bench
-    monkeypatch.setattr(flows.bench, "run_bench", given.append)
+    monkeypatch.setattr(bench, "run_bench", given.append)
     cmd_bench(build_parser().parse_args(["bench", "--start-rounds", "3"]))
     assert given[0].start_rounds == 3
     ran, flow_ready = [], iter([30.0, 24.0, 50.0])  # the gaps: +10, +4, +30 (one host hiccup)
@@ -463,12 +537,13 @@ def test_a_historys_new_items_sort_among_the_done_ones_or_after_them(monkeypatch
     """`--history-new-at end`: the night's new items sort after every done one (a bucket whose
     keys begin with the day), so a rerun's listing reaches them last; by default they are spread
     among them, the first right after the first done item."""
-    import flows.bench
-    from flows.bench.history import Locations, item_key, new_keys
-    from flows.cli import build_parser, cmd_bench
+    import bench
+    from bench.cli import cmd_bench
+    from bench.history import Locations, item_key, new_keys
+    from flows.cli import build_parser
 
     given = []
-    monkeypatch.setattr(flows.bench, "run_bench", given.append)
+    monkeypatch.setattr(bench, "run_bench", given.append)
     cmd_bench(build_parser().parse_args(["bench", "--history", "1000", "--history-new-at", "end"]))
     assert (given[0].history, given[0].history_new_at) == (1000, "end")
     done = [item_key(i) for i in range(20_000)]
@@ -487,9 +562,9 @@ def test_also_gpus_fans_out_again_over_fewer_gpus_against_the_same_one_gpu_flow(
     import argparse
     import contextlib
 
-    from flows.bench import driver
-    from flows.bench.cli import add_bench_arguments
-    from flows.bench.config import BenchConfig
+    from bench import driver
+    from bench.cli import add_bench_arguments
+    from bench.config import BenchConfig
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)

@@ -130,7 +130,7 @@ def test_a_copy_whose_listed_etag_is_an_md5_is_answered_without_being_fetched(tm
 # ---- the planner of a fanned-out run ----------------------------------------------------------------
 
 def test_the_planner_finds_copies_by_md5_etags_and_in_a_folder_hashes_only_equal_sizes(tmp_path):
-    from tasks.listed_copies import ListedCopies
+    from tasks.same_media import ListedCopies
 
     etags = ListedCopies()
     item = lambda key, size, etag: WorkItem(key, (ObjectRef(key, size, etag),))  # noqa: E731

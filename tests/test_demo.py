@@ -73,6 +73,7 @@ def test_demo_first_run_on_a_busy_machine_with_a_fresh_prefect_home(tmp_path):
     assert "results/results" not in done.stdout and "images:" not in done.stdout
     # Through a pipe (CI, `| tee`): plain progress lines and the summary; the rest in the log file.
     assert "vlm-caption: 3/3 items" in done.stderr
+    assert "s  starting Prefect" in done.stderr and "s  building the engine" in done.stderr, done.stderr  # as `run`
     assert_quiet_terminal(done.stdout + done.stderr, tmp_path / "demo" / "captions", items=3)
     manifest = json.loads(next((tmp_path / "demo" / "captions" / "manifests").glob("*.json")).read_text())
     assert manifest["counts"]["succeeded"] == 3
@@ -99,7 +100,9 @@ def test_a_slow_embedded_server_gets_a_message_that_says_what_to_do(monkeypatch,
 
 
 def test_the_embedded_server_gets_a_generous_start_up_timeout_unless_the_user_set_one():
-    probe = "import flows, prefect.settings as s; print(s.PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())"
+    """As `run` and `demo` set it, before Prefect is imported (flows/cli.py)."""
+    probe = ("from tasks.prefect_api import embedded_server_defaults\nwith embedded_server_defaults():\n"
+             "    import prefect.settings as s; print(s.PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER_EPHEMERAL")}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert int(out.stdout.strip()) >= 300

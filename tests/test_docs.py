@@ -30,7 +30,7 @@ python3 -m pip install uv && uv sync --extra cpu && uv run pytest -v
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 MENTION = re.compile(r"(?:^|[\s;&|(])vlm-caption(?:\s|$)")  # not vlm-caption-gpu, vlm-caption.run.*
 VARIABLE = re.compile(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?")
-CODE_DIRS = ("flows", "tasks", "recipes", "deployments", "tests")
+CODE_DIRS = ("flows", "tasks", "recipes", "deployments", "bench", "tests")
 
 
 def fenced_lines(text: str) -> list[str]:

@@ -14,7 +14,7 @@ import pytest
 import flows.head_start as head_start
 import flows.pipeline
 import tasks.sources.formats as formats
-from flows.bench.history import add_new_items
+from bench.history import add_new_items
 from flows.caption import vlm_caption
 from flows.plan import make_plan
 from tasks.sources.formats import SourceSpec

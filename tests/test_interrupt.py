@@ -4,10 +4,14 @@ most three lines on the terminal and no traceback, every process the run started
 written is kept, and the next run resumes from it, captioning every image once.
 
 One run per moment, on the embedded Prefect server and vLLM's engine process (the product's default
-on any host), each recognised from what the terminal or the run's log shows: right after the log's
-line (vLLM importing), Prefect's server starting (the engine building beside it), captions coming in
-(the engine generating, parts being written); then a run to the end. And, without an engine, a main
-thread that does not let go of the Ctrl-C: the watchdog ends the run, or a second Ctrl-C at once.
+on any host), each recognised from what the terminal or the output shows: right after the log's line
+(vLLM importing), the phase line `building the engine` (the engine's share in this process, before
+Prefect), the phase line `starting Prefect` with Prefect's "Starting temporary server" in the log
+(its embedded server starting, the engine building beside it), the first part (or `writing/` stamp) of the run appearing in the
+output (parts being written), and, on the next run (earlier results: Prefect started early, the
+engine at the first item with work), captions coming in (the engine generating); then a run to the
+end. And, without an engine, a main thread that does not let go of the Ctrl-C: the watchdog ends the
+run, or a second Ctrl-C at once.
 """
 
 from __future__ import annotations
@@ -38,21 +42,42 @@ def _log(terminal: Terminal) -> str:
     return Path(found.group(1)).read_text(errors="replace") if found else ""
 
 
-def _captioning(terminal: Terminal) -> bool:
-    """The progress shows some of the images captioned, not all: the engine is generating."""
-    shown = [int(done) for done in re.findall(rf"\b(\d+)/{IMAGES}\b", terminal.screen)]
-    return bool(shown) and 0 < shown[-1] < IMAGES
+def _prefect_starting(terminal: Terminal, out: Path, before: set[Path]) -> bool:
+    """The phase line, and Prefect's client starting its embedded server (a fresh database's migrations)."""
+    return "starting Prefect" in terminal.screen and "Starting temporary server" in _log(terminal)
 
 
+def _captioning(terminal: Terminal, out: Path, before: set[Path]) -> bool:
+    """The progress shows some of this run's items captioned, not all: the engine is generating.
+    (It counts this run's work: a rerun's total is what is left.)"""
+    shown = [(int(done), int(total)) for done, total in re.findall(r"\b(\d+)/(\d+)\b", terminal.screen)]
+    return bool(shown) and 0 < shown[-1][0] < shown[-1][1]
+
+
+def _files(out: Path) -> set[Path]:
+    """Every file under the output's results/: parts, their sidecars, `writing/` stamps, staged files."""
+    return {path for path in (out / "results").rglob("*") if path.is_file()} if (out / "results").exists() else set()
+
+
+def _writing(terminal: Terminal, out: Path, before: set[Path]) -> bool:
+    """The run's first part, or the `writing/` stamp its writer leaves before it, is in the output
+    (or being staged there): parts are being written."""
+    return any(".jsonl" in path.name or path.parent.name == "writing" for path in _files(out) - before)
+
+
+# In the order of a first run's start, then a rerun (earlier results) for the generating. Each gets
+# the terminal, the output and the output's files as the run began.
 MOMENTS = {
-    "vLLM importing": lambda terminal: LOG_LINE.search(terminal.screen) is not None,
-    "Prefect's server starting, the engine building": lambda terminal: "Starting temporary server" in _log(terminal),
+    "vLLM importing": lambda terminal, out, before: LOG_LINE.search(terminal.screen) is not None,
+    "the engine building": lambda terminal, out, before: "building the engine" in terminal.screen,
+    "Prefect starting": _prefect_starting,
+    "parts being written": _writing,
     "the engine generating": _captioning,
 }
 
 
 def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for part in out.glob("results/*/*.jsonl") for line in part.read_text().splitlines()]
+    return [json.loads(line) for part in out.glob("results/*/part-*.jsonl") for line in part.read_text().splitlines()]
 
 
 def _interrupt(args: list[str], env: dict[str, str], seen, moment: str) -> str:
@@ -105,11 +130,15 @@ def test_ctrl_c_stops_a_run_at_every_moment_and_the_next_run_resumes(tiny_llava,
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine in its own process
                 "PREFECT_HOME": str(tmp_path / "prefect-home")})
 
+    kept = 0
     for moment, seen in MOMENTS.items():
+        before = _files(out)
         # Four sequences at a time: the shards end one after another while the run goes on.
-        after = _interrupt([*args, "--engine-arg", "max_num_seqs=4"], env, seen, moment)
-    kept = int(re.search(r"stopped; (\d+) captioned kept", after).group(1))
-    assert kept > 0 and len({r["key"] for r in _records(out)}) == kept, kept  # the parts written are there
+        after = _interrupt([*args, "--engine-arg", "max_num_seqs=4"], env,
+                           lambda terminal, seen=seen, before=before: seen(terminal, out, before), moment)
+        kept += int(re.search(r"stopped; (\d+) captioned kept", after).group(1))
+        assert len({r["key"] for r in _records(out)}) == kept, (moment, kept)  # what it said it kept is there
+    assert kept > 0
 
     # The same job (engine arguments are not part of its results), its engine in this process: quicker.
     terminal = Terminal(args, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})

@@ -1,7 +1,7 @@
 """A nightly rerun over a history costs what is new: with nothing new it makes no per-shard task
 run and builds no engine, and a few new items among many done ones make one full shard; objects
 after the greatest key the last listing read have the next run build its engine first. The
-history is synthesized by `vlm-caption bench --history`'s own code (flows/bench/history.py), so
+history is synthesized by `vlm-caption bench --history`'s own code (bench/history.py), so
 this also checks that what the bench writes is what a run counts as done."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import flows.pipeline
 import flows.plan
 import tasks.engine.vllm_engine as vllm_engine
-from flows.bench.config import BenchConfig
-from flows.bench.history import Locations, add_new_items, item_key, small_jpeg, synthesize
+from bench.config import BenchConfig
+from bench.history import Locations, add_new_items, item_key, small_jpeg, synthesize
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
 from flows.plan import make_plan, start_engine_first

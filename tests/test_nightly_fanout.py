@@ -1,7 +1,7 @@
 """A fanned-out nightly run over a history: with nothing new it learns so from its shard plan
 before asking for any child, so it creates no child flow run (no worker process, no engine) and
 reports every item done; with new items its children are asked for as before. The history is
-synthesized by `vlm-caption bench --history`'s own code (flows/bench/history.py)."""
+synthesized by `vlm-caption bench --history`'s own code (bench/history.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import flows.caption
 import flows.pipeline
 import tasks.engine.vllm_engine as vllm_engine
-from flows.bench.config import BenchConfig
-from flows.bench.history import Locations, add_new_items, synthesize
+from bench.config import BenchConfig
+from bench.history import Locations, add_new_items, synthesize
 from flows.caption import vlm_caption
 from flows.params import CaptionJob
 from tests.processes import idle_partition_deployment

@@ -31,7 +31,7 @@ def test_help_imports_neither_prefect_nor_vllm_nor_torch():
     assert done.returncode == 0 and done.stdout.startswith("usage: vlm-caption"), done.stderr[-3000:]
     imported = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
     heavy = [name for name in imported if name.split(".")[0] in ("prefect", "vllm", "torch", "transformers", "pydantic")
-             or name.startswith(("tasks.sources", "flows.bench"))]
+             or name.startswith(("tasks.sources", "bench.")) or name == "bench"]
     assert len(imported) > 20 and not heavy, heavy
 
 

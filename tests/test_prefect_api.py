@@ -3,7 +3,6 @@ here failing after a Prefect upgrade names what changed, before a user's termina
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -49,45 +48,77 @@ print("-- end --", flush=True)
         f"holds what it prints then):\n{screen}")
 
 
-def test_the_embedded_server_and_the_workers_drain_are_where_the_adapter_reaches_them():
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-    from prefect.server.api.server import SubprocessASGIServer
+def test_the_settings_and_the_client_the_adapter_uses_are_prefects_public_ones():
+    import inspect
 
-    assert SubprocessASGIServer() is SubprocessASGIServer(), "the embedded server is no longer one per process"
-    for attribute in ("running", "stop", "start"):
-        assert hasattr(SubprocessASGIServer(), attribute), f"SubprocessASGIServer has no {attribute}"
-    for worker in (APILogWorker, EventsWorker):
-        assert "timeout" in inspect.signature(worker.drain_all).parameters, f"{worker.__name__}.drain_all changed"
+    from prefect.client.orchestration import SyncPrefectClient, get_client
+    from prefect.settings import (PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_SERVER_DATABASE_TIMEOUT,
+                                  PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)
+
+    from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS
+
+    settings = (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, PREFECT_SERVER_DATABASE_TIMEOUT,
+                PREFECT_SERVER_ANALYTICS_ENABLED)
+    assert {setting.name for setting in settings} == set(EMBEDDED_SERVER_DEFAULTS), "a setting was renamed"
+    assert "sync_client" in inspect.signature(get_client).parameters and hasattr(SyncPrefectClient, "api_healthcheck")
+
+
+def test_product_code_names_no_prefect_internals():
+    names = ("SubprocessASGIServer", "drain_all", "prefect._internal", "prefect.server.api")
+    found = [f"{path}: {name}" for folder in ("flows", "tasks", "recipes") for path in (REPO / folder).rglob("*.py")
+             for name in names if name in path.read_text()]
+    assert not found, found
+
+
+def test_importing_the_package_changes_no_prefect_setting():
+    """Prefect's settings come from the environment: the CLI sets what a run needs as it begins."""
+    script = """
+import os
+prefects = lambda: {name: value for name, value in os.environ.items() if name.startswith("PREFECT_")}
+before = prefects()
+import flows, flows.cli, flows.caption, flows.demo, flows.server, tasks.prefect_api, tasks.terminal, recipes
+assert prefects() == before, set(prefects().items()) ^ set(before.items())
+from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS, embedded_server_defaults
+with embedded_server_defaults():
+    assert all(os.environ[name] for name in EMBEDDED_SERVER_DEFAULTS)
+assert prefects() == before, "embedded_server_defaults left its settings behind"
+"""
+    from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS
+
+    env = {key: value for key, value in os.environ.items() if key not in EMBEDDED_SERVER_DEFAULTS}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.timeout(600)
-def test_a_flow_run_on_the_embedded_server_is_stopped_now_with_its_logs_sent(tmp_path):
-    """Without PREFECT_API_URL a flow run starts Prefect's embedded server; `running_embedded_server`
-    finds it and `drain_and_stop` stops it at once, after its log lines are sent: nothing is left for
-    the process's exit to say (Prefect's "Stopping temporary server", "Error logging to API")."""
-    script = """
-from prefect import flow, get_run_logger
-from tasks.prefect_api import drain_and_stop, running_embedded_server
+def test_a_quiet_run_on_the_embedded_server_leaves_its_stop_to_prefect_and_its_goodbye_in_the_log(tmp_path):
+    """Without PREFECT_API_URL a flow run starts Prefect's embedded server, which Prefect stops as the
+    process exits, after its log workers have sent what they hold: what it says then (Prefect's
+    "Stopping temporary server") goes to the quiet run's log, nothing after the summary on the terminal."""
+    log = tmp_path / "logs" / "run.log"
+    script = f"""
+from pathlib import Path
+from tasks.prefect_api import embedded_server_defaults
 
-assert running_embedded_server() is None
+with embedded_server_defaults():
+    from prefect import flow, get_run_logger
+    from tasks.terminal import quiet_terminal
 
-@flow
-def hello():
-    for n in range(50):
-        get_run_logger().info(f"a line for the API {n}")
+    @flow
+    def hello():
+        for n in range(50):
+            get_run_logger().info(f"a line for the API {{n}}")
 
-hello()
-server = running_embedded_server()
-assert server is not None, "a flow run without PREFECT_API_URL started no SubprocessASGIServer()"
-drain_and_stop(server)
-assert running_embedded_server() is None and server.server_process is None, "the embedded server still runs"
-print("-- stopped --", flush=True)
+    with quiet_terminal(Path({str(log)!r})):
+        hello()
+    print("the summary", flush=True)
 """
     done, output = _run_without_api_url(script, tmp_path)
-    assert "Stopping temporary server" in done.stderr, output[-3000:]  # Prefect's line, now
-    at_exit = done.stderr.split("Stopping temporary server", 1)[1]
-    assert "Stopping temporary server" not in at_exit and "Error logging to API" not in at_exit, output[-3000:]
+    assert done.stdout == "the summary\n", output[-3000:]
+    assert done.stderr == f"vlm-caption: the run's log (Prefect, vLLM): {log}\n", output[-3000:]
+    kept = log.read_text()
+    assert "Starting temporary server" in kept and "Stopping temporary server" in kept, kept[-3000:]
+    assert "Error logging to API" not in kept, kept[-3000:]
 
 
 @pytest.mark.timeout(600)
@@ -95,35 +126,39 @@ def test_an_embedded_server_started_early_is_the_one_the_flow_run_uses(tmp_path)
     """`vlm-caption run` starts the embedded server on a thread before it imports the flow (a night
     with earlier results): the flow run then finds it up, and no second server starts."""
     script = """
-from prefect import flow
-from tasks.prefect_api import drain_and_stop, running_embedded_server, start_embedded_server_early
+import sys
+from tasks.prefect_api import embedded_server_defaults
 
-wait = start_embedded_server_early()
-wait()
-server = running_embedded_server()
-assert server is not None, "no embedded server after the early start"
+with embedded_server_defaults():
+    from prefect import flow
+    from tasks.prefect_api import start_embedded_server_early
 
-@flow
-def hello():
-    return 1
+    wait = start_embedded_server_early()
+    wait()
+    print("-- up --", file=sys.stderr, flush=True)
 
-assert hello() == 1
-assert running_embedded_server() is server
-drain_and_stop(server)
+    @flow
+    def hello():
+        return 1
+
+    assert hello() == 1
 """
-    _, output = _run_without_api_url(script, tmp_path)
-    assert output.count("Starting temporary server") == 1, output[-3000:]
+    done, output = _run_without_api_url(script, tmp_path)
+    assert done.stderr.count("Starting temporary server") == 1, output[-3000:]
+    assert done.stderr.index("Starting temporary server") < done.stderr.index("-- up --"), output[-3000:]
 
 
 def test_no_embedded_server_is_started_early_where_the_run_has_an_api_url():
+    import threading
+
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.prefect_api import running_embedded_server, start_embedded_server_early
+    from tasks.prefect_api import start_embedded_server_early
 
-    before = running_embedded_server()
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
-        start_embedded_server_early()()
-    assert running_embedded_server() is before
+        wait = start_embedded_server_early()
+    assert "vlm-caption-prefect-server" not in [thread.name for thread in threading.enumerate()]
+    wait()
 
 
 def _run_without_api_url(script: str, tmp_path) -> tuple[subprocess.CompletedProcess, str]:

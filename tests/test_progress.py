@@ -116,29 +116,6 @@ def test_the_summary_says_what_was_done_how_fast_and_where_it_all_is(capsys, tmp
     ]
 
 
-def test_a_quiet_run_stops_only_the_embedded_server_it_started(tmp_path, monkeypatch):
-    """The server a run's Prefect started is stopped inside the redirect (its goodbye line goes to
-    the log); a server that was up before (a test harness's, a caller's) is left running."""
-    import tasks.terminal as terminal
-    from tasks.terminal import quiet_terminal
-
-    stopped: list[str] = []
-    embedded: list[str | None] = []  # what Prefect's embedded server is: as the run starts, as it ends
-    monkeypatch.setattr(terminal, "running_embedded_server", lambda: embedded.pop(0))
-    monkeypatch.setattr(terminal, "drain_and_stop", stopped.append)
-
-    embedded[:] = ["the harness's", "the harness's"]
-    with quiet_terminal(tmp_path / "run.log"):
-        pass
-    embedded[:] = [None, "the run's"]
-    with quiet_terminal(tmp_path / "run.log"):
-        pass
-    embedded[:] = [None, None]  # a run on PREFECT_API_URL's server: nothing to stop
-    with quiet_terminal(tmp_path / "run.log"):
-        pass
-    assert stopped == ["the run's"] and embedded == []
-
-
 def test_a_quiet_run_shuts_its_engine_down_into_the_log(tmp_path):
     """The engine is released inside the redirect: what vLLM says as it ends the engine's
     processes (a force kill under load) goes to the run's log, not the terminal after the summary."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from recipes import get_recipe
-from tasks.engine import steps
 from tasks.engine.arguments import EngineSpec
 from tasks.engine.steps import GenerateOptions, ask_again, make_record
 from tasks.engine.vllm_engine import Sampling
@@ -136,12 +135,12 @@ class _Engine:
 
 
 def test_the_re_ask_keeps_the_better_answer(monkeypatch):
-    options = GenerateOptions(EngineSpec(recipe=get_recipe("llava"), model="m"), Sampling())
+    options = GenerateOptions(EngineSpec(recipe=get_recipe("llava"), model="m"), Sampling(), retry_looping=1.3)
     outputs = [GenerationOutput("the the the the the the", "stop", 5, 6),
                GenerationOutput("A cat.", "stop", 5, 2),
                GenerationOutput("", "stop", 5, 0)]
     engine = _Engine([GenerationOutput("A dog on grass.", "stop", 5, 4), GenerationOutput("", "stop", 5, 0)])
     retried = ask_again(engine, [object(), object(), object()], outputs, options)
-    assert engine.asked == [(2, steps.get_settings().retry_repetition_penalty)]
+    assert engine.asked == [(2, 1.3)]
     assert retried == {0: ["looping"], 2: ["empty"]}
     assert outputs[0].text == "A dog on grass." and outputs[1].text == "A cat." and outputs[2].text == ""

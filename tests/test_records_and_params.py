@@ -14,8 +14,10 @@ def test_fingerprint_changes_with_source_sampling_model_recipe_modality_but_not_
     assert fp == job_fingerprint(**base)
     assert job_fingerprint(**{**base, "source": "s3://b/images"}) == fp  # a trailing slash is the same place
     for change in ({"source": "s3://b/more/"}, {"model": "n"}, {"recipe": "x"}, {"sampling": {"temperature": 0.5}},
-                   {"modality": "video"}, {"method": "chat"}, {"media": {"num_frames": 8}}):
+                   {"modality": "video"}, {"method": "chat"}, {"media": {"num_frames": 8}}, {"retry_looping": 1.3},
+                   {"dedup": False}):
         assert job_fingerprint(**{**base, **change}) != fp
+    assert job_fingerprint(**base, retry_looping=None, dedup=True) == fp  # the defaults: as before they existed
 
 
 def _record(key="a.jpg", question="q", size=10, etag="e1", sha="sha", members=None, error=None):
@@ -127,3 +129,14 @@ def test_a_fanned_out_run_generates_over_the_span_of_its_partitions():
     assert stats.summary()["generate_items_per_s"] == round(200 / 15, 3)
     assert child.brief()["generate_items_per_s"] == 10.0
     assert stats.manifest(run_id="r", parameters={}, fingerprint="f", engine=None)["generate_window"] == [1000.0, 1015.0]
+
+
+def test_the_command_line_sets_the_switches_that_change_records():
+    from flows.cli import build_parser
+    from flows.cli_job import job_fields
+
+    run = ["run", "/in", "--out", "/out"]
+    fields = job_fields(build_parser().parse_args([*run, "--retry-looping", "--no-dedup"]))
+    assert (fields["retry_looping"], fields["dedup"]) == (1.3, False)
+    assert job_fields(build_parser().parse_args([*run, "--retry-looping", "1.1"]))["retry_looping"] == 1.1
+    assert {"retry_looping", "dedup"}.isdisjoint(job_fields(build_parser().parse_args(run)))

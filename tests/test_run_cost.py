@@ -49,7 +49,7 @@ def test_cost_per_1000_items_from_device_seconds():
 def test_a_copy_waits_for_the_first_answer_and_raises_if_its_shard_failed():
     import threading
 
-    from tasks.engine.same_media import CopyWithoutAnswer, SameMedia
+    from tasks.same_media import CopyWithoutAnswer, SameMedia
 
     same = SameMedia()
     first, is_first = same.claim("run", "h1", "Describe.", "a.jpg")
@@ -74,7 +74,7 @@ def test_a_copy_waits_for_the_first_answer_and_raises_if_its_shard_failed():
 def test_the_answers_kept_for_copies_are_bounded(monkeypatch):
     """A run of millions of distinct items keeps the latest answers only: an early one's copy
     is asked again, a recent one's still takes its answer."""
-    import tasks.engine.same_media as same_media
+    import tasks.same_media as same_media
 
     monkeypatch.setattr(same_media, "KEEP_ANSWERS", 3)
     same = same_media.SameMedia()
@@ -136,11 +136,11 @@ def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api
         return outputs
 
     monkeypatch.setattr(CaptionEngine, "run", run)
-    settings_env(retry_looping="true", gpu_hour_price="2.5")
+    settings_env(gpu_hour_price="2.5")
 
     out = tmp_path / "out"
     state = vlm_caption(CaptionJob(source=str(media), output=str(out), model=str(tiny_llava),
-                                   sampling={"max_tokens": 8}), return_state=True)
+                                   sampling={"max_tokens": 8}, retry_looping=1.3), return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
     found = {r["key"]: r for r in _records(out)}
@@ -149,7 +149,7 @@ def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api
     assert found["loop.jpg"]["retried_for"] == ["looping"] and found["loop.jpg"]["error"] is None
     assert found["mend.jpg"]["text"] == MENDED and found["mend.jpg"]["quality"] is None
     assert found["mend.jpg"]["retried_for"] == ["looping"]
-    assert any(penalty == get_settings().retry_repetition_penalty for _, penalty in asked)
+    assert any(penalty == 1.3 for _, penalty in asked)
 
     manifest = json.loads(Path(summary["manifest"]).read_text())
     counts = manifest["counts"]
@@ -170,8 +170,7 @@ def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api
     assert "  cost     " in lines and "cpu-s" in lines and "per 1,000 items at 2.5 per device-hour" in lines
 
 
-def test_byte_copies_under_other_names_are_captioned_once(prefect_api, tiny_llava, tmp_path, monkeypatch,
-                                                         settings_env):
+def test_byte_copies_under_other_names_are_captioned_once(prefect_api, tiny_llava, tmp_path, monkeypatch):
     from flows.caption import vlm_caption
     from flows.params import CaptionJob
 
@@ -190,7 +189,6 @@ def test_byte_copies_under_other_names_are_captioned_once(prefect_api, tiny_llav
         return real_run(self, requests, sampling, method)
 
     monkeypatch.setattr(CaptionEngine, "run", run)
-    settings_env(retry_looping="false")
 
     out = tmp_path / "out"
     state = vlm_caption(CaptionJob(source=str(media), output=str(out), model=str(tiny_llava), shard_size=3,

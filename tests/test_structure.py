@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from tests.call_graph import import_cycles, load_modules, long_modules, upward_imports, walk_job
+from tests.call_graph import (PACKAGES, TOOLS, import_cycles, load_modules, long_modules, tool_imports,
+                              upward_imports, walk_job)
 
 MOST_STOPS = 40  # issue 52's target for the walk of a job
 
@@ -32,6 +33,13 @@ def test_imports_point_down_from_flows_to_tasks_to_recipes(modules):
     assert KNOWN_UPWARD - upward == set(), "fixed: take it off KNOWN_UPWARD"
 
 
+def test_the_product_never_imports_the_bench(modules):
+    """The bench (bench/) is a tool beside the product: it imports flows, tasks and recipes, and
+    none of them imports it, not even inside a function; the CLI reaches `vlm-caption bench`
+    through "module:function" strings, imported only when it is used (flows/cli.py)."""
+    assert tool_imports(modules) == []
+
+
 def test_no_product_module_is_over_300_lines():
     assert long_modules(300) == {}
 
@@ -50,17 +58,18 @@ def _calls(module, name: str) -> list[int]:
                          else node.func.attr if isinstance(node.func, ast.Attribute) else None)]
 
 
-def test_the_recipe_is_looked_up_by_name_once_and_engine_arguments_built_once(modules):
+def test_the_recipe_is_looked_up_by_name_once_and_engine_arguments_built_once():
     """A job finds its recipe by name when it is made (flows/params.py); the plan builds the
     engine's arguments from it (flows/plan.py, `EngineSpec`) and hands both down. The CLI's
     `recipes` commands and the bench's raw-vLLM phase are entry points of their own."""
+    modules = load_modules(packages=(*PACKAGES, *TOOLS))
     lookups = {name for name, module in modules.items() if _calls(module, "get_recipe")}
-    assert lookups == {"flows.params", "flows.cli", "flows.bench.phases", "flows.bench.driver"}
+    assert lookups == {"flows.params", "flows.cli", "bench.phases", "bench.driver"}
     builders = {name for name, module in modules.items() if _calls(module, "engine_args_for")}
     assert builders == {"tasks.engine.arguments", "recipes.requests"}  # EngineSpec, and `recipes show`
     specs = {name for name, module in modules.items() if _calls(module, "build") and "EngineSpec" in
              {n.id for n in ast.walk(module.tree) if isinstance(n, ast.Name)}}
-    assert specs == {"flows.plan", "flows.bench.phases"}
+    assert specs == {"flows.plan", "bench.phases"}
 
 
 # ---- the walker itself, on a product of three modules ----------------------------------------
@@ -128,4 +137,15 @@ def test_cycles_and_upward_imports_are_found(tmp_path):
     })
     assert import_cycles(modules) == [["tasks.a", "tasks.b"]]
     assert [(e.source, e.target) for e in upward_imports(modules)] == [("tasks.b", "flows.run")]
+
+
+def test_a_tool_imported_by_the_product_is_found_even_inside_a_function(tmp_path):
+    modules = _product(tmp_path, {
+        "flows/cli.py": "OPTIONS = 'bench.cli:add_bench_arguments'\n\n"
+                        "def handler():\n    from bench import run_bench\n",
+        "tasks/late.py": "def f():\n    import bench.harness as harness\n",
+        "recipes/top.py": "import benchmark_tools\nfrom bench.config import BenchConfig\n",
+    })
+    assert tool_imports(modules) == ["flows.cli:4 -> bench", "recipes.top:2 -> bench.config",
+                                     "tasks.late:2 -> bench.harness"]
 

@@ -12,16 +12,14 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from tasks.engine.arguments import EngineSpec
-from tasks.engine.same_media import SAME_MEDIA
 from tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
 from tasks.media.prepare import PreparedItem, PreparedShard
 from tasks.media.video import DecodedVideo
 from tasks.observability import get_logger
-from tasks.results.copies import copy_answer
 from tasks.results.quality import better, caption_flags, wants_retry
 from tasks.results.records import GenerationOutput, ItemError, ResultRecord, structured_answer
 from tasks.retries import Retries
-from tasks.settings import get_settings
+from tasks.same_media import SAME_MEDIA
 
 
 @dataclass(frozen=True)
@@ -32,6 +30,8 @@ class GenerateOptions:
     sampling: Sampling
     method: str = "generate"  # or "chat" (the multi-image example's LLM.chat)
     num_frames: int = 16
+    retry_looping: float | None = None  # the repetition penalty a looping caption is asked again with
+    dedup: bool = True  # the same media captioned once (tasks/same_media.py)
 
 
 @task(name="start-engine", cache_policy=NONE, persist_result=False)
@@ -97,48 +97,34 @@ def failed_shard_records(prepared: PreparedShard, error: BaseException, model: s
 def generate_once(prepared: PreparedShard, options: GenerateOptions, fingerprint: str,
                   run_id: str) -> list[ResultRecord]:
     """Every (item, question) of a shard in one vLLM call; each gets a record, failed or not.
-    Each item was fetched and decoded once; its questions share its media and content ids."""
+    Each item was fetched and decoded once; its questions share its media and content ids. A
+    copy of media asked already takes that answer, with no request (tasks/same_media.py)."""
     engine = get_engine(options.spec)
-    ready = [(item, q) for item in prepared.items if item.error is None for q in item.questions if q not in item.copies]
-    # An item whose bytes and question were asked already in this run (in flight or done) takes
-    # that answer: no request of its own (tasks/engine/same_media.py).
-    claims = {(id(item), q): SAME_MEDIA.claim(run_id, media_id(item, options), q, item.item.id)
-              for item, q in ready if get_settings().dedup and item.sha256}
-    copies = {pair: claim for pair, (claim, first) in claims.items() if not first}
-    asked = [(item, q) for item, q in ready if (id(item), q) not in copies]
-    started = time.perf_counter()
-    try:
-        requests = [engine_request(item, q, options) for item, q in asked]
+    retried_for: dict[tuple[int, str], list[str]] = {}
+    started, spent = time.perf_counter(), []  # spent: the generate seconds per request asked
+
+    def ask(pairs: list[tuple[PreparedItem, str]]) -> list[GenerationOutput]:
+        requests = [engine_request(item, q, options) for item, q in pairs]
         outputs = engine.run(requests, options.sampling, options.method)
-        retried = ask_again(engine, requests, outputs, options) if get_settings().retry_looping else {}
-    except BaseException as exc:  # the copies waiting on this shard's answers raise too; re-raised
-        SAME_MEDIA.forget(run_id, [(media_id(item, options), q) for item, q in asked
-                                   if (id(item), q) in claims], exc)
-        raise
-    for (item, q), out in zip(asked, outputs):
-        if (id(item), q) in claims:  # a generate prompt is not kept: a copy renders its own
-            SAME_MEDIA.settle(claims[(id(item), q)][0], out if options.method == "chat" else replace(out, prompt=None))
-    retried_for = {(id(item), q): retried[i] for i, (item, q) in enumerate(asked) if i in retried}
-    per_request_s = (time.perf_counter() - started) / max(len(asked), 1)
-    by_request = {(id(item), q): out for (item, q), out in zip(asked, outputs)}
-    # The copies' answers: from this shard, or from another one in flight (waited for here).
-    by_request.update({pair: SAME_MEDIA.answer(claim) for pair, claim in copies.items()})
+        if options.retry_looping is not None:
+            retried = ask_again(engine, requests, outputs, options)
+            retried_for.update({(id(pairs[i][0]), pairs[i][1]): flags for i, flags in retried.items()})
+        spent.append((time.perf_counter() - started) / max(len(pairs), 1))
+        return outputs
+
+    pairs = [(item, q) for item in prepared.items for q in item.questions]
+    answers = SAME_MEDIA.answers(run_id if options.dedup else None, pairs, ask, lambda item: media_id(item, options),
+                                 keep_prompt=options.method == "chat")
     records = []
     for item in prepared.items:
         for question in item.questions:
-            output = by_request.get((id(item), question))
+            output, duplicate_of = answers.get((id(item), question), (None, None))
             prompt = None if options.method == "chat" or item.error else engine.prompt_for(
                 question, len(item.members))
-            copy = copies.get((id(item), question))
-            duplicate_of = copy.key if copy else None
-            if question in item.copies:  # a done result's answer: the same bytes (tasks/results/copies.py)
-                output, duplicate_of = copy_answer(item.copies[question], options.method)
             records.append(make_record(item, question, output, prompt, engine.model, options.spec.recipe.name,
-                                       per_request_s, fingerprint, run_id, options.sampling.structured,
+                                       spent[0], fingerprint, run_id, options.sampling.structured,
                                        retried_for=retried_for.get((id(item), question)),
                                        duplicate_of=duplicate_of))
-            if question in item.copies and records[-1].video is None:  # not decoded: the earlier one's
-                records[-1].video = item.copies[question].video
         item.media = None  # release the decoded pixels as soon as they are consumed
     return records
 
@@ -159,7 +145,7 @@ def ask_again(engine, requests: list[EngineRequest], outputs: list[GenerationOut
                and wants_retry(flags := caption_flags(out.text, out.finish_reason, prose=prose))}
     if not flagged:
         return {}
-    sampling = replace(options.sampling, repetition_penalty=get_settings().retry_repetition_penalty)
+    sampling = replace(options.sampling, repetition_penalty=options.retry_looping)
     again = engine.run([requests[i] for i in flagged], sampling, options.method)
     for (i, flags), out in zip(flagged.items(), again):
         if out.error is None and better(flags, caption_flags(out.text, out.finish_reason, prose=prose)):

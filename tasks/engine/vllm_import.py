@@ -30,7 +30,7 @@ _LOCK = threading.Lock()
 
 def ensure_vllm_imported() -> None:
     """vLLM imported before the flow's threads start: the engine's start, the fetch threads (the
-    video loader) and the render pool all import parts of it, and transformers' lazy modules
+    video loader) import parts of it, and transformers' lazy modules
     fail ("cannot import name 'AutoTokenizer'") when two threads import them at once. A second
     caller waits for the first's import."""
     if "vllm.multimodal.video" not in sys.modules:

@@ -14,9 +14,9 @@ from tasks.media.image import MediaError
 from tasks.media.pool import decode_images, decode_video_pooled
 from tasks.media.resize import ImageResize, ProcessorResize
 from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits
-from tasks.results.copies import take_copies
 from tasks.results.done_index import DoneIndex
 from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
+from tasks.same_media import take_copies
 from tasks.settings import get_settings
 from tasks.sources.fetch import TooLargeError
 from tasks.sources.items import Shard, WorkItem
@@ -33,6 +33,7 @@ class MediaOptions:
     max_images: int = 8  # a bigger group becomes an error record naming the limit
     resize: ImageResize | None = None  # shrink images to what the model's processor makes of them
     frame_resize: ProcessorResize | None = None  # and video frames, likewise
+    dedup: bool = True  # an item whose bytes a done result has takes its answer (tasks/same_media.py)
 
 
 @dataclass
@@ -48,7 +49,7 @@ class PreparedItem:
     error: ItemError | None = None
     fetch_s: float = 0.0
     decode_s: float = 0.0
-    # question -> the done record whose answer it takes: the same bytes (tasks/results/copies.py)
+    # question -> the done record whose answer it takes: the same bytes (tasks/same_media.py)
     copies: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -59,7 +60,10 @@ class PreparedItem:
 
     @property
     def video_info(self) -> dict[str, Any] | None:
-        return self.media.info() if isinstance(self.media, DecodedVideo) else None
+        """The decoded video's; an item not decoded, as a copy of done results, has theirs."""
+        if isinstance(self.media, DecodedVideo):
+            return self.media.info()
+        return next((record.video for record in self.copies.values() if record.video), None)
 
 
 @dataclass
@@ -146,7 +150,7 @@ class ItemPreparer:
                                        f"limit of {self.options.max_images} (raise max_images to allow it)")
             prepared.members = [Member(key=m.key, size=m.size, etag=m.etag) for m in item.members]
             return prepared
-        if take_copies(self.done, prepared, fetched=False):  # copies by their listed MD5s: not fetched
+        if self.options.dedup and take_copies(self.done, prepared, fetched=False):  # by listed MD5s: not fetched
             return prepared
         held = sum(max(m.size, 0) for m in item.members)
         self.budget.acquire(held)
@@ -159,7 +163,7 @@ class ItemPreparer:
             prepared.questions = self.done.pending_by_content(item.id, prepared.sha256, pending)
             if not prepared.questions:
                 return None  # re-uploaded with the same content: already done
-            if not take_copies(self.done, prepared):  # a copy of a done result's bytes is not decoded
+            if not (self.options.dedup and take_copies(self.done, prepared)):  # a done result's copy: not decoded
                 self._decode(prepared, blobs)
         finally:
             self.budget.release(held)

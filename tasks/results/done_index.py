@@ -5,7 +5,7 @@ A result is identified by (item key, question). Before fetching, an item whose e
 is done for the same members (etag and size) is skipped; after fetching, one whose content hash
 matches (re-uploaded, same bytes) is skipped too. An item under another key whose media are the
 same bytes as a done result's (its listed ETags are MD5s and equal, or its fetched sha256 is
-equal) takes that result's answer (`earlier_answer`, tasks/results/earlier.py).
+equal) takes that result's answer (`earlier_answer`; tasks/same_media.py).
 
 The index is compact so that a bucket's whole history loads fast: 24 bytes per finished result
 (8-byte hashes of the result's key, of its members' signature and of its content; the rows and
@@ -188,7 +188,7 @@ class DoneIndex:
     def earlier_answer(self, question: str, *, sha256: str | None = None,
                        signature: Signature | None = None) -> ResultRecord | None:
         """A done caption of `question` about the same bytes: found by the fetched `sha256`, or
-        before any fetch by a `signature` of listed ETags that are MD5s (earlier.content_signature).
+        before any fetch by a `signature` of listed ETags that are MD5s (tasks/same_media.py `content_signature`).
         The record of an item that was itself captioned is preferred to a copy's. None where there
         is none, or where this index cannot read records back (an older output's rows without a
         content hash take part in no lookup by content)."""

@@ -61,12 +61,11 @@ class ResultRecord(BaseModel):
     metadata: dict[str, Any] | None = None  # a WebDataset sample's .json/.txt, a Parquet row's other columns
     # Caption checks (tasks/results/quality.py): looping, empty, truncated, schema; None when fine.
     quality: list[str] | None = None
-    # The first answer's flags where it was asked again with other sampling (VLM_CAPTION_RETRY_LOOPING);
+    # The first answer's flags where it was asked again with other sampling (the job's `retry_looping`);
     # `text` and `quality` are then the better of the two answers.
     retried_for: list[str] | None = None
     # The key of the item (of this run or an earlier one) whose answer this record took: the same
-    # bytes, asked the same question, captioned once (tasks/engine/same_media.py in a process,
-    # tasks/results/copies.py across runs and partitions); its tokens are then 0.
+    # bytes, asked the same question, captioned once (tasks/same_media.py); its tokens are then 0.
     duplicate_of: str | None = None
     timings: dict[str, float]
     fingerprint: str
@@ -79,20 +78,21 @@ class ResultRecord(BaseModel):
 
 
 def job_fingerprint(*, source: str, recipe: str, model: str, modality: str, method: str,
-                    media: dict[str, Any], sampling: dict[str, Any],
-                    structured: dict[str, Any] | None = None) -> str:
+                    media: dict[str, Any], sampling: dict[str, Any], structured: dict[str, Any] | None = None,
+                    retry_looping: float | None = None, dedup: bool = True) -> str:
     """What makes two results interchangeable: same source, recipe, model, modality, method,
     media sampling (frames per video) and sampling parameters.
 
     The question is not part of it: each record carries its question, so adding a question
     later computes only that one. The source is, because record keys are relative to it: two
     prefixes that both hold `a.jpg` and write to one output must not count as each other's.
-    A structured-output constraint (JSON schema, regex, choice) is too; a plain-text job leaves it
-    out, so its fingerprint is what it was before structured outputs existed."""
+    So is whatever else changes the records: a structured-output constraint (JSON schema, regex,
+    choice), the re-ask of looping captions, copies captioned each on its own (`dedup` off); each
+    is left out at its default, so a job's fingerprint is what it was before they existed."""
     fields = {"source": source.rstrip("/"), "recipe": recipe, "model": model, "modality": modality,
               "method": method, "media": media, "sampling": sampling}
-    if structured is not None:
-        fields["structured"] = structured
+    given = {"structured": structured, "retry_looping": retry_looping, "dedup": None if dedup else False}
+    fields.update((name, value) for name, value in given.items() if value is not None)
     payload = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tasks.sources.braces import check_pattern, expand_braces, has_braces, literal_prefix
 from tasks.sources.items import ObjectRef
 from tasks.sources.storage import Storage, StorageError, open_storage
 
-if TYPE_CHECKING:
-    from tasks.sources.watermark import ChangedSince
+
+@dataclass(frozen=True)
+class ChangedSince:
+    """Which items a listing keeps: those with an object modified after `after` (None: every
+    one, a first `auto` run), and the ones the watermark file keeps to be retried."""
+
+    after: float | None  # epoch seconds
+    watermark: str | None  # `auto`: the watermark file (its URI in the output)
+    as_of: float  # epoch seconds: what the listing will have seen (its start, or the report's scan)
 
 
 def source_storage(uri: str, follow_links: bool = False) -> Storage:

@@ -210,7 +210,7 @@ class S3Storage:
 
     def create(self, key: str, data: bytes) -> bool:
         """Write `key` only if it does not exist (True): a conditional PUT (`If-None-Match: *`; atomic
-        on AWS S3 and MinIO, not on bare moto: flows/bench/loopback_s3.py), so one writer gets True.
+        on AWS S3 and MinIO, not on bare moto: bench/loopback_s3.py), so one writer gets True.
         A retry of our own PUT whose first answer was lost finds our bytes there: that is ours too."""
         try:
             self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data, IfNoneMatch="*")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.observability import get_logger
-from tasks.sources.formats import SourceSpec
+from tasks.sources.formats import ChangedSince, SourceSpec
 from tasks.sources.items import WorkItem
 from tasks.sources.storage import Storage, StorageError, key_within, open_storage, split_parent
 
@@ -44,16 +44,6 @@ WATERMARKS = "watermarks/"
 MARGIN_S = 24 * 3600
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-@dataclass(frozen=True)
-class ChangedSince:
-    """Which items a listing keeps: those with an object modified after `after` (None: every
-    one, a first `auto` run), and the ones the watermark file keeps to be retried."""
-
-    after: float | None  # epoch seconds
-    watermark: str | None  # `auto`: the watermark file (its URI in the output)
-    as_of: float  # epoch seconds: what the listing will have seen (its start, or the report's scan)
 
 
 def check_modified_since(value: str | None) -> str | None:

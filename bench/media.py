@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.bench.config import BenchConfig
+from bench.config import BenchConfig
 
 GROUP_SIZE = 2
 

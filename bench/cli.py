@@ -1,15 +1,46 @@
-"""`vlm-caption bench`'s options (its handler is `flows/cli.py`'s `cmd_bench`, beside the
-product's commands; what they mean is `flows/bench/config.py` and docs/benchmarks.md)."""
+"""`vlm-caption bench`'s options and its handler, `cmd_bench` (what they mean is `bench/config.py`
+and docs/benchmarks.md). `flows/cli.py` names both as strings and imports them only when
+`vlm-caption bench` is used: the product never imports the bench."""
 
 from __future__ import annotations
 
 import argparse
+import json
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench import BenchConfig, run_bench
+    from bench.processes import sigterm_raises
+    from flows.cli_job import json_schema_option
+    from flows.params import resolve_json_schema
+    from tasks.errors import UsageError
+
+    width, _, height = args.size.partition("x")
+    if not (width.isdigit() and height.isdigit()):
+        raise UsageError(f"--size {args.size}: expected WIDTHxHEIGHT in pixels, e.g. 640x480")
+    try:  # checked as a job checks it, before any phase runs
+        schema = resolve_json_schema(json_schema_option(args.json_schema))
+    except ValueError as exc:
+        raise UsageError(f"--json-schema: {exc}") from None
+    with sigterm_raises():  # a SIGTERM stops every process the bench started, as Ctrl-C does
+        run_bench(BenchConfig(workdir=args.dir, model=args.model, recipe=args.recipe, images=args.images,
+                              copies=args.copies, width=int(width), height=int(height), shard_size=args.shard_size,
+                              source=args.source, max_tokens=args.max_tokens, shape=args.shape,
+                              modality=args.modality, frames=args.frames, flow_env=tuple(args.flow_env),
+                              fan_out_env=tuple(args.fan_out_env), also_gpus=tuple(args.also_gpus),
+                              profile=args.profile, prefect=args.prefect, gpus=args.gpus, skip_raw=args.skip_raw,
+                              processor_device=args.processor_device, warm_up=args.warm_up,
+                              start_rounds=args.start_rounds, history=args.history,
+                              history_source=args.history_source, history_keep=args.history_keep,
+                              history_new=not args.history_nothing_new_only, history_new_at=args.history_new_at,
+                              json_schema=json.dumps(schema) if schema is not None else None))
+    return 0
 
 
 class SkipRaw(argparse.Action):
     """--skip-raw and --skip-raw-n, gathered in one value of `skip_raw` ("raw", "raw-n" or
     "raw,raw-n"; False: neither), which `vlm-caption bench` hands BenchConfig as it is:
-    BenchConfig reads it into its `skip_raw` and `skip_raw_n` (flows/bench/config.py)."""
+    BenchConfig reads it into its `skip_raw` and `skip_raw_n` (bench/config.py)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         skipped = set(namespace.skip_raw.split(",")) if isinstance(namespace.skip_raw, str) else set()
@@ -40,7 +71,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "the tars; raw the JPEGs)")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per item (default 64)")
     parser.add_argument("--flow-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
-                        help="run the flow once more with these settings, e.g. VLM_CAPTION_RENDER_PROCESSES=0")
+                        help="run the flow once more with these settings, e.g. VLM_CAPTION_PREPARE_AHEAD=4")
     parser.add_argument("--fan-out-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                         help="with --gpus N: run the fan-out once more with these settings in the run's and its "
                         "workers' environment, e.g. VLM_CAPTION_CPU_SHARE=all")

@@ -38,7 +38,7 @@ class BenchConfig:
     skip_raw_n: bool = False
 
     def __post_init__(self):
-        # The command line hands both skips over as one value of `skip_raw` (flows/bench/cli.py's
+        # The command line hands both skips over as one value of `skip_raw` (bench/cli.py's
         # SkipRaw: "raw", "raw-n" or "raw,raw-n"), since `vlm-caption bench` passes that field on.
         if isinstance(self.skip_raw, str):
             skipped = set(self.skip_raw.split(","))
@@ -76,17 +76,17 @@ class BenchConfig:
     # A JSON Schema (as JSON text) both phases constrain every answer to with vLLM's structured
     # outputs; generation then ends where the schema does (no ignore_eos). None: prose.
     json_schema: str | None = None
-    # N > 0: `--history N` (flows/bench/history.py): a nightly run over N done results, with
+    # N > 0: `--history N` (bench/history.py): a nightly run over N done results, with
     # nothing new and with 1% new, instead of the raw/flow comparison.
     history: int = 0
     # Where the history's items are listed from: "listing" (the folder or bucket itself) or
-    # "inventory" (an S3 Inventory report of the loopback bucket: flows/bench/history_inventory.py).
+    # "inventory" (an S3 Inventory report of the loopback bucket: bench/history_inventory.py).
     history_source: str = "listing"
     history_keep: str | None = None  # a folder that keeps the synthesized history for the next bench
     history_new: bool = True  # False: only the night with nothing new
     history_new_at: str = "spread"  # where the 1% new items sort: "spread" among the done ones, or "end"
     # N > 0: after the compared phases, N rounds of raw (the flow's processor) and the flow over
-    # WARM_UP_ITEMS items each, for the median of the engine-ready gap (flows/bench/rounds.py).
+    # WARM_UP_ITEMS items each, for the median of the engine-ready gap (bench/rounds.py).
     start_rounds: int = 0
 
     def structured(self) -> dict | None:

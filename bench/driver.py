@@ -7,7 +7,7 @@ gone before the second starts:
 - raw: the example's way: decode every item serially, then one `LLM.generate` over all prompts;
 - flow: the `vlm-caption` flow over the same items, from a folder or an S3 endpoint (a real
   one, or a loopback moto server in a process of its own, filled before any phase); then, for
-  each `--flow-env`, the flow again with those settings (e.g. VLM_CAPTION_RENDER_PROCESSES=0),
+  each `--flow-env`, the flow again with those settings (e.g. VLM_CAPTION_PREPARE_AHEAD=4),
   each starting Prefect's embedded server, or with `--prefect server` against one server the
   bench starts before them (how a deployment's run finds its server);
 - with `--gpus N`: first "raw, N processes" (`raw_n`): N raw scripts started at once, one per
@@ -18,7 +18,7 @@ gone before the second starts:
   deployment), reported over the flow on one GPU, as the GPUs' items/s together and each GPU's
   own, summed, and over raw, N processes.
 - `--start-rounds N` adds N rounds of raw and the flow over a few items for the engine-ready
-  gap's median (flows/bench/rounds.py);
+  gap's median (bench/rounds.py);
 - `--skip-raw` leaves out raw on one GPU (and "raw, same processor"), not raw, N processes:
   a fan-out's ratio that matters is over the flow on one GPU and over raw, N processes;
   `--skip-raw-n` leaves raw, N processes out.
@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -53,12 +52,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from flows.bench.config import CHECKPOINTS, BenchConfig
-from flows.bench.harness import GpuSampler, partition_workers, prefect_api, s3_source
-from flows.bench.media import make_bench_media, make_bench_tars
-from flows.bench.phases import RESULT_FILE
-from flows.bench.report import engine_ready_gaps, print_table, profile_summary, ratios, write_report
-from flows.bench.rounds import run_start_rounds
+from bench.config import CHECKPOINTS, BenchConfig
+from bench.harness import GpuSampler, partition_workers, prefect_api, s3_source
+from bench.media import make_bench_media, make_bench_tars
+from bench.phases import RESULT_FILE
+from bench.processes import run_to_end, started
+from bench.report import engine_ready_gaps, print_table, profile_summary, ratios, write_report
+from bench.rounds import run_start_rounds
 
 
 def _read_result(path: Path, phase: str, returncode: int, stderr: str) -> dict[str, Any]:
@@ -84,15 +84,17 @@ def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overri
            **env_settings(env_overrides)}
     if cfg.gpus > 1:  # every phase's own engine on GPU 0; a fan-out's workers have the others
         env["CUDA_VISIBLE_DEVICES"] = "0"
-    command = [sys.executable, "-m", "flows.bench.phases", phase, json.dumps(asdict(cfg)), str(folder), model]
+    command = phase_command(phase, cfg, folder, model)
     if profile is not None:  # what holds the GIL in the flow's process and its children (needs py-spy)
         command = ["py-spy", "record", "--gil", "--threads", "--subprocesses", "--rate", "100", "--format", "raw",
                    "--output", str(profile), "--", *command]
+    # The phase's process and all it started (its engine core, its embedded Prefect server) are
+    # stopped as it ends, or as the bench does (an exception, Ctrl-C, SIGTERM): nothing left behind.
     with GpuSampler(devices=cfg.gpus if phase == "fan-out" else 1) as gpu:
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        returncode, stdout, stderr = run_to_end(command, env=env)
     log = Path(cfg.workdir) / f"{phase}-{time.strftime('%H%M%S')}.log"  # the phase's own output, to look into
-    log.write_text(done.stdout + done.stderr)
-    result = _read_result(result_file, phase, done.returncode, done.stderr)
+    log.write_text(stdout + stderr)
+    result = _read_result(result_file, phase, returncode, stderr)
     window = result.pop("window")
     result["gpu_busy_pct"] = gpu.busy_pct(*window)
     result["gpu_busy_by_tenth"] = gpu.busy_by_tenth(*window)
@@ -102,49 +104,46 @@ def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overri
     return result
 
 
+def phase_command(phase: str, cfg: BenchConfig, folder: Path, model: str) -> list[str]:
+    """A phase's process: `python -m bench.phases <phase> <config> <folder> <model>`."""
+    return [sys.executable, "-m", "bench.phases", phase, json.dumps(asdict(cfg)), str(folder), model]
+
+
 def run_raw_n(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
     """Raw, N processes: N raw scripts started at once, process i on GPU i (CUDA_VISIBLE_DEVICES=i)
     over the i-th contiguous 1/N of the items, each as phase_raw runs (serial decode, then one
     `LLM.generate`). Times are from the phase's start (the launch of the N processes)."""
     work, stamp, count = Path(cfg.workdir).resolve(), time.strftime("%H%M%S"), cfg.gpus
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs, ended = [], {}
-    with GpuSampler(devices=count) as gpu:
-        started = time.time()
-        try:
-            for i in range(count):
-                out, err = (open(work / f"raw-n{i}-{stamp}.{kind}", "w+") for kind in ("out", "err"))
-                command = [sys.executable, "-m", "flows.bench.phases", f"raw-n:{i}:{count}",
-                           json.dumps(asdict(cfg)), str(folder), model]
-                (work / f"raw-n{i}-result.json").unlink(missing_ok=True)
-                procs.append((subprocess.Popen(command, stdout=out, stderr=err, text=True, start_new_session=True,
-                                               env={**env, "CUDA_VISIBLE_DEVICES": str(i),
-                                                    RESULT_FILE: str(work / f"raw-n{i}-result.json")}), out, err))
-            while len(ended) < count:  # when each process ended, to the tenth of a second
-                for i, (proc, _, _) in enumerate(procs):
-                    if i not in ended and proc.poll() is not None:
-                        ended[i] = time.time()
-                time.sleep(0.1)
-        finally:  # the bench stopped (Ctrl-C): no raw process, nor its engine core, left holding a GPU
-            for proc, _, _ in procs:
-                if proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-    results = []
-    for i, (proc, out, err) in enumerate(procs):
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        out.close()
-        err.close()
-        for kind in ("out", "err"):
-            (work / f"raw-n{i}-{stamp}.{kind}").unlink()
-        log = work / f"raw-n{i}-{stamp}.log"  # each process's own output, as run_phase keeps it
-        log.write_text(stdout + stderr)
-        results.append(_read_result(work / f"raw-n{i}-result.json", f"raw-n, process {i},", proc.returncode,
-                                    stderr))
-    result = raw_n_figures(results, started, [ended[i] for i in range(count)])
+    procs, ended, results = [], {}, []
+    # Each process stopped with all it started as the phase ends, or as the bench does (Ctrl-C):
+    # no raw process, nor its engine core, left holding a GPU.
+    with GpuSampler(devices=count) as gpu, contextlib.ExitStack() as running:
+        started_at = time.time()
+        for i in range(count):
+            out, err = (running.enter_context(open(work / f"raw-n{i}-{stamp}.{kind}", "w+"))
+                        for kind in ("out", "err"))
+            (work / f"raw-n{i}-result.json").unlink(missing_ok=True)
+            procs.append((running.enter_context(started(
+                phase_command(f"raw-n:{i}:{count}", cfg, folder, model), stdout=out, stderr=err, text=True,
+                env={**env, "CUDA_VISIBLE_DEVICES": str(i), RESULT_FILE: str(work / f"raw-n{i}-result.json")})), out, err))
+        while len(ended) < count:  # when each process ended, to the tenth of a second
+            for i, (proc, _, _) in enumerate(procs):
+                if i not in ended and proc.poll() is not None:
+                    ended[i] = time.time()
+            time.sleep(0.1)
+        for i, (proc, out, err) in enumerate(procs):
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+            # each process's own output, as run_phase keeps it
+            (work / f"raw-n{i}-{stamp}.log").write_text(stdout + stderr)
+            results.append((proc.returncode, stderr))
+    for kind, i in ((kind, i) for i in range(count) for kind in ("out", "err")):
+        (work / f"raw-n{i}-{stamp}.{kind}").unlink()
+    results = [_read_result(work / f"raw-n{i}-result.json", f"raw-n, process {i},", code, stderr)
+               for i, (code, stderr) in enumerate(results)]
+    result = raw_n_figures(results, started_at, [ended[i] for i in range(count)])
     window = result.pop("window")
     result["gpu_busy_pct"] = gpu.busy_pct(*window)
     result["gpu_busy_by_tenth"] = gpu.busy_by_tenth(*window)
@@ -199,7 +198,7 @@ def build_checkpoint(work: Path, recipe: str, shape: str) -> str:
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.history:
-        from flows.bench.history import run_history
+        from bench.history import run_history
 
         return run_history(cfg)
     cfg.check()

@@ -3,7 +3,7 @@ as the examples run it, on this machine: `driver` runs the phases, `harness` wha
 (GPU sampling, the Prefect server, S3, fan-out workers), `media` the items, `report` the table and
 JSON, `config` what a run is, `cli` its command-line options."""
 
-from flows.bench.config import BenchConfig
-from flows.bench.driver import run_bench
+from bench.config import BenchConfig
+from bench.driver import run_bench
 
 __all__ = ["BenchConfig", "run_bench"]

@@ -16,7 +16,7 @@ Each run's figures: wall, the peak RSS of the run's process (and of its process 
 runs Prefect's server recorded and their states (read from the run's Prefect home's SQLite
 database), and how many events Prefect's server dropped (`Subscription queue is full` in the
 run's log). With `--history-source inventory` the history is an S3 Inventory report of a bucket
-(flows/bench/history_inventory.py), not a folder to walk; `--history-keep DIR` keeps the
+(bench/history_inventory.py), not a folder to walk; `--history-keep DIR` keeps the
 synthesized history there and uses it again (what the bench's runs added removed first).
 Items are hard links to one small JPEG (a listing reads names and sizes; a done
 item's bytes are never read), written with os-level calls: a million in about a minute.
@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import sqlite3
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -38,7 +37,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from flows.bench.config import BenchConfig
+from bench.config import BenchConfig
+from bench.processes import output_file, read_all, started
 
 PER_FOLDER = 10_000  # items per source folder (a bucket's keys are flat; a folder's are not)
 HISTORY_RUN = "history0-20260101T000000"  # the run that "wrote" the synthesized results
@@ -46,9 +46,9 @@ DROPPED = "Subscription queue is full"
 
 
 def run_history(cfg: BenchConfig) -> dict[str, Any]:
-    from flows.bench.driver import build_checkpoint
-    from flows.bench.harness import loopback_s3
-    from flows.bench.history_inventory import InventoryLocations, kept_history
+    from bench.driver import build_checkpoint
+    from bench.harness import loopback_s3
+    from bench.history_inventory import InventoryLocations, kept_history
 
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -64,7 +64,7 @@ def run_history(cfg: BenchConfig) -> dict[str, Any]:
         env = serving.enter_context(loopback_s3(work)) if cfg.source == "s3" or inventory else {}
         env = {**os.environ, **env}
         where = InventoryLocations(base, cfg.source) if inventory else Locations(base, cfg.source)
-        started = time.perf_counter()
+        began = time.perf_counter()
         new = new_keys(where, cfg.history, cfg.history_new_at)
         if cfg.history_keep and cfg.source == "folder" and kept_history(base, wanted):
             for key in new:  # a listed history's new items from the last bench
@@ -77,7 +77,7 @@ def run_history(cfg: BenchConfig) -> dict[str, Any]:
                                    "name a new folder")
             shutil.rmtree(base, ignore_errors=True)
             synthesize(where, cfg, model, env)
-            report["synthesize_s"] = round(time.perf_counter() - started, 1)
+            report["synthesize_s"] = round(time.perf_counter() - began, 1)
             if cfg.history_keep:
                 (base / "synthesized.json").write_text(json.dumps({**wanted, "compacted": where.compacted}))
         report["nothing_new"] = timed_run(where, where.source, where.out, model, cfg, env, base / "prefect-1")
@@ -241,24 +241,23 @@ def timed_run(where, source: str, out: str, model: str, cfg: BenchConfig, env: d
     """`vlm-caption run` as a night's run starts it (its own process, a fresh Prefect home)."""
     import psutil
 
-    exe = Path(sys.executable).with_name("vlm-caption")
-    log_dir = home / "logs"
+    exe, log_dir = Path(sys.executable).with_name("vlm-caption"), home / "logs"
     command = [str(exe), "run", source, "--model", model, "--out", out, "--shard-size", str(cfg.shard_size),
                "--max-tokens", str(cfg.max_tokens), "--source-format", where.source_format]
     run_env = {**env, "PREFECT_HOME": str(home), "VLM_CAPTION_LOG_DIR": str(log_dir), "HF_HUB_OFFLINE": "1"}
-    started = time.perf_counter()
-    proc = subprocess.Popen(command, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watched, peak, tree_peak = psutil.Process(proc.pid), 0, 0
-    while proc.poll() is None:
-        try:
-            peak = max(peak, watched.memory_info().rss)
-            tree = [watched, *watched.children(recursive=True)]
-            tree_peak = max(tree_peak, sum(p.memory_info().rss for p in tree if p.is_running()))
-        except psutil.Error:
-            pass  # a child ended between the listing and the read: the next sample has the rest
-        time.sleep(0.1)
-    wall = time.perf_counter() - started
-    output = proc.stdout.read()
+    begun = time.perf_counter()
+    # Stopped with all it started (its engine, its Prefect server) however the bench ends.
+    with output_file() as printed, started(command, env=run_env, stdout=printed, stderr=printed) as proc:
+        watched, peak, tree_peak = psutil.Process(proc.pid), 0, 0
+        while proc.poll() is None:
+            try:
+                peak = max(peak, watched.memory_info().rss)
+                tree = [watched, *watched.children(recursive=True)]
+                tree_peak = max(tree_peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            except psutil.Error:
+                pass  # a child ended between the listing and the read: the next sample has the rest
+            time.sleep(0.1)
+        wall, output = time.perf_counter() - begun, read_all(printed)
     if proc.returncode != 0:
         raise RuntimeError(f"vlm-caption run failed (exit {proc.returncode}):\n{output[-4000:]}")
     logs = "".join(p.read_text(errors="replace") for p in log_dir.rglob("*.log")) if log_dir.exists() else output

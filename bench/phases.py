@@ -1,5 +1,5 @@
-"""What runs inside one phase's process of `vlm-caption bench` (flows/bench/driver.py starts
-each as `python -m flows.bench.phases <phase> <config> <folder> <model>`, so the previous phase's
+"""What runs inside one phase's process of `vlm-caption bench` (bench/driver.py starts
+each as `python -m bench.phases <phase> <config> <folder> <model>`, so the previous phase's
 GPU memory is gone): raw vLLM as the examples run it (serial decode, then one `LLM.generate`; the
 i-th of N processes over its 1/N of the items), or the flow (on one GPU, or fanned out). Each
 writes its figures, as JSON, to the file VLM_CAPTION_BENCH_RESULT names."""
@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.bench.config import WARM_UP_ITEMS, BenchConfig
-from flows.bench.media import GROUP_SIZE, bench_items, make_bench_tars
+from bench.config import WARM_UP_ITEMS, BenchConfig
+from bench.media import GROUP_SIZE, bench_items, make_bench_tars
 
 RESULT_FILE = "VLM_CAPTION_BENCH_RESULT"  # where a phase's process writes its figures (JSON)
 
@@ -106,7 +106,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, lim
     from flows.plan import make_plan, start_engine_first, take_partition_cores
 
     source, output = str(folder), str(Path(cfg.workdir) / f"out-{int(time.time())}")
-    if cfg.source == "s3":  # uploaded by the driver (flows/bench/harness.py, s3_source)
+    if cfg.source == "s3":  # uploaded by the driver (bench/harness.py, s3_source)
         base = os.environ["VLM_CAPTION_BENCH_S3"].rstrip("/")
         source, output = f"{base}/images/", f"{base}/out-{int(time.time())}/"
     elif cfg.source == "webdataset":  # the same JPEGs in tar shards (made by run_bench)

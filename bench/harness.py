@@ -15,7 +15,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from bench.processes import started
+
+REPO = Path(__file__).resolve().parents[1]
 LOOPBACK_S3 = "s3://bench"  # the bucket of the bench's own moto server
 S3_BLOCK = "vlm-caption-s3"  # the credentials block deployments/prefect.yaml's runs read
 
@@ -80,18 +82,13 @@ def prefect_api(mode: str, work: Path):
         return
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    log = open(work / "prefect-server.log", "wb")
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect-server"), "PREFECT_UI_ENABLED": "false",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                               "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with open(work / "prefect-server.log", "wb") as log, started(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            grace=30, env=env, stdout=log, stderr=subprocess.STDOUT) as server:  # its uvicorn with it
         _wait_until(lambda: _healthy(api), server, f"prefect server did not start; see {work / 'prefect-server.log'}")
         yield {"PREFECT_API_URL": api}
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
 
 
 def _free_port() -> int:
@@ -124,10 +121,9 @@ def loopback_s3(work: Path):
     port = _free_port()
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
            "VLM_CAPTION_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "VLM_CAPTION_BENCH_S3": LOOPBACK_S3}
-    log = open(work / "moto-server.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "flows.bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with open(work / "moto-server.log", "wb") as log, started(
+            [sys.executable, "-m", "bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)], cwd=REPO,
+            stdout=log, stderr=subprocess.STDOUT) as server:
         _wait_until(lambda: _healthy(env["VLM_CAPTION_S3_ENDPOINT_URL"], path="/moto-api/"), server,
                     f"the moto S3 server did not start; see {work / 'moto-server.log'}")
         import boto3
@@ -138,10 +134,6 @@ def loopback_s3(work: Path):
 
         with settings_environment(env):
             yield env
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
 
 
 def _upload(folder: Path, prefix: str, env: dict[str, str]) -> None:
@@ -187,46 +179,48 @@ def partition_workers(gpus: int, work: Path, api_env: dict[str, str]):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     # Each step is a Prefect CLI process (10-20 s each on a busy 2-core machine); what does not
     # depend on another runs beside it: the credentials block beside the pool, then the
-    # deployment beside the workers (which need the pool, not the deployment).
-    first = [_prefect_cli(["work-pool", "create", BENCH_POOL, "--type", "process", "--overwrite",
-                           "--base-job-template", "deployments/base-job-templates/process-gpu.json"], env)]
-    if api_env.get("VLM_CAPTION_BENCH_S3") == LOOPBACK_S3:
-        first.append(_save_loopback_credentials(env))
-    _finish(first)
-    deploying = _prefect_cli(["deploy", "--prefect-file", "deployments/prefect.yaml", "--name", "partition"], env)
-    workers = []
-    for gpu in range(1, gpus):
-        log = open(work / f"worker-gpu{gpu}.log", "wb")
-        workers.append((subprocess.Popen(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", BENCH_POOL, "--limit", "1",
-             "--name", f"bench-gpu{gpu}", "--type", "process"], cwd=REPO, env={**env, "CUDA_VISIBLE_DEVICES": str(gpu)},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
-    try:
+    # deployment beside the workers (which need the pool, not the deployment). Every process is
+    # stopped on the way out, with what it started, however the phase ends.
+    with contextlib.ExitStack() as running:
+        first = [_prefect_cli(running, ["work-pool", "create", BENCH_POOL, "--type", "process", "--overwrite",
+                                        "--base-job-template", "deployments/base-job-templates/process-gpu.json"], env)]
+        if api_env.get("VLM_CAPTION_BENCH_S3") == LOOPBACK_S3:
+            first.append(_save_loopback_credentials(running, env))
+        _finish(first)
+        deploying = _prefect_cli(running, ["deploy", "--prefect-file", "deployments/prefect.yaml", "--name",
+                                           "partition"], env)
+        for gpu in range(1, gpus):
+            # SIGTERM, then SIGKILL after 5 s: its phase is over, so nothing of it is still needed; a
+            # `prefect worker` answers SIGTERM by sending itself SIGINT and polling on, so a longer
+            # grace was always used up (30 s of every `--gpus` bench on a 2-core machine).
+            log = running.enter_context(open(work / f"worker-gpu{gpu}.log", "wb"))
+            running.enter_context(started(
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", BENCH_POOL, "--limit", "1",
+                 "--name", f"bench-gpu{gpu}", "--type", "process"], cwd=REPO,
+                env={**env, "CUDA_VISIBLE_DEVICES": str(gpu)}, stdout=log, stderr=subprocess.STDOUT))
         _finish([deploying])
         yield
-    finally:
-        for worker, log in workers:
-            _stop_tree(worker)
-            log.close()
 
 
-def _prefect_cli(args: list[str], env: dict[str, str]) -> tuple[str, subprocess.Popen]:
+def _prefect_cli(running: contextlib.ExitStack, args: list[str], env: dict[str, str]) -> tuple[str, subprocess.Popen]:
     """`prefect <args>`, started; `_finish` waits for it."""
-    return _start(f"prefect {' '.join(args)}", ["-m", "prefect", *args], env)
+    return _start(running, f"prefect {' '.join(args)}", ["-m", "prefect", *args], env)
 
 
-def _save_loopback_credentials(env: dict[str, str]) -> tuple[str, subprocess.Popen]:
+def _save_loopback_credentials(running: contextlib.ExitStack, env: dict[str, str]) -> tuple[str, subprocess.Popen]:
     code = ("import os; from prefect_aws import AwsCredentials\n"
             f"AwsCredentials(aws_access_key_id=os.environ['AWS_ACCESS_KEY_ID'], "
             f"aws_secret_access_key=os.environ['AWS_SECRET_ACCESS_KEY'], region_name='us-east-1')"
             f".save({S3_BLOCK!r}, overwrite=True)")
-    return _start(f"saving the {S3_BLOCK} block", ["-c", code], env)
+    return _start(running, f"saving the {S3_BLOCK} block", ["-c", code], env)
 
 
-def _start(what: str, args: list[str], env: dict[str, str]) -> tuple[str, subprocess.Popen]:
-    """This Python with `args`, started in the repository, its output kept for `_finish`."""
-    return what, subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
+def _start(running: contextlib.ExitStack, what: str, args: list[str],
+           env: dict[str, str]) -> tuple[str, subprocess.Popen]:
+    """This Python with `args`, started in the repository, its output kept for `_finish`, and
+    stopped when `running` closes if it has not ended by then."""
+    return what, running.enter_context(started([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, text=True))
 
 
 def _finish(steps: list[tuple[str, subprocess.Popen]]) -> None:
@@ -235,24 +229,3 @@ def _finish(steps: list[tuple[str, subprocess.Popen]]) -> None:
     for what, proc, output in outputs:
         if proc.returncode != 0:
             raise RuntimeError(f"{what} failed:\n{output[-4000:]}")
-
-
-def _stop_tree(proc: subprocess.Popen) -> None:
-    """Stop a worker with everything under it (its flow run, that run's engine): SIGTERM, then
-    SIGKILL for what is left after 5 s. Its phase is over, so nothing of it is still needed; a
-    `prefect worker` answers SIGTERM by sending itself SIGINT and polling on, so a longer grace
-    was always used up (30 s of every `--gpus` bench on a 2-core machine)."""
-    import psutil
-
-    try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for member in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            member.terminate()
-    _, alive = psutil.wait_procs(tree, timeout=5)
-    for member in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            member.kill()
-    proc.wait(timeout=10)

@@ -19,7 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
-BUCKET = "bench"  # the loopback server's bucket (flows/bench/harness.py's loopback_s3)
+BUCKET = "bench"  # the loopback server's bucket (bench/harness.py's loopback_s3)
 ITEMS = "src/"  # where the items are in it
 CONFIG = f"{BUCKET}/nightly/"  # <source bucket>/<configuration id>/, as AWS names a report's folders
 SCHEMA = "Bucket, Key, Size, LastModifiedDate, ETag, StorageClass"

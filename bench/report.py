@@ -22,11 +22,11 @@ def write_report(report: dict[str, Any], work: Path) -> Path:
 
 
 # What a process is, told by a function only it runs (py-spy names spawned children by their
-# command line, which is the same for every multiprocessing child). The two pools' initializers
-# share a name (`_start_worker`), so a pool is told by its module: a video decode pool spends
-# most of its samples in its initializer, importing vLLM's loader.
+# command line, which is the same for every multiprocessing child). The decode pool's initializer
+# (`_start_worker`) is told by its module: a video decode pool spends most of its samples in it,
+# importing vLLM's loader.
 PROCESS_ROLES = (("phase_flow", "flow"), ("phase_raw", "raw"), ("run_engine_core", "vllm engine core"),
-                 ("(tasks/media/pool.py:", "decode pool"), ("(tasks/engine/render.py:", "render pool"))
+                 ("(tasks/media/pool.py:", "decode pool"))
 
 
 # Stacks that are start-up, not the steady state: imports, and the engine core's construction (the
@@ -146,7 +146,7 @@ def gap_split(flow: dict[str, Any], raw: dict[str, Any]) -> dict[str, float] | N
 
 
 def start_rounds_line(start: dict[str, Any]) -> str:
-    """The table's line for `--start-rounds` (flows/bench/rounds.py)."""
+    """The table's line for `--start-rounds` (bench/rounds.py)."""
     median, counted = start["median"], [r["gaps"] for r in start["rounds"] if r["gaps"]]
     if median is None:
         return f"start rounds: none of {len(start['rounds'])} reported both engines"
