@@ -143,7 +143,7 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
     from tasks.results.done_index import (ROW, SIDECAR_HEADER, SIDECAR_MAGIC, compacted_bytes, content_hash,
                                           result_key, sidecar_key, signature_hash)
     from tasks.results.layout import compacted_index_key, manifest_key, part_key
-    from tasks.results.records import ResultRecord, sha256_hex
+    from tasks.records import ResultRecord, sha256_hex
     from tasks.results.report import RunStats
 
     photo = small_jpeg()

@@ -21,7 +21,7 @@ from tasks.engine.steps import GenerateOptions, start_engine
 from tasks.claims import ShardClaims
 from tasks.engine.vllm_import import ensure_vllm_imported
 from tasks.media.pool import start_decode_pool
-from tasks.media.prepare import MediaOptions
+from tasks.prepare import MediaOptions
 from tasks.results.done_index import DoneIndex, load_done_index
 from tasks.results.report import RunStats
 from tasks.settings import get_settings

@@ -24,7 +24,7 @@ from tasks.engine.arguments import EngineSpec
 from tasks.engine.host_share import take_cpu_share
 from tasks.observability import get_logger
 from tasks.results.layout import results_prefix
-from tasks.results.records import job_fingerprint
+from tasks.records import job_fingerprint
 from tasks.settings import get_settings
 from tasks.sources.formats import SourceSpec
 from tasks.sources.listing_end import object_after_listing_end

@@ -25,7 +25,7 @@ from flows.partition_run import PartitionRun
 from tasks.errors import is_permanent
 from tasks.interrupt import part_written
 from tasks.observability import Progress, emit, get_logger
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.results.report import MAX_FAILURES_LISTED, RunStats
 from tasks.sources.items import Shard
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from tasks.engine.steps import GenerateOptions, failed_shard_records, generate_shard
 from tasks.errors import is_permanent
-from tasks.media.prepare import MediaOptions, PreparedShard, prepare_shard, unprepared_shard
+from tasks.prepare import MediaOptions, PreparedShard, prepare_shard, unprepared_shard
 from tasks.results.done_index import DoneIndex
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.results.writers import write_shard
 from tasks.sources.formats import SourceSpec
 from tasks.sources.items import Shard

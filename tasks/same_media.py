@@ -6,7 +6,7 @@ naming the key of the item captioned. Found three ways:
   still in the engine or done (`SAME_MEDIA.answers`, called by tasks/engine/steps.py): the latest
   KEEP_ANSWERS of a run, a copy of an older one is captioned again;
 - from an earlier run's (or shard's) result, found by the done-index (tasks/results/done_index.py)
-  while the item is prepared (`take_copies`, called by tasks/media/prepare.py): before the fetch
+  while the item is prepared (`take_copies`, called by tasks/prepare.py): before the fetch
   where every member's listed ETag is the object's MD5 (S3 gives a single-part upload's MD5, 32
   hex digits; a multipart upload's has a '-', a folder's is its size and mtime, a tar member's or
   a Parquet cell's names its file), so equal (ETag, size) lists are equal bytes; else after it, by
@@ -28,7 +28,7 @@ from typing import Any
 
 from tasks.results.done_index import DoneIndex
 from tasks.results.done_rows import Signature, listing_signature, signature_hash
-from tasks.results.records import GenerationOutput, Member, ResultRecord, group_sha256, sha256_hex
+from tasks.records import GenerationOutput, Member, ResultRecord, group_sha256, sha256_hex
 from tasks.sources.items import WorkItem
 from tasks.sources.storage import LocalStorage, Storage
 
@@ -49,7 +49,7 @@ def content_signature(item: WorkItem) -> Signature | None:
 def take_copies(done: DoneIndex, prepared: Any, fetched: bool = True) -> bool:
     """Fill `prepared.copies` (question -> the done record whose answer it takes) from `done`;
     True when every question of the item is answered so (no fetch, or no decode, is needed).
-    `prepared` is a PreparedItem (tasks/media/prepare.py)."""
+    `prepared` is a PreparedItem (tasks/prepare.py)."""
     signature = None if fetched else content_signature(prepared.item)
     if not fetched and signature is None:
         return False

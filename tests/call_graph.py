@@ -38,8 +38,8 @@ job, and follows the job down the calls. Its rules:
 
 **The imports** (`import_edges`) are every import of one product module by another, at the top
 of a module or inside a function (a lazy import still ties the two), except those under
-`if TYPE_CHECKING:`. `import_cycles` looks only at module-level imports (those run at import
-time, where a cycle bites); `upward_imports` at all of them: the layers are flows -> tasks ->
+`if TYPE_CHECKING:`. `import_cycles` and `upward_imports` look at all of them (a cycle through a
+lazy import is a cycle of the design, even where it does not bite at import time): the layers are flows -> tasks ->
 recipes, so tasks never imports flows and recipes imports neither. `tool_imports`: a tool beside
 the product (TOOLS: bench/, which may import the product) is never imported by it, at the top of
 a module or inside a function (the CLI names the bench's functions as strings, flows/cli.py).
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import ast
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,12 +158,14 @@ def import_edges(modules: dict[str, Module]) -> set[Import]:
     return edges
 
 
-def import_cycles(modules: dict[str, Module]) -> list[list[str]]:
-    """The groups of modules that import each other at import time (strongly connected)."""
-    graph: dict[str, set[str]] = {name: set() for name in modules}
+def import_cycles(modules: dict[str, Module], unit: Callable[[str], str] | None = None) -> list[list[str]]:
+    """The groups of modules that import each other, at the top or inside a function (strongly
+    connected); with `unit`, of the units it maps each module to (its sub-package, say)."""
+    unit = unit or (lambda name: name)
+    graph: dict[str, set[str]] = {unit(name): set() for name in modules}
     for edge in import_edges(modules):
-        if edge.top_level:
-            graph[edge.source].add(edge.target)
+        if unit(edge.source) != unit(edge.target):
+            graph[unit(edge.source)].add(unit(edge.target))
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

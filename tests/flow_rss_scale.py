@@ -31,7 +31,7 @@ def prepare(count: int, root: Path) -> None:
     """The objects, and a finished run's results for each."""
     from flows.plan import fingerprint_of
     from recipes import get_recipe
-    from tasks.results.records import ResultRecord
+    from tasks.records import ResultRecord
     from tasks.results.writers import write_shard
     from tasks.sources.storage import open_storage
 

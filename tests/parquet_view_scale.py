@@ -28,7 +28,7 @@ def run_id(day: int) -> str:
 
 
 def _line_template() -> str:
-    from tasks.results.records import ResultRecord
+    from tasks.records import ResultRecord
 
     return ResultRecord(key="K", size=1000, etag="E", sha256="S" * 64, recipe="llava", model="tiny", question=None,
                         prompt="USER: <image>\nDescribe. ASSISTANT:", text="a small photo of something",

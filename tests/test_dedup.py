@@ -17,7 +17,7 @@ import pytest
 
 from tasks.engine.vllm_engine import CaptionEngine
 from tasks.results.done_index import load_done_index
-from tasks.results.records import ResultRecord, sha256_hex
+from tasks.records import ResultRecord, sha256_hex
 from tasks.results.writers import write_shard
 from tasks.sources.items import ObjectRef, Shard, WorkItem
 from tasks.sources.storage import LocalStorage, open_storage
@@ -88,7 +88,7 @@ def test_a_done_result_is_found_by_content_and_by_md5_etags_and_its_part_read_on
     assert done.earlier_answer("q", sha256=sha256_hex(b"old")).key == "old.jpg"
 
     # A group is a copy when all its members are, in order.
-    from tasks.results.records import Member
+    from tasks.records import Member
 
     members = [Member(key=f"g/{i}.jpg", size=len(b), etag=_md5(b), sha256=sha256_hex(b)) for i, b in enumerate((cat, dog))]
     group = _record("g", cat + dog, text="two pets").model_copy(update={"members": members, "etag": ""})
@@ -107,7 +107,7 @@ def test_a_copy_whose_listed_etag_is_an_md5_is_answered_without_being_fetched(tm
     """Its members' listed ETags equal a done result's and are MD5s: the copy is not downloaded
     (its file is not even there) and takes the answer; a multipart-style ETag (with '-') is
     fetched, as is any item whose ETags are not content hashes."""
-    from tasks.media import prepare
+    from tasks import prepare
 
     out = open_storage(str(tmp_path / "out"), create=True)
     cat = image_bytes("PNG", size=(40, 30))

@@ -9,7 +9,7 @@ import tracemalloc
 
 from tasks.results.done_index import ROW, DoneIndex, load_done_index, sidecar_key
 from tasks.results.layout import part_key
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.results.writers import write_shard
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.storage import Storage, open_storage

@@ -197,7 +197,7 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
 
 def _records_lenient(s3_client, prefix: str) -> list[dict]:
     """The records a reader can parse (a damaged part's whole lines, none of the foreign files)."""
-    from tasks.results.records import ResultRecord
+    from tasks.records import ResultRecord
 
     found = []
     for obj in s3_client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]:

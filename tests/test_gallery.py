@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tasks.results.gallery import STRIP_FRAMES, THUMB_BYTES, build_gallery, gallery_key, sample_items
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tests.images import image_bytes, video_bytes
 
 

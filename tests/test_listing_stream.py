@@ -165,7 +165,7 @@ def test_done_items_are_judged_as_the_done_index_judges_each_one():
     """`DoneIndex.pending_mask` (a batch at once) says what `pending_by_listing` says item by item:
     done, changed since (another etag), a question not asked before, a re-run result, no etag."""
     from tasks.results.done_index import DoneIndex, index_rows
-    from tasks.results.records import ResultRecord
+    from tasks.records import ResultRecord
     from tasks.sources.items import WorkItem
 
     def record(key, etag, question="q1"):

@@ -84,9 +84,9 @@ def test_a_prepared_shard_counts_the_bytes_of_its_decoded_media():
     import numpy as np
     from PIL import Image
 
-    from tasks.media.prepare import PreparedItem, PreparedShard
+    from tasks.prepare import PreparedItem, PreparedShard
     from tasks.media.video import DecodedVideo
-    from tasks.results.records import ItemError
+    from tasks.records import ItemError
     from tasks.sources.items import ObjectRef, Shard, WorkItem
 
     item = WorkItem(id="a", members=[ObjectRef(key="a", size=1)])

@@ -87,7 +87,7 @@ def test_video_metadata_reaches_the_request_for_recipes_that_need_it():
     from recipes import get_recipe
     from tasks.engine.arguments import EngineSpec
     from tasks.engine.vllm_engine import Sampling
-    from tasks.media.prepare import PreparedItem
+    from tasks.prepare import PreparedItem
     from tasks.media.video import VideoLimits, decode_video
     from tasks.sources.items import ObjectRef, WorkItem
 

@@ -17,7 +17,7 @@ from tasks.results.done_index import sidecar_key
 from tasks.results.layout import part_key, run_parquet_key
 from tasks.results.parquet import export_parquet
 from tasks.results.parquet_view import export_after_run
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.results.writers import write_manifest, write_shard
 from tasks.sources.storage import Storage, open_storage
 

@@ -21,7 +21,7 @@ from tasks.results.layout import LEGACY_PARQUET_KEY, part_key, part_prefix, part
 from tasks.results.parquet import export_parquet
 from tasks.results.parquet_compact import compact_view
 from tasks.results.parquet_view import add_run
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.results.writers import write_manifest, write_shard
 from tests.test_parquet_export import FP, RUN1, RUN2, out, record
 from tests.recording_storage import RecordingStorage

@@ -20,7 +20,7 @@ from flows.pipeline import ShardPipeline
 from flows.plan import RunPlan, engine_spec, source_spec
 from recipes import get_recipe
 from tasks.engine.feed import FEED_REQUESTS
-from tasks.media.prepare import PreparedItem, PreparedShard
+from tasks.prepare import PreparedItem, PreparedShard
 from tasks.results.done_index import DoneIndex
 from tasks.settings import get_settings
 from tasks.sources.items import ObjectRef, Shard, WorkItem

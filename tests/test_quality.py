@@ -9,10 +9,10 @@ from recipes import get_recipe
 from tasks.engine.arguments import EngineSpec
 from tasks.engine.steps import GenerateOptions, ask_again, make_record
 from tasks.engine.vllm_engine import Sampling
-from tasks.media.prepare import PreparedItem
+from tasks.prepare import PreparedItem
 from tasks.results.gallery import sample_items
 from tasks.results.quality import better, caption_flags, is_looping
-from tasks.results.records import GenerationOutput, ItemError, Member, ResultRecord
+from tasks.records import GenerationOutput, ItemError, Member, ResultRecord
 from tasks.results.report import RunStats
 from tasks.sources.items import ObjectRef, WorkItem
 

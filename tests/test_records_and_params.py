@@ -3,7 +3,7 @@ from pydantic import ValidationError
 
 from flows.params import CaptionJob
 from tasks.results.done_index import DoneIndex, index_rows
-from tasks.results.records import ResultRecord, job_fingerprint
+from tasks.records import ResultRecord, job_fingerprint
 from tasks.sources.items import ObjectRef, WorkItem
 
 
@@ -42,7 +42,7 @@ def test_done_means_same_item_question_and_members():
 
 
 def test_a_group_is_done_only_with_the_same_members():
-    from tasks.results.records import Member
+    from tasks.records import Member
 
     members = [Member(key="g/1.jpg", size=1, etag="a", sha256="s1"), Member(key="g/2.jpg", size=2, etag="b", sha256="s2")]
     done = DoneIndex([index_rows([_record(key="g", size=3, etag="", members=members)])])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tasks.engine.vllm_engine import CaptionEngine
-from tasks.results.records import GenerationOutput, sha256_hex
+from tasks.records import GenerationOutput, sha256_hex
 from tasks.results.report import cost_line, run_cost
 from tasks.settings import get_settings
 from tests.images import image_bytes

@@ -12,7 +12,7 @@ from flows.plan import fingerprint_of
 from flows.cli import main
 from flows.params import TAGS_SCHEMA, CaptionJob
 from recipes import get_recipe
-from tasks.results.records import structured_answer
+from tasks.records import structured_answer
 from tests.images import image_bytes
 
 SCHEMA = {  # closed choices, so that random weights can finish an answer within max_tokens
@@ -49,7 +49,7 @@ def test_the_constraint_is_part_of_the_fingerprint_and_plain_jobs_keep_theirs():
     tags = fingerprint_of(_job(json_schema="tags"), recipe, "m")
     choice = fingerprint_of(_job(choice=["a", "b"]), recipe, "m")
     assert len({plain, tags, choice}) == 3
-    from tasks.results.records import job_fingerprint
+    from tasks.records import job_fingerprint
     assert plain == job_fingerprint(source="/media", recipe="llava", model="m", modality="image",
                                     method="generate", media={}, sampling=_job().sampling.fingerprint_dict())
 

@@ -13,11 +13,11 @@ from prefect.cache_policies import NONE
 
 from tasks.engine.arguments import EngineSpec
 from tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
-from tasks.media.prepare import PreparedItem, PreparedShard
+from tasks.prepare import PreparedItem, PreparedShard
 from tasks.media.video import DecodedVideo
 from tasks.observability import get_logger
 from tasks.results.quality import better, caption_flags, wants_retry
-from tasks.results.records import GenerationOutput, ItemError, ResultRecord, structured_answer
+from tasks.records import GenerationOutput, ItemError, ResultRecord, structured_answer
 from tasks.retries import Retries
 from tasks.same_media import SAME_MEDIA
 

@@ -23,7 +23,7 @@ from tasks.engine import vllm_api
 from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
 from tasks.engine.feed import EngineDied, EngineFeed
 from tasks.engine.vllm_import import ensure_vllm_imported
-from tasks.results.records import GenerationOutput
+from tasks.records import GenerationOutput
 
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_MAX_TOKENS = 256

@@ -9,7 +9,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 
-from tasks.results.records import ItemError
+from tasks.records import ItemError
 
 
 class MediaError(Exception):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks.media.image import MediaError
-from tasks.results.records import ItemError
+from tasks.records import ItemError
 
 DEFAULT_NUM_FRAMES = 16  # the examples' --num-frames
 # One video decode at a time per process: a decode holds a whole video's bytes and frames, and

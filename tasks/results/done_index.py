@@ -52,7 +52,7 @@ from tasks.results.done_rows import (  # noqa: F401 - the done-index's names, as
     record_signature, result_key, sidecar_bytes, sidecar_key, signature_hash)
 from tasks.results.earlier import EarlierRecords
 from tasks.results.layout import compacted_index_key
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.results.writing_log import kept_lineage, remove_stamps
 from tasks.sources.items import WorkItem
 from tasks.sources.storage import Storage

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from tasks.observability import get_logger
 from tasks.results.layout import compacted_index_prefix, compacted_index_written, part_prefix, results_prefix
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.results.writing_log import grace_stamp, writers_since
 from tasks.sources.items import ObjectRef, WorkItem
 from tasks.sources.storage import Storage

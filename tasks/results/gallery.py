@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from tasks.results.gallery_artifact import publish_gallery
 from tasks.results.gallery_page import GalleryItem, render_gallery
 from tasks.results.layout import manifest_key
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.sources.storage import Storage, key_within
 from tasks.tiny_checkpoint import is_tiny_checkpoint
 

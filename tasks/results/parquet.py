@@ -32,7 +32,7 @@ import numpy as np
 from tasks.observability import get_logger
 from tasks.results.done_index import _parse_part, _read_sidecar, parse_records, sidecar_key
 from tasks.results.layout import manifest_key, run_of
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.sources.items import ObjectRef
 from tasks.sources.storage import Storage
 

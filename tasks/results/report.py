@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tasks.results.quality import RETRY_FLAGS
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.settings import get_settings
 from tasks.sources.s3_client import describe_shared_client
 

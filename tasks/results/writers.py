@@ -21,7 +21,7 @@ from tasks.errors import OutOfSpaceError
 from tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
 from tasks.results.layout import manifest_key, part_key, partition_report_key, run_of
 from tasks.results.parquet_view import owe_view
-from tasks.results.records import ResultRecord
+from tasks.records import ResultRecord
 from tasks.results.report import PartitionReport
 from tasks.results.writing_log import after_part, before_part
 from tasks.retries import Retries

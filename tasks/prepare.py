@@ -15,7 +15,7 @@ from tasks.media.pool import decode_images, decode_video_pooled
 from tasks.media.resize import ImageResize, ProcessorResize
 from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits
 from tasks.results.done_index import DoneIndex
-from tasks.results.records import ItemError, Member, group_sha256, sha256_hex
+from tasks.records import ItemError, Member, group_sha256, sha256_hex
 from tasks.same_media import take_copies
 from tasks.settings import get_settings
 from tasks.sources.fetch import TooLargeError
