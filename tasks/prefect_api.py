@@ -109,11 +109,24 @@ def embedded_server_defaults(active: bool = True) -> Iterator[None]:
     added = {name: value for name, value in EMBEDDED_SERVER_DEFAULTS.items() if active and name not in os.environ}
     os.environ.update(added)
     try:
-        yield
+        with _in_loaded_settings(added):
+            yield
     finally:
         for name, value in added.items():
             if os.environ.get(name) == value:
                 del os.environ[name]
+
+
+def _in_loaded_settings(values: dict[str, str]):
+    """Prefect reads its settings from the environment when it is first imported: where a caller
+    imported it before the command began (a script that imports the flow, then calls `main`), the
+    values are set in Prefect's settings too, with Prefect's own `temporary_settings`."""
+    if not values or "prefect.settings" not in sys.modules:
+        return contextlib.nullcontext()
+    import prefect.settings
+
+    return prefect.settings.temporary_settings(updates={getattr(prefect.settings, name): value
+                                                        for name, value in values.items()})
 
 
 def start_embedded_server_early() -> Callable[[], None]:

@@ -262,7 +262,7 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
     assert summary["samples"] == 122
     core_row, flow_row, decode_row = summary["processes"]
     assert decode_row["role"] == "decode pool"
-    assert (core_row["role"], core_row["samples"], core_row["share_of_all_pct"]) == ("vllm engine core", 80, 65.0)
+    assert (core_row["role"], core_row["samples"], core_row["share_of_all_pct"]) == ("vllm engine core", 80, 65.6)
     assert core_row["starting_pct"] == 25.0  # the engine's construction (CUDA-graph capture) is start-up
     assert core_row["by_function_pct"] == {"schedule (scheduler.py:7)": 75.0}
     assert flow_row["importing_pct"] == 12.5 and flow_row["by_function_pct"] == {

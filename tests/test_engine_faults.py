@@ -54,7 +54,7 @@ def test_a_prompt_longer_than_the_context_fails_alone(prefect_api, tiny_llava, t
                                      model=str(tiny_llava), shard_size=4, sampling={"max_tokens": 4}))
     by_id = {r["key"]: r for r in _records(tmp_path / "out")}
     assert sorted(by_id) == ["item0", "item1", "item2", "item3"]
-    assert by_id["item2"]["error"]["kind"] == "generate" and "maximum context length" in by_id["item2"]["error"]["message"]
+    assert by_id["item2"]["error"]["kind"] == "generate" and "longer than the maximum model length" in by_id["item2"]["error"]["message"]
     assert all(by_id[k]["error"] is None and by_id[k]["output_tokens"] > 0 for k in ("item0", "item1", "item3"))
     assert summary["succeeded"] == 3 and summary["failed"] == 1
 

@@ -171,3 +171,23 @@ def _run_without_api_url(script: str, tmp_path) -> tuple[subprocess.CompletedPro
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     return done, output
+
+
+def test_the_embedded_servers_defaults_reach_a_prefect_imported_before_the_command(monkeypatch):
+    """A script that imports the flow (and so Prefect, which reads its settings then) before it
+    calls `main` still gets the embedded server's defaults, in Prefect's own settings."""
+    from prefect.settings import get_current_settings
+
+    from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS, embedded_server_defaults
+
+    for name in EMBEDDED_SERVER_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    before = get_current_settings().server
+    assert before.ephemeral.startup_timeout_seconds != 600
+    with embedded_server_defaults():
+        inside = get_current_settings().server
+        assert (inside.ephemeral.startup_timeout_seconds, inside.database.timeout) == (600, 60)
+        assert inside.analytics_enabled is False
+    after = get_current_settings().server
+    assert after.ephemeral.startup_timeout_seconds == before.ephemeral.startup_timeout_seconds
+    assert not any(name in os.environ for name in EMBEDDED_SERVER_DEFAULTS)
