@@ -80,8 +80,13 @@ def test_a_run_killed_on_the_embedded_server_does_not_keep_the_job_forever(tmp_p
     import sys
     from pathlib import Path
 
+    from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS
+
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path / "home"), VLM_CAPTION_JOB_WAIT_S="120", PYTHONUNBUFFERED="1")
+    # These scripts call the library, not `vlm-caption run`, which would set the embedded server's
+    # defaults (tasks/prefect_api.py): Prefect's own 20 s for its start fails on a loaded machine.
+    env.update({name: value for name, value in EMBEDDED_SERVER_DEFAULTS.items() if name not in env})
     root = Path(__file__).resolve().parents[1]
     children = tmp_path / "children"
     first = subprocess.run([sys.executable, "-c", _HOLD_AND_DIE, str(children)], env=env, cwd=root,
