@@ -37,7 +37,7 @@ def test_a_gallery_of_100000_items_is_bounded():
         n = int(r.key[4:10])
         return images.setdefault(n % 50, image_bytes("JPEG", size=(1024, 768), color=(n % 250, 90, 40)))
 
-    page, shown = build_gallery(records, fetch, 200, "run", {"run": "r"})
+    page, shown = build_gallery(records, fetch, 200, "run", {"run": "r"}, fetch_s=600)
     assert shown == 200
     assert len(page) < 4_000_000, len(page)  # 200 thumbnails of a few KB, texts cut
     assert page.count('class="item failed"') == 50  # errors get a quarter of the places
@@ -100,7 +100,7 @@ def test_a_video_item_shows_a_strip_of_frames_and_a_bad_one_a_placeholder():
         return clips[r.key]
 
     records = [record(key, video={"frames": 16}) for key in ("good.mp4", "bad.mp4", "gone.mp4")]
-    page, shown = build_gallery(records, fetch, 10, "run", {"run": "r"})
+    page, shown = build_gallery(records, fetch, 10, "run", {"run": "r"}, fetch_s=600)
     assert shown == 3
     strips = re.findall(r'<div class="strip" data-frames="(\d+)">(.*?)</div>', page)
     assert len(strips) == 1 and strips[0][0] == str(STRIP_FRAMES)
@@ -131,7 +131,7 @@ def test_videos_are_decoded_on_half_the_cores_side_by_side(monkeypatch, cores, s
         return clip
 
     records = [record(f"clip-{i}.mp4", video={"frames": 8}) for i in range(40)]
-    page, shown = build_gallery(records, fetch, 40, "run", {"run": "r"})
+    page, shown = build_gallery(records, fetch, 40, "run", {"run": "r"}, fetch_s=600)
     assert shown == 40 and page.count('<div class="strip"') == 40
     assert most[0] == slots
 
@@ -171,7 +171,9 @@ def test_where_the_run_decodes_its_clips_in_the_pool_the_gallerys_strips_are_dec
         clips = {f"clip-{i}.mp4": video_bytes(frames=16, fps=8, size=(192, 128), seed=i) for i in range(6)}
         clips["bad.mp4"] = b"not a video at all" * 50
         records = [record(key, video={"frames": 8}) for key in clips]
-        page, shown = build_gallery(records, lambda r: clips[r.key], 10, "run", {"run": "r"})
+        # fetch_s: this pool is made here, its two processes spawned and importing on a machine that may
+        # be busy (a run's pool already exists); the test is where the strips are decoded, not how fast
+        page, shown = build_gallery(records, lambda r: clips[r.key], 10, "run", {"run": "r"}, fetch_s=600)
         assert shown == 7 and page.count('<div class="strip"') == 6
         assert page.count('class="placeholder">video<br>8 frames') == 1  # the broken clip
         assert pool._POOL is not None and len(pool._POOL._processes) == 2
@@ -262,7 +264,7 @@ def test_a_picture_that_cannot_be_fetched_is_counted_on_the_page_and_logged(capl
             raise PermissionError("access denied")
         return image_bytes("JPEG", size=(64, 48))
 
-    page, shown = build_gallery(records, fetch, 10, "run", {"run": "r"})
+    page, shown = build_gallery(records, fetch, 10, "run", {"run": "r"}, fetch_s=600)
     assert shown == 4 and page.count("data:image/jpeg;base64,") == 3
     assert "pictures not fetched: 1" in page
     assert '<div class="item" data-key="img/1.jpg"><div class="placeholder">image</div>' in page
