@@ -3,7 +3,7 @@ as the examples run it, on this machine: `driver` runs the phases, `harness` wha
 (GPU sampling, the Prefect server, S3, fan-out workers), `media` the items, `report` the table and
 JSON, `config` what a run is, `cli` its command-line options."""
 
-from bench.config import BenchConfig
-from bench.driver import run_bench
+from vlm_caption.bench.config import BenchConfig
+from vlm_caption.bench.driver import run_bench
 
 __all__ = ["BenchConfig", "run_bench"]

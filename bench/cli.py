@@ -9,11 +9,11 @@ import json
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from bench import BenchConfig, run_bench
-    from bench.processes import sigterm_raises
-    from flows.cli_job import json_schema_option
-    from flows.params import resolve_json_schema
-    from tasks.errors import UsageError
+    from vlm_caption.bench import BenchConfig, run_bench
+    from vlm_caption.bench.processes import sigterm_raises
+    from vlm_caption.flows.cli_job import json_schema_option
+    from vlm_caption.flows.params import resolve_json_schema
+    from vlm_caption.tasks.errors import UsageError
 
     width, _, height = args.size.partition("x")
     if not (width.isdigit() and height.isdigit()):

@@ -52,13 +52,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.config import CHECKPOINTS, BenchConfig
-from bench.harness import GpuSampler, partition_workers, prefect_api, s3_source
-from bench.media import make_bench_media, make_bench_tars
-from bench.phases import RESULT_FILE
-from bench.processes import run_to_end, started
-from bench.report import engine_ready_gaps, print_table, profile_summary, ratios, write_report
-from bench.rounds import run_start_rounds
+from vlm_caption.bench.config import CHECKPOINTS, BenchConfig
+from vlm_caption.bench.harness import GpuSampler, partition_workers, prefect_api, s3_source
+from vlm_caption.bench.media import make_bench_media, make_bench_tars
+from vlm_caption.bench.phases import RESULT_FILE
+from vlm_caption.bench.processes import run_to_end, started
+from vlm_caption.bench.report import engine_ready_gaps, print_table, profile_summary, ratios, write_report
+from vlm_caption.bench.rounds import run_start_rounds
 
 
 def _read_result(path: Path, phase: str, returncode: int, stderr: str) -> dict[str, Any]:
@@ -105,8 +105,8 @@ def run_phase(phase: str, cfg: BenchConfig, folder: Path, model: str, env_overri
 
 
 def phase_command(phase: str, cfg: BenchConfig, folder: Path, model: str) -> list[str]:
-    """A phase's process: `python -m bench.phases <phase> <config> <folder> <model>`."""
-    return [sys.executable, "-m", "bench.phases", phase, json.dumps(asdict(cfg)), str(folder), model]
+    """A phase's process: `python -m vlm_caption.bench.phases <phase> <config> <folder> <model>`."""
+    return [sys.executable, "-m", "vlm_caption.bench.phases", phase, json.dumps(asdict(cfg)), str(folder), model]
 
 
 def run_raw_n(cfg: BenchConfig, folder: Path, model: str) -> dict[str, Any]:
@@ -198,7 +198,7 @@ def build_checkpoint(work: Path, recipe: str, shape: str) -> str:
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.history:
-        from bench.history import run_history
+        from vlm_caption.bench.history import run_history
 
         return run_history(cfg)
     cfg.check()
@@ -271,8 +271,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 def flow_processor_on_gpu(cfg: BenchConfig) -> bool:
     """Whether the flow's processor lands on the GPU (asked in this driver through NVML, which
     leaves CUDA uninitialised here)."""
-    from recipes import get_recipe
-    from tasks.engine.processor import place_processor
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.tasks.engine.processor import place_processor
 
     try:
         from vllm.platforms import current_platform

@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.processes import started
+from vlm_caption.bench.processes import started
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK_S3 = "s3://bench"  # the bucket of the bench's own moto server
@@ -122,7 +122,7 @@ def loopback_s3(work: Path):
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
            "VLM_CAPTION_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "VLM_CAPTION_BENCH_S3": LOOPBACK_S3}
     with open(work / "moto-server.log", "wb") as log, started(
-            [sys.executable, "-m", "bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)], cwd=REPO,
+            [sys.executable, "-m", "vlm_caption.bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)], cwd=REPO,
             stdout=log, stderr=subprocess.STDOUT) as server:
         _wait_until(lambda: _healthy(env["VLM_CAPTION_S3_ENDPOINT_URL"], path="/moto-api/"), server,
                     f"the moto S3 server did not start; see {work / 'moto-server.log'}")
@@ -130,7 +130,7 @@ def loopback_s3(work: Path):
 
         boto3.client("s3", endpoint_url=env["VLM_CAPTION_S3_ENDPOINT_URL"], region_name="us-east-1",
                      aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench")
-        from tasks.settings import settings_environment
+        from vlm_caption.tasks.settings import settings_environment
 
         with settings_environment(env):
             yield env

@@ -37,8 +37,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.config import BenchConfig
-from bench.processes import output_file, read_all, started
+from vlm_caption.bench.config import BenchConfig
+from vlm_caption.bench.processes import output_file, read_all, started
 
 PER_FOLDER = 10_000  # items per source folder (a bucket's keys are flat; a folder's are not)
 HISTORY_RUN = "history0-20260101T000000"  # the run that "wrote" the synthesized results
@@ -46,9 +46,9 @@ DROPPED = "Subscription queue is full"
 
 
 def run_history(cfg: BenchConfig) -> dict[str, Any]:
-    from bench.driver import build_checkpoint
-    from bench.harness import loopback_s3
-    from bench.history_inventory import InventoryLocations, kept_history
+    from vlm_caption.bench.driver import build_checkpoint
+    from vlm_caption.bench.harness import loopback_s3
+    from vlm_caption.bench.history_inventory import InventoryLocations, kept_history
 
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -136,15 +136,15 @@ def new_keys(where, n: int, at: str = "spread") -> list[str]:
 def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, str]) -> list[str]:
     """The source's N items (or the inventory report that lists them) and their N done results;
     returns the keys of the 1% to add later."""
-    from flows.params import CaptionJob
-    from flows.plan import make_plan
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.flows.plan import make_plan
     import numpy as np
 
-    from tasks.results.done_index import (ROW, SIDECAR_HEADER, SIDECAR_MAGIC, compacted_bytes, content_hash,
+    from vlm_caption.tasks.results.done_index import (ROW, SIDECAR_HEADER, SIDECAR_MAGIC, compacted_bytes, content_hash,
                                           result_key, sidecar_key, signature_hash)
-    from tasks.results.layout import compacted_index_key, manifest_key, part_key
-    from tasks.records import ResultRecord, sha256_hex
-    from tasks.results.report import RunStats
+    from vlm_caption.tasks.results.layout import compacted_index_key, manifest_key, part_key
+    from vlm_caption.tasks.records import ResultRecord, sha256_hex
+    from vlm_caption.tasks.results.report import RunStats
 
     photo = small_jpeg()
     n = cfg.history
@@ -219,7 +219,7 @@ def write_items(where: Locations, uri: str, keys: list[str], photo: bytes, env: 
         return etags
     import hashlib
 
-    from tasks.sources.storage import open_storage
+    from vlm_caption.tasks.sources.storage import open_storage
 
     store = open_storage(uri, create=True)
     with ThreadPoolExecutor(32) as pool:

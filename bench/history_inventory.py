@@ -63,7 +63,7 @@ class InventoryLocations:
         (after the history's files) and in a report of their own."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from tasks.sources.storage import open_storage
+        from vlm_caption.tasks.sources.storage import open_storage
 
         items = open_storage(f"s3://{BUCKET}/", create=True)
         bodies = [distinct_jpeg(j) for j in range(len(keys))]
@@ -89,7 +89,7 @@ def distinct_jpeg(j: int) -> bytes:
 
 
 def _storage(uri: str):
-    from tasks.sources.storage import open_storage
+    from vlm_caption.tasks.sources.storage import open_storage
 
     return open_storage(uri, create=True)
 

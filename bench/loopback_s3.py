@@ -1,5 +1,5 @@
 """moto's S3 server, with its conditional PUTs made atomic: the loopback S3 of the bench and the
-tests (`python -m bench.loopback_s3 -H 127.0.0.1 -p PORT`, moto.server's own arguments).
+tests (`python -m vlm_caption.bench.loopback_s3 -H 127.0.0.1 -p PORT`, moto.server's own arguments).
 
 A fan-out's partitions claim shards with `PUT If-None-Match: *` (tasks/claims.py), which S3
 grants to exactly one writer. moto checks that the key is absent and then stores it, as two

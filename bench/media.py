@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.config import BenchConfig
+from vlm_caption.bench.config import BenchConfig
 
 GROUP_SIZE = 2
 
@@ -15,7 +15,7 @@ def make_bench_images(folder: Path, count: int, width: int, height: int) -> Path
     every core: 1024 at 1920x1080 take minutes in one process, and on a GPU host that is lent time."""
     from concurrent.futures import ProcessPoolExecutor
 
-    from tasks.media.pool import usable_cores
+    from vlm_caption.tasks.media.pool import usable_cores
 
     folder.mkdir(parents=True, exist_ok=True)
     missing = [i for i in range(count) if not (folder / f"img-{i:06d}.jpg").exists()]

@@ -1,5 +1,5 @@
 """What runs inside one phase's process of `vlm-caption bench` (bench/driver.py starts
-each as `python -m bench.phases <phase> <config> <folder> <model>`, so the previous phase's
+each as `python -m vlm_caption.bench.phases <phase> <config> <folder> <model>`, so the previous phase's
 GPU memory is gone): raw vLLM as the examples run it (serial decode, then one `LLM.generate`; the
 i-th of N processes over its 1/N of the items), or the flow (on one GPU, or fanned out). Each
 writes its figures, as JSON, to the file VLM_CAPTION_BENCH_RESULT names."""
@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.config import WARM_UP_ITEMS, BenchConfig
-from bench.media import GROUP_SIZE, bench_items, make_bench_tars
+from vlm_caption.bench.config import WARM_UP_ITEMS, BenchConfig
+from vlm_caption.bench.media import GROUP_SIZE, bench_items, make_bench_tars
 
 RESULT_FILE = "VLM_CAPTION_BENCH_RESULT"  # where a phase's process writes its figures (JSON)
 
@@ -25,7 +25,7 @@ def example_media(cfg: BenchConfig, paths: list[Path], needs_metadata: bool):
     from PIL import Image
 
     if cfg.modality == "video":
-        from tasks.media.video import VideoLimits, decode_video
+        from vlm_caption.tasks.media.video import VideoLimits, decode_video
 
         video = decode_video(paths[0].read_bytes(), num_frames=cfg.frames,
                              limits=VideoLimits(max_seconds=1e9, max_frame_pixels=1 << 40))
@@ -43,10 +43,10 @@ def phase_raw(cfg: BenchConfig, folder: Path, model: str, processor_device: str 
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
-    from recipes import get_recipe
-    from recipes.base import MEDIA_KIND
-    from recipes.requests import prompt_text
-    from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.recipes.base import MEDIA_KIND
+    from vlm_caption.recipes.requests import prompt_text
+    from vlm_caption.tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
 
     recipe = get_recipe(cfg.recipe)
     items = bench_items(cfg, folder)
@@ -102,8 +102,8 @@ def raw_slice(items: list, index: int, count: int) -> list:
 
 def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, limit: int | None = None) -> dict[str, Any]:
     started = _process_started()
-    from flows.params import CaptionJob
-    from flows.plan import make_plan, start_engine_first, take_partition_cores
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.flows.plan import make_plan, start_engine_first, take_partition_cores
 
     source, output = str(folder), str(Path(cfg.workdir) / f"out-{int(time.time())}")
     if cfg.source == "s3":  # uploaded by the driver (bench/harness.py, s3_source)
@@ -118,13 +118,13 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, lim
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect
     take_partition_cores(job)
     start_engine_first(plan)  # a fan-out's parent: its flow asks for its children first
-    from tasks.engine.engine_process import wait_for_engine_process
+    from vlm_caption.tasks.engine.engine_process import wait_for_engine_process
 
     wait_for_engine_process()  # the engine's share of this process done before Prefect's start takes the GIL
-    from flows.caption import vlm_caption
+    from vlm_caption.flows.caption import vlm_caption
 
     summary = vlm_caption(plan.job)
-    from tasks.sources.storage import open_storage, split_parent
+    from vlm_caption.tasks.sources.storage import open_storage, split_parent
 
     folder_uri, name = split_parent(summary["manifest"])
     manifest = json.loads(open_storage(folder_uri).read(name))

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from bench.report import gap_split
+from vlm_caption.bench.report import gap_split
 
 START_FIELDS = ("engine_ready_s", "engine_start_s")  # ready from the process's start; `vllm.LLM`'s build
 

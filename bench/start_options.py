@@ -3,16 +3,16 @@ engine arguments (tasks/engine/arguments.py) for a LLaVA checkpoint (the bench's
 vLLM's AsyncLLM built as the flow builds it and one request answered. One JSON line per row:
 import_s (vLLM imported), build_s (from_engine_args until ready), first_s (one short request).
 
-    python -m bench.start_options <checkpoint>      # on a GPU host, after a bench made the checkpoint
+    python -m vlm_caption.bench.start_options <checkpoint>      # on a GPU host, after a bench made the checkpoint
 """
 import json, subprocess, sys, time
 
 ROW = r'''
 import json, sys, time, asyncio
 t0 = time.perf_counter()
-from recipes import get_recipe
-from tasks.engine.arguments import EngineSpec, engine_plan
-from tasks.engine import vllm_api
+from vlm_caption.recipes import get_recipe
+from vlm_caption.tasks.engine.arguments import EngineSpec, engine_plan
+from vlm_caption.tasks.engine import vllm_api
 import vllm  # noqa
 t1 = time.perf_counter()
 spec = EngineSpec.build(get_recipe("llava"), model=sys.argv[1])

@@ -31,24 +31,24 @@ from prefect.events import Event
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
-from flows.head_start import settle_head_start
-from flows.params import CaptionJob, Partition
-from flows.partition_run import PartitionRun
-from flows.pipeline import caption_shards
-from flows.plan import RunPlan, build_engine_first, make_plan, start_engine_first, take_partition_cores
-from flows.run_state import fail_run, on_run_failed, run_label, run_name_from
-from tasks.claims import remove_claims
-from tasks.concurrency import one_run_per_job
-from tasks.engine.host_share import current_cpus, format_cpu_list
-from tasks.engine.vllm_engine import discard_early_engine
-from tasks.errors import UserError
-from tasks.fanout import CALLED_OFF, ChildrenOnWork, start_children, wait_for_children, wait_for_orphans
-from tasks.observability import configure_logging, emit, get_logger, publish_summary
-from tasks.results.gallery import gallery_after_run
-from tasks.results.parquet_view import export_after_run
-from tasks.results.report import PartitionReport, RunStats
-from tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
-from tasks.sources.watermark import advance_watermark
+from vlm_caption.flows.head_start import settle_head_start
+from vlm_caption.flows.params import CaptionJob, Partition
+from vlm_caption.flows.partition_run import PartitionRun
+from vlm_caption.flows.pipeline import caption_shards
+from vlm_caption.flows.plan import RunPlan, build_engine_first, make_plan, start_engine_first, take_partition_cores
+from vlm_caption.flows.run_state import fail_run, on_run_failed, run_label, run_name_from
+from vlm_caption.tasks.claims import remove_claims
+from vlm_caption.tasks.concurrency import one_run_per_job
+from vlm_caption.tasks.engine.host_share import current_cpus, format_cpu_list
+from vlm_caption.tasks.engine.vllm_engine import discard_early_engine
+from vlm_caption.tasks.errors import UserError
+from vlm_caption.tasks.fanout import CALLED_OFF, ChildrenOnWork, start_children, wait_for_children, wait_for_orphans
+from vlm_caption.tasks.observability import configure_logging, emit, get_logger, publish_summary
+from vlm_caption.tasks.results.gallery import gallery_after_run
+from vlm_caption.tasks.results.parquet_view import export_after_run
+from vlm_caption.tasks.results.report import PartitionReport, RunStats
+from vlm_caption.tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
+from vlm_caption.tasks.sources.watermark import advance_watermark
 
 
 # Prefect builds a model's validators at its first use, in the thread that uses it: the flow run's

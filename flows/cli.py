@@ -8,13 +8,13 @@ import json
 import os
 import sys
 
-from flows.cli_job import Subcommand, entry_point, job_fields
-from tasks.interrupt import exit_now_if_building, stoppable
-from tasks.prefect_api import embedded_server_defaults
+from vlm_caption.flows.cli_job import Subcommand, entry_point, job_fields
+from vlm_caption.tasks.interrupt import exit_now_if_building, stoppable
+from vlm_caption.tasks.prefect_api import embedded_server_defaults
 
 # The bench is a tool beside the product (bench/), never imported by it: its options and its
 # handler are named here and imported only when `vlm-caption bench` is used.
-BENCH_OPTIONS, BENCH_HANDLER = "bench.cli:add_bench_arguments", "bench.cli:cmd_bench"
+BENCH_OPTIONS, BENCH_HANDLER = "vlm_caption.bench.cli:add_bench_arguments", "vlm_caption.bench.cli:cmd_bench"
 DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
 EMBEDDED_SERVER_HINT = (
     "Prefect's embedded API server did not start in time (a fresh database on a slow or busy "
@@ -40,12 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--manifest", help="instead of a source: a JSON Lines file of items (s3:// or local), "
                      'each line {"id": ..., "media": [...], "question": ...}')
     run.add_argument("--out", required=True, help="s3://bucket/prefix/ or a local folder")
-    run.more, run.needs_source = "flows.cli_job:add_job_options", True
+    run.more, run.needs_source = "vlm_caption.flows.cli_job:add_job_options", True
 
     demo = sub.add_parser("demo", help="caption a few generated images, offline, on CPU or GPU")
     demo.add_argument("--dir", default="vlm-caption-demo", help="working folder (default: ./vlm-caption-demo)")
     demo.add_argument("--images", type=int, default=8, help="how many sample images to make")
-    demo.more = "flows.cli_job:add_job_options"
+    demo.more = "vlm_caption.flows.cli_job:add_job_options"
 
     bench = sub.add_parser("bench", help="the flow against raw vLLM (the example's way) on this machine")
     bench.more = BENCH_OPTIONS
@@ -85,10 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_recipes_list(args: argparse.Namespace) -> int:
-    from recipes import all_recipes
+    from vlm_caption.recipes import all_recipes
 
     if args.markdown:
-        from recipes.table import recipes_markdown
+        from vlm_caption.recipes.table import recipes_markdown
 
         print(recipes_markdown(), end="")
         return 0
@@ -113,9 +113,9 @@ def cmd_recipes_list(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes_show(args: argparse.Namespace) -> int:
-    from flows.params import DEFAULT_QUESTIONS
-    from recipes import get_recipe
-    from recipes.requests import build_requests, load_local_tokenizer
+    from vlm_caption.flows.params import DEFAULT_QUESTIONS
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.recipes.requests import build_requests, load_local_tokenizer
 
     recipe = get_recipe(args.name)
     model = recipe.model_for(args.modality, args.model) if recipe.prompting_or_none(args.modality) else None
@@ -132,7 +132,7 @@ def _log_format(args: argparse.Namespace) -> None:
     """--log-format before anything reads the settings (structlog's stderr renderer follows it)."""
     if args.log_format:
         os.environ["VLM_CAPTION_LOG_FORMAT"] = args.log_format
-        from tasks.settings import get_settings
+        from vlm_caption.tasks.settings import get_settings
 
         get_settings.cache_clear()
 
@@ -141,29 +141,29 @@ def import_prefect() -> None:
     """Prefect's first import in `run` and `demo`, before anything else imports it: what it prints
     as it starts in a terminal (its first-run telemetry notice) is held for the run's terminal to
     place (tasks/prefect_api.py), not printed above the progress bar."""
-    from tasks.prefect_api import import_prefect as import_holding_notice
+    from vlm_caption.tasks.prefect_api import import_prefect as import_holding_notice
 
     import_holding_notice()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     _log_format(args)
-    from flows.params import CaptionJob
-    from flows.plan import make_plan
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.flows.plan import make_plan
 
     job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **job_fields(args))
     # Every check that needs no engine, before Prefect starts: each problem one line, all at once.
     # The flow makes the plan again in its own process (a deployment run has had no CLI).
     plan = make_plan(job)
     job = plan.job
-    from flows.server import check_api_reachable
+    from vlm_caption.flows.server import check_api_reachable
 
     import_prefect()
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
-    from flows.plan import start_engine_first, take_partition_cores
-    from tasks.concurrency import hold_job_lock
-    from tasks.observability import phase
-    from tasks.terminal import print_run_end, run_terminal
+    from vlm_caption.flows.plan import start_engine_first, take_partition_cores
+    from vlm_caption.tasks.concurrency import hold_job_lock
+    from vlm_caption.tasks.observability import phase
+    from vlm_caption.tasks.terminal import print_run_end, run_terminal
 
     # Another run of this job on this Prefect home: waited for here, saying so, before any engine or server.
     hold_job_lock(plan.fingerprint, job.output, lambda line: print(f"vlm-caption: {line}", file=sys.stderr))
@@ -174,16 +174,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         server_up = lambda: None  # noqa: E731 - Prefect's client starts its embedded server itself
         # Earlier results, no engine yet: Prefect's embedded server, the done-index and the listing begin now.
         if not start_engine_first(plan):
-            from flows.head_start import begin_head_start
-            from tasks.prefect_api import start_embedded_server_early
+            from vlm_caption.flows.head_start import begin_head_start
+            from vlm_caption.tasks.prefect_api import start_embedded_server_early
 
             server_up = start_embedded_server_early()
             begin_head_start(plan)  # on a thread, beside Prefect's start and the flow run's
-        from tasks.engine.engine_process import wait_for_engine_process
+        from vlm_caption.tasks.engine.engine_process import wait_for_engine_process
 
         wait_for_engine_process()  # the engine's share of this process done before Prefect's start takes the GIL
-        from flows.caption import vlm_caption
-        from flows.head_start import discard_head_start
+        from vlm_caption.flows.caption import vlm_caption
+        from vlm_caption.flows.head_start import discard_head_start
 
         from prefect.settings import PREFECT_API_URL
 
@@ -199,8 +199,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     _log_format(args)
-    from flows.demo import run_demo
-    from flows.server import check_api_reachable
+    from vlm_caption.flows.demo import run_demo
+    from vlm_caption.flows.server import check_api_reachable
 
     import_prefect()
     check_api_reachable()
@@ -208,15 +208,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from flows.server_background import server_command
+    from vlm_caption.flows.server_background import server_command
 
     return server_command(args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tasks.results.parquet import export_parquet
-    from tasks.results.parquet_compact import compact_view, rebuild_view
-    from tasks.sources.storage import open_storage, split_parent
+    from vlm_caption.tasks.results.parquet import export_parquet
+    from vlm_caption.tasks.results.parquet_compact import compact_view, rebuild_view
+    from vlm_caption.tasks.sources.storage import open_storage, split_parent
 
     out = open_storage(args.output)  # an output that is not there is an error, not made
     if args.compact:
@@ -256,10 +256,10 @@ def report_user_error(exc: Exception) -> int | None:
     (tasks/errors.py; docs/operations.md, "Exit codes"). None for anything else."""
     from pydantic import ValidationError
 
-    from tasks.errors import UsageError, UserError
+    from vlm_caption.tasks.errors import UsageError, UserError
 
     if isinstance(exc, ValidationError):
-        from flows.run_state import validation_lines
+        from vlm_caption.flows.run_state import validation_lines
 
         lines, code = validation_lines(exc), UsageError.exit_code
     elif isinstance(exc, UserError):
@@ -269,7 +269,7 @@ def report_user_error(exc: Exception) -> int | None:
         lines, code = [EMBEDDED_SERVER_HINT.format(timeout=timeout)], 3
     else:
         return None
-    from tasks.prefect_api import show_prefect_notice_now
+    from vlm_caption.tasks.prefect_api import show_prefect_notice_now
 
     show_prefect_notice_now(sys.stderr)  # Prefect's, if it has one for this terminal: before our error
     for line in lines:  # a pre-flight's problems, one line each

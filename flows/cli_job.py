@@ -75,8 +75,8 @@ def _choices(text: str) -> list[str]:
 
 def json_schema_option(value: str | None) -> dict[str, Any] | str | None:
     """`--json-schema`: a built-in schema's name, or a JSON Schema file (checked by the job)."""
-    from flows.params import BUILTIN_SCHEMAS
-    from tasks.errors import UsageError
+    from vlm_caption.flows.params import BUILTIN_SCHEMAS
+    from vlm_caption.tasks.errors import UsageError
 
     if value is None or value in BUILTIN_SCHEMAS:
         return value
@@ -90,7 +90,7 @@ def json_schema_option(value: str | None) -> dict[str, Any] | str | None:
 
 def add_job_options(parser: argparse.ArgumentParser) -> None:
     # Here, not at the top: the registry imports every source reader, which `vlm-caption --help` need not wait for.
-    from tasks.sources.registry import SOURCE_FORMATS, formats_help
+    from vlm_caption.tasks.sources.registry import SOURCE_FORMATS, formats_help
 
     parser.add_argument("--recipe", default="llava", help="recipe name (default: llava)")
     parser.add_argument("--question", action="append", dest="questions", metavar="QUESTION",

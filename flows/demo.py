@@ -45,10 +45,10 @@ def make_sample_images(folder: Path, count: int) -> list[Path]:
 
 
 def run_demo(args, job_fields: dict[str, Any]) -> int:
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
-    from tasks.terminal import print_run_end, run_terminal
-    from tasks.tiny_checkpoint import build_tiny_llava
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.tasks.terminal import print_run_end, run_terminal
+    from vlm_caption.tasks.tiny_checkpoint import build_tiny_llava
 
     root = Path(args.dir).resolve()
     images = root / "images"
@@ -74,7 +74,7 @@ def run_demo(args, job_fields: dict[str, Any]) -> int:
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         from prefect.settings import PREFECT_API_URL
 
-        from tasks.observability import phase
+        from vlm_caption.tasks.observability import phase
 
         phase("starting Prefect", api=PREFECT_API_URL.value() or "embedded")  # as `run` says it
         summary = vlm_caption(job)

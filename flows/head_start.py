@@ -26,13 +26,13 @@ import threading
 from prefect import task
 from prefect.cache_policies import NONE
 
-from flows.partition_run import PartitionRun, ShardWork
-from flows.plan import RunPlan
-from tasks.observability import get_logger
-from tasks.results.done_index import DoneIndex, load_done_index
-from tasks.results.layout import manifest_key
-from tasks.sources.listing import ShardStream
-from tasks.sources.listing_end import keep_listing_end
+from vlm_caption.flows.partition_run import PartitionRun, ShardWork
+from vlm_caption.flows.plan import RunPlan
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
+from vlm_caption.tasks.results.layout import manifest_key
+from vlm_caption.tasks.sources.listing import ShardStream
+from vlm_caption.tasks.sources.listing_end import keep_listing_end
 
 # Taking a free slot asks the server a few times; a slot that took longer was held by another run.
 SLOT_FREE_S = 5.0

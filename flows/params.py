@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from recipes import Recipe, RecipeError, get_recipe
-from tasks.sources.registry import SOURCE_FORMATS, formats_help, reader_class
+from vlm_caption.recipes import Recipe, RecipeError, get_recipe
+from vlm_caption.tasks.sources.registry import SOURCE_FORMATS, formats_help, reader_class
 
 DEFAULT_QUESTION = "Describe the content of this image in detail."
 DEFAULT_QUESTIONS = {
@@ -175,7 +175,7 @@ class CaptionJob(BaseModel):
     @field_validator("source", "manifest", "output")
     @classmethod
     def _uri(cls, value: str | None) -> str | None:
-        from tasks.sources.storage import StorageError
+        from vlm_caption.tasks.sources.storage import StorageError
 
         if value is None:
             return None
@@ -192,7 +192,7 @@ class CaptionJob(BaseModel):
     @field_validator("modified_since")
     @classmethod
     def _modified_since(cls, value: str | None) -> str | None:
-        from tasks.sources.watermark import check_modified_since
+        from vlm_caption.tasks.sources.watermark import check_modified_since
 
         return check_modified_since(value)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flows.params import CaptionJob, Partition
-from flows.plan import RunPlan
-from tasks.engine.arguments import EngineSpec
-from tasks.engine.vllm_engine import Sampling
-from tasks.results.layout import partition_parts_id
-from tasks.sources.formats import SourceSpec
-from tasks.sources.storage import Storage
+from vlm_caption.flows.params import CaptionJob, Partition
+from vlm_caption.flows.plan import RunPlan
+from vlm_caption.tasks.engine.arguments import EngineSpec
+from vlm_caption.tasks.engine.vllm_engine import Sampling
+from vlm_caption.tasks.results.layout import partition_parts_id
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.storage import Storage
 
 
 @dataclass(frozen=True)

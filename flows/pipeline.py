@@ -11,25 +11,25 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from flows.head_start import take_head_start
-from flows.partition_run import PartitionRun
-from flows.shard_report import ShardReport
-from flows.shard_steps import ShardSteps
-from tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
-from tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
-from tasks.engine.steps import GenerateOptions, start_engine
-from tasks.claims import ShardClaims
-from tasks.engine.vllm_import import ensure_vllm_imported
-from tasks.media.pool import start_decode_pool
-from tasks.prepare import MediaOptions
-from tasks.results.done_index import DoneIndex, load_done_index
-from tasks.results.report import RunStats
-from tasks.settings import get_settings
-from tasks.sources.extras import annotate_records
-from tasks.shard_plan import SharedListing
-from tasks.sources.items import Shard
-from tasks.sources.listing import AlreadyDone, Listed, ShardStream
-from tasks.sources.listing_end import keep_listing_end
+from vlm_caption.flows.head_start import take_head_start
+from vlm_caption.flows.partition_run import PartitionRun
+from vlm_caption.flows.shard_report import ShardReport
+from vlm_caption.flows.shard_steps import ShardSteps
+from vlm_caption.tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
+from vlm_caption.tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
+from vlm_caption.tasks.engine.steps import GenerateOptions, start_engine
+from vlm_caption.tasks.claims import ShardClaims
+from vlm_caption.tasks.engine.vllm_import import ensure_vllm_imported
+from vlm_caption.tasks.media.pool import start_decode_pool
+from vlm_caption.tasks.prepare import MediaOptions
+from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
+from vlm_caption.tasks.results.report import RunStats
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.extras import annotate_records
+from vlm_caption.tasks.shard_plan import SharedListing
+from vlm_caption.tasks.sources.items import Shard
+from vlm_caption.tasks.sources.listing import AlreadyDone, Listed, ShardStream
+from vlm_caption.tasks.sources.listing_end import keep_listing_end
 
 RETAKE_POLL_S = 2.0  # how often a partition that has run out of shards looks at the others' claims
 

@@ -18,19 +18,19 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flows.params import CaptionJob
-from recipes import Recipe, RecipeError
-from tasks.engine.arguments import EngineSpec
-from tasks.engine.host_share import take_cpu_share
-from tasks.observability import get_logger
-from tasks.results.layout import results_prefix
-from tasks.records import job_fingerprint
-from tasks.settings import get_settings
-from tasks.sources.formats import SourceSpec
-from tasks.sources.listing_end import object_after_listing_end
-from tasks.sources.registry import READERS, reader_class
-from tasks.sources.storage import Storage, StorageError
-from tasks.sources.watermark import with_changed_since
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.recipes import Recipe, RecipeError
+from vlm_caption.tasks.engine.arguments import EngineSpec
+from vlm_caption.tasks.engine.host_share import take_cpu_share
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.layout import results_prefix
+from vlm_caption.tasks.records import job_fingerprint
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.listing_end import object_after_listing_end
+from vlm_caption.tasks.sources.registry import READERS, reader_class
+from vlm_caption.tasks.sources.storage import Storage, StorageError
+from vlm_caption.tasks.sources.watermark import with_changed_since
 
 
 class PreflightError(RecipeError):
@@ -58,9 +58,9 @@ class RunPlan:
 
 def make_plan(job: CaptionJob) -> RunPlan:
     """Check the job and resolve it, or raise PreflightError naming every problem found."""
-    from tasks.engine.arguments import check_engine_overrides
-    from tasks.engine.model_check import check_model
-    from tasks.sources.preflight import check_output, resolve_source
+    from vlm_caption.tasks.engine.arguments import check_engine_overrides
+    from vlm_caption.tasks.engine.model_check import check_model
+    from vlm_caption.tasks.sources.preflight import check_output, resolve_source
 
     problems: list[Exception] = []
 
@@ -168,8 +168,8 @@ def start_engine_first(plan: RunPlan) -> bool:
 
 def build_engine_first(plan: RunPlan) -> None:
     """vLLM's import, then the run's engine started on a thread of its own (see `start_engine_first`)."""
-    from tasks.engine.vllm_engine import start_engine_early
-    from tasks.engine.vllm_import import ensure_vllm_imported
+    from vlm_caption.tasks.engine.vllm_engine import start_engine_early
+    from vlm_caption.tasks.engine.vllm_import import ensure_vllm_imported
 
     ensure_vllm_imported()
     start_engine_early(plan.engine)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.errors import UserError
+from vlm_caption.tasks.errors import UserError
 
 
 def run_label(job: Any) -> str:
@@ -110,7 +110,7 @@ def _invalid_job(parameters: dict) -> str | None:
     """What is wrong with a run's `job` parameter, on one line; None if it validates."""
     from pydantic import ValidationError
 
-    from flows.params import CaptionJob
+    from vlm_caption.flows.params import CaptionJob
 
     try:
         CaptionJob.model_validate((parameters or {}).get("job"))

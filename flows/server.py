@@ -23,7 +23,7 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
-from tasks.errors import PrefectUnavailable, UsageError
+from vlm_caption.tasks.errors import PrefectUnavailable, UsageError
 
 # One FastAPI, checked with Prefect 3.8.8 on the operator's whole path (`prefect deploy --all`,
 # `prefect deployment ls`, workers polling, runs and a fan-out; tests/test_deployments.py) and the
@@ -128,7 +128,7 @@ def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subproc
           f"  In each shell that deploys, starts workers or runs flows:\n"
           f"    export PREFECT_API_URL={url}/api\n"
           f"  (The first start downloads Prefect's wheels. {stopped_by}.)", flush=True)
-    from tasks.prefect_api import show_prefect_notice_now
+    from vlm_caption.tasks.prefect_api import show_prefect_notice_now
 
     show_prefect_notice_now(sys.stdout, import_now=True)
     sys.stderr.flush()

@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from flows.server import ServerError, browser_host, check_port_free, prefect_home, serve
+from vlm_caption.flows.server import ServerError, browser_host, check_port_free, prefect_home, serve
 
 STOP_HINT = "`vlm-caption server --stop` stops it"
 
@@ -67,13 +67,13 @@ def serve_in_background(host: str, port: int, log: str, timeout_s: float = 600) 
         return 0
     check_port_free(host, port)
     log_path = Path(log).resolve()
-    from tasks.prefect_api import show_prefect_notice_now
+    from vlm_caption.tasks.prefect_api import show_prefect_notice_now
 
     show_prefect_notice_now(sys.stdout, import_now=True)  # Prefect's first-run notice: here, at the terminal
     print(f"vlm-caption server: starting in the background, its output in {log_path} (the first start "
           "downloads Prefect's wheels) ...", flush=True)
     with open(log_path, "ab") as out:
-        child = subprocess.Popen([sys.executable, "-m", "flows.server_background", host, str(port)],
+        child = subprocess.Popen([sys.executable, "-m", "vlm_caption.flows.server_background", host, str(port)],
                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     pid_file(port).parent.mkdir(parents=True, exist_ok=True)

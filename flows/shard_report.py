@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from prefect import task
 from prefect.cache_policies import NONE
 
-from flows.partition_run import PartitionRun
-from tasks.errors import is_permanent
-from tasks.interrupt import part_written
-from tasks.observability import Progress, emit, get_logger
-from tasks.records import ResultRecord
-from tasks.results.report import MAX_FAILURES_LISTED, RunStats
-from tasks.sources.items import Shard
+from vlm_caption.flows.partition_run import PartitionRun
+from vlm_caption.tasks.errors import is_permanent
+from vlm_caption.tasks.interrupt import part_written
+from vlm_caption.tasks.observability import Progress, emit, get_logger
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.report import MAX_FAILURES_LISTED, RunStats
+from vlm_caption.tasks.sources.items import Shard
 
 BATCH_ITEMS = 32_768  # the most items a batch's shards hold (at least one shard)
 

@@ -19,15 +19,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from tasks.engine.steps import GenerateOptions, failed_shard_records, generate_shard
-from tasks.errors import is_permanent
-from tasks.prepare import MediaOptions, PreparedShard, prepare_shard, unprepared_shard
-from tasks.results.done_index import DoneIndex
-from tasks.records import ResultRecord
-from tasks.results.writers import write_shard
-from tasks.sources.formats import SourceSpec
-from tasks.sources.items import Shard
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.engine.steps import GenerateOptions, failed_shard_records, generate_shard
+from vlm_caption.tasks.errors import is_permanent
+from vlm_caption.tasks.prepare import MediaOptions, PreparedShard, prepare_shard, unprepared_shard
+from vlm_caption.tasks.results.done_index import DoneIndex
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.writers import write_shard
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.items import Shard
+from vlm_caption.tasks.sources.storage import Storage
 
 # Threads are made as steps are submitted and reused after; the schedule, not the pool, bounds
 # how many run at once (a generate step waits on the engine, so the feed's depth of them do).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from importlib import import_module
 
-from recipes.base import EOS_TOKEN, MODALITIES, LoraSpec, Modality, Prompting, Recipe, RecipeError
+from vlm_caption.recipes.base import EOS_TOKEN, MODALITIES, LoraSpec, Modality, Prompting, Recipe, RecipeError
 
 _FAMILY_MODULES = (
     "llava", "qwen", "internvl", "google", "glm", "phi", "mistral", "idefics", "minicpm", "ocr", "others",

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipes.errors import UserError
+from vlm_caption.recipes.errors import UserError
 
 Modality = Literal["image", "video", "multi-image"]
 MODALITIES: tuple[Modality, ...] = ("image", "video", "multi-image")

@@ -1,6 +1,6 @@
 """Zhipu GLM-4V, GLM-4.1V and GLM-4.5V."""
 
-from recipes.base import Prompting, Recipe
+from vlm_caption.recipes.base import Prompting, Recipe
 
 _GLM41 = ("[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>\n{media}{question}"
           "<|assistant|>assistant\n")

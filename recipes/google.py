@@ -1,6 +1,6 @@
 """Google: Gemma 3, Gemma 3n, PaliGemma 1 and 2."""
 
-from recipes.base import Prompting, Recipe
+from vlm_caption.recipes.base import Prompting, Recipe
 
 RECIPES = (
     Recipe(name="gemma3", family="gemma", model_types=("gemma3",), model="google/gemma-3-4b-it", max_model_len=2048,

@@ -1,6 +1,6 @@
 """Idefics3 and SmolVLM (HuggingFaceM4 / HuggingFaceTB)."""
 
-from recipes.base import Prompting, Recipe
+from vlm_caption.recipes.base import Prompting, Recipe
 
 RECIPES = (
     Recipe(name="idefics3", family="idefics", model_types=("idefics3",), model="HuggingFaceM4/Idefics3-8B-Llama3", max_model_len=8192,

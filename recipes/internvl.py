@@ -1,7 +1,7 @@
 """InternVL-style models whose prompt is the model's own chat template over a text message
 `"<image>\\n{question}"` (InternVL, H2OVL, NVLM-D, Nemotron-VL, Skywork-R1V, Intern-S1)."""
 
-from recipes.base import EOS_TOKEN, Prompting, Recipe
+from vlm_caption.recipes.base import EOS_TOKEN, Prompting, Recipe
 
 _TEXT = "{media}\n{question}"
 _IMAGE = Prompting(chat="text", template=_TEXT, media="<image>")

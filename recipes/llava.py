@@ -1,7 +1,7 @@
 """LLaVA family: LLaVA-1.5, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, and LLaVA-style
 derivatives that share its `<image>` placeholder (Mantis, Tarsier, R-4B)."""
 
-from recipes.base import Prompting, Recipe
+from vlm_caption.recipes.base import Prompting, Recipe
 
 _ONEVISION_TEMPLATE = "<|im_start|>user {media}\n{question}<|im_end|><|im_start|>assistant\n"
 

@@ -1,6 +1,6 @@
 """MiniCPM-V 2.6 and MiniCPM-o 2.6 (chat template; stop tokens differ by version)."""
 
-from recipes.base import Prompting, Recipe
+from vlm_caption.recipes.base import Prompting, Recipe
 
 _IMAGE = Prompting(chat="text", template="{media}\n{question}", media="(<image>./</image>)")
 _VIDEO = Prompting(chat="text", template="{media}\n{question}", media="(<video>./</video>)")

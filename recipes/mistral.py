@@ -1,6 +1,6 @@
 """Mistral Small 3.1 and Pixtral (HF format)."""
 
-from recipes.base import Prompting, Recipe
+from vlm_caption.recipes.base import Prompting, Recipe
 
 _INST = "<s>[INST]{question}\n{media}[/INST]"
 

@@ -1,6 +1,6 @@
 """Document/OCR models: DeepSeek-OCR, dots.ocr, LightOnOCR, HunyuanOCR."""
 
-from recipes.base import Prompting, Recipe
+from vlm_caption.recipes.base import Prompting, Recipe
 
 RECIPES = (
     Recipe(name="deepseek_ocr", family="ocr", model="deepseek-ai/DeepSeek-OCR",

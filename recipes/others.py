@@ -1,6 +1,6 @@
 """Model families with one or two members each."""
 
-from recipes.base import Prompting, Recipe
+from vlm_caption.recipes.base import Prompting, Recipe
 
 _COHERE = ("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{media}{question}<|END_OF_TURN_TOKEN|>"
            "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")

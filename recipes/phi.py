@@ -1,6 +1,6 @@
 """Microsoft Phi-3.5-vision and Phi-4-multimodal (with its vision LoRA)."""
 
-from recipes.base import LoraSpec, Prompting, Recipe
+from vlm_caption.recipes.base import LoraSpec, Prompting, Recipe
 
 _PHI3 = "<|user|>\n{media}\n{question}<|end|>\n<|assistant|>\n"
 _PHI4 = "<|user|>{media}{question}<|end|><|assistant|>"

@@ -1,7 +1,7 @@
 """Qwen-VL family and models built on its `<|vision_start|>...<|vision_end|>` format
 (Qwen-VL, Qwen2/2.5/3-VL, Qwen2.5-Omni, Tarsier2, Keye-VL)."""
 
-from recipes.base import Prompting, Recipe
+from vlm_caption.recipes.base import Prompting, Recipe
 
 _SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 _VISION = (_SYSTEM + "<|im_start|>user\n<|vision_start|>{media}<|vision_end|>{question}<|im_end|>\n"

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from recipes.base import EOS_TOKEN, MEDIA_KIND, Recipe, RecipeError
+from vlm_caption.recipes.base import EOS_TOKEN, MEDIA_KIND, Recipe, RecipeError
 
 
 class PromptRequest(BaseModel):

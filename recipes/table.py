@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from recipes import all_recipes
+from vlm_caption.recipes import all_recipes
 
 REGENERATE = "uv run vlm-caption recipes list --markdown > docs/recipes.md"
 COLUMNS = ("name", "family", "default model", "modalities", "needs remote code", "processor on GPU", "GPUs",

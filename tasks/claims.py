@@ -35,9 +35,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tasks.observability import get_logger
-from tasks.sources.items import Shard
-from tasks.sources.storage import LocalStorage, Storage
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.sources.items import Shard
+from vlm_caption.tasks.sources.storage import LocalStorage, Storage
 
 BEAT_S = 5.0
 STALE_S = 30.0  # a heartbeat unchanged this long (by the watcher's clock): its partition is gone

@@ -25,9 +25,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.errors import BusyError
-from tasks.observability import get_logger
-from tasks.settings import get_settings
+from vlm_caption.tasks.errors import BusyError
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.settings import get_settings
 
 
 class JobBusyError(BusyError, RuntimeError):

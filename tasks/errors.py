@@ -16,7 +16,7 @@ Exit codes (docs/operations.md, "Exit codes"):
 
 from __future__ import annotations
 
-from recipes.errors import UserError
+from vlm_caption.recipes.errors import UserError
 
 __all__ = ["BusyError", "EngineFailure", "FanOutFailure", "OutOfSpaceError", "PrefectUnavailable", "UsageError",
            "UserError", "is_permanent"]

@@ -30,10 +30,10 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 
-from tasks.errors import FanOutFailure
-from tasks.observability import get_logger
-from tasks.shard_plan import chunk_key, plan_prefix
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.errors import FanOutFailure
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.shard_plan import chunk_key, plan_prefix
+from vlm_caption.tasks.sources.storage import Storage
 
 POLL_S = 5.0
 # The run ends up to one poll after its last child: a read per child a second is cheap beside that.

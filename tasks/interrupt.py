@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import psutil  # imported here, not in the handler: a Ctrl-C may come in the middle of an import
 
-from tasks.terminal import stop_for_interrupt
+from vlm_caption.tasks.terminal import stop_for_interrupt
 
 GRACE_S = 3.0  # the main thread's time to unwind after the first Ctrl-C
 LINGER_S = 0.5  # the children's time to end when asked (SIGTERM) before they are killed
@@ -104,7 +104,7 @@ def exit_now_if_building(code: int) -> int:
     and Python's exit would wait for its build (minutes on a busy CPU: the build holds the engine
     lock that the exit hook takes). So its children are ended and the process exits now with
     `code`; with no build going on, `code` is returned."""
-    engine = sys.modules.get("tasks.engine.vllm_engine")
+    engine = sys.modules.get("vlm_caption.tasks.engine.vllm_engine")
     if engine is None or not engine.building():
         return code
     sys.stdout.flush()

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from tasks.settings import get_settings
+from vlm_caption.tasks.settings import get_settings
 
 LOGGER_NAME = "vlm_caption"
 EVENT_PREFIX = "vlm-caption"
@@ -193,7 +193,7 @@ def phase(what: str, **fields: Any) -> None:
     """A step of a run beginning (starting Prefect, loading vLLM, building the engine, loading what
     is done, listing): a log line (the UI's too, inside a flow run), and a line at the terminal of
     `vlm-caption run`, so slow can be told from hung from the first second."""
-    from tasks.terminal import PHASE_LISTENERS
+    from vlm_caption.tasks.terminal import PHASE_LISTENERS
 
     get_logger().info(what, phase=True, **fields)
     for listener in list(PHASE_LISTENERS):
@@ -229,7 +229,7 @@ class Progress:
             progress=0.0, key="vlm-caption-progress", description=description
         )
         self.published_percent, self.published_at = 0.0, time.monotonic()
-        from tasks.terminal import TerminalProgress
+        from vlm_caption.tasks.terminal import TerminalProgress
 
         self.terminal = TerminalProgress(0, description)
 

@@ -10,20 +10,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.media.image import MediaError
-from tasks.media.pool import decode_images, decode_video_pooled
-from tasks.media.resize import ImageResize, ProcessorResize
-from tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits
-from tasks.results.done_index import DoneIndex
-from tasks.records import ItemError, Member, group_sha256, sha256_hex
-from tasks.same_media import take_copies
-from tasks.settings import get_settings
-from tasks.sources.fetch import TooLargeError
-from tasks.sources.items import Shard, WorkItem
-from tasks.sources.formats import SourceSpec
-from tasks.sources.reader import BAD_INPUT, BadInput, SourceReader
-from tasks.sources.registry import open_reader
-from tasks.sources.storage import ShortBodyError
+from vlm_caption.tasks.media.image import MediaError
+from vlm_caption.tasks.media.pool import decode_images, decode_video_pooled
+from vlm_caption.tasks.media.resize import ImageResize, ProcessorResize
+from vlm_caption.tasks.media.video import DEFAULT_NUM_FRAMES, DecodedVideo, VideoLimits
+from vlm_caption.tasks.results.done_index import DoneIndex
+from vlm_caption.tasks.records import ItemError, Member, group_sha256, sha256_hex
+from vlm_caption.tasks.same_media import take_copies
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.fetch import TooLargeError
+from vlm_caption.tasks.sources.items import Shard, WorkItem
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.reader import BAD_INPUT, BadInput, SourceReader
+from vlm_caption.tasks.sources.registry import open_reader
+from vlm_caption.tasks.sources.storage import ShortBodyError
 
 
 @dataclass(frozen=True)

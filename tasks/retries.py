@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tasks.errors import is_permanent
-from tasks.observability import get_logger
+from vlm_caption.tasks.errors import is_permanent
+from vlm_caption.tasks.observability import get_logger
 
 T = TypeVar("T")
 

@@ -26,11 +26,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from tasks.results.done_index import DoneIndex
-from tasks.results.done_rows import Signature, listing_signature, signature_hash
-from tasks.records import GenerationOutput, Member, ResultRecord, group_sha256, sha256_hex
-from tasks.sources.items import WorkItem
-from tasks.sources.storage import LocalStorage, Storage
+from vlm_caption.tasks.results.done_index import DoneIndex
+from vlm_caption.tasks.results.done_rows import Signature, listing_signature, signature_hash
+from vlm_caption.tasks.records import GenerationOutput, Member, ResultRecord, group_sha256, sha256_hex
+from vlm_caption.tasks.sources.items import WorkItem
+from vlm_caption.tasks.sources.storage import LocalStorage, Storage
 
 MD5 = re.compile(r"[0-9a-f]{32}")
 KEEP_RUNS = 2  # runs whose answers are kept (a worker runs one at a time; a second may be starting)

@@ -184,7 +184,7 @@ OTHER_VARIABLES: dict[str, tuple[str, str]] = {
         "`300`", "Tests only: how long `tests/test_prefect_ui.py` waits for `vlm-caption server` to answer."),
 }
 
-REGENERATE = "uv run python -m tasks.settings > docs/configuration.md"
+REGENERATE = "uv run python -m vlm_caption.tasks.settings > docs/configuration.md"
 
 
 def _default_text(name: str, value: object) -> str:

@@ -30,13 +30,13 @@ import json
 import time
 from collections.abc import Callable, Iterator
 
-from tasks.claims import ShardClaims, claims_prefix
-from tasks.observability import get_logger
-from tasks.same_media import ListedCopies
-from tasks.sources.formats import SourceSpec
-from tasks.sources.items import ObjectRef, Shard, WorkItem
-from tasks.sources.listing import AlreadyDone, Listed, PendingMask, ShardStream, StreamClosed
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.claims import ShardClaims, claims_prefix
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.same_media import ListedCopies
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.items import ObjectRef, Shard, WorkItem
+from vlm_caption.tasks.sources.listing import AlreadyDone, Listed, PendingMask, ShardStream, StreamClosed
+from vlm_caption.tasks.sources.storage import Storage
 
 CHUNK_SHARDS = 16  # shards per chunk, at most
 CHUNK_S = 1.0  # a chunk is written at least this often while there is something to say

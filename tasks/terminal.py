@@ -20,7 +20,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import IO, Any, Iterator
 
-from tasks.prefect_api import release_notice
+from vlm_caption.tasks.prefect_api import release_notice
 
 # Who hears each phase of a run as it begins (`tasks.observability.phase`): a quiet run's terminal.
 PHASE_LISTENERS: list[Callable[[str], None]] = []
@@ -93,7 +93,7 @@ def run_terminal(output: str, *, verbose: bool, log_format: str | None) -> Itera
         release_notice(None)  # every line on the terminal as it comes: Prefect's notice too
         yield None
         return
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     with quiet_terminal(log_file_for(output, get_settings().log_dir)) as log_path:
         yield log_path
@@ -126,7 +126,7 @@ def _release_engine() -> None:
     """The run's engine shut down now, into the log: at exit vLLM's process manager may say, on
     the terminal, that it force-killed an engine process slow to end (on a busy machine).
     Nothing is imported for a run that started no engine."""
-    engine = sys.modules.get("tasks.engine.vllm_engine")
+    engine = sys.modules.get("vlm_caption.tasks.engine.vllm_engine")
     if engine is None:
         return
     try:

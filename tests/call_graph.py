@@ -56,6 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("flows", "tasks", "recipes")  # the product's code, top layer first
 TOOLS = ("bench",)  # beside the product: they import it, it never imports them
+NAMESPACE = "vlm_caption."  # installed, the packages live under it; the repository names them without it
 SIZE_CHECKED = ("flows", "tasks", "recipes", "deployments", *TOOLS)  # no module over 300 lines here
 TASK_METHODS = {"submit", "map", "fn", "delay"}
 
@@ -118,6 +119,19 @@ def _absolute(module: Module, node: ast.ImportFrom) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
+def _in_repository(node: ast.Import | ast.ImportFrom) -> ast.Import | ast.ImportFrom:
+    """The import as the repository names its modules: `vlm_caption.tasks.x` is `tasks.x`."""
+    def local(name: str | None) -> str | None:
+        return name[len(NAMESPACE):] if name and name.startswith(NAMESPACE) else name
+
+    if isinstance(node, ast.ImportFrom) and node.module == NAMESPACE[:-1]:  # from vlm_caption import flows
+        return ast.Import(names=node.names, lineno=node.lineno)
+    names = [ast.alias(name=local(alias.name), asname=alias.asname) for alias in node.names]
+    if isinstance(node, ast.Import):
+        return ast.Import(names=names, lineno=node.lineno)
+    return ast.ImportFrom(module=local(node.module), names=node.names, level=node.level, lineno=node.lineno)
+
+
 def _imports(module: Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
     """Every import statement of a module but those under `if TYPE_CHECKING:`, with whether it
     runs at import time."""
@@ -125,7 +139,7 @@ def _imports(module: Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool
     def visit(nodes: list[ast.stmt], top: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
         for node in nodes:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                yield node, top
+                yield _in_repository(node), top
             elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 yield from visit(node.orelse, top)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):

@@ -14,7 +14,7 @@ from pathlib import Path
 # architecture -> "module:function(out: Path) -> Path"
 BUILDERS: dict[str, str] = {
     # LLaVA and the models built like it (tests/tiny_llava_family.py)
-    "llava": "tasks.tiny_checkpoint:build_tiny_llava",
+    "llava": "vlm_caption.tasks.tiny_checkpoint:build_tiny_llava",
     "llava_next": "tests.tiny_llava_next:build_tiny_llava_next",
     "llava_next_video": "tests.tiny_llava_family:build_tiny_llava_next_video",
     "llava_onevision": "tests.tiny_llava_family:build_tiny_llava_onevision",
@@ -26,8 +26,8 @@ BUILDERS: dict[str, str] = {
     "cohere2_vision": "tests.tiny_llava_family:build_tiny_cohere2_vision",
     "rvl": "tests.tiny_llava_family:build_tiny_rvl",
     # Qwen-VL and GLM-V (tests/tiny_qwen_family.py)
-    "qwen2_vl": "tasks.tiny_checkpoint:build_tiny_qwen2_vl",
-    "qwen2_5_vl": "tasks.tiny_checkpoint:build_tiny_qwen2_5_vl",
+    "qwen2_vl": "vlm_caption.tasks.tiny_checkpoint:build_tiny_qwen2_vl",
+    "qwen2_5_vl": "vlm_caption.tasks.tiny_checkpoint:build_tiny_qwen2_5_vl",
     "qwen3_vl": "tests.tiny_qwen_family:build_tiny_qwen3_vl",
     "qwen3_vl_moe": "tests.tiny_qwen_family:build_tiny_qwen3_vl_moe",
     "qwen2_5_omni": "tests.tiny_qwen_family:build_tiny_qwen2_5_omni",

@@ -100,6 +100,7 @@ HEAVY_TESTS = {
     "test_recipes::test_chat_template_renders_offline_with_a_local_tokenizer",
     "test_recipes::test_recipes_show_imports_no_torch_or_vllm",
     "test_recipes::test_recipes_list_json_has_the_contract_columns",
+    "test_structure::test_the_wheel_holds_one_top_level_package_that_imports_with_no_setting_changed",
 }
 
 
@@ -158,8 +159,8 @@ def release_engines_at_the_end():
     """The flows run in this process leave its engine up; it is shut down while the test
     session's output is still open (the exit hook would log into closed streams)."""
     yield
-    if "tasks.engine.vllm_engine" in sys.modules:
-        sys.modules["tasks.engine.vllm_engine"].release_engines()
+    if "vlm_caption.tasks.engine.vllm_engine" in sys.modules:
+        sys.modules["vlm_caption.tasks.engine.vllm_engine"].release_engines()
 
 
 @pytest.fixture(scope="session")
@@ -185,12 +186,12 @@ def prefect_api():
 def s3_endpoint():
     """moto's standalone S3 server on loopback (its conditional PUTs atomic, as S3's are:
     bench/loopback_s3.py), reached over real HTTP by boto3."""
-    from bench.processes import started
+    from vlm_caption.bench.processes import started
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # stopped however the session ends (issue 68: no server left running after a failed test)
-    with started([sys.executable, "-m", "bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
+    with started([sys.executable, "-m", "vlm_caption.bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
         deadline = time.time() + 30
         while time.time() < deadline:
@@ -205,7 +206,7 @@ def s3_endpoint():
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1", "VLM_CAPTION_S3_ENDPOINT_URL": url,
         }
-        from tasks.settings import settings_environment
+        from vlm_caption.tasks.settings import settings_environment
 
         with settings_environment(env):
             yield url

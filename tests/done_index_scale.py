@@ -15,8 +15,8 @@ import time
 
 
 def load(out: str) -> None:
-    from tasks.results.done_index import load_done_index
-    from tasks.sources.storage import open_storage
+    from vlm_caption.tasks.results.done_index import load_done_index
+    from vlm_caption.tasks.sources.storage import open_storage
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     began = time.perf_counter()
@@ -28,8 +28,8 @@ def load(out: str) -> None:
 
 def main(total: int, out: str, s3: bool = False) -> None:
     from tests.test_done_index import _record
-    from tasks.results.writers import write_shard
-    from tasks.sources.storage import open_storage
+    from vlm_caption.tasks.results.writers import write_shard
+    from vlm_caption.tasks.sources.storage import open_storage
 
     store = open_storage(out, create=True)
     for shard, start in enumerate(range(0, total, 64)):
@@ -40,7 +40,7 @@ def main(total: int, out: str, s3: bool = False) -> None:
     import os
     from pathlib import Path
 
-    from bench.harness import s3_source
+    from vlm_caption.bench.harness import s3_source
 
     with s3_source(Path(out), Path(tempfile.mkdtemp())) as env:
         uri = {**os.environ, **env}["VLM_CAPTION_BENCH_S3"].rstrip("/") + "/images/"  # where it uploaded

@@ -20,7 +20,7 @@ QUESTION = "Describe the content of this image in detail."
 
 
 def _job(root: Path):
-    from flows.params import CaptionJob
+    from vlm_caption.flows.params import CaptionJob
 
     return CaptionJob(source=str(root / "images"), output=str(root / "out"), recipe="llava",
                       model=str(root / "no-model"), skip_model_check=True, questions=[QUESTION],
@@ -29,11 +29,11 @@ def _job(root: Path):
 
 def prepare(count: int, root: Path) -> None:
     """The objects, and a finished run's results for each."""
-    from flows.plan import fingerprint_of
-    from recipes import get_recipe
-    from tasks.records import ResultRecord
-    from tasks.results.writers import write_shard
-    from tasks.sources.storage import open_storage
+    from vlm_caption.flows.plan import fingerprint_of
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.tasks.records import ResultRecord
+    from vlm_caption.tasks.results.writers import write_shard
+    from vlm_caption.tasks.sources.storage import open_storage
 
     images = root / "images"
     images.mkdir(parents=True)
@@ -55,7 +55,7 @@ def run(root: str) -> None:
     """In a fresh process: the flow over everything, then its counts and this process's peak RSS."""
     import resource
 
-    from flows.caption import vlm_caption
+    from vlm_caption.flows.caption import vlm_caption
 
     began = time.perf_counter()
     summary = vlm_caption(_job(Path(root)))

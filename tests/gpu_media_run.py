@@ -10,8 +10,8 @@ from pathlib import Path
 
 
 def main():
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
     from tests.checkpoints import build_checkpoint
     from tests.images import image_bytes, video_bytes
 

@@ -57,7 +57,7 @@ def cases():
 def processing_check(recipe_name: str, model: str) -> list[dict]:
     import torch
 
-    from recipes import get_recipe
+    from vlm_caption.recipes import get_recipe
 
     recipe = get_recipe(recipe_name)
     rows = []
@@ -100,7 +100,7 @@ def compare(a_processed, b_processed):
 
 def flow_resized(model: str, modality: str, media: dict, kwargs: dict) -> dict:
     """The media as the flow hands them to vLLM: resized on the CPU with the processor's own resize."""
-    from tasks.media.resize import processor_resize
+    from vlm_caption.tasks.media.resize import processor_resize
 
     kind = "video" if modality == "video" else "image"
     resize = processor_resize(model, kwargs, kind)
@@ -116,8 +116,8 @@ def tokens_on(recipe_name: str, model: str, device: str) -> list[list[int]]:
     from PIL import Image
     from vllm import LLM, SamplingParams
 
-    from recipes import get_recipe
-    from tasks.engine.arguments import EngineSpec, engine_plan
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.tasks.engine.arguments import EngineSpec, engine_plan
 
     recipe = get_recipe(recipe_name)
     rng = np.random.default_rng(1)
@@ -155,7 +155,7 @@ def main() -> int:
     if args.tokens:  # a child: one engine's tokens, printed
         print("TOKENS " + json.dumps(tokens_on(*args.tokens)), flush=True)
         return 0
-    from recipes import all_recipes
+    from vlm_caption.recipes import all_recipes
     from tests.checkpoints import build_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="gpu-processor-check-"))

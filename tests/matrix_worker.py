@@ -26,9 +26,9 @@ def media_for(modality: str):
 def main(recipe_name: str, checkpoint: str, modalities: list[str]) -> None:
     from vllm import LLM, SamplingParams
 
-    from recipes import get_recipe
-    from recipes.requests import build_requests
-    from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.recipes.requests import build_requests
+    from vlm_caption.tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
 
     recipe = get_recipe(recipe_name)
     args, _ = engine_plan(EngineSpec.build(recipe, modality=modalities[0], model=checkpoint, images=2), on_cpu=True)

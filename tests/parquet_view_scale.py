@@ -28,7 +28,7 @@ def run_id(day: int) -> str:
 
 
 def _line_template() -> str:
-    from tasks.records import ResultRecord
+    from vlm_caption.tasks.records import ResultRecord
 
     return ResultRecord(key="K", size=1000, etag="E", sha256="S" * 64, recipe="llava", model="tiny", question=None,
                         prompt="USER: <image>\nDescribe. ASSISTANT:", text="a small photo of something",
@@ -39,8 +39,8 @@ def _line_template() -> str:
 def write_parts(store, run: str, items: range, etag: str = "e") -> tuple[list[str], dict]:
     """Parts of 64 as write_shard writes them (the body, then its sidecar), built from one record's
     JSON for speed; the parts' URIs and, per part key, (size, rows) for a compacted index."""
-    from tasks.results.done_index import ROW, content_hash, result_key, sidecar_bytes, signature_hash
-    from tasks.results.layout import part_key
+    from vlm_caption.tasks.results.done_index import ROW, content_hash, result_key, sidecar_bytes, signature_hash
+    from vlm_caption.tasks.results.layout import part_key
 
     template, uris, covered = _line_template(), [], {}
     signature, content = signature_hash(((etag, 1000),)), content_hash("S" * 64)
@@ -58,9 +58,9 @@ def write_parts(store, run: str, items: range, etag: str = "e") -> tuple[list[st
 
 
 def step(name: str, out: str, run: str = "", parts: list[str] | None = None) -> None:
-    from tasks.results.parquet_compact import compact_view, rebuild_view
-    from tasks.results.parquet_view import add_run
-    from tasks.sources.storage import open_storage
+    from vlm_caption.tasks.results.parquet_compact import compact_view, rebuild_view
+    from vlm_caption.tasks.results.parquet_view import add_run
+    from vlm_caption.tasks.sources.storage import open_storage
 
     store = open_storage(out)
     began = time.perf_counter()
@@ -82,9 +82,9 @@ def _in_child(*args) -> None:
 
 
 def main(total: int, runs: int, out: str) -> None:
-    from tasks.results.done_index import compacted_bytes
-    from tasks.results.layout import compacted_index_key
-    from tasks.sources.storage import open_storage
+    from vlm_caption.tasks.results.done_index import compacted_bytes
+    from vlm_caption.tasks.results.layout import compacted_index_key
+    from vlm_caption.tasks.sources.storage import open_storage
 
     store, covered, per = open_storage(out, create=True), {}, total // runs
     for day in range(runs):

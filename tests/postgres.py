@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flows.server import LEASES_ON_DISK
+from vlm_caption.flows.server import LEASES_ON_DISK
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]

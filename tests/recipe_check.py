@@ -63,7 +63,7 @@ def sample_media(modality: str, with_metadata: bool) -> Any:
         return Image.new("RGB", (160, 120), (30, 160, 60))
     if modality == "multi-image":
         return [Image.new("RGB", (120, 90), (200, 30, 30)), Image.new("RGB", (90, 120), (30, 30, 200))][:GROUP_SIZE]
-    from tasks.media.video import VideoLimits, decode_video
+    from vlm_caption.tasks.media.video import VideoLimits, decode_video
     from tests.images import video_bytes
 
     clip = decode_video(video_bytes(frames=24, fps=8, size=(64, 48)), num_frames=CLIP_FRAMES,
@@ -75,8 +75,8 @@ def flow_engine_args(recipe_name: str, modality: str, checkpoint: Path, on_cpu: 
     """The engine arguments the flow builds for this recipe on this checkpoint (context clamped to it);
     a remote-code recipe is opted in, as a user does with --trust-remote-code (the tiny checkpoint's
     remote code is our own minimal config file, tests/tiny_remote_common.py)."""
-    from recipes import get_recipe
-    from tasks.engine.arguments import EngineSpec, engine_plan
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.tasks.engine.arguments import EngineSpec, engine_plan
 
     recipe = get_recipe(recipe_name)
     spec = EngineSpec.build(recipe, modality=modality, model=str(checkpoint), images=GROUP_SIZE,
@@ -86,7 +86,7 @@ def flow_engine_args(recipe_name: str, modality: str, checkpoint: Path, on_cpu: 
 
 def recipe_prompt(recipe, modality: str, checkpoint: Path) -> str:
     """The prompt text the flow sends for one item (chat recipes rendered by the checkpoint's template)."""
-    from recipes.requests import build_requests, load_local_tokenizer
+    from vlm_caption.recipes.requests import build_requests, load_local_tokenizer
 
     tokenizer = load_local_tokenizer(str(checkpoint)) if recipe.uses_chat_template(modality) else None
     built = build_requests(recipe, modality, [QUESTION], images=GROUP_SIZE, model=str(checkpoint), tokenizer=tokenizer)
@@ -116,9 +116,9 @@ def model_classes_inspected_here():
 
 def check_processing(recipe_name: str, modality: str, checkpoint: Path, architecture: str = "") -> CaseResult:
     """vLLM's processor on the recipe's prompt and media; ok when every item's placeholders expanded."""
-    from recipes import get_recipe
-    from recipes.base import MEDIA_KIND
-    from recipes.requests import load_local_tokenizer
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.recipes.base import MEDIA_KIND
+    from vlm_caption.recipes.requests import load_local_tokenizer
     from tests.vllm_processing import process
 
     recipe = get_recipe(recipe_name)
@@ -171,7 +171,7 @@ def _one_line(exc: BaseException) -> str:
 
 def cases(names: list[str] | None = None, modalities: list[str] | None = None) -> list[tuple[str, str, str]]:
     """(recipe, modality, architecture) for every checked recipe (or the named ones) and modality."""
-    from recipes import get_recipe
+    from vlm_caption.recipes import get_recipe
     from tests.checkpoints import RECIPE_CHECKPOINTS, checkpoint_architecture
 
     chosen = names or sorted(RECIPE_CHECKPOINTS)
@@ -206,7 +206,7 @@ def update_checks_file(check: str, rows: list[CaseResult], command: str, device:
     """Replace these cases' rows in recipes/checks.json (other cases' rows stay). `device`: the engine
     run's device where it ran elsewhere (rows brought back); `adding`: these rows join the recorded
     run's (its date and command stay, this one's are appended)."""
-    from recipes.table import CHECKS_FILE, load_checks
+    from vlm_caption.recipes.table import CHECKS_FILE, load_checks
 
     data = load_checks()
     fresh = {(r.recipe, r.modality) for r in rows}

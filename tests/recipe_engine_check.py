@@ -58,12 +58,12 @@ def flow_command(recipe: str, modality: str, checkpoint: Path, media: Path, out:
     engine_args = dict(SHARED_ENGINE_ARGS)
     if gpu_share:  # on a GPU the KV cache must also hold the processor's 2 GiB (tasks/engine/processor.py)
         engine_args.update(gpu_memory_utilization=gpu_share, kv_cache_memory_bytes=GPU_KV_CACHE_BYTES)
-    command = [sys.executable, "-m", "flows.cli", "run", str(media), "--recipe", recipe, "--modality", modality,
+    command = [sys.executable, "-m", "vlm_caption.flows.cli", "run", str(media), "--recipe", recipe, "--modality", modality,
                "--model", str(checkpoint), "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
                "-v"]  # every engine line in the output read below (startup_s, the error)
     for key, value in engine_args.items():
         command += ["--engine-arg", f"{key}={json.dumps(value)}"]
-    from recipes import get_recipe
+    from vlm_caption.recipes import get_recipe
 
     if get_recipe(recipe).needs_remote_code:  # opted in as a user does; the tiny checkpoints' remote code is
         command.append("--trust-remote-code")  # our own config file (tests/tiny_remote_common.py)
@@ -114,7 +114,7 @@ def run_engine_checks(names: list[str] | None, modalities: list[str] | None, roo
     from tests.checkpoints import build_checkpoint
 
     device = _device()
-    from recipes import get_recipe
+    from vlm_caption.recipes import get_recipe
 
     # A recipe this vLLM no longer implements is refused by the job up front (tests/test_recipe_checks.py).
     todo = [case for case in cases(names, modalities) if not get_recipe(case[0]).removed_from_vllm]

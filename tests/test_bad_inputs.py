@@ -67,7 +67,7 @@ FIRST_PIXEL = {"cmyk.jpg": None, "palette.png": (220, 20, 20), "animated.gif": (
 
 @pytest.mark.parametrize("name", sorted(corpus()))
 def test_each_file_decodes_or_fails_readably(name):
-    from tasks.media.image import MediaError, decode_image
+    from vlm_caption.tasks.media.image import MediaError, decode_image
 
     data = corpus()[name]
     if name in EXPECTED_ERRORS:
@@ -104,8 +104,8 @@ def test_the_whole_corpus_decodes_in_bounded_memory():
 
 @pytest.mark.parametrize("name", sorted(video_corpus()))
 def test_each_video_decodes_or_fails_readably(name):
-    from tasks.media.image import MediaError
-    from tasks.media.video import VideoLimits, decode_video
+    from vlm_caption.tasks.media.image import MediaError
+    from vlm_caption.tasks.media.video import VideoLimits, decode_video
 
     limits = VideoLimits(max_seconds=3 * 3600, max_frame_pixels=3840 * 2160)
     if name in VIDEO_CORPUS_ERRORS:

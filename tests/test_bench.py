@@ -15,7 +15,7 @@ import pytest
 def _bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     """`vlm-caption bench` in a session of its own: however it ends (a failure, the timeout), it is
     stopped with every process it started (bench/processes.py), none left running (issue 68)."""
-    from bench.processes import run_to_end
+    from vlm_caption.bench.processes import run_to_end
 
     exe = Path(sys.executable).with_name("vlm-caption")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
@@ -35,8 +35,8 @@ def test_a_bench_that_fails_part_way_leaves_no_process_behind(tmp_path, monkeypa
     fails: the bench raises, and nothing it started is left, that orphaned child included."""
     import psutil
 
-    from bench import driver
-    from bench.config import BenchConfig
+    from vlm_caption.bench import driver
+    from vlm_caption.bench.config import BenchConfig
 
     ours = psutil.Process()
     before = {p.pid for p in ours.children(recursive=True)}  # a session fixture's server, if any
@@ -60,7 +60,7 @@ def test_a_process_the_bench_started_is_stopped_with_all_under_it_even_what_igno
     ignores SIGTERM (SIGKILL after the grace), and its child though that left its session."""
     import psutil
 
-    from bench.processes import started
+    from vlm_caption.bench.processes import started
 
     pid_file = tmp_path / "child.pid"
     script = ("import signal, subprocess, sys, time\n"
@@ -107,7 +107,7 @@ def test_bench_compares_raw_flow_and_a_fan_out_on_videos_from_s3(tmp_path):
     over raw, 2 processes, the worker stopped, no made-up GPU figure."""
     import psutil
 
-    from flows.params import TAGS_SCHEMA
+    from vlm_caption.flows.params import TAGS_SCHEMA
 
     done, report = _bench(tmp_path, "--recipe", "qwen2_vl", "--modality", "video", "--frames", "4", "--images", "4",
                           "--source", "s3", "--json-schema", "tags",
@@ -175,8 +175,8 @@ def test_variants_get_their_own_columns(tmp_path, capsys):
     settings as the column's name; `--flow-env` values reach BenchConfig as typed."""
     import argparse
 
-    from bench.cli import add_bench_arguments
-    from bench.report import print_table
+    from vlm_caption.bench.cli import add_bench_arguments
+    from vlm_caption.bench.report import print_table
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
@@ -223,9 +223,9 @@ def test_each_modality_reaches_raw_as_its_example_builds_it(tmp_path, modality):
     group of GROUP_SIZE, sampled frames with their metadata for recipes that need it)."""
     from PIL import Image
 
-    from bench.config import BenchConfig
-    from bench.media import GROUP_SIZE, bench_items, make_bench_media
-    from bench.phases import example_media
+    from vlm_caption.bench.config import BenchConfig
+    from vlm_caption.bench.media import GROUP_SIZE, bench_items, make_bench_media
+    from vlm_caption.bench.phases import example_media
 
     cfg = BenchConfig(workdir=str(tmp_path), modality=modality, images=3, width=64, height=48, frames=4)
     items = bench_items(cfg, make_bench_media(cfg, tmp_path))
@@ -243,9 +243,9 @@ def test_each_modality_reaches_raw_as_its_example_builds_it(tmp_path, modality):
 def test_the_profile_is_told_apart_by_process(tmp_path):
     """py-spy's raw output with --subprocesses: each child's stacks under its own process, told
     apart by what it runs (the engine core, the decode pool) and summarized on its own."""
-    from bench.report import profile_summary
+    from vlm_caption.bench.report import profile_summary
 
-    flow = 'process 10:"python -m bench.phases flow"'
+    flow = 'process 10:"python -m vlm_caption.bench.phases flow"'
     core = f'{flow};process 11:"python -c from multiprocessing.spawn import spawn_main"'
     (tmp_path / "p.txt").write_text("\n".join([
         f"{flow};thread (10): MainThread;<module> (bench.py:1);phase_flow (bench.py:2);wait (threading.py:3) 30",
@@ -273,7 +273,7 @@ def test_the_profile_is_told_apart_by_process(tmp_path):
 
 def test_gpu_busy_is_reported_over_the_window_and_each_tenth_of_it():
     """A ramp and a drained tail show in the first and last tenths, not only as a lower mean."""
-    from bench.harness import GpuSampler
+    from vlm_caption.bench.harness import GpuSampler
 
     sampler = GpuSampler()
     # 0.2 s samples over 10 s: 50% in the first second, 100% after, 0% in the last second.
@@ -286,7 +286,7 @@ def test_gpu_busy_is_reported_over_the_window_and_each_tenth_of_it():
 def test_gpu_busy_is_sampled_on_the_gpus_the_bench_was_given(monkeypatch):
     """NVML numbers every GPU of the host: a bench kept to GPU 1 (CUDA_VISIBLE_DEVICES=1) samples
     GPU 1, not GPU 0, where another bench may be running."""
-    from bench.harness import visible_gpus
+    from vlm_caption.bench.harness import visible_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert visible_gpus(1) == [1]
@@ -302,8 +302,8 @@ def test_raw_n_processes_are_one_phase_from_the_first_engine_ready_to_the_last_r
     """Raw, N processes as the report shows it, from each process's times (unix): items/s from
     the first engine ready to the last result, while generating (the first request to the last
     result), each process's own engine-ready time and rate; times from the phase's start."""
-    from bench.driver import raw_n_figures
-    from bench.phases import raw_slice
+    from vlm_caption.bench.driver import raw_n_figures
+    from vlm_caption.bench.phases import raw_slice
 
     assert [raw_slice(list(range(5)), i, 2) for i in range(2)] == [[0, 1], [2, 3, 4]]
     t0 = 1000.0
@@ -323,8 +323,8 @@ def test_raw_n_processes_are_one_phase_from_the_first_engine_ready_to_the_last_r
 def test_a_fan_outs_first_engine_and_last_result_come_from_its_partitions():
     """The earliest engine ready of the run's own and its partitions' (a partition's report may
     lack it), the latest result of the run's window and its partitions'."""
-    from bench.report import engine_ready_gaps
-    from bench.phases import first_ready_last_result
+    from vlm_caption.bench.report import engine_ready_gaps
+    from vlm_caption.bench.phases import first_ready_last_result
 
     briefs = [{"engine_ready_at": 5.0, "generate_to": 9.0}, {"engine_ready_at": 3.0, "generate_to": 11.0}, {}]
     assert first_ready_last_result({"ready_at": 5.0}, [6.0, 9.0], briefs) == (3.0, 11.0)
@@ -349,8 +349,8 @@ def test_skip_raw_and_skip_raw_n_reach_the_config(flags, skip_raw, skip_raw_n):
     BenchConfig through the one `skip_raw` value `vlm-caption bench` hands it."""
     import argparse
 
-    from bench.cli import add_bench_arguments
-    from bench.config import BenchConfig
+    from vlm_caption.bench.cli import add_bench_arguments
+    from vlm_caption.bench.config import BenchConfig
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
@@ -369,9 +369,9 @@ def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_pat
     import argparse
     import contextlib
 
-    from bench import driver, phases
-    from bench.cli import add_bench_arguments
-    from bench.config import WARM_UP_ITEMS, BenchConfig
+    from vlm_caption.bench import driver, phases
+    from vlm_caption.bench.cli import add_bench_arguments
+    from vlm_caption.bench.config import WARM_UP_ITEMS, BenchConfig
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
@@ -424,12 +424,12 @@ def test_an_inventory_history_is_what_a_run_counts_as_done(prefect_api, s3_endpo
     """`--history-source inventory`: the report the bench writes lists the history, a run over it
     finds every item done (no engine), and the night's new items (in the bucket, in the next day's
     report) are the only ones captioned; `--history-keep` finds the history again, as it was."""
-    import tasks.engine.vllm_engine as vllm_engine
-    from bench.config import BenchConfig
-    from bench.history import HISTORY_RUN, add_new_items, synthesize
-    from bench.history_inventory import InventoryLocations, kept_history
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    import vlm_caption.tasks.engine.vllm_engine as vllm_engine
+    from vlm_caption.bench.config import BenchConfig
+    from vlm_caption.bench.history import HISTORY_RUN, add_new_items, synthesize
+    from vlm_caption.bench.history_inventory import InventoryLocations, kept_history
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     s3_client.create_bucket(Bucket="bench")  # where the report's items are (bench/history_inventory.py)
     cfg = BenchConfig(workdir=str(tmp_path), history=200, shard_size=8, max_tokens=4, history_source="inventory")
@@ -471,7 +471,7 @@ def test_bench_clips_stay_distinct_past_256(tmp_path):
     quarter of the work at 1,024 clips (it did: clip i + 256 was clip i until the top blocks)."""
     import hashlib
 
-    from bench.media import make_bench_videos
+    from vlm_caption.bench.media import make_bench_videos
 
     folder = make_bench_videos(tmp_path / "clips", 513, 64, 48, 1)
     digests = {hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("clip-*.mp4")}
@@ -489,11 +489,11 @@ def test_start_rounds_alternate_and_report_the_median_gap(tmp_path, monkeypatch,
     engine-ready gap split at `vllm.LLM`'s start, the medians printed and written."""
     import contextlib
 
-    import bench
-    from bench import driver, phases
-    from bench.cli import cmd_bench
-    from bench.config import WARM_UP_ITEMS, BenchConfig
-    from flows.cli import build_parser
+    from vlm_caption import bench
+    from vlm_caption.bench import driver, phases
+    from vlm_caption.bench.cli import cmd_bench
+    from vlm_caption.bench.config import WARM_UP_ITEMS, BenchConfig
+    from vlm_caption.flows.cli import build_parser
 
     given = []  # what `vlm-caption bench --start-rounds 3` hands the bench
     monkeypatch.setattr(bench, "run_bench", given.append)
@@ -537,10 +537,10 @@ def test_a_historys_new_items_sort_among_the_done_ones_or_after_them(monkeypatch
     """`--history-new-at end`: the night's new items sort after every done one (a bucket whose
     keys begin with the day), so a rerun's listing reaches them last; by default they are spread
     among them, the first right after the first done item."""
-    import bench
-    from bench.cli import cmd_bench
-    from bench.history import Locations, item_key, new_keys
-    from flows.cli import build_parser
+    from vlm_caption import bench
+    from vlm_caption.bench.cli import cmd_bench
+    from vlm_caption.bench.history import Locations, item_key, new_keys
+    from vlm_caption.flows.cli import build_parser
 
     given = []
     monkeypatch.setattr(bench, "run_bench", given.append)
@@ -562,9 +562,9 @@ def test_also_gpus_fans_out_again_over_fewer_gpus_against_the_same_one_gpu_flow(
     import argparse
     import contextlib
 
-    from bench import driver
-    from bench.cli import add_bench_arguments
-    from bench.config import BenchConfig
+    from vlm_caption.bench import driver
+    from vlm_caption.bench.cli import add_bench_arguments
+    from vlm_caption.bench.config import BenchConfig
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)

@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 
-from tasks.claims import ShardClaims
-from tasks.sources.items import ObjectRef, Shard, WorkItem
-from tasks.sources.storage import LocalStorage, open_storage
+from vlm_caption.tasks.claims import ShardClaims
+from vlm_caption.tasks.sources.items import ObjectRef, Shard, WorkItem
+from vlm_caption.tasks.sources.storage import LocalStorage, open_storage
 
 
 def shards(count: int, size: int = 4) -> list[Shard]:
@@ -33,7 +33,7 @@ def store(request, tmp_path):
 
 @pytest.fixture
 def s3_settings(s3_endpoint, monkeypatch):
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     monkeypatch.setenv("VLM_CAPTION_S3_ENDPOINT_URL", s3_endpoint)
     get_settings.cache_clear()
@@ -128,7 +128,7 @@ def test_the_shards_of_a_partition_that_is_gone_are_retaken_once(store):
 
 
 def test_a_partition_that_says_it_finished_is_not_waited_for():
-    from tasks.sources.storage import LocalStorage as Local
+    from vlm_caption.tasks.sources.storage import LocalStorage as Local
     import tempfile
 
     store = Local(tempfile.mkdtemp(), create=True)
@@ -157,9 +157,9 @@ class CountedSource:
 @pytest.fixture
 def planned_source(monkeypatch):
     """A source whose listing is counted, and list-source run on a thread (no flow here)."""
-    import tasks.sources.formats as formats
-    import tasks.sources.listing as listing
-    from tasks.sources.formats import SourceSpec
+    import vlm_caption.tasks.sources.formats as formats
+    import vlm_caption.tasks.sources.listing as listing
+    from vlm_caption.tasks.sources.formats import SourceSpec
 
     class OnAThread:
         @staticmethod
@@ -183,8 +183,8 @@ def test_partitions_read_one_listing_through_the_plan_and_each_shard_is_taken_on
     """Three partitions start together: the source is listed once, by the one that won the plan;
     every partition reads the same shards from it, cut from the items with work left only; each
     shard is claimed by one partition; the items already done are counted once, by the lister."""
-    from tasks.shard_plan import SharedListing
-    from tasks.sources.listing import AlreadyDone
+    from vlm_caption.tasks.shard_plan import SharedListing
+    from vlm_caption.tasks.sources.listing import AlreadyDone
 
     source, spec = planned_source(1000)
     taken: list[tuple[int, int, tuple[str, ...]]] = []
@@ -218,7 +218,7 @@ def test_partitions_read_one_listing_through_the_plan_and_each_shard_is_taken_on
 
 
 def test_a_partition_that_starts_late_reads_the_plan_and_lists_nothing(store, planned_source):
-    from tasks.shard_plan import SharedListing
+    from vlm_caption.tasks.shard_plan import SharedListing
 
     source, spec = planned_source(100)
     with ShardClaims(store, "run5", 0) as first:
@@ -234,7 +234,7 @@ def test_a_lister_that_is_gone_is_replaced_after_the_shards_it_wrote(store, plan
     after the items that chunk covers, and every shard is in the plan once."""
     import json
 
-    from tasks.shard_plan import PlanWriter, SharedListing
+    from vlm_caption.tasks.shard_plan import PlanWriter, SharedListing
 
     source, spec = planned_source(200)
     everything = lambda items: [True] * len(items)  # noqa: E731
@@ -253,7 +253,7 @@ def test_a_lister_that_is_gone_is_replaced_after_the_shards_it_wrote(store, plan
 
 
 def _stop_after_first_chunk(writer):
-    from tasks.sources.listing import StreamClosed
+    from vlm_caption.tasks.sources.listing import StreamClosed
 
     put = writer.put
 
@@ -267,8 +267,8 @@ def _stop_after_first_chunk(writer):
 
 
 def test_a_finished_runs_claims_are_removed(store, planned_source):
-    from tasks.claims import remove_claims
-    from tasks.shard_plan import SharedListing
+    from vlm_caption.tasks.claims import remove_claims
+    from vlm_caption.tasks.shard_plan import SharedListing
 
     _, spec = planned_source(30)
     with ShardClaims(store, "run7", 0) as claims:

@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
-from tasks.concurrency import JobBusyError, one_run_per_job
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.tasks.concurrency import JobBusyError, one_run_per_job
 from tests.images import image_bytes
 
 
@@ -36,7 +36,7 @@ def test_two_runs_of_one_job_started_together(prefect_api, tiny_llava, tmp_path,
 
     # While a run holds the job, another one waits, then gives up with a message. The holder may
     # wait for its slot as long as a busy machine needs; only the second run's wait is short.
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     def job_wait(seconds: str) -> None:
         monkeypatch.setenv("VLM_CAPTION_JOB_WAIT_S", seconds)
@@ -54,7 +54,7 @@ def test_two_runs_of_one_job_started_together(prefect_api, tiny_llava, tmp_path,
 
 _HOLD_AND_DIE = """
 import os, signal, sys
-from tasks.concurrency import one_run_per_job
+from vlm_caption.tasks.concurrency import one_run_per_job
 with one_run_per_job("deadbeef", "/out"):
     children = [p.name for p in __import__("pathlib").Path("/proc").iterdir() if p.name.isdigit()
                 and open(f"/proc/{p.name}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
@@ -64,7 +64,7 @@ with one_run_per_job("deadbeef", "/out"):
 
 _TAKE = """
 import time
-from tasks.concurrency import one_run_per_job
+from vlm_caption.tasks.concurrency import one_run_per_job
 started = time.time()
 with one_run_per_job("deadbeef", "/out"):
     print(f"TOOK-SLOT {time.time() - started:.1f}")
@@ -80,7 +80,7 @@ def test_a_run_killed_on_the_embedded_server_does_not_keep_the_job_forever(tmp_p
     import sys
     from pathlib import Path
 
-    from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS
+    from vlm_caption.tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path / "home"), VLM_CAPTION_JOB_WAIT_S="120", PYTHONUNBUFFERED="1")
@@ -109,7 +109,7 @@ def test_a_run_killed_on_the_embedded_server_does_not_keep_the_job_forever(tmp_p
 
 _HOLD = """
 import sys, time
-from tasks.concurrency import hold_job_lock
+from vlm_caption.tasks.concurrency import hold_job_lock
 hold_job_lock("deadbeef", "/out", print)
 print("HOLDING", flush=True)
 time.sleep(120)
@@ -127,8 +127,8 @@ def test_a_second_run_says_whom_it_waits_for_and_starts_nothing(tmp_path, monkey
 
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
-    from tasks import concurrency
-    from tasks.settings import get_settings
+    from vlm_caption.tasks import concurrency
+    from vlm_caption.tasks.settings import get_settings
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path / "home"))

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.engine.vllm_engine import CaptionEngine
-from tasks.results.done_index import load_done_index
-from tasks.records import ResultRecord, sha256_hex
-from tasks.results.writers import write_shard
-from tasks.sources.items import ObjectRef, Shard, WorkItem
-from tasks.sources.storage import LocalStorage, open_storage
+from vlm_caption.tasks.engine.vllm_engine import CaptionEngine
+from vlm_caption.tasks.results.done_index import load_done_index
+from vlm_caption.tasks.records import ResultRecord, sha256_hex
+from vlm_caption.tasks.results.writers import write_shard
+from vlm_caption.tasks.sources.items import ObjectRef, Shard, WorkItem
+from vlm_caption.tasks.sources.storage import LocalStorage, open_storage
 from tests.images import image_bytes
 from tests.processes import idle_partition_deployment as create_idle_partition_deployment
 
@@ -88,7 +88,7 @@ def test_a_done_result_is_found_by_content_and_by_md5_etags_and_its_part_read_on
     assert done.earlier_answer("q", sha256=sha256_hex(b"old")).key == "old.jpg"
 
     # A group is a copy when all its members are, in order.
-    from tasks.records import Member
+    from vlm_caption.tasks.records import Member
 
     members = [Member(key=f"g/{i}.jpg", size=len(b), etag=_md5(b), sha256=sha256_hex(b)) for i, b in enumerate((cat, dog))]
     group = _record("g", cat + dog, text="two pets").model_copy(update={"members": members, "etag": ""})
@@ -107,7 +107,7 @@ def test_a_copy_whose_listed_etag_is_an_md5_is_answered_without_being_fetched(tm
     """Its members' listed ETags equal a done result's and are MD5s: the copy is not downloaded
     (its file is not even there) and takes the answer; a multipart-style ETag (with '-') is
     fetched, as is any item whose ETags are not content hashes."""
-    from tasks import prepare
+    from vlm_caption.tasks import prepare
 
     out = open_storage(str(tmp_path / "out"), create=True)
     cat = image_bytes("PNG", size=(40, 30))
@@ -115,7 +115,7 @@ def test_a_copy_whose_listed_etag_is_an_md5_is_answered_without_being_fetched(tm
     done = load_done_index.fn(out, FP)
     source_dir = tmp_path / "src"
     source_dir.mkdir()
-    from tasks.sources.formats import SourceSpec
+    from vlm_caption.tasks.sources.formats import SourceSpec
 
     shard = Shard(0, (WorkItem("gone-copy.png", (ObjectRef("gone-copy.png", len(cat), _md5(cat)),)),
                       WorkItem("multipart.png", (ObjectRef("multipart.png", len(cat), _md5(cat)[:30] + "-2"),))))
@@ -130,7 +130,7 @@ def test_a_copy_whose_listed_etag_is_an_md5_is_answered_without_being_fetched(tm
 # ---- the planner of a fanned-out run ----------------------------------------------------------------
 
 def test_the_planner_finds_copies_by_md5_etags_and_in_a_folder_hashes_only_equal_sizes(tmp_path):
-    from tasks.same_media import ListedCopies
+    from vlm_caption.tasks.same_media import ListedCopies
 
     etags = ListedCopies()
     item = lambda key, size, etag: WorkItem(key, (ObjectRef(key, size, etag),))  # noqa: E731
@@ -154,10 +154,10 @@ def test_the_planner_finds_copies_by_md5_etags_and_in_a_folder_hashes_only_equal
 def test_copies_go_to_copy_shards_that_only_the_copies_pass_reads(tmp_path, monkeypatch):
     import threading
 
-    import tasks.sources.listing as listing
-    from tasks.claims import ShardClaims
-    from tasks.shard_plan import SharedListing
-    from tasks.sources.formats import SourceSpec
+    import vlm_caption.tasks.sources.listing as listing
+    from vlm_caption.tasks.claims import ShardClaims
+    from vlm_caption.tasks.shard_plan import SharedListing
+    from vlm_caption.tasks.sources.formats import SourceSpec
 
     class OnAThread:
         @staticmethod
@@ -189,8 +189,8 @@ def test_copies_go_to_copy_shards_that_only_the_copies_pass_reads(tmp_path, monk
 
 def test_a_rerun_answers_new_keys_that_are_copies_of_earlier_results_without_the_engine(
         prefect_api, tiny_llava, tmp_path, engine_requests):
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     media, out = tmp_path / "media", tmp_path / "out"
     media.mkdir()
@@ -234,10 +234,10 @@ def test_copies_in_two_partitions_are_captioned_once(idle_partition_deployment, 
     """Two partitions run at once (the child on a thread of the parent's process, sharing its
     engine but not its in-process answers); each takes every other shard of the plan, so a copy
     and its original land in different partitions: 5 requests for 8 images, 3 copies."""
-    import flows.caption as caption
-    from flows.params import CaptionJob
-    from flows.partition_run import PartitionRun
-    from tasks.claims import ShardClaims
+    import vlm_caption.flows.caption as caption
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.flows.partition_run import PartitionRun
+    from vlm_caption.tasks.claims import ShardClaims
 
     real_claim, real_caption = ShardClaims.claim, caption.caption_shards
     monkeypatch.setattr(ShardClaims, "claim", lambda self, shard, compare=False: (
@@ -283,9 +283,9 @@ def test_on_s3_a_rerun_does_not_even_download_copies_whose_etag_is_their_md5(pre
                                                                            engine_requests):
     """S3's ETag of a single-part upload is the object's MD5: the new keys' (ETag, size) equal
     the earlier results', so they are answered from the listing, with no GET of their bytes."""
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
-    from tasks.sources.s3_client import shared_s3_client
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.tasks.sources.s3_client import shared_s3_client
 
     s3_client.create_bucket(Bucket="dedup")
     originals = _pictures(4)

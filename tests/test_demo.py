@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from flows import cli
+from vlm_caption.flows import cli
 from tests.pages import gallery_items
 from tests.terminal_io import assert_quiet_terminal
 
@@ -89,10 +89,11 @@ def test_a_slow_embedded_server_gets_a_message_that_says_what_to_do(monkeypatch,
     def server_never_came_up(job):
         raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
 
-    import flows.caption
+    import vlm_caption.flows.caption
 
+    from vlm_caption import flows
     monkeypatch.setattr(flows.caption, "vlm_caption", server_never_came_up)
-    monkeypatch.setattr("flows.plan.start_engine_first", lambda plan, **how: False)  # no model here
+    monkeypatch.setattr("vlm_caption.flows.plan.start_engine_first", lambda plan, **how: False)  # no model here
     code = cli.main(["run", str(tmp_path), "--out", str(tmp_path / "out"), "--skip-model-check"])
     assert code == 3
     err = capsys.readouterr().err
@@ -125,7 +126,7 @@ def test_a_bad_job_is_one_line_per_mistake_without_pydantic_noise(capsys, tmp_pa
 
 def test_the_progress_label_keeps_the_end_of_a_long_source():
     """A long source path in the bar's label keeps its end (which folder), not its start."""
-    from tasks.terminal import _fit
+    from vlm_caption.tasks.terminal import _fit
 
     assert _fit("Captioning /tmp/nc/repo/vlm-caption-demo/images", 26) == "Captioning …on-demo/images"
     assert _fit("Captioning s3://b/x/", 26) == "Captioning s3://b/x/"

@@ -19,7 +19,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from tasks.engine.host_share import current_cpus
+from vlm_caption.tasks.engine.host_share import current_cpus
 from tests.images import image_bytes
 from tests.postgres import BUCKET, FINAL, _descendants
 

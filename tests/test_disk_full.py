@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
-from tasks.results.done_index import SIDECAR_HEADER, sidecar_key
-from tasks.results.writers import DiskFullError
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.tasks.results.done_index import SIDECAR_HEADER, sidecar_key
+from vlm_caption.tasks.results.writers import DiskFullError
 from tests.images import image_bytes
 
 COUNT = 24

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import build_parser
+from vlm_caption.flows.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -96,8 +96,8 @@ def invocations() -> list[tuple[str, list[str]]]:
 def check_invocation(args: list[str]) -> None:
     """Parse as the CLI does, then what the parser leaves to the job: the recipe, and whether it
     takes the modality (`run` builds the whole job, as `vlm-caption run` would)."""
-    from flows.cli_job import job_fields
-    from recipes import get_recipe
+    from vlm_caption.flows.cli_job import job_fields
+    from vlm_caption.recipes import get_recipe
 
     errors = io.StringIO()
     try:
@@ -107,7 +107,7 @@ def check_invocation(args: list[str]) -> None:
         assert exc.code == 0, errors.getvalue().strip().splitlines()[-1]  # --help exits 0
         return
     if parsed.command == "run":
-        from flows.params import CaptionJob
+        from vlm_caption.flows.params import CaptionJob
 
         CaptionJob(source=parsed.source, manifest=parsed.manifest, output=parsed.out, **job_fields(parsed))
     elif parsed.command in ("demo", "bench"):
@@ -149,7 +149,7 @@ def test_the_command_reader_sees_what_a_shell_runs():
 
 
 def test_configuration_page_is_generated_from_the_settings():
-    from tasks.settings import REGENERATE, Settings, settings_markdown
+    from vlm_caption.tasks.settings import REGENERATE, Settings, settings_markdown
 
     page = (REPO / "docs" / "configuration.md").read_text()
     missing = [name for name in Settings.model_fields if f"`VLM_CAPTION_{name.upper()}`" not in page]
@@ -160,7 +160,7 @@ def test_configuration_page_is_generated_from_the_settings():
 
 
 def test_every_variable_the_code_reads_is_documented():
-    from tasks.settings import REGENERATE
+    from vlm_caption.tasks.settings import REGENERATE
 
     page = (REPO / "docs" / "configuration.md").read_text()
     used = set()
@@ -174,8 +174,8 @@ def test_every_variable_the_code_reads_is_documented():
 
 
 def test_recipes_page_is_generated_from_the_recipes():
-    from recipes import all_recipes
-    from recipes.table import REGENERATE, recipes_markdown
+    from vlm_caption.recipes import all_recipes
+    from vlm_caption.recipes.table import REGENERATE, recipes_markdown
 
     page = (REPO / "docs" / "recipes.md").read_text()
     assert page == recipes_markdown(), f"docs/recipes.md is stale: run {REGENERATE}"

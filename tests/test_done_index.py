@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 import tracemalloc
 
-from tasks.results.done_index import ROW, DoneIndex, load_done_index, sidecar_key
-from tasks.results.layout import part_key
-from tasks.records import ResultRecord
-from tasks.results.writers import write_shard
-from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.storage import Storage, open_storage
+from vlm_caption.tasks.results.done_index import ROW, DoneIndex, load_done_index, sidecar_key
+from vlm_caption.tasks.results.layout import part_key
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.writers import write_shard
+from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
+from vlm_caption.tasks.sources.storage import Storage, open_storage
 
 FP = "f" * 16
 
@@ -101,7 +101,7 @@ def _load_counting(out) -> tuple[DoneIndex, list[str]]:
 
 
 def test_a_long_history_is_compacted_into_one_object_and_stays_exact(tmp_path, prefect_api):
-    from tasks.results.done_index import COMPACT_AFTER
+    from vlm_caption.tasks.results.done_index import COMPACT_AFTER
 
     out = tmp_path / "out"
     for shard in range(COMPACT_AFTER + 6):
@@ -146,8 +146,8 @@ def test_a_part_whose_read_fails_for_a_moment_is_read_again_never_skipped(tmp_pa
     task) instead of leaving the part's results out, which a run would compute and write twice."""
     import pytest
 
-    import tasks.sources.transient as transient
-    from tasks.sources.storage import ShortBodyError
+    import vlm_caption.tasks.sources.transient as transient
+    from vlm_caption.tasks.sources.storage import ShortBodyError
 
     monkeypatch.setattr(transient, "PAUSE_S", 0.01)
     out = _out(tmp_path / "out")

@@ -12,13 +12,13 @@ import time as real_time
 
 import pytest
 
-from tasks.results import done_index, done_rows, layout, writing_log
-from tasks.results.done_index import COMPACT_AFTER, ROW, load_done_index
-from tasks.results.done_rows import COMPACT_HEADER, COMPACT_MAGIC_1
-from tasks.results.layout import (compacted_index_prefix, part_key, part_prefix, partition_parts_id,
+from vlm_caption.tasks.results import done_index, done_rows, layout, writing_log
+from vlm_caption.tasks.results.done_index import COMPACT_AFTER, ROW, load_done_index
+from vlm_caption.tasks.results.done_rows import COMPACT_HEADER, COMPACT_MAGIC_1
+from vlm_caption.tasks.results.layout import (compacted_index_prefix, part_key, part_prefix, partition_parts_id,
                                   results_prefix, writing_prefix)
-from tasks.results.writers import write_shard
-from tasks.sources.storage import open_storage
+from vlm_caption.tasks.results.writers import write_shard
+from vlm_caption.tasks.sources.storage import open_storage
 from tests.test_done_index import FP, _item, _record
 from tests.recording_storage import RecordingStorage
 
@@ -314,7 +314,7 @@ def test_a_stamp_listing_that_fails_leaves_the_compaction_done(tmp_path, monkeyp
     logged, and the load goes on with its new index written."""
     from types import SimpleNamespace
 
-    from tasks.results.done_rows import PartRows
+    from vlm_caption.tasks.results.done_rows import PartRows
 
     out = open_storage(str(tmp_path / "out"), create=True)
 

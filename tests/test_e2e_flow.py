@@ -4,8 +4,8 @@ real S3 over HTTP) -> one record per object in the bucket; a rerun recomputes no
 import json
 
 
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
 from tests.images import corrupt_jpeg, image_bytes
 from tests.pages import gallery_items
 
@@ -40,8 +40,8 @@ def _records(s3_client, prefix: str) -> list[dict]:
 def _count_s3_clients(monkeypatch) -> list:
     """Every S3 client made in this process from now on, counted from none: the shared ones an
     earlier test left are dropped (for this test only)."""
-    import tasks.sources.s3_client as s3_client
-    import tasks.sources.storage as storage
+    import vlm_caption.tasks.sources.s3_client as s3_client
+    import vlm_caption.tasks.sources.storage as storage
 
     made, make = [], s3_client.make_s3_client
     monkeypatch.setattr(s3_client, "_shared_clients", {})
@@ -197,7 +197,7 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
 
 def _records_lenient(s3_client, prefix: str) -> list[dict]:
     """The records a reader can parse (a damaged part's whole lines, none of the foreign files)."""
-    from tasks.records import ResultRecord
+    from vlm_caption.tasks.records import ResultRecord
 
     found = []
     for obj in s3_client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]:

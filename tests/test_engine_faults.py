@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
-from tasks.engine.vllm_engine import release_engines
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.tasks.engine.vllm_engine import release_engines
 from tests.images import image_bytes
 from tests.processes import engine_core_pids
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks.engine.feed import ENGINE_STOP_S, EngineDied, EngineFeed
+from vlm_caption.tasks.engine.feed import ENGINE_STOP_S, EngineDied, EngineFeed
 
 
 class EngineGenerateError(Exception):
@@ -144,8 +144,8 @@ def test_the_feed_depth_keeps_twice_the_engines_batch_of_images_in_flight(monkey
     LLaVA: 512 in flight against a batch of 1024 ran at 0.72x raw vLLM), so small shards get
     more of them, never fewer than 6 -- unless their decoded media would pass
     `feed_media_bytes`, and then never fewer than 2; videos and groups 2; the setting wins."""
-    from tasks.engine.feed import FEED_ITEMS, FEED_REQUESTS, feed_depth
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.engine.feed import FEED_ITEMS, FEED_REQUESTS, feed_depth
+    from vlm_caption.tasks.settings import get_settings
 
     monkeypatch.delenv("VLM_CAPTION_FEED_DEPTH", raising=False)
     monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(2 * 1024**3))

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from tasks.engine import engine_process
+from vlm_caption.tasks.engine import engine_process
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
-from tasks.fanout import ChildRun, claim_unstarted
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.tasks.fanout import ChildRun, claim_unstarted
 from tests.images import image_bytes
 from tests.processes import idle_partition_deployment as create_idle_partition_deployment
 
@@ -52,7 +52,7 @@ def test_claim_is_exclusive_with_a_worker(idle_partition_deployment):
 def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_llava, tmp_path, monkeypatch):
     """...and the source is listed once for the three partitions (the shard plan), and the run's
     claims are gone when it has finished."""
-    import tasks.sources.listing as listing
+    import vlm_caption.tasks.sources.listing as listing
 
     listings, iter_items = [], listing.iter_items
     monkeypatch.setattr(listing, "iter_items", lambda source, *read: listings.append(source.uri) or iter_items(source, *read))
@@ -84,9 +84,10 @@ def test_a_parent_that_fails_calls_off_the_children_no_worker_started(idle_parti
                                                                       monkeypatch):
     """The parent's own partition fails: it must not wait forever for children no worker will
     take. They are called off (CANCELLED, saying why) and the run fails with its own error."""
-    import flows.caption
+    import vlm_caption.flows.caption
+    from vlm_caption import flows
     from prefect.client.orchestration import get_client
-    from tasks.fanout import CALLED_OFF
+    from vlm_caption.tasks.fanout import CALLED_OFF
 
     def fail(run):
         raise RuntimeError("partition 0 broke")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.results.gallery import STRIP_FRAMES, THUMB_BYTES, build_gallery, gallery_key, sample_items
-from tasks.records import ResultRecord
+from vlm_caption.tasks.results.gallery import STRIP_FRAMES, THUMB_BYTES, build_gallery, gallery_key, sample_items
+from vlm_caption.tasks.records import ResultRecord
 from tests.images import image_bytes, video_bytes
 
 
@@ -78,9 +78,9 @@ def test_sample_keeps_an_items_questions_together():
 def test_the_sample_is_drawn_from_the_runs_own_parts_never_the_history(tmp_path):
     """A run that wrote parts samples them alone; one that wrote none (everything was done)
     lists and reads nothing: its page costs what the run added, not the output's history."""
-    from tasks.results.gallery import run_records
-    from tasks.results.writers import write_shard
-    from tasks.sources.storage import open_storage
+    from vlm_caption.tasks.results.gallery import run_records
+    from vlm_caption.tasks.results.writers import write_shard
+    from vlm_caption.tasks.sources.storage import open_storage
     from tests.test_parquet_view import Watched
 
     out = open_storage(str(tmp_path / "out"), create=True)
@@ -146,9 +146,9 @@ def test_where_the_run_decodes_its_clips_in_the_pool_the_gallerys_strips_are_dec
 
     from PIL import Image
 
-    import tasks.media.pool as pool
-    from tasks.results.gallery import STRIP_PIXELS
-    from tasks.settings import get_settings
+    import vlm_caption.tasks.media.pool as pool
+    from vlm_caption.tasks.results.gallery import STRIP_PIXELS
+    from vlm_caption.tasks.settings import get_settings
 
     def not_here(*args, **kwargs):
         raise AssertionError("decoded in the run's process")
@@ -278,8 +278,8 @@ def test_the_uis_gallery_artifact_opens_from_the_ui(prefect_api, s3_client, tmp_
     from prefect import flow
     from prefect.artifacts import Artifact
 
-    from tasks.results.gallery_artifact import publish_gallery
-    from tasks.sources.storage import open_storage
+    from vlm_caption.tasks.results.gallery_artifact import publish_gallery
+    from vlm_caption.tasks.sources.storage import open_storage
 
     items = sample_items([record("a.jpg", text="a long caption " * 60),
                           record("b.jpg", error={"kind": "decode", "message": "not an image", "retryable": False})], 10)
@@ -288,7 +288,7 @@ def test_the_uis_gallery_artifact_opens_from_the_ui(prefect_api, s3_client, tmp_
     for out in outputs.values():
         out.write("manifests/r1.html", b"<!doctype html><title>the gallery</title>")
 
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     outputs["s3-link"] = outputs["s3"]
     for kind, out in outputs.items():

@@ -11,15 +11,16 @@ import time
 
 import pytest
 
-import flows.head_start as head_start
-import flows.pipeline
-import tasks.sources.formats as formats
-from bench.history import add_new_items
-from flows.caption import vlm_caption
-from flows.plan import make_plan
-from tasks.sources.formats import SourceSpec
-from tasks.sources.items import ObjectRef
-from tasks.sources.listing import AlreadyDone, ShardStream
+import vlm_caption.flows.head_start as head_start
+import vlm_caption.flows.pipeline
+from vlm_caption import flows
+import vlm_caption.tasks.sources.formats as formats
+from vlm_caption.bench.history import add_new_items
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.plan import make_plan
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.listing import AlreadyDone, ShardStream
 from tests.test_nightly import synthesized_history, task_runs
 
 HISTORY, SHARD = 200, 8
@@ -115,9 +116,9 @@ def test_a_job_resolved_otherwise_by_the_flow_does_not_take_it(prefect_api, hist
 
 @pytest.mark.parametrize("etag", ["4d2-1f", "it's", 'say "hi"', "back\\slash", "ünï"])
 def test_a_listed_items_signature_is_the_one_its_result_was_written_with(etag):
-    from tasks.results.done_index import listed_signature_hash
-    from tasks.results.done_rows import listing_signature, signature_hash
-    from tasks.sources.items import WorkItem
+    from vlm_caption.tasks.results.done_index import listed_signature_hash
+    from vlm_caption.tasks.results.done_rows import listing_signature, signature_hash
+    from vlm_caption.tasks.sources.items import WorkItem
 
     one = WorkItem("a.jpg", (ObjectRef("a.jpg", 1234, etag),))
     two = WorkItem("g", (ObjectRef("g/1.jpg", 1, etag), ObjectRef("g/2.jpg", 2, "x")))
@@ -127,7 +128,7 @@ def test_a_listed_items_signature_is_the_one_its_result_was_written_with(etag):
 
 
 def test_vlm_caption_run_over_a_history_takes_its_head_start(prefect_api, history, monkeypatch, capsys):
-    from flows.cli import main
+    from vlm_caption.flows.cli import main
 
     where, _, job = history
     loads = _loads(monkeypatch)

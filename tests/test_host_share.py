@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.engine import host_share
-from tasks.engine.host_share import format_cpu_list, gpu_core_share, parse_cpu_list
+from vlm_caption.tasks.engine import host_share
+from vlm_caption.tasks.engine.host_share import format_cpu_list, gpu_core_share, parse_cpu_list
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,9 +57,9 @@ def test_auto_takes_a_share_only_for_one_gpu_of_a_host_with_several(monkeypatch,
 
 PROBE = """
 import json, os, sys, threading
-from flows.plan import take_partition_cores
-from flows.params import CaptionJob, Partition
-from tasks.media.pool import usable_cores
+from vlm_caption.flows.plan import take_partition_cores
+from vlm_caption.flows.params import CaptionJob, Partition
+from vlm_caption.tasks.media.pool import usable_cores
 
 job = CaptionJob(source="./in", output="./out", recipe="llava", fan_out=int(sys.argv[1]))
 idle = threading.Event()

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.results.done_rows import result_key
-from tasks.sources.formats import SourceSpec
-from tasks.sources.items import ObjectRef, WorkItem, as_text, text_key
-from tasks.sources.listing import iter_items
-from tasks.sources.storage import LocalStorage
+from vlm_caption.tasks.results.done_rows import result_key
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.items import ObjectRef, WorkItem, as_text, text_key
+from vlm_caption.tasks.sources.listing import iter_items
+from vlm_caption.tasks.sources.storage import LocalStorage
 from tests.images import image_bytes
 from tests.pages import gallery_items
 
@@ -187,8 +187,8 @@ def _check_records(records: list[dict], expect: dict[str, str]) -> None:
 
 def test_a_folder_of_hostile_names_and_links_is_captioned_or_recorded_item_by_item(prefect_api, tiny_llava,
                                                                                     tmp_path):
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     src, expect = _hostile_folder(tmp_path)
     out = tmp_path / "out"
@@ -248,8 +248,8 @@ S3_KEYS = ["tab\there.jpg", "ctl\x01\x1f.jpg", NFC, NFD, "../up.jpg", "./dot.jpg
 def test_a_bucket_of_hostile_keys_is_captioned_under_each_exact_key(prefect_api, s3_client, tiny_llava):
     """S3 keys are UTF-8 text: every one is captioned under its own key, read from its own object,
     never from a path or location its name looks like. (moto refuses a newline in a key.)"""
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     bucket = "hostile-names"
     s3_client.create_bucket(Bucket=bucket)

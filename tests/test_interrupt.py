@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.demo import make_sample_images
+from vlm_caption.flows.demo import make_sample_images
 from tests.terminal_io import CTRL_C, Terminal
 
 EXE = str(Path(sys.executable).with_name("vlm-caption"))
@@ -157,7 +157,7 @@ def test_ctrl_c_stops_a_run_at_every_moment_and_the_next_run_resumes(tiny_llava,
 # wait that does not end), with a child that ignores SIGINT and SIGTERM (an engine process slow to end).
 STUCK = """
 import subprocess, sys, time
-from tasks.interrupt import stoppable
+from vlm_caption.tasks.interrupt import stoppable
 
 with stoppable():
     subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
@@ -172,7 +172,7 @@ with stoppable():
 
 @pytest.mark.parametrize("ctrl_c", [1, 2])
 def test_the_watchdog_ends_a_run_that_does_not_stop_and_a_second_ctrl_c_ends_it_at_once(ctrl_c):
-    from tasks.interrupt import GRACE_S, LINGER_S
+    from vlm_caption.tasks.interrupt import GRACE_S, LINGER_S
 
     terminal = Terminal([sys.executable, "-c", STUCK], dict(os.environ))
     try:

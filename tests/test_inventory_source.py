@@ -18,11 +18,11 @@ from urllib.parse import quote_plus
 
 import pytest
 
-from tasks.sources.formats import SourceSpec
-from tasks.sources.inventory import check_report, inventory_source
-from tasks.sources.listing import iter_items
-from tasks.sources.registry import detect_format
-from tasks.sources.storage import StorageError
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.inventory import check_report, inventory_source
+from vlm_caption.tasks.sources.listing import iter_items
+from vlm_caption.tasks.sources.registry import detect_format
+from vlm_caption.tasks.sources.storage import StorageError
 from tests.images import corrupt_jpeg, image_bytes
 
 SOURCE, DEST, PREFIX, CONFIG = "inv-src", "inv-dest", "inventory", "nightly"
@@ -171,8 +171,8 @@ def _records(out: Path) -> list[dict]:
 
 
 def test_a_flow_over_a_report_gives_the_records_of_a_listing(prefect_api, s3_client, tiny_llava, tmp_path: Path):
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     s3_client.create_bucket(Bucket="inv-flow")
     for i in range(5):

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as pads
 
-from tasks.results.done_index import load_part_rows, result_key
-from tasks.sources.storage import open_storage
+from vlm_caption.tasks.results.done_index import load_part_rows, result_key
+from vlm_caption.tasks.sources.storage import open_storage
 from tests.images import image_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +36,8 @@ point, argv = sys.argv[1], sys.argv[2:]
 def die(*args, **kwargs):
     os.killpg(0, signal.SIGKILL)
 
-import flows.caption as caption
-import tasks.results.writers as writers
+import vlm_caption.flows.caption as caption
+import vlm_caption.tasks.results.writers as writers
 
 if point == "before-first-part":
     writers.write_shard_once = die
@@ -57,7 +57,7 @@ elif point == "after-run-finished":
         run(*args, **kwargs)
         die()
     caption.caption_job = then_die
-from flows.cli import main
+from vlm_caption.flows.cli import main
 sys.exit(main(argv))
 """
 
@@ -123,16 +123,16 @@ def test_a_run_killed_at_any_point_is_made_whole_by_the_next(tiny_llava, tmp_pat
 
 _FAILS_WHILE_BUILDING = r"""
 import sys, time
-import flows.caption as caption
-from tasks.errors import UserError
-from tasks.engine import vllm_engine
+import vlm_caption.flows.caption as caption
+from vlm_caption.tasks.errors import UserError
+from vlm_caption.tasks.engine import vllm_engine
 
 def fails_as_the_engine_builds(*args, **kwargs):
     while not vllm_engine.building():  # the run fails while its engine is being built
         time.sleep(0.05)
     raise UserError("the source went away")
 caption.caption_job = fails_as_the_engine_builds
-from flows.cli import main
+from vlm_caption.flows.cli import main
 sys.exit(main())  # as the console script calls it: its arguments from sys.argv
 """
 

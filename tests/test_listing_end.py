@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import tasks.sources.listing_end as listing_end
-from tasks.sources.formats import SourceSpec
-from tasks.sources.listing_end import keep_listing_end, listing_end_key, object_after_listing_end
-from tasks.sources.storage import open_storage
+import vlm_caption.tasks.sources.listing_end as listing_end
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.listing_end import keep_listing_end, listing_end_key, object_after_listing_end
+from vlm_caption.tasks.sources.storage import open_storage
 
 BUCKET = "night"
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import tasks.sources.formats as formats
-import tasks.sources.listing as listing
-from tasks.sources.items import ObjectRef
-from tasks.sources.formats import SourceSpec
-from tasks.sources.listing import ShardStream
+import vlm_caption.tasks.sources.formats as formats
+import vlm_caption.tasks.sources.listing as listing
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.listing import ShardStream
 
 
 class SyntheticStorage:
@@ -147,7 +147,7 @@ def test_a_consumer_that_stops_releases_the_listing(storage):
 def test_items_already_done_are_counted_not_sharded_and_the_rest_fill_whole_shards(storage):
     """A history of 10,000 items with one new item in every hundred: 100 items in two shards of
     64 and 36 (not a shard per new item), and 9,900 counted as already done, in listing order."""
-    from tasks.sources.listing import AlreadyDone
+    from vlm_caption.tasks.sources.listing import AlreadyDone
 
     storage(SyntheticStorage(10_000))
     new = lambda items: [int(item.id[4:11]) % 100 == 0 for item in items]  # noqa: E731
@@ -164,9 +164,9 @@ def test_items_already_done_are_counted_not_sharded_and_the_rest_fill_whole_shar
 def test_done_items_are_judged_as_the_done_index_judges_each_one():
     """`DoneIndex.pending_mask` (a batch at once) says what `pending_by_listing` says item by item:
     done, changed since (another etag), a question not asked before, a re-run result, no etag."""
-    from tasks.results.done_index import DoneIndex, index_rows
-    from tasks.records import ResultRecord
-    from tasks.sources.items import WorkItem
+    from vlm_caption.tasks.results.done_index import DoneIndex, index_rows
+    from vlm_caption.tasks.records import ResultRecord
+    from vlm_caption.tasks.sources.items import WorkItem
 
     def record(key, etag, question="q1"):
         return ResultRecord(key=key, size=10, etag=etag, sha256="s", recipe="r", model="m", question=question,

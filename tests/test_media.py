@@ -1,6 +1,6 @@
 import pytest
 
-from tasks.media.image import MediaError, decode_image
+from vlm_caption.tasks.media.image import MediaError, decode_image
 from tests.images import corrupt_jpeg, image_bytes
 
 
@@ -84,10 +84,10 @@ def test_a_prepared_shard_counts_the_bytes_of_its_decoded_media():
     import numpy as np
     from PIL import Image
 
-    from tasks.prepare import PreparedItem, PreparedShard
-    from tasks.media.video import DecodedVideo
-    from tasks.records import ItemError
-    from tasks.sources.items import ObjectRef, Shard, WorkItem
+    from vlm_caption.tasks.prepare import PreparedItem, PreparedShard
+    from vlm_caption.tasks.media.video import DecodedVideo
+    from vlm_caption.tasks.records import ItemError
+    from vlm_caption.tasks.sources.items import ObjectRef, Shard, WorkItem
 
     item = WorkItem(id="a", members=[ObjectRef(key="a", size=1)])
     image = PreparedItem(item, ("q",), media=Image.new("RGB", (40, 30)))
@@ -103,8 +103,8 @@ def test_the_decode_pool_has_one_process_per_core_this_process_may_use(monkeypat
     """A container's cpuset (or `taskset`) limits the cores, not the host's count."""
     import os
 
-    from tasks.media.pool import decode_processes
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.media.pool import decode_processes
+    from vlm_caption.tasks.settings import get_settings
 
     monkeypatch.delenv("VLM_CAPTION_DECODE_PROCESSES", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5, 7}, raising=False)

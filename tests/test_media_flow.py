@@ -15,8 +15,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
 from tests.checkpoints import build_checkpoint
 from tests.images import VIDEO_CORPUS_ERRORS, corrupt_jpeg, image_bytes, video_bytes, video_corpus
 
@@ -83,13 +83,13 @@ def test_videos_from_a_bucket_get_captions_and_broken_ones_error_records(prefect
 
 def test_video_metadata_reaches_the_request_for_recipes_that_need_it():
     """Qwen3-VL and GLM-4.xV get (frames, metadata) as the example passes them; others frames."""
-    from tasks.engine.steps import GenerateOptions, engine_request
-    from recipes import get_recipe
-    from tasks.engine.arguments import EngineSpec
-    from tasks.engine.vllm_engine import Sampling
-    from tasks.prepare import PreparedItem
-    from tasks.media.video import VideoLimits, decode_video
-    from tasks.sources.items import ObjectRef, WorkItem
+    from vlm_caption.tasks.engine.steps import GenerateOptions, engine_request
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.tasks.engine.arguments import EngineSpec
+    from vlm_caption.tasks.engine.vllm_engine import Sampling
+    from vlm_caption.tasks.prepare import PreparedItem
+    from vlm_caption.tasks.media.video import VideoLimits, decode_video
+    from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 
     video = decode_video(video_bytes(), num_frames=4, limits=VideoLimits(60, 10**6))
     item = PreparedItem(WorkItem("v.mp4", (ObjectRef("v.mp4", 1, "e"),)), ("q",), sha256="abc", media=video)
@@ -105,8 +105,8 @@ def test_video_metadata_reaches_the_request_for_recipes_that_need_it():
 
 
 def test_video_guards_give_readable_errors():
-    from tasks.media.image import MediaError
-    from tasks.media.video import VideoLimits, decode_video
+    from vlm_caption.tasks.media.image import MediaError
+    from vlm_caption.tasks.media.video import VideoLimits, decode_video
 
     clip = video_bytes(frames=80, fps=8)  # 10 s, 64x48
     with pytest.raises(MediaError, match="over the limit of 5 s"):
@@ -168,9 +168,9 @@ def test_folder_groups_with_generate_and_chat(prefect_api, bucket, albums, idefi
 
 def test_two_questions_one_fetch_and_decode_each_then_resume_by_question(prefect_api, bucket, albums, idefics3,
                                                                          monkeypatch):
-    import tasks.media.pool as pool
-    from tasks.settings import get_settings
-    from tasks.sources.fetch import MediaFetcher
+    import vlm_caption.tasks.media.pool as pool
+    from vlm_caption.tasks.settings import get_settings
+    from vlm_caption.tasks.sources.fetch import MediaFetcher
 
     monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "0")  # decode in this process, to count it
     get_settings.cache_clear()
@@ -243,7 +243,7 @@ def test_a_manifest_of_groups_with_per_item_questions_and_gemma3_chat(prefect_ap
 
 
 def test_a_bad_manifest_line_stops_the_job_before_any_engine(prefect_api, tmp_path):
-    from tasks.sources.storage import StorageError
+    from vlm_caption.tasks.sources.storage import StorageError
 
     manifest = tmp_path / "jobs.jsonl"
     manifest.write_text('{"id": "a", "media": ["x.jpg"]}\n{"id": "b", "media": []}\n')

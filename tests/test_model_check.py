@@ -19,11 +19,11 @@ from urllib.parse import urlparse
 
 import pytest
 
-from flows import cli
-from recipes import get_recipe
-from tasks.engine import model_hub
-from tasks.engine.model_check import ModelError, check_model, resolve_model
-from tasks.results.report import RunStats
+from vlm_caption.flows import cli
+from vlm_caption.recipes import get_recipe
+from vlm_caption.tasks.engine import model_hub
+from vlm_caption.tasks.engine.model_check import ModelError, check_model, resolve_model
+from vlm_caption.tasks.results.report import RunStats
 from tests.checkpoints import build_checkpoint
 
 HF_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE",
@@ -153,14 +153,14 @@ def cache_snapshot(hf_home: Path, repo: str, files: dict[str, str]) -> Path:
 def no_flow(monkeypatch):
     """The flow and vLLM's import as stand-ins: a refused job must not reach them."""
     calls = []
-    caption = types.ModuleType("flows.caption")
+    caption = types.ModuleType("vlm_caption.flows.caption")
     # A summary shaped like the flow's (an empty run), so the CLI's end-of-run summary is exercised too.
     caption.vlm_caption = lambda job: calls.append(job) or {**RunStats().summary(), "fingerprint": "f" * 12}
-    monkeypatch.setattr("flows.plan.start_engine_first", lambda plan, **how: False)  # no engine either
-    engine = types.ModuleType("tasks.engine.vllm_import")
+    monkeypatch.setattr("vlm_caption.flows.plan.start_engine_first", lambda plan, **how: False)  # no engine either
+    engine = types.ModuleType("vlm_caption.tasks.engine.vllm_import")
     engine.ensure_vllm_imported = lambda: None
-    monkeypatch.setitem(sys.modules, "flows.caption", caption)
-    monkeypatch.setitem(sys.modules, "tasks.engine.vllm_import", engine)
+    monkeypatch.setitem(sys.modules, "vlm_caption.flows.caption", caption)
+    monkeypatch.setitem(sys.modules, "vlm_caption.tasks.engine.vllm_import", engine)
     return calls
 
 
@@ -332,8 +332,9 @@ def test_an_unreadable_hub_cache_is_logged_with_what_it_costs(tmp_path, monkeypa
     suggestions leave out the cached models (no silent pass)."""
     import huggingface_hub
 
-    import tasks.observability
+    import vlm_caption.tasks.observability
 
+    from vlm_caption import tasks
     warned = []
     logger = types.SimpleNamespace(warning=lambda event, **fields: warned.append((event, fields)))
     monkeypatch.setattr(tasks.observability, "get_logger", lambda **context: logger)
@@ -360,7 +361,7 @@ def test_the_download_counts_the_weights_vllm_fetches(hub):
 def test_every_declared_model_type_is_one_transformers_knows():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    from recipes import all_recipes
+    from vlm_caption.recipes import all_recipes
 
     declared = {t for r in all_recipes() for t in r.model_types}
     assert declared and declared <= set(CONFIG_MAPPING_NAMES)
@@ -370,9 +371,10 @@ def test_every_declared_model_type_is_one_transformers_knows():
 # ---- a run started any other way (a deployment): the flow refuses it ----------------------------
 def test_the_flow_fails_early_with_the_message_as_its_state(prefect_api, tmp_path, hf_env, tiny_qwen2_vl,
                                                              monkeypatch):
-    import flows.pipeline
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    import vlm_caption.flows.pipeline
+    from vlm_caption import flows
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     def refuse(*args, **kwargs):
         raise AssertionError("a shard or an engine was started for a job that should have been refused")

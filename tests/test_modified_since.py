@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
-from tasks.sources.formats import SourceSpec
-from tasks.sources.inventory import inventory_source
-from tasks.sources.listing import iter_items
-from tasks.sources.storage import open_storage
-from tasks.sources.watermark import check_modified_since, resolve_modified_since, with_changed_since
+from vlm_caption.flows.cli import main
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.inventory import inventory_source
+from vlm_caption.tasks.sources.listing import iter_items
+from vlm_caption.tasks.sources.storage import open_storage
+from vlm_caption.tasks.sources.watermark import check_modified_since, resolve_modified_since, with_changed_since
 from tests.images import image_bytes
 from tests.test_inventory_source import bucket_rows, write_report
 
@@ -84,9 +84,9 @@ def _records(out: Path) -> list[dict]:
 
 
 def test_auto_lists_what_is_new_and_what_failed_retryably(prefect_api, tiny_llava, tmp_path: Path, monkeypatch):
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
-    from tasks.sources.fetch import MediaFetcher
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.tasks.sources.fetch import MediaFetcher
 
     src, out = tmp_path / "src", tmp_path / "out"
     for i, name in enumerate(("a.jpg", "b.jpg", "c.jpg", "flaky.jpg")):

@@ -11,14 +11,16 @@ from collections import Counter
 
 import pytest
 
-import flows.pipeline
-import flows.plan
-import tasks.engine.vllm_engine as vllm_engine
-from bench.config import BenchConfig
-from bench.history import Locations, add_new_items, item_key, small_jpeg, synthesize
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
-from flows.plan import make_plan, start_engine_first
+import vlm_caption.flows.pipeline
+
+import vlm_caption.flows.plan
+from vlm_caption import flows
+import vlm_caption.tasks.engine.vllm_engine as vllm_engine
+from vlm_caption.bench.config import BenchConfig
+from vlm_caption.bench.history import Locations, add_new_items, item_key, small_jpeg, synthesize
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.flows.plan import make_plan, start_engine_first
 
 HISTORY, SHARD = 300, 8
 PER_SHARD_TASKS = {"caption-batch", "start-engine"}  # the shards' task runs: a batch of them each

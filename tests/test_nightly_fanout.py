@@ -10,13 +10,15 @@ import threading
 
 import pytest
 
-import flows.caption
-import flows.pipeline
-import tasks.engine.vllm_engine as vllm_engine
-from bench.config import BenchConfig
-from bench.history import Locations, add_new_items, synthesize
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
+import vlm_caption.flows.caption
+
+import vlm_caption.flows.pipeline
+from vlm_caption import flows
+import vlm_caption.tasks.engine.vllm_engine as vllm_engine
+from vlm_caption.bench.config import BenchConfig
+from vlm_caption.bench.history import Locations, add_new_items, synthesize
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
 from tests.processes import idle_partition_deployment
 
 HISTORY, SHARD = 200, 8

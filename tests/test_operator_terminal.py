@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import cli
+from vlm_caption.flows import cli
 
 EXE = str(Path(sys.executable).with_name("vlm-caption"))
 
@@ -31,7 +31,7 @@ def test_help_imports_neither_prefect_nor_vllm_nor_torch():
     assert done.returncode == 0 and done.stdout.startswith("usage: vlm-caption"), done.stderr[-3000:]
     imported = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
     heavy = [name for name in imported if name.split(".")[0] in ("prefect", "vllm", "torch", "transformers", "pydantic")
-             or name.startswith(("tasks.sources", "bench.")) or name == "bench"]
+             or name.startswith(("vlm_caption.tasks.sources", "vlm_caption.bench"))]
     assert len(imported) > 20 and not heavy, heavy
 
 
@@ -61,12 +61,12 @@ def test_run_with_a_model_that_is_not_there_is_one_line_and_exit_2(tmp_path):
 
 
 def test_errors_raised_inside_a_run_are_one_line_with_their_kinds_exit_code(capsys):
-    from flows.server import PrefectAPIUnreachable
-    from tasks.concurrency import JobBusyError
-    from tasks.engine.feed import EngineDied
-    from tasks.engine.model_files import ModelError
-    from tasks.fanout import FanOutError
-    from tasks.results.writers import DiskFullError
+    from vlm_caption.flows.server import PrefectAPIUnreachable
+    from vlm_caption.tasks.concurrency import JobBusyError
+    from vlm_caption.tasks.engine.feed import EngineDied
+    from vlm_caption.tasks.engine.model_files import ModelError
+    from vlm_caption.tasks.fanout import FanOutError
+    from vlm_caption.tasks.results.writers import DiskFullError
 
     cases = {JobBusyError("another run of this job is running"): 4,
              DiskFullError("no space left on the output's disk"): 5,
@@ -86,9 +86,9 @@ def test_a_permanent_error_fails_the_run_at_once_without_a_retry(prefect_api, tm
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
-    from tasks.engine.model_files import ModelError
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.tasks.engine.model_files import ModelError
 
     (tmp_path / "photos").mkdir()
     job = CaptionJob(source=str(tmp_path / "photos"), output=str(tmp_path / "out"),
@@ -112,7 +112,7 @@ def test_a_run_whose_parameters_do_not_validate_gets_a_name_and_one_line(prefect
     its parameters as given (not Prefect's random name) and its message is one line."""
     from prefect.client.orchestration import get_client
 
-    from flows.caption import vlm_caption
+    from vlm_caption.flows.caption import vlm_caption
 
     state = vlm_caption(job={"source": str(tmp_path), "output": "", "recipe": "llava"}, return_state=True)
     with get_client(sync_client=True) as client:

@@ -11,15 +11,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from flows.cli import main
-from tasks.results import parquet, parquet_view
-from tasks.results.done_index import sidecar_key
-from tasks.results.layout import part_key, run_parquet_key
-from tasks.results.parquet import export_parquet
-from tasks.results.parquet_view import export_after_run
-from tasks.records import ResultRecord
-from tasks.results.writers import write_manifest, write_shard
-from tasks.sources.storage import Storage, open_storage
+from vlm_caption.flows.cli import main
+from vlm_caption.tasks.results import parquet, parquet_view
+from vlm_caption.tasks.results.done_index import sidecar_key
+from vlm_caption.tasks.results.layout import part_key, run_parquet_key
+from vlm_caption.tasks.results.parquet import export_parquet
+from vlm_caption.tasks.results.parquet_view import export_after_run
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.writers import write_manifest, write_shard
+from vlm_caption.tasks.sources.storage import Storage, open_storage
 
 FP = "0123456789abcdef"
 RUN1 = "aaaa1111-20260101T000000"
@@ -95,7 +95,7 @@ def test_a_fanned_out_runs_rows_get_the_source_from_its_one_manifest(tmp_path):
     captioned the item); the run writes one manifest, under its own id. Every row gets the
     source from it, and the report names no run without one (found on four H200s: every row of
     a fan-out had an empty source, and a warning per partition)."""
-    from tasks.results.layout import partition_parts_id
+    from vlm_caption.tasks.results.layout import partition_parts_id
 
     output = out(tmp_path / "out")
     for index, key in enumerate(["a.jpg", "b.jpg"]):
@@ -191,12 +191,12 @@ def test_export_failure_at_run_end_is_recorded_not_raised(tmp_path, monkeypatch)
 def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, fails):
     """The flow's closing steps (no engine: the shards are written here); a failed export is in
     the manifest and the summary, and the run still returns."""
-    import flows.caption as caption
-    from flows.params import CaptionJob
-    from flows.plan import RunPlan, source_spec
-    from recipes import get_recipe
-    from tasks.observability import get_logger
-    from tasks.results.report import RunStats
+    import vlm_caption.flows.caption as caption
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.flows.plan import RunPlan, source_spec
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.tasks.observability import get_logger
+    from vlm_caption.tasks.results.report import RunStats
 
     output = str(tmp_path / "out")
     (tmp_path / "src").mkdir()

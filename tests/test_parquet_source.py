@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sources.formats import file_set
-from tasks.sources.parquet_source import ColumnError, check_parquet_source, iter_parquet_items, read_cell
-from tasks.sources.registry import detect_format
-from tasks.sources.storage import open_storage
+from vlm_caption.tasks.sources.formats import file_set
+from vlm_caption.tasks.sources.parquet_source import ColumnError, check_parquet_source, iter_parquet_items, read_cell
+from vlm_caption.tasks.sources.registry import detect_format
+from vlm_caption.tasks.sources.storage import open_storage
 from tests.images import corrupt_jpeg, image_bytes
 
 BUCKET = "parquet-src"
@@ -60,7 +60,7 @@ def test_rows_from_row_groups_with_metadata_and_column_errors(tmp_path: Path):
 def test_wrong_column_in_a_bucket_is_exit_2_before_any_engine(prefect_api, s3_client, tiny_llava, capsys):
     import io
 
-    from flows.cli import main
+    from vlm_caption.flows.cli import main
 
     s3_client.create_bucket(Bucket=BUCKET)
     body = io.BytesIO()
@@ -75,8 +75,8 @@ def test_wrong_column_in_a_bucket_is_exit_2_before_any_engine(prefect_api, s3_cl
 
 
 def test_folder_of_parquet_end_to_end_and_rerun(prefect_api, tiny_llava, tmp_path: Path):
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     source = tmp_path / "rows"
     source.mkdir()

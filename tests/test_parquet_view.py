@@ -14,15 +14,15 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from flows.cli import main
-from tasks.results import parquet_view
-from tasks.results.done_index import load_part_rows, result_key
-from tasks.results.layout import LEGACY_PARQUET_KEY, part_key, part_prefix, partition_parts_id, run_parquet_key
-from tasks.results.parquet import export_parquet
-from tasks.results.parquet_compact import compact_view
-from tasks.results.parquet_view import add_run
-from tasks.records import ResultRecord
-from tasks.results.writers import write_manifest, write_shard
+from vlm_caption.flows.cli import main
+from vlm_caption.tasks.results import parquet_view
+from vlm_caption.tasks.results.done_index import load_part_rows, result_key
+from vlm_caption.tasks.results.layout import LEGACY_PARQUET_KEY, part_key, part_prefix, partition_parts_id, run_parquet_key
+from vlm_caption.tasks.results.parquet import export_parquet
+from vlm_caption.tasks.results.parquet_compact import compact_view
+from vlm_caption.tasks.results.parquet_view import add_run
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.writers import write_manifest, write_shard
 from tests.test_parquet_export import FP, RUN1, RUN2, out, record
 from tests.recording_storage import RecordingStorage
 
@@ -279,7 +279,7 @@ def test_a_runs_step_reads_only_its_own_parts_and_takes_the_earlier_ones_from_it
     """At a run's end the step asks the done-index the run loaded at its start which earlier
     results it computed again and in which parts they stand: it lists only the run's own parts
     and reads no part or sidecar of the history, and the latest result still wins."""
-    from tasks.results.done_index import load_done_index, loaded_index
+    from vlm_caption.tasks.results.done_index import load_done_index, loaded_index
 
     output = tmp_path / "out"
     first_run(output)
@@ -302,7 +302,7 @@ def test_a_result_replaced_twice_in_a_fanned_out_run_and_one_in_a_compacted_file
     held too (the run's own parts are never earlier results of it): a result whose earlier
     record is in a compacted file has that file rewritten; two partitions' records of one
     result leave the latest."""
-    from tasks.results.done_index import load_done_index
+    from vlm_caption.tasks.results.done_index import load_done_index
 
     output = tmp_path / "out"
     first_run(output)
@@ -325,7 +325,7 @@ def test_a_run_killed_before_its_view_file_is_added_by_the_next_run(tmp_path):
     with nothing new, adds run 1's file and says the view is complete. Run 3 replaces one of run
     1's results after run 2 was killed too: run 2's owed file first, then run 3's own, each result
     once, the latest."""
-    from tasks.results.parquet_view import export_after_run
+    from vlm_caption.tasks.results.parquet_view import export_after_run
 
     output = tmp_path / "out"
     o = out(output)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sources.formats import SourceSpec
-from tasks.sources.listing import iter_items
-from tasks.sources.reader import BadInput
-from tasks.sources.registry import SOURCE_FORMATS, detect_format, open_reader, reader_class
-from tasks.sources.storage import StorageError
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.listing import iter_items
+from vlm_caption.tasks.sources.reader import BadInput
+from vlm_caption.tasks.sources.registry import SOURCE_FORMATS, detect_format, open_reader, reader_class
+from vlm_caption.tasks.sources.storage import StorageError
 from tests.images import image_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,8 +64,8 @@ def test_a_new_format_is_its_module_and_a_registry_entry():
 
 
 def test_a_path_list_end_to_end_and_rerun(prefect_api, tiny_llava, tmp_path: Path):
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     listing = _write_list(tmp_path / "src")
     job = CaptionJob(source=str(listing), output=str(tmp_path / "out"), model=str(tiny_llava), shard_size=2,

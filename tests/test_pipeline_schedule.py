@@ -11,19 +11,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 from PIL import Image
 
-import flows.pipeline as pipeline
-import flows.shard_report as shard_report
-import flows.shard_steps as shard_steps
-from flows.params import CaptionJob
-from flows.partition_run import PartitionRun
-from flows.pipeline import ShardPipeline
-from flows.plan import RunPlan, engine_spec, source_spec
-from recipes import get_recipe
-from tasks.engine.feed import FEED_REQUESTS
-from tasks.prepare import PreparedItem, PreparedShard
-from tasks.results.done_index import DoneIndex
-from tasks.settings import get_settings
-from tasks.sources.items import ObjectRef, Shard, WorkItem
+import vlm_caption.flows.pipeline as pipeline
+import vlm_caption.flows.shard_report as shard_report
+import vlm_caption.flows.shard_steps as shard_steps
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.flows.partition_run import PartitionRun
+from vlm_caption.flows.pipeline import ShardPipeline
+from vlm_caption.flows.plan import RunPlan, engine_spec, source_spec
+from vlm_caption.recipes import get_recipe
+from vlm_caption.tasks.engine.feed import FEED_REQUESTS
+from vlm_caption.tasks.prepare import PreparedItem, PreparedShard
+from vlm_caption.tasks.results.done_index import DoneIndex
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.items import ObjectRef, Shard, WorkItem
 
 SHARD_SIZE = 64
 CROP = Image.new("RGB", (336, 336))  # 338,688 bytes decoded: 64 of them are 21.7 MB

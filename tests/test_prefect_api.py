@@ -30,7 +30,7 @@ def test_prefect_prints_its_first_run_notice_as_it_is_imported_and_import_prefec
 
     script = """
 import sys
-from tasks.prefect_api import import_prefect, show_prefect_notice_now
+from vlm_caption.tasks.prefect_api import import_prefect, show_prefect_notice_now
 import_prefect()
 from prefect.analytics import is_telemetry_enabled
 assert is_telemetry_enabled(), "telemetry is off in this environment: the test cannot see the notice"
@@ -55,7 +55,7 @@ def test_the_settings_and_the_client_the_adapter_uses_are_prefects_public_ones()
     from prefect.settings import (PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_SERVER_DATABASE_TIMEOUT,
                                   PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)
 
-    from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS
+    from vlm_caption.tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS
 
     settings = (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, PREFECT_SERVER_DATABASE_TIMEOUT,
                 PREFECT_SERVER_ANALYTICS_ENABLED)
@@ -76,14 +76,15 @@ def test_importing_the_package_changes_no_prefect_setting():
 import os
 prefects = lambda: {name: value for name, value in os.environ.items() if name.startswith("PREFECT_")}
 before = prefects()
-import flows, flows.cli, flows.caption, flows.demo, flows.server, tasks.prefect_api, tasks.terminal, recipes
+import vlm_caption.flows.cli, vlm_caption.flows.caption, vlm_caption.flows.demo, vlm_caption.flows.server
+import vlm_caption.tasks.prefect_api, vlm_caption.tasks.terminal, vlm_caption.recipes
 assert prefects() == before, set(prefects().items()) ^ set(before.items())
-from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS, embedded_server_defaults
+from vlm_caption.tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS, embedded_server_defaults
 with embedded_server_defaults():
     assert all(os.environ[name] for name in EMBEDDED_SERVER_DEFAULTS)
 assert prefects() == before, "embedded_server_defaults left its settings behind"
 """
-    from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS
+    from vlm_caption.tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS
 
     env = {key: value for key, value in os.environ.items() if key not in EMBEDDED_SERVER_DEFAULTS}
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -98,11 +99,11 @@ def test_a_quiet_run_on_the_embedded_server_leaves_its_stop_to_prefect_and_its_g
     log = tmp_path / "logs" / "run.log"
     script = f"""
 from pathlib import Path
-from tasks.prefect_api import embedded_server_defaults
+from vlm_caption.tasks.prefect_api import embedded_server_defaults
 
 with embedded_server_defaults():
     from prefect import flow, get_run_logger
-    from tasks.terminal import quiet_terminal
+    from vlm_caption.tasks.terminal import quiet_terminal
 
     @flow
     def hello():
@@ -127,11 +128,11 @@ def test_an_embedded_server_started_early_is_the_one_the_flow_run_uses(tmp_path)
     with earlier results): the flow run then finds it up, and no second server starts."""
     script = """
 import sys
-from tasks.prefect_api import embedded_server_defaults
+from vlm_caption.tasks.prefect_api import embedded_server_defaults
 
 with embedded_server_defaults():
     from prefect import flow
-    from tasks.prefect_api import start_embedded_server_early
+    from vlm_caption.tasks.prefect_api import start_embedded_server_early
 
     wait = start_embedded_server_early()
     wait()
@@ -153,7 +154,7 @@ def test_no_embedded_server_is_started_early_where_the_run_has_an_api_url():
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.prefect_api import start_embedded_server_early
+    from vlm_caption.tasks.prefect_api import start_embedded_server_early
 
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
         wait = start_embedded_server_early()
@@ -178,7 +179,7 @@ def test_the_embedded_servers_defaults_reach_a_prefect_imported_before_the_comma
     calls `main` still gets the embedded server's defaults, in Prefect's own settings."""
     from prefect.settings import get_current_settings
 
-    from tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS, embedded_server_defaults
+    from vlm_caption.tasks.prefect_api import EMBEDDED_SERVER_DEFAULTS, embedded_server_defaults
 
     for name in EMBEDDED_SERVER_DEFAULTS:
         monkeypatch.delenv(name, raising=False)

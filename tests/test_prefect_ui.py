@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flows import cli
+from vlm_caption.flows import cli
 from tests.conftest import free_port
 from tests.terminal_io import assert_quiet_terminal, run_in_a_terminal
 
@@ -228,8 +228,8 @@ def test_the_server_refuses_a_port_in_use_in_one_line(capsys):
 
 
 def test_the_server_without_uv_says_how_to_get_it(monkeypatch, capsys):
-    import flows.server
-
+    import vlm_caption.flows.server
+    from vlm_caption import flows
     monkeypatch.setattr(flows.server.shutil, "which", lambda name: None)
     assert cli.main(["server", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
@@ -240,12 +240,13 @@ def test_the_server_without_uv_says_how_to_get_it(monkeypatch, capsys):
 def test_the_server_runs_prefect_at_the_projects_version_in_its_own_environment(monkeypatch, capsys, tmp_path):
     from importlib.metadata import version
 
-    import flows.server
+    import vlm_caption.flows.server
 
+    from vlm_caption import flows
     monkeypatch.setenv("PREFECT_API_URL", "http://elsewhere:4200/api")
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
     # (Prefect imported under this environment would keep its API URL for the tests after this one.)
-    monkeypatch.setattr("tasks.prefect_api.show_prefect_notice_now", lambda file, import_now=False: None)
+    monkeypatch.setattr("vlm_caption.tasks.prefect_api.show_prefect_notice_now", lambda file, import_now=False: None)
     started = {}
 
     class Ended:  # a server that printed a line and ended
@@ -273,7 +274,7 @@ def test_the_server_runs_prefect_at_the_projects_version_in_its_own_environment(
 
 @pytest.mark.timeout(300)
 def test_a_run_whose_prefect_api_is_unreachable_says_what_to_do_before_any_engine_starts(tmp_path, tiny_llava):
-    from flows.demo import make_sample_images
+    from vlm_caption.flows.demo import make_sample_images
 
     make_sample_images(tmp_path / "images", 2)
     api = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
@@ -297,7 +298,7 @@ def test_a_line_logged_before_prefect_is_imported_imports_none_of_it_and_later_l
     Prefect is imported adds the handler that sends lines to the flow run's logs."""
     code = """
 import logging, sys
-from tasks.observability import LOGGER_NAME, get_logger
+from vlm_caption.tasks.observability import LOGGER_NAME, get_logger
 get_logger().info("model processor placed", device="cuda")
 print("prefect imported:", "prefect" in sys.modules, [type(h).__name__ for h in logging.getLogger(LOGGER_NAME).handlers])
 import prefect
@@ -318,7 +319,7 @@ def test_log_lines_read_as_event_key_value_in_the_ui_and_stay_json_for_machines(
     import structlog
     from prefect.logging.handlers import APILogHandler
 
-    from tasks.observability import LOGGER_NAME, _Formatter, get_logger, register_secret
+    from vlm_caption.tasks.observability import LOGGER_NAME, _Formatter, get_logger, register_secret
 
     secret = "vlm-caption-test-secret-5e0c1d"
     register_secret(secret)

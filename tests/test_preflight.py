@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-import flows.caption
-import flows.pipeline
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
-from recipes import RecipeError
-from tasks.sources.storage import StorageError
+import vlm_caption.flows.caption
+
+import vlm_caption.flows.pipeline
+from vlm_caption import flows
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.recipes import RecipeError
+from vlm_caption.tasks.sources.storage import StorageError
 from tests.images import image_bytes
 
 
@@ -78,14 +80,14 @@ def watched(name, function):
             windows.append((name, threading.current_thread().name, started, time.monotonic()))
     return call
 
-from tasks.engine import vllm_engine, vllm_import
+from vlm_caption.tasks.engine import vllm_engine, vllm_import
 
 importing = vllm_import.ensure_vllm_imported
 vllm_import.ensure_vllm_imported = lambda: (watched("vLLM's import", importing) if "vllm" not in sys.modules
                                             else importing)()
 vllm_engine.CaptionEngine.__init__ = watched("the engine's build", vllm_engine.CaptionEngine.__init__)
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
 
 source, output, model = sys.argv[1:]
 vlm_caption(CaptionJob(source=source, output=output, model=model, shard_size=2, sampling={"max_tokens": 4}))
@@ -145,7 +147,7 @@ def test_an_output_that_cannot_be_written(prefect_api, tmp_path, s3_client, no_e
 
 
 def test_a_good_output_keeps_no_probe(prefect_api, tmp_path):
-    from tasks.sources.preflight import check_output
+    from vlm_caption.tasks.sources.preflight import check_output
 
     check_output(str(tmp_path / "out" / "captions"))
     assert not (tmp_path / "out").exists()  # the folders made for the probe are gone again
@@ -155,7 +157,7 @@ def test_a_good_output_keeps_no_probe(prefect_api, tmp_path):
 
 
 def test_missing_credentials_say_how_to_give_them(prefect_api, tmp_path, s3_endpoint, monkeypatch, no_engine):
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(key, raising=False)
@@ -250,8 +252,8 @@ def _children_cpu_s() -> float:
 def test_a_modality_the_source_does_not_hold_is_said_with_every_other_problem(tmp_path):
     """A folder of images asked for videos (and a model that is not there): both problems, each one
     line saying what to do, before anything starts; the right modality passes the check."""
-    from flows.params import CaptionJob
-    from flows.plan import PreflightError, make_plan
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.flows.plan import PreflightError, make_plan
     from tests.images import image_bytes
 
     photos = tmp_path / "photos"

@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from recipes import RecipeError, get_recipe
-from tasks.engine import arguments
-from tasks.engine.arguments import EngineSpec, engine_plan, frame_resize_target, image_resize_target
-from tasks.engine.processor import PROCESSOR_GPU_GIB, place_processor
+from vlm_caption.recipes import RecipeError, get_recipe
+from vlm_caption.tasks.engine import arguments
+from vlm_caption.tasks.engine.arguments import EngineSpec, engine_plan, frame_resize_target, image_resize_target
+from vlm_caption.tasks.engine.processor import PROCESSOR_GPU_GIB, place_processor
 from tests.checkpoints import build_checkpoint
 from tests.vllm_processing import process, tensors
 
@@ -75,7 +75,7 @@ def test_cpu_engines_start_without_inductor_unless_the_user_keeps_it(monkeypatch
     """vLLM compiles its CPU sampler even under enforce_eager (20 s of each engine start on 2
     cores); the engine's process (AsyncLLM's, always spawned) reads TORCH_COMPILE_DISABLE from
     the environment."""
-    from tasks.engine.arguments import eager_engine_processes
+    from vlm_caption.tasks.engine.arguments import eager_engine_processes
 
     recipe = get_recipe("llava")
     cpu_args = engine_plan(EngineSpec.build(get_recipe("llava"), model="/none"), on_cpu=True)[0]
@@ -104,8 +104,8 @@ def test_cpu_engines_skip_the_multimodal_memory_profile_unless_the_job_asks_for_
 
 
 def test_a_job_takes_the_processor_device_from_the_command_line():
-    from flows.cli import build_parser
-    from flows.cli_job import job_fields
+    from vlm_caption.flows.cli import build_parser
+    from vlm_caption.flows.cli_job import job_fields
 
     args = build_parser().parse_args(["run", "/in", "--out", "/out", "--recipe", "qwen2_vl",
                                       "--processor-device", "cpu"])

@@ -1,11 +1,11 @@
 """The terminal progress of `vlm-caption run`: a live bar on a terminal, plain lines elsewhere."""
 
-from tasks.observability import Progress
-from tasks.terminal import TerminalProgress
+from vlm_caption.tasks.observability import Progress
+from vlm_caption.tasks.terminal import TerminalProgress
 
 
 def test_progress_is_plain_lines_when_not_a_terminal(capsys, monkeypatch):
-    import tasks.terminal as terminal
+    import vlm_caption.tasks.terminal as terminal
 
     clock = [100.0]
     monkeypatch.setattr(terminal.time, "monotonic", lambda: clock[0])
@@ -46,7 +46,7 @@ def test_progress_is_a_live_bar_on_a_terminal(monkeypatch):
 def test_the_progress_artifact_is_updated_at_most_once_a_second_and_at_the_end(monkeypatch):
     import prefect.artifacts
 
-    import tasks.observability as observability
+    import vlm_caption.tasks.observability as observability
 
     clock = [100.0]
     updates = []
@@ -79,7 +79,7 @@ def test_a_quiet_run_sends_this_process_and_its_children_to_the_log_and_keeps_th
     script = f"""
 import subprocess, sys
 from pathlib import Path
-from tasks.terminal import quiet_terminal, user_stream
+from vlm_caption.tasks.terminal import quiet_terminal, user_stream
 with quiet_terminal(Path({str(log)!r})):
     print("a Prefect line")
     print("a warning", file=sys.stderr)
@@ -98,7 +98,7 @@ print("the summary")
 
 
 def test_the_summary_says_what_was_done_how_fast_and_where_it_all_is(capsys, tmp_path):
-    from tasks.terminal import print_summary
+    from vlm_caption.tasks.terminal import print_summary
 
     summary = {"processed": 10, "succeeded": 8, "failed": 2, "failed_by_kind": {"bad_input": 1, "engine": 1},
                "skipped_already_done": 5, "items_per_s": 0.5, "wall_s": 20.2, "generate_items_per_s": 2.0,
@@ -127,8 +127,8 @@ def test_a_quiet_run_shuts_its_engine_down_into_the_log(tmp_path):
     script = f"""
 import sys
 from pathlib import Path
-import tasks.engine.vllm_engine as engine
-from tasks.terminal import quiet_terminal
+import vlm_caption.tasks.engine.vllm_engine as engine
+from vlm_caption.tasks.terminal import quiet_terminal
 engine.release_engines = lambda: print("WARNING vllm.v1.utils - [shutdown] force killing", file=sys.stderr)
 with quiet_terminal(Path({str(log)!r})):
     pass
@@ -157,7 +157,7 @@ def test_a_run_done_within_the_rate_window_ends_with_its_rate_not_a_dash(capsys,
     bar) says items/s over the whole progress, engine start included, instead of "-"."""
     from rich.console import Console
 
-    import tasks.terminal as terminal
+    import vlm_caption.tasks.terminal as terminal
 
     clock = [100.0]
     monkeypatch.setattr(terminal.time, "monotonic", lambda: clock[0])
@@ -194,8 +194,8 @@ def test_prefects_first_run_notice_goes_to_the_quiet_runs_log(tmp_path):
     log = tmp_path / "logs" / "run.log"
     script = f"""
 from pathlib import Path
-from tasks.prefect_api import import_prefect
-from tasks.terminal import quiet_terminal
+from vlm_caption.tasks.prefect_api import import_prefect
+from vlm_caption.tasks.terminal import quiet_terminal
 import_prefect()  # as `vlm-caption run` and `demo` do first: the notice held
 import prefect
 with quiet_terminal(Path({str(log)!r})):
@@ -223,7 +223,7 @@ def test_items_already_done_count_in_the_artifact_not_in_the_terminals_rate(caps
     new ones finish; the terminal's line counts the 10 items of this run's work."""
     import prefect.artifacts
 
-    import tasks.observability as observability
+    import vlm_caption.tasks.observability as observability
 
     clock = [100.0]
     updates = []

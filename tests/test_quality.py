@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from recipes import get_recipe
-from tasks.engine.arguments import EngineSpec
-from tasks.engine.steps import GenerateOptions, ask_again, make_record
-from tasks.engine.vllm_engine import Sampling
-from tasks.prepare import PreparedItem
-from tasks.results.gallery import sample_items
-from tasks.results.quality import better, caption_flags, is_looping
-from tasks.records import GenerationOutput, ItemError, Member, ResultRecord
-from tasks.results.report import RunStats
-from tasks.sources.items import ObjectRef, WorkItem
+from vlm_caption.recipes import get_recipe
+from vlm_caption.tasks.engine.arguments import EngineSpec
+from vlm_caption.tasks.engine.steps import GenerateOptions, ask_again, make_record
+from vlm_caption.tasks.engine.vllm_engine import Sampling
+from vlm_caption.tasks.prepare import PreparedItem
+from vlm_caption.tasks.results.gallery import sample_items
+from vlm_caption.tasks.results.quality import better, caption_flags, is_looping
+from vlm_caption.tasks.records import GenerationOutput, ItemError, Member, ResultRecord
+from vlm_caption.tasks.results.report import RunStats
+from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 
 LOOPS = [
     "the the the the the the",

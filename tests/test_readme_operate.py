@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from flows.server import ServerError, check_port_free
+from vlm_caption.flows.server import ServerError, check_port_free
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -194,7 +194,7 @@ def test_stop_finds_only_the_server_background_started(tmp_path, monkeypatch):
     again), is no server: `--stop` says so in one line and nothing is signalled."""
     import argparse
 
-    from flows.server_background import background_pid, pid_file, server_command
+    from vlm_caption.flows.server_background import background_pid, pid_file, server_command
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
     assert pid_file(4311) == tmp_path / "vlm-caption-server-4311.pid"

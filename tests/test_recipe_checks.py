@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from recipes import all_recipes, get_recipe
-from recipes.table import load_checks
+from vlm_caption.recipes import all_recipes, get_recipe
+from vlm_caption.recipes.table import load_checks
 from tests.checkpoints import BUILDERS, RECIPE_CHECKPOINTS, build_checkpoint
 from tests.recipe_check import check_processing, run_processing
 
@@ -59,7 +59,7 @@ def test_processing_check_passes_for_the_target_recipes(processing_rows):
 
 def test_recipes_vllm_no_longer_implements_are_marked_and_refused_up_front(processing_rows):
     """vLLM's refusal ("... is not supported anymore") once came as a traceback from the engine."""
-    from flows.params import CaptionJob
+    from vlm_caption.flows.params import CaptionJob
 
     gone = {r.recipe for r in processing_rows if "until v0." in r.error or "not supported anymore" in r.error}
     marked = {r.name for r in all_recipes() if r.removed_from_vllm}
@@ -72,7 +72,7 @@ def test_recipes_vllm_no_longer_implements_are_marked_and_refused_up_front(proce
 
 def test_a_prompt_without_its_placeholder_fails_the_check(monkeypatch, checkpoints_root):
     """The check is not a formality: vLLM refuses a prompt whose media placeholder is missing."""
-    import recipes as registry
+    import vlm_caption.recipes as registry
 
     llava = get_recipe("llava")
     broken = llava.model_copy(update={"image": llava.image.model_copy(update={"media": ""})})
@@ -86,7 +86,7 @@ def test_a_prompt_the_engine_would_see_otherwise_fails_the_check(monkeypatch, ch
     """HunyuanOCR with its example's start and end tokens around the image token: the HF processor
     reads the text as one image, but vLLM's engine tokenizes first and its prompt update adds
     start and end again, two image starts for one image (the engine died on it on a GPU)."""
-    import recipes as registry
+    import vlm_caption.recipes as registry
 
     hunyuan = get_recipe("hunyuan_vl")
     start, end = "<\uff5chy_place\u2581holder\u2581no\u2581100\uff5c>", "<\uff5chy_place\u2581holder\u2581no\u2581101\uff5c>"

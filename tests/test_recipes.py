@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from recipes import EOS_TOKEN, RecipeError, all_recipes, get_recipe
-from recipes.requests import build_requests
+from vlm_caption.recipes import EOS_TOKEN, RecipeError, all_recipes, get_recipe
+from vlm_caption.recipes.requests import build_requests
 
 Q = "What is the content of this image?"
 SYS = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -175,7 +175,7 @@ def test_unsupported_modality_and_unknown_recipe_say_what_exists():
 
 
 def test_remote_code_is_refused_unless_opted_in():
-    from tasks.engine.arguments import check_remote_code
+    from vlm_caption.tasks.engine.arguments import check_remote_code
 
     with pytest.raises(RecipeError, match="--trust-remote-code"):
         check_remote_code(get_recipe("internvl_chat"), allowed=False)
@@ -189,7 +189,7 @@ def test_the_engine_spec_holds_the_recipes_arguments_with_the_jobs_overrides():
     engine, so it survives a pickle and equal jobs give equal specs."""
     import pickle
 
-    from tasks.engine.arguments import EngineSpec
+    from vlm_caption.tasks.engine.arguments import EngineSpec
 
     llava = get_recipe("llava")
     spec = EngineSpec.build(llava, engine_overrides={"max_model_len": 2048})
@@ -205,7 +205,7 @@ def test_the_engine_spec_holds_the_recipes_arguments_with_the_jobs_overrides():
 
 
 def test_the_recipe_table_says_where_auto_puts_the_processor_as_the_engine_does():
-    from tasks.engine.processor import place_processor
+    from vlm_caption.tasks.engine.processor import place_processor
 
     for recipe in all_recipes():
         placed = place_processor(recipe, "auto", gpu=True).device == "cuda"
@@ -214,14 +214,14 @@ def test_the_recipe_table_says_where_auto_puts_the_processor_as_the_engine_does(
 
 
 def test_chat_template_renders_offline_with_a_local_tokenizer(tmp_path):
-    from tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
+    from vlm_caption.tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 
     tok = train_tokenizer(["<unk>", "<s>", "</s>", "<image>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"])
     chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     fast = save_fast_tokenizer(tok, tmp_path, bos="<s>", eos="</s>", extra={"chat_template": chatml})
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "recipes", "show", "internvl_chat", "--modality", "image",
+        [sys.executable, "-m", "vlm_caption.flows.cli", "recipes", "show", "internvl_chat", "--modality", "image",
          "--question", Q, "--model", str(tmp_path), "--json"], capture_output=True, text=True, check=True,
     )
     shown = json.loads(out.stdout)
@@ -241,7 +241,7 @@ def test_recipes_show_imports_no_torch_or_vllm():
 
 
 def test_recipes_list_json_has_the_contract_columns():
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "recipes", "list", "--json"],
+    out = subprocess.run([sys.executable, "-m", "vlm_caption.flows.cli", "recipes", "list", "--json"],
                          capture_output=True, text=True, check=True)
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     assert rows["NVLM_D"] == {"name": "NVLM_D", "model": "nvidia/NVLM-D-72B", "modalities": ["image", "multi-image"],

@@ -1,10 +1,10 @@
 import pytest
 from pydantic import ValidationError
 
-from flows.params import CaptionJob
-from tasks.results.done_index import DoneIndex, index_rows
-from tasks.records import ResultRecord, job_fingerprint
-from tasks.sources.items import ObjectRef, WorkItem
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.tasks.results.done_index import DoneIndex, index_rows
+from vlm_caption.tasks.records import ResultRecord, job_fingerprint
+from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 
 
 def test_fingerprint_changes_with_source_sampling_model_recipe_modality_but_not_question():
@@ -42,7 +42,7 @@ def test_done_means_same_item_question_and_members():
 
 
 def test_a_group_is_done_only_with_the_same_members():
-    from tasks.records import Member
+    from vlm_caption.tasks.records import Member
 
     members = [Member(key="g/1.jpg", size=1, etag="a", sha256="s1"), Member(key="g/2.jpg", size=2, etag="b", sha256="s2")]
     done = DoneIndex([index_rows([_record(key="g", size=3, etag="", members=members)])])
@@ -86,7 +86,7 @@ def test_job_defaults_and_validation():
 
 def test_job_schema_is_a_form_prefect_can_render():
     from prefect import Flow
-    from flows.caption import vlm_caption
+    from vlm_caption.flows.caption import vlm_caption
 
     assert isinstance(vlm_caption, Flow)
     schema = vlm_caption.parameters.model_dump()
@@ -97,7 +97,7 @@ def test_job_schema_is_a_form_prefect_can_render():
 
 
 def test_a_partition_run_cannot_fan_out_again():
-    from flows.params import Partition
+    from vlm_caption.flows.params import Partition
 
     with pytest.raises(ValidationError, match="cannot fan out again"):
         CaptionJob(source="/tmp", output="/tmp/o", fan_out=2, partition=Partition(index=1, count=2, run_id="r"))
@@ -106,7 +106,7 @@ def test_a_partition_run_cannot_fan_out_again():
 
 
 def test_parent_absorbs_child_partition_reports():
-    from tasks.results.report import PartitionReport, RunStats
+    from vlm_caption.tasks.results.report import PartitionReport, RunStats
 
     stats = RunStats(listed=5, processed=5, succeeded=4, parts=["a"], failures_by_kind={"decode": 1})
     stats.absorb(PartitionReport(index=1, listed=7, processed=6, succeeded=6, skipped=1, parts=["b"],
@@ -118,7 +118,7 @@ def test_parent_absorbs_child_partition_reports():
 def test_a_fanned_out_run_generates_over_the_span_of_its_partitions():
     """Two partitions generating 10 s each, side by side (one started 5 s later): the run's
     items/s while generating is theirs together over the 15 s they span, not over 20 GPU-seconds."""
-    from tasks.results.report import PartitionReport, RunStats
+    from vlm_caption.tasks.results.report import PartitionReport, RunStats
 
     stats = RunStats(processed=100, succeeded=100)
     stats.mark_generating(1000.0, 1010.0)
@@ -132,8 +132,8 @@ def test_a_fanned_out_run_generates_over_the_span_of_its_partitions():
 
 
 def test_the_command_line_sets_the_switches_that_change_records():
-    from flows.cli import build_parser
-    from flows.cli_job import job_fields
+    from vlm_caption.flows.cli import build_parser
+    from vlm_caption.flows.cli_job import job_fields
 
     run = ["run", "/in", "--out", "/out"]
     fields = job_fields(build_parser().parse_args([*run, "--retry-looping", "--no-dedup"]))

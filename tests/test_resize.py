@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tasks.media.pool import decode_images, decode_pool
-from tasks.media.resize import ProcessorResize, ResizeTarget, resize_target
+from vlm_caption.tasks.media.pool import decode_images, decode_pool
+from vlm_caption.tasks.media.resize import ProcessorResize, ResizeTarget, resize_target
 from tests.images import image_bytes
 
 
@@ -40,7 +40,7 @@ def test_targets_come_from_the_checkpoint_processor(tmp_path):
 
 def test_shrinks_keep_aspect_and_never_enlarge(monkeypatch):
     monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "0")
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     get_settings.cache_clear()
     big, small = image_bytes(size=(1920, 1080)), image_bytes(size=(200, 100))
@@ -56,7 +56,7 @@ def test_shrinks_keep_aspect_and_never_enlarge(monkeypatch):
 
 def test_the_pool_returns_every_image_in_order(monkeypatch):
     monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "2")
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     get_settings.cache_clear()
     images = decode_images([image_bytes(size=(64 + i, 48)) for i in range(4)], 10**6, None)
@@ -77,11 +77,11 @@ def test_videos_are_decoded_in_the_pools_processes(monkeypatch):
     import numpy as np
     import pytest
 
-    import tasks.media.pool as pool
-    from tasks.media.image import MediaError
-    from tasks.media.shared_frames import SharedFrames, taken
-    from tasks.media.video import VideoLimits, decode_video
-    from tasks.settings import get_settings
+    import vlm_caption.tasks.media.pool as pool
+    from vlm_caption.tasks.media.image import MediaError
+    from vlm_caption.tasks.media.shared_frames import SharedFrames, taken
+    from vlm_caption.tasks.media.video import VideoLimits, decode_video
+    from vlm_caption.tasks.settings import get_settings
     from tests.images import video_bytes
 
     limits, clip = VideoLimits(max_seconds=600, max_frame_pixels=10**7), video_bytes(frames=16, seed=3)
@@ -157,8 +157,8 @@ def test_a_pool_made_for_videos_is_capped_and_an_image_pool_is_not(monkeypatch):
     """Each process of a video pool holds vLLM's loader (about 0.4 GB): one per core of a big host
     would be tens of GB. Unless VLM_CAPTION_DECODE_PROCESSES names a number, a pool made for videos
     has at most VIDEO_POOL_PROCESSES; an image pool one per core. (No process is started here.)"""
-    import tasks.media.pool as pool
-    from tasks.settings import get_settings
+    import vlm_caption.tasks.media.pool as pool
+    from vlm_caption.tasks.settings import get_settings
 
     monkeypatch.delenv("VLM_CAPTION_DECODE_PROCESSES", raising=False)
     monkeypatch.setattr(pool, "usable_cores", lambda: 40)
@@ -189,7 +189,7 @@ def test_frames_cross_through_shared_memory_only_where_there_is_room(monkeypatch
     import numpy as np
     import pytest
 
-    import tasks.media.shared_frames as shared
+    import vlm_caption.tasks.media.shared_frames as shared
 
     frames = np.arange(4 * 6 * 8 * 3, dtype=np.uint8).reshape(4, 6, 8, 3)
     monkeypatch.setattr(shared, "shm_free_bytes", lambda: 4 << 30)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.engine.vllm_engine import CaptionEngine
-from tasks.records import GenerationOutput, sha256_hex
-from tasks.results.report import cost_line, run_cost
-from tasks.settings import get_settings
+from vlm_caption.tasks.engine.vllm_engine import CaptionEngine
+from vlm_caption.tasks.records import GenerationOutput, sha256_hex
+from vlm_caption.tasks.results.report import cost_line, run_cost
+from vlm_caption.tasks.settings import get_settings
 from tests.images import image_bytes
 
 LOOP = "a cat and a cat and a cat and a cat and a cat and"
@@ -49,7 +49,7 @@ def test_cost_per_1000_items_from_device_seconds():
 def test_a_copy_waits_for_the_first_answer_and_raises_if_its_shard_failed():
     import threading
 
-    from tasks.same_media import CopyWithoutAnswer, SameMedia
+    from vlm_caption.tasks.same_media import CopyWithoutAnswer, SameMedia
 
     same = SameMedia()
     first, is_first = same.claim("run", "h1", "Describe.", "a.jpg")
@@ -74,7 +74,7 @@ def test_a_copy_waits_for_the_first_answer_and_raises_if_its_shard_failed():
 def test_the_answers_kept_for_copies_are_bounded(monkeypatch):
     """A run of millions of distinct items keeps the latest answers only: an early one's copy
     is asked again, a recent one's still takes its answer."""
-    import tasks.same_media as same_media
+    import vlm_caption.tasks.same_media as same_media
 
     monkeypatch.setattr(same_media, "KEEP_ANSWERS", 3)
     same = same_media.SameMedia()
@@ -87,7 +87,7 @@ def test_the_answers_kept_for_copies_are_bounded(monkeypatch):
 
 
 def test_partitions_charge_their_engines_and_the_parent_sums_them():
-    from tasks.results.report import RunStats
+    from vlm_caption.tasks.results.report import RunStats
 
     parent, child = RunStats(), RunStats()
     parent.processed, child.processed = 30, 10
@@ -110,9 +110,9 @@ def test_partitions_charge_their_engines_and_the_parent_sums_them():
 
 def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api, tiny_llava, tmp_path,
                                                                     monkeypatch, settings_env):
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
-    from tasks.terminal import print_summary
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.tasks.terminal import print_summary
 
     media = tmp_path / "media"
     media.mkdir()
@@ -171,8 +171,8 @@ def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api
 
 
 def test_byte_copies_under_other_names_are_captioned_once(prefect_api, tiny_llava, tmp_path, monkeypatch):
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     media = tmp_path / "media"
     media.mkdir()

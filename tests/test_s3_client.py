@@ -15,12 +15,12 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
-from tasks.settings import get_settings
-from tasks.sources import transient
-from tasks.sources.items import ObjectRef
-from tasks.sources.s3_client import describe_client, make_s3_client, merged_config, settings_config
-from tasks.sources.storage import ShortBodyError, StorageError
-from tasks.sources.transient import is_transient
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources import transient
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.s3_client import describe_client, make_s3_client, merged_config, settings_config
+from vlm_caption.tasks.sources.storage import ShortBodyError, StorageError
+from vlm_caption.tasks.sources.transient import is_transient
 
 BLOCK_ENDPOINT = "http://127.0.0.1:9"  # never called: the clients are only looked at
 
@@ -80,7 +80,7 @@ def test_a_client_from_the_chain_has_our_retries_timeouts_and_pool(settings):
 def test_a_client_from_a_block_keeps_our_config_and_the_blocks_own(prefect_api, settings, kind):
     """Loaded by name, as `deployments/prefect.yaml`'s runs load theirs: the block's credentials,
     endpoint and `connect_timeout` (it sets one), our retries, read timeout and pool."""
-    from tasks.observability import redact
+    from vlm_caption.tasks.observability import redact
 
     name = f"client-test-{kind.lower()}"
     secret = f"{kind}-secret-0002"
@@ -155,10 +155,10 @@ def no_pause(monkeypatch):
 def test_format_detection_retries_a_throttled_listing_and_never_guesses(monkeypatch, no_pause):
     """A prefix of tars is webdataset after two throttled pages; one that stays throttled is a
     pre-flight error that says so (a run retried later may pass), not `files`."""
-    from flows.params import CaptionJob
-    from tasks.sources import formats
-    from tasks.sources.preflight import resolve_source
-    from tasks.sources.registry import detect_format
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.tasks.sources import formats
+    from vlm_caption.tasks.sources.preflight import resolve_source
+    from vlm_caption.tasks.sources.registry import detect_format
 
     store = FlakyStorage({"00000.tar": b"x"}, _error("SlowDown", 503), failures=2)
     monkeypatch.setattr(formats, "source_storage", lambda uri, follow_links=False: store)
@@ -185,7 +185,7 @@ def _parquet_bytes() -> bytes:
 
 
 def test_a_parquet_file_that_times_out_is_retried_or_raised_never_bad_input(no_pause):
-    from tasks.sources.parquet_source import file_items
+    from vlm_caption.tasks.sources.parquet_source import file_items
 
     data = _parquet_bytes()
     ref = ObjectRef("a.parquet", len(data), "e")
@@ -204,7 +204,7 @@ def test_a_parquet_file_that_times_out_is_retried_or_raised_never_bad_input(no_p
 
 
 def test_a_tar_whose_reads_fail_is_raised_not_damage():
-    from tasks.sources.webdataset import tar_items
+    from vlm_caption.tasks.sources.webdataset import tar_items
     from tests.test_webdataset_source import shard_bytes
 
     data = shard_bytes(0, 3)

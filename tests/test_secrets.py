@@ -9,8 +9,8 @@ import logging
 
 import boto3
 
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
 from tests.images import image_bytes
 
 SECRETS = {"AWS_ACCESS_KEY_ID": "AKIAVLMCAPTIONLEAKTEST",
@@ -24,7 +24,7 @@ def test_credentials_appear_nowhere(prefect_api, s3_endpoint, tiny_llava, monkey
                                                 LogFilterFlowRunId)
     from prefect.logging.handlers import APILogHandler
 
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     for key, value in SECRETS.items():
         monkeypatch.setenv(key, value)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-import flows.shard_report as shard_report
-import tasks.engine.steps as steps
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
+import vlm_caption.flows.shard_report as shard_report
+import vlm_caption.tasks.engine.steps as steps
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
 from tests.images import image_bytes
 
 IMAGES = 12

@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from tasks.sources.items import BadInput
-from tasks.sources.storage import LocalStorage, S3Storage, StorageError, open_storage
+from vlm_caption.tasks.sources.items import BadInput
+from vlm_caption.tasks.sources.storage import LocalStorage, S3Storage, StorageError, open_storage
 
 
 def test_local_listing_is_sorted_recursive_and_skips_hidden(tmp_path):
@@ -100,7 +100,7 @@ def test_read_range_reads_a_part_of_an_object_in_both_storages(tmp_path, s3_clie
 def test_read_range_on_s3_retries_cut_and_failed_gets_like_read(s3_client, s3_endpoint, monkeypatch):
     """Through a proxy that fails, resets or cuts short a third of the GETs, every range comes
     back whole: a ranged GET shares `read`'s retries for a body shorter than announced."""
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
     from tests.fault_proxy import FaultProxy
 
     s3_client.create_bucket(Bucket="ranges-faulty")
@@ -138,7 +138,7 @@ def _linked_folder(tmp_path):
 
 
 def test_a_source_lists_links_out_of_its_folder_as_refused_and_never_reads_them(tmp_path):
-    from tasks.sources.items import RefusedRef
+    from vlm_caption.tasks.sources.items import RefusedRef
 
     src = _linked_folder(tmp_path)
     store = LocalStorage(src, follow_links=False)
@@ -160,7 +160,7 @@ def test_a_source_lists_links_out_of_its_folder_as_refused_and_never_reads_them(
 
 @pytest.mark.parametrize("key", ["../elsewhere/secret.jpg", "sub/../../elsewhere/secret.jpg", "/etc/passwd"])
 def test_a_key_that_leads_out_of_the_folder_is_refused_whatever_the_links(tmp_path, key):
-    from tasks.sources.ranged import open_seekable
+    from vlm_caption.tasks.sources.ranged import open_seekable
 
     src = _linked_folder(tmp_path)
     for store in (LocalStorage(src, follow_links=False), LocalStorage(src)):
@@ -184,9 +184,9 @@ def test_follow_links_reads_links_out_of_the_folder_as_before(tmp_path):
 def test_the_jobs_follow_links_reaches_the_source_storage_and_the_cli_sets_it(tmp_path):
     import argparse
 
-    from flows.cli_job import add_job_options, job_fields
-    from flows.params import CaptionJob
-    from tasks.sources.preflight import resolve_source
+    from vlm_caption.flows.cli_job import add_job_options, job_fields
+    from vlm_caption.flows.params import CaptionJob
+    from vlm_caption.tasks.sources.preflight import resolve_source
 
     src = _linked_folder(tmp_path)
     parser = argparse.ArgumentParser()

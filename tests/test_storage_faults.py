@@ -16,8 +16,8 @@ from collections import Counter
 import boto3
 import pytest
 
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
 from tests.fault_proxy import FaultProxy
 from tests.images import image_bytes
 
@@ -48,7 +48,7 @@ def _records(client, prefix: str, bucket: str = BUCKET) -> list[dict]:
 def _through(proxy: FaultProxy, monkeypatch, endpoint: bool = True):
     """The flow's S3 calls through `proxy`: by the endpoint setting, or (`endpoint=False`) by a
     credentials block's own endpoint, the setting unset."""
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     if endpoint:
         monkeypatch.setenv("VLM_CAPTION_S3_ENDPOINT_URL", proxy.url)
@@ -65,7 +65,7 @@ def _through(proxy: FaultProxy, monkeypatch, endpoint: bool = True):
 
 @pytest.mark.parametrize("rate, reruns", [(0.10, 0), (0.30, 1)])
 def test_faults_lose_and_duplicate_nothing(prefect_api, bucket, s3_endpoint, tiny_llava, monkeypatch, rate, reruns):
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     client, objects = bucket
     proxy = FaultProxy(s3_endpoint, rate=rate, stall_s=2.0, seed=int(rate * 100))
@@ -99,7 +99,7 @@ def test_videos_and_groups_under_faults_lose_and_duplicate_nothing(prefect_api, 
                                                                    monkeypatch, modality):
     """The same faults while fetching videos (one object each) and image groups (one item per
     folder, several GETs each): every item ends with exactly one record, of the right bytes."""
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
     from tests.checkpoints import build_checkpoint
     from tests.images import video_bytes
 
@@ -200,7 +200,7 @@ def test_a_credentials_blocks_client_under_faults_loses_and_duplicates_nothing(p
     one that meets them.)"""
     import prefect_aws
 
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     client, prefixes, hashes = sources
     expected = hashes[source]

@@ -90,9 +90,9 @@ def test_the_walk_follows_the_job_and_what_holds_it_and_nothing_else(tmp_path):
     modules = _product(tmp_path, {
         "flows/caption.py": """
             from dataclasses import dataclass
-            from flows.params import CaptionJob
-            from tasks import steps
-            from tasks.steps import lookup, unrelated
+            from vlm_caption.flows.params import CaptionJob
+            from vlm_caption.tasks import steps
+            from vlm_caption.tasks.steps import lookup, unrelated
 
             @dataclass
             class Plan:
@@ -154,3 +154,43 @@ def test_a_tool_imported_by_the_product_is_found_even_inside_a_function(tmp_path
     assert tool_imports(modules) == ["flows.cli:4 -> bench", "recipes.top:2 -> bench.config",
                                      "tasks.late:2 -> bench.harness"]
 
+
+
+def test_the_product_and_its_tests_import_it_by_its_one_namespace():
+    """Installed, flows, tasks, recipes, deployments and the bench live under `vlm_caption`
+    (vlm_caption/__init__.py): an import of `tasks.x` works in a checkout only, and imports the
+    module a second time beside `vlm_caption.tasks.x` (its state twice)."""
+    from tests.call_graph import ROOT
+
+    bare = []
+    for folder in (*PACKAGES, *TOOLS, "deployments", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                bare += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
+                         if name.split(".")[0] in (*PACKAGES, *TOOLS, "deployments")]
+    assert not bare, bare
+
+
+def test_the_wheel_holds_one_top_level_package_that_imports_with_no_setting_changed(tmp_path):
+    """`uv build`, the wheel unpacked alone on the path: `vlm_caption` is all it installs, and its
+    flow module imports from there with the environment as it was."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    from tests.call_graph import ROOT
+
+    subprocess.run(["uv", "build", "--wheel", "--out-dir", str(tmp_path / "dist")], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl")))
+    assert {name.split("/")[0] for name in wheel.namelist()} == {"vlm_caption", "vlm_caption-0.1.0.dist-info"}
+    wheel.extractall(tmp_path / "site")
+    script = ("import os; before = dict(os.environ); import vlm_caption.flows.caption, vlm_caption.bench.cli; "
+              "assert dict(os.environ) == before; print(vlm_caption.flows.caption.__file__)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(tmp_path / "site" / "vlm_caption" / "flows" / "caption.py")

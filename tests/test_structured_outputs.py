@@ -8,11 +8,11 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from flows.plan import fingerprint_of
-from flows.cli import main
-from flows.params import TAGS_SCHEMA, CaptionJob
-from recipes import get_recipe
-from tasks.records import structured_answer
+from vlm_caption.flows.plan import fingerprint_of
+from vlm_caption.flows.cli import main
+from vlm_caption.flows.params import TAGS_SCHEMA, CaptionJob
+from vlm_caption.recipes import get_recipe
+from vlm_caption.tasks.records import structured_answer
 from tests.images import image_bytes
 
 SCHEMA = {  # closed choices, so that random weights can finish an answer within max_tokens
@@ -49,7 +49,7 @@ def test_the_constraint_is_part_of_the_fingerprint_and_plain_jobs_keep_theirs():
     tags = fingerprint_of(_job(json_schema="tags"), recipe, "m")
     choice = fingerprint_of(_job(choice=["a", "b"]), recipe, "m")
     assert len({plain, tags, choice}) == 3
-    from tasks.records import job_fingerprint
+    from vlm_caption.tasks.records import job_fingerprint
     assert plain == job_fingerprint(source="/media", recipe="llava", model="m", modality="image",
                                     method="generate", media={}, sampling=_job().sampling.fingerprint_dict())
 
@@ -93,7 +93,7 @@ COMPACT = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whi
 
 
 def test_json_schema_and_choice_jobs_on_a_real_engine(prefect_api, tiny_llava, folder, tmp_path):
-    from flows.caption import vlm_caption
+    from vlm_caption.flows.caption import vlm_caption
 
     # Random weights + the grammar: each answer is valid JSON of the schema, or (cut by max_tokens)
     # an error record that says so and keeps the raw text.

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.engine import vllm_api
+from vlm_caption.tasks.engine import vllm_api
 from tests.processes import engine_core_pids
 
 
@@ -36,9 +36,9 @@ def test_the_recorded_engine_arguments_are_the_installed_vllms():
 
 CHECK_OVERRIDES = """
 import sys
-from recipes import RecipeError
-from tasks.engine import vllm_api
-from tasks.engine.arguments import check_engine_overrides
+from vlm_caption.recipes import RecipeError
+from vlm_caption.tasks.engine import vllm_api
+from vlm_caption.tasks.engine.arguments import check_engine_overrides
 
 def refusal(**check):
     try:
@@ -102,9 +102,9 @@ def test_the_engines_prompts_are_the_ones_llm_makes(checkpoints_root, family, mo
     multi-image example's conversation: the question, then the pictures) give for it."""
     from vllm import LLM
 
-    from recipes import get_recipe
-    from tasks.engine.arguments import EngineSpec
-    from tasks.engine.vllm_engine import CaptionEngine, EngineRequest, Sampling
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.tasks.engine.arguments import EngineSpec
+    from vlm_caption.tasks.engine.vllm_engine import CaptionEngine, EngineRequest, Sampling
     from tests.checkpoints import build_checkpoint
 
     model = str(build_checkpoint(family, checkpoints_root))
@@ -137,10 +137,10 @@ def test_the_engines_prompts_are_the_ones_llm_makes(checkpoints_root, family, mo
 def test_a_killed_engine_process_fails_the_requests_waiting_on_it(tiny_llava):
     """`AsyncLLM` raises to every waiter when its engine process dies: the shard's requests fail
     with `EngineDied` (the shard is retried on a new engine), none waits forever."""
-    from recipes import get_recipe
-    from tasks.engine.arguments import EngineSpec
-    from tasks.engine.feed import EngineDied
-    from tasks.engine.vllm_engine import CaptionEngine, EngineRequest, Sampling
+    from vlm_caption.recipes import get_recipe
+    from vlm_caption.tasks.engine.arguments import EngineSpec
+    from vlm_caption.tasks.engine.feed import EngineDied
+    from vlm_caption.tasks.engine.vllm_engine import CaptionEngine, EngineRequest, Sampling
 
     engine = CaptionEngine(EngineSpec.build(get_recipe("llava"), model=str(tiny_llava)))
     (image,) = _images(1)

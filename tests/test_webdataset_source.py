@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sources.braces import BraceError, expand_braces, expansion_count
-from tasks.sources.formats import file_set, split_location
-from tasks.sources.items import ObjectRef
-from tasks.sources.registry import detect_format
-from tasks.sources.storage import LocalStorage, open_storage
-from tasks.sources.webdataset import iter_webdataset_items, read_member, split_member, tar_items
+from vlm_caption.tasks.sources.braces import BraceError, expand_braces, expansion_count
+from vlm_caption.tasks.sources.formats import file_set, split_location
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.registry import detect_format
+from vlm_caption.tasks.sources.storage import LocalStorage, open_storage
+from vlm_caption.tasks.sources.webdataset import iter_webdataset_items, read_member, split_member, tar_items
 from tests.images import corrupt_jpeg, image_bytes
 
 BUCKET = "wds"
@@ -127,7 +127,7 @@ def test_a_single_tar_streams_without_reading_large_members(tmp_path: Path, monk
     skipped, not read."""
     import webdataset as wds
 
-    from tasks.sources import ranged, webdataset
+    from vlm_caption.tasks.sources import ranged, webdataset
 
     path = tmp_path / "big.tar"
     with wds.TarWriter(str(path)) as sink:
@@ -152,8 +152,8 @@ def test_a_single_tar_streams_without_reading_large_members(tmp_path: Path, monk
 
 
 def test_bucket_of_shards_by_brace_pattern_end_to_end_and_rerun(prefect_api, s3_client, tiny_llava):
-    from flows.caption import vlm_caption
-    from flows.params import CaptionJob
+    from vlm_caption.flows.caption import vlm_caption
+    from vlm_caption.flows.params import CaptionJob
 
     s3_client.create_bucket(Bucket=BUCKET)
     dotted = {"__key__": "000020007", "v2.final.jpg": image_bytes("JPEG", size=(64, 48))}  # an image by its last part

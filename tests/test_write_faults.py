@@ -18,10 +18,10 @@ from collections import Counter
 import boto3
 import pytest
 
-from flows.caption import vlm_caption
-from flows.params import CaptionJob
-from tasks.results import done_index
-from tasks.sources.storage import open_storage
+from vlm_caption.flows.caption import vlm_caption
+from vlm_caption.flows.params import CaptionJob
+from vlm_caption.tasks.results import done_index
+from vlm_caption.tasks.sources.storage import open_storage
 from tests.fault_proxy import WRITE_KINDS, FaultProxy
 from tests.images import image_bytes
 from tests.test_storage_faults import _through
@@ -77,7 +77,7 @@ def test_write_faults_lose_duplicate_and_half_write_nothing(prefect_api, bucket,
                                                             monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.settings import get_settings
 
     client, hashes = bucket
     proxy = FaultProxy(s3_endpoint, rate=0.10, stall_s=2.0, seed=29, kinds=WRITE_KINDS, methods={"PUT"},

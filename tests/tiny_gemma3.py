@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.tiny_checkpoint import save_fast_tokenizer, to_hub_layout, train_tokenizer
+from vlm_caption.tasks.tiny_checkpoint import save_fast_tokenizer, to_hub_layout, train_tokenizer
 
 SIDE, PATCH, TOKENS = 56, 14, 4  # 4x4 patches pooled to 2x2 soft tokens per image
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",

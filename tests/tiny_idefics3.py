@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
+from vlm_caption.tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 
 # Idefics3-8B-Llama3: 364-px tiles, patch 14, pixel shuffle 2 -> (26 * 26) / 4 = 169 tokens per tile;
 # images resized to at most 4 tiles a side.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.tiny_checkpoint import save_fast_tokenizer, to_hub_layout, train_tokenizer
+from vlm_caption.tasks.tiny_checkpoint import save_fast_tokenizer, to_hub_layout, train_tokenizer
 
 MARKER = "Random weights: outputs are noise.\n"
 # A small Llama-like LM: 2 layers, head_dim 64.

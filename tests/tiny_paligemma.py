@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.tiny_checkpoint import save_fast_tokenizer, to_hub_layout, train_tokenizer
+from vlm_caption.tasks.tiny_checkpoint import save_fast_tokenizer, to_hub_layout, train_tokenizer
 
 SIDE, PATCH = 56, 14  # 16 image tokens
 

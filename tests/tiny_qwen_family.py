@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.tiny_checkpoint import (QWEN2_VL_CHAT_TEMPLATE, QWEN2_VL_SPECIALS, build_tiny_qwen_vl,
+from vlm_caption.tasks.tiny_checkpoint import (QWEN2_VL_CHAT_TEMPLATE, QWEN2_VL_SPECIALS, build_tiny_qwen_vl,
                                    save_fast_tokenizer, train_tokenizer)
 
 MARKER = "TINY_RANDOM_WEIGHTS"

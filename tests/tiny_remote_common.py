@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
+from vlm_caption.tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 from tests.tiny_vllm_family import _finish, _layernorm, _linear, _save_random, _write_json
 
 __all__ = ["CONFIG_FILE", "TEXT", "chatml_template", "done", "finish", "layernorm", "linear", "llama_lm_shapes",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
+from vlm_caption.tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 
 MARKER = "Random weights: outputs are noise.\n"
 

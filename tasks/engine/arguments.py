@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from recipes import Recipe, RecipeError
-from tasks.engine import vllm_api
-from tasks.engine.processor import ProcessorPlacement, apply_placement, place_processor
+from vlm_caption.recipes import Recipe, RecipeError
+from vlm_caption.tasks.engine import vllm_api
+from vlm_caption.tasks.engine.processor import ProcessorPlacement, apply_placement, place_processor
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def check_remote_code(recipe: Recipe, allowed: bool) -> None:
 
 def image_resize_target(spec: EngineSpec):
     """What the decode pool may shrink images to for this engine's model (None: leave them)."""
-    from tasks.media.resize import resize_target
+    from vlm_caption.tasks.media.resize import resize_target
 
     if spec.modality == "video":
         return None
@@ -74,7 +74,7 @@ def image_resize_target(spec: EngineSpec):
 def frame_resize_target(spec: EngineSpec):
     """What the fetch threads may shrink video frames to: the size the model's video processor
     resizes them to anyway (None: leave them as decoded)."""
-    from tasks.media.resize import frame_target
+    from vlm_caption.tasks.media.resize import frame_target
 
     if spec.modality != "video":
         return None
@@ -135,6 +135,7 @@ def _cuda_present() -> bool:
     """An NVIDIA (or ROCm) GPU vLLM runs on: where `device="cuda"` means something. vLLM's
     platform asks NVML, which, unlike `torch.cuda.is_available()`, leaves CUDA uninitialised in
     this process (vLLM may still fork its engine process)."""
+    vllm_api.before_vllm_import()
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda_alike()

@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 import time
 
-from tasks.engine.vllm_engine import early_builds
-from tasks.settings import get_settings
+from vlm_caption.tasks.engine.vllm_engine import early_builds
+from vlm_caption.tasks.settings import get_settings
 
 POLL_S = 0.05
 

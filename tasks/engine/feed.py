@@ -20,9 +20,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from tasks.engine import vllm_api
-from tasks.errors import EngineFailure
-from tasks.settings import get_settings
+from vlm_caption.tasks.engine import vllm_api
+from vlm_caption.tasks.errors import EngineFailure
+from vlm_caption.tasks.settings import get_settings
 
 # How long closing the feed waits for vLLM's engine process to stop before vLLM kills it (vLLM's
 # own default, 5 s, was too short for the CPU build on a busy 2-core machine).

@@ -15,9 +15,9 @@ cache asked in `model_hub.py`.
 from __future__ import annotations
 
 from pathlib import Path
-from recipes import Recipe, all_recipes
-from tasks.engine.model_files import SKIP_HINT, ModelError, ModelFound, check_folder, looks_local
-from tasks.engine.model_hub import hub_cache_dir, hub_endpoint, hub_offline, resolve_hub, token_key
+from vlm_caption.recipes import Recipe, all_recipes
+from vlm_caption.tasks.engine.model_files import SKIP_HINT, ModelError, ModelFound, check_folder, looks_local
+from vlm_caption.tasks.engine.model_hub import hub_cache_dir, hub_endpoint, hub_offline, resolve_hub, token_key
 
 __all__ = ["ModelError", "ModelFound", "check_model", "check_fits", "resolve_model"]
 

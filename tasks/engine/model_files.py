@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes import RecipeError
+from vlm_caption.recipes import RecipeError
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 CONFIG_FILES = ("config.json", "params.json")

@@ -12,8 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from recipes import all_recipes
-from tasks.engine.model_files import (
+from vlm_caption.recipes import all_recipes
+from vlm_caption.tasks.engine.model_files import (
     CONFIG_FILES,
     INDEX_FILES,
     SIDE_FILE_PATTERNS,
@@ -201,7 +201,7 @@ def _download_bytes(repo: str, revision: str | None, info, cache_dir: str) -> in
 
 
 def _cache_unreadable(what: str, cache_dir: str, exc: Exception, so: str) -> None:
-    from tasks.observability import get_logger
+    from vlm_caption.tasks.observability import get_logger
 
     get_logger().warning(f"hub cache unreadable for {what}; {so}", cache=cache_dir,
                          error=f"{type(exc).__name__}: {exc}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from recipes import Recipe, RecipeError
+from vlm_caption.recipes import Recipe, RecipeError
 
 ProcessorDevice = Literal["auto", "cuda", "cpu"]
 PROCESSOR_DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")

@@ -11,15 +11,15 @@ from dataclasses import asdict, dataclass, replace
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.engine.arguments import EngineSpec
-from tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
-from tasks.prepare import PreparedItem, PreparedShard
-from tasks.media.video import DecodedVideo
-from tasks.observability import get_logger
-from tasks.results.quality import better, caption_flags, wants_retry
-from tasks.records import GenerationOutput, ItemError, ResultRecord, structured_answer
-from tasks.retries import Retries
-from tasks.same_media import SAME_MEDIA
+from vlm_caption.tasks.engine.arguments import EngineSpec
+from vlm_caption.tasks.engine.vllm_engine import EngineRequest, Sampling, get_engine
+from vlm_caption.tasks.prepare import PreparedItem, PreparedShard
+from vlm_caption.tasks.media.video import DecodedVideo
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.quality import better, caption_flags, wants_retry
+from vlm_caption.tasks.records import GenerationOutput, ItemError, ResultRecord, structured_answer
+from vlm_caption.tasks.retries import Retries
+from vlm_caption.tasks.same_media import SAME_MEDIA
 
 
 @dataclass(frozen=True)

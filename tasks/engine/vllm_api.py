@@ -87,12 +87,24 @@ def installed_version() -> str | None:
     return None
 
 
+def before_vllm_import() -> None:
+    """Called where this process may import vLLM first. Importing vLLM otherwise runs
+    logging.config.dictConfig, which shuts down every handler in the process -- Prefect's API log
+    handler included, whose flush then deadlocks inside a running flow. With this, vLLM's warnings
+    still reach the root logger that Prefect configures. (Set here, not when a module is imported:
+    importing the product changes no setting.)"""
+    import os
+
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+
 def engine_argument_names(*, import_vllm: bool = False) -> frozenset[str] | None:
     """`EngineArgs`' field names: the record for the release it was taken from, vLLM's own
     otherwise once vLLM is imported (`import_vllm` imports it), None until then."""
     if installed_version() == RECORDED_VERSION:
         return ENGINE_ARGUMENTS
     if import_vllm:
+        before_vllm_import()
         import vllm.engine.arg_utils  # noqa: F401
     arg_utils = sys.modules.get("vllm.engine.arg_utils")
     if arg_utils is None:

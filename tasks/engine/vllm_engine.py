@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes import RecipeError
-from recipes.base import MEDIA_KIND
-from recipes.requests import prompt_text, render_chat, resolve_stop_ids
-from tasks.engine import vllm_api
-from tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
-from tasks.engine.feed import EngineDied, EngineFeed
-from tasks.engine.vllm_import import ensure_vllm_imported
-from tasks.records import GenerationOutput
+from vlm_caption.recipes import RecipeError
+from vlm_caption.recipes.base import MEDIA_KIND
+from vlm_caption.recipes.requests import prompt_text, render_chat, resolve_stop_ids
+from vlm_caption.tasks.engine import vllm_api
+from vlm_caption.tasks.engine.arguments import EngineSpec, eager_engine_processes, engine_plan
+from vlm_caption.tasks.engine.feed import EngineDied, EngineFeed
+from vlm_caption.tasks.engine.vllm_import import ensure_vllm_imported
+from vlm_caption.tasks.records import GenerationOutput
 
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_MAX_TOKENS = 256
@@ -61,7 +61,7 @@ class CaptionEngine:
         ensure_vllm_imported()  # with VLLM_CONFIGURE_LOGGING set (tasks/engine/vllm_import.py)
         from vllm.platforms import current_platform
 
-        from tasks.observability import get_logger, phase
+        from vlm_caption.tasks.observability import get_logger, phase
 
         self.spec = spec
         self.recipe = spec.recipe

@@ -14,16 +14,11 @@ of its own (tests/test_preflight.py watches a run's start for two threads parsin
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 
-from tasks.observability import phase
-
-# Importing vLLM otherwise runs logging.config.dictConfig, which shuts down every handler in the
-# process -- Prefect's API log handler included, whose flush then deadlocks inside a running
-# flow. With this, vLLM's warnings still reach the root logger that Prefect configures.
-os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+from vlm_caption.tasks.engine import vllm_api
+from vlm_caption.tasks.observability import phase
 
 _LOCK = threading.Lock()
 
@@ -35,6 +30,7 @@ def ensure_vllm_imported() -> None:
     caller waits for the first's import."""
     if "vllm.multimodal.video" not in sys.modules:
         phase("loading vLLM")
+    vllm_api.before_vllm_import()
     with _LOCK, contextlib.suppress(Exception):  # the engine's own import reports any failure
         import vllm.engine.arg_utils  # noqa: F401
         import vllm.multimodal.video  # noqa: F401

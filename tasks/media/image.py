@@ -9,7 +9,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 
-from tasks.records import ItemError
+from vlm_caption.tasks.records import ItemError
 
 
 class MediaError(Exception):

@@ -12,11 +12,11 @@ import sys
 import threading
 from concurrent.futures import Executor, ProcessPoolExecutor
 
-from tasks.media.image import MediaError, decode_image
-from tasks.media.resize import FrameResize, ImageResize
-from tasks.media.shared_frames import share_frames, taken
-from tasks.media.video import DecodedVideo, VideoLimits, decode_video, video_loader
-from tasks.settings import get_settings
+from vlm_caption.tasks.media.image import MediaError, decode_image
+from vlm_caption.tasks.media.resize import FrameResize, ImageResize
+from vlm_caption.tasks.media.shared_frames import share_frames, taken
+from vlm_caption.tasks.media.video import DecodedVideo, VideoLimits, decode_video, video_loader
+from vlm_caption.tasks.settings import get_settings
 
 _POOL: Executor | None = None
 _POOL_SIZE = 0
@@ -136,7 +136,7 @@ def _decode_context(for_videos: bool):
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["tasks.media.pool"] + (["tasks.media.video_preload"] if for_videos else []))
+    context.set_forkserver_preload(["vlm_caption.tasks.media.pool"] + (["vlm_caption.tasks.media.video_preload"] if for_videos else []))
     return context
 
 

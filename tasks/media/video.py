@@ -8,8 +8,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.media.image import MediaError
-from tasks.records import ItemError
+from vlm_caption.tasks.media.image import MediaError
+from vlm_caption.tasks.records import ItemError
 
 DEFAULT_NUM_FRAMES = 16  # the examples' --num-frames
 # One video decode at a time per process: a decode holds a whole video's bytes and frames, and
@@ -46,7 +46,7 @@ class DecodedVideo:
 
 def video_loader():
     """vLLM's registered loader (OpenCV by default; VLLM_VIDEO_LOADER_BACKEND picks another)."""
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # as tasks/engine/vllm_api.py before_vllm_import says
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
     return VIDEO_LOADER_REGISTRY.load(os.environ.get("VLLM_VIDEO_LOADER_BACKEND", "opencv"))

@@ -2,6 +2,6 @@
 vLLM's video loader, with torch and OpenCV, loaded once there, so every decode process forked
 from the server has it from its start."""
 
-from tasks.media.video import video_loader
+from vlm_caption.tasks.media.video import video_loader
 
 video_loader()

@@ -45,17 +45,17 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.observability import get_logger, phase
-from tasks.results.done_rows import (  # noqa: F401 - the done-index's names, as other modules import them
+from vlm_caption.tasks.observability import get_logger, phase
+from vlm_caption.tasks.results.done_rows import (  # noqa: F401 - the done-index's names, as other modules import them
     COMPACT_HEADER, COMPACT_MAGIC, ROW, SIDECAR_HEADER, SIDECAR_MAGIC, PartRows, Signature, _hash64, _parse_part,
     _read_sidecar, compacted_bytes, content_hash, index_rows, listing_signature, load_part_rows, parse_records,
     record_signature, result_key, sidecar_bytes, sidecar_key, signature_hash)
-from tasks.results.earlier import EarlierRecords
-from tasks.results.layout import compacted_index_key
-from tasks.records import ResultRecord
-from tasks.results.writing_log import kept_lineage, remove_stamps
-from tasks.sources.items import WorkItem
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.results.earlier import EarlierRecords
+from vlm_caption.tasks.results.layout import compacted_index_key
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.writing_log import kept_lineage, remove_stamps
+from vlm_caption.tasks.sources.items import WorkItem
+from vlm_caption.tasks.sources.storage import Storage
 
 COMPACT_AFTER = 64  # parts read one by one that make a load write a new compacted index
 MAX_CANDIDATES = 64  # earlier results with the same bytes looked at for one (item, question)

@@ -21,13 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from pydantic import ValidationError
 
-from tasks.observability import get_logger
-from tasks.results.layout import compacted_index_prefix, compacted_index_written, part_prefix, results_prefix
-from tasks.records import ResultRecord
-from tasks.results.writing_log import grace_stamp, writers_since
-from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.storage import Storage
-from tasks.sources.transient import is_transient, retry_transient
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.layout import compacted_index_prefix, compacted_index_written, part_prefix, results_prefix
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.writing_log import grace_stamp, writers_since
+from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
+from vlm_caption.tasks.sources.storage import Storage
+from vlm_caption.tasks.sources.transient import is_transient, retry_transient
 
 ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])
 SIDECAR_MAGIC = b"VLMIDX1\0"

@@ -8,9 +8,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from tasks.results.done_rows import parse_records, read_part_lines
-from tasks.records import ResultRecord
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.results.done_rows import parse_records, read_part_lines
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.sources.storage import Storage
 
 PART_CACHE = 32  # parts whose final records are kept (a part is at most a shard's records)
 

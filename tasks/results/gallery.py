@@ -24,15 +24,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from tasks.results.gallery_artifact import publish_gallery
-from tasks.results.gallery_page import GalleryItem, render_gallery
-from tasks.results.layout import manifest_key
-from tasks.records import ResultRecord
-from tasks.sources.storage import Storage, key_within
-from tasks.tiny_checkpoint import is_tiny_checkpoint
+from vlm_caption.tasks.results.gallery_artifact import publish_gallery
+from vlm_caption.tasks.results.gallery_page import GalleryItem, render_gallery
+from vlm_caption.tasks.results.layout import manifest_key
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.sources.storage import Storage, key_within
+from vlm_caption.tasks.tiny_checkpoint import is_tiny_checkpoint
 
 if TYPE_CHECKING:
-    from tasks.sources.formats import SourceSpec
+    from vlm_caption.tasks.sources.formats import SourceSpec
 
 THUMB_PIXELS = 160
 THUMB_QUALITY = 70
@@ -49,7 +49,7 @@ def video_slots() -> int:
     fetcher. Where the run decodes its clips in the decode pool's processes (a GPU host, by
     default), the strips are decoded there side by side; else one at a time in this process
     (tasks/media/video.py), the slots' fetches beside it. The run ends once its page is written."""
-    from tasks.media.pool import usable_cores
+    from vlm_caption.tasks.media.pool import usable_cores
 
     return max(2, min(FETCHERS, usable_cores() // 2))
 
@@ -115,10 +115,10 @@ def frame_strip(data: bytes, frames: int = STRIP_FRAMES) -> list[str]:
     would be over THUMB_BYTES."""
     from PIL import Image
 
-    from tasks.media.pool import decode_video_pooled
-    from tasks.media.resize import FrameThumbnails
-    from tasks.media.video import VideoLimits
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.media.pool import decode_video_pooled
+    from vlm_caption.tasks.media.resize import FrameThumbnails
+    from vlm_caption.tasks.media.video import VideoLimits
+    from vlm_caption.tasks.settings import get_settings
 
     settings = get_settings()
     try:
@@ -169,7 +169,7 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
 
     _make_pictures(items, picture, fetch_s)
     if unfetched:
-        from tasks.observability import get_logger
+        from vlm_caption.tasks.observability import get_logger
 
         get_logger().warning("gallery: media could not be read again for their pictures (placeholders shown)",
                              items=len(unfetched), first=unfetched[:3])
@@ -210,8 +210,8 @@ def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = N
     the history (a run that wrote nothing shows no item; earlier runs' pages show theirs). A part
     that cannot be read is logged and added to `unreadable` (the page says how many it could not
     show)."""
-    from tasks.observability import get_logger
-    from tasks.results.done_index import parse_records
+    from vlm_caption.tasks.observability import get_logger
+    from vlm_caption.tasks.results.done_index import parse_records
 
     for key in (key_within(out, p) for p in parts):
         try:
@@ -228,8 +228,8 @@ def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = N
 def media_fetcher(source: SourceSpec) -> Callable[[ResultRecord], bytes | None]:
     """How to read an item's (first) image or video again for its picture: the source format's
     reader locates the member a record names and reads it, as the captioning did."""
-    from tasks.sources.reader import BAD_INPUT
-    from tasks.sources.registry import open_reader
+    from vlm_caption.tasks.sources.reader import BAD_INPUT
+    from vlm_caption.tasks.sources.registry import open_reader
 
     reader = open_reader(source)
 
@@ -251,8 +251,8 @@ def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list
     `facts`: the run's counts and cost, shown in the page's heading line."""
     if items <= 0:
         return {"path": None}
-    from tasks.observability import get_logger
-    from tasks.settings import get_settings
+    from vlm_caption.tasks.observability import get_logger
+    from vlm_caption.tasks.settings import get_settings
 
     try:
         began = time.monotonic()

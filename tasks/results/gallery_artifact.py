@@ -12,9 +12,9 @@ open one from an http page) nor an `s3://` URI, so the artifact is what opens fr
 from __future__ import annotations
 
 import time
-from tasks.results.gallery_page import GalleryItem
-from tasks.settings import get_settings
-from tasks.sources.storage import S3Storage, Storage
+from vlm_caption.tasks.results.gallery_page import GalleryItem
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.storage import S3Storage, Storage
 
 CELL_CHARS = 500  # a table cell's text; the page has the whole
 
@@ -22,7 +22,7 @@ CELL_CHARS = 500  # a table cell's text; the page has the whole
 def gallery_link(out: S3Storage, key: str, expires_s: int) -> str:
     """A presigned GET of the page, served as HTML. Signed with temporary credentials (an instance
     role, SSO), it ends when they do, which may be sooner than `expires_s`."""
-    from tasks.sources.s3_client import shared_s3_client
+    from vlm_caption.tasks.sources.s3_client import shared_s3_client
 
     return shared_s3_client().generate_presigned_url(
         "get_object", ExpiresIn=expires_s,

@@ -10,7 +10,7 @@ import html
 import json
 from dataclasses import dataclass, field
 
-from tasks.records import ResultRecord
+from vlm_caption.tasks.records import ResultRecord
 
 PREVIEW_CHARS = 280
 TEXT_CHARS = 4000

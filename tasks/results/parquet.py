@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tasks.observability import get_logger
-from tasks.results.done_index import _parse_part, _read_sidecar, parse_records, sidecar_key
-from tasks.results.layout import manifest_key, run_of
-from tasks.records import ResultRecord
-from tasks.sources.items import ObjectRef
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.done_index import _parse_part, _read_sidecar, parse_records, sidecar_key
+from vlm_caption.tasks.results.layout import manifest_key, run_of
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.storage import Storage
 
 ROW_GROUP_ROWS = 8192
 TIMING_KEYS = ("fetch_s", "decode_s", "generate_s")

@@ -10,12 +10,12 @@ import time
 
 import numpy as np
 
-from tasks.observability import get_logger
-from tasks.results.done_index import result_key
-from tasks.results.layout import LEGACY_PARQUET_KEY, PARQUET_VIEW_PREFIX, compacted_parquet_key
-from tasks.results.parquet import ROW_GROUP_ROWS, export_parquet, results_schema
-from tasks.sources.items import ObjectRef
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.done_index import result_key
+from vlm_caption.tasks.results.layout import LEGACY_PARQUET_KEY, PARQUET_VIEW_PREFIX, compacted_parquet_key
+from vlm_caption.tasks.results.parquet import ROW_GROUP_ROWS, export_parquet, results_schema
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.storage import Storage
 
 _STAMP_PATTERN = r"(?P<stamp>\d{8}T\d{6})"
 

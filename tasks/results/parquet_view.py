@@ -51,16 +51,16 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.observability import get_logger
-from tasks.results.done_index import DoneIndex, loaded_index, read_done_index, result_key
-from tasks.results.done_rows import listed_under, read_part_rows
-from tasks.results.layout import (PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key, view_owed_key,
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.done_index import DoneIndex, loaded_index, read_done_index, result_key
+from vlm_caption.tasks.results.done_rows import listed_under, read_part_rows
+from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key, view_owed_key,
                                    view_owed_prefix)
-from tasks.results.parquet import (RESIZED, ROW_GROUP_ROWS, latest_ordinals, part_order, results_schema, select_rows,
+from vlm_caption.tasks.results.parquet import (RESIZED, ROW_GROUP_ROWS, latest_ordinals, part_order, results_schema, select_rows,
                                    write_rows)
-from tasks.results.parquet_compact import copy_rows, view_files
-from tasks.sources.items import ObjectRef
-from tasks.sources.storage import Storage, key_within
+from vlm_caption.tasks.results.parquet_compact import copy_rows, view_files
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.storage import Storage, key_within
 
 _NO_ROWS = np.empty(0, dtype=[("key", "<u8")])
 FOOTER_READ = 64 << 10  # the tail read for a file's schema: a run's file's whole footer

@@ -8,10 +8,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tasks.results.quality import RETRY_FLAGS
-from tasks.records import ResultRecord
-from tasks.settings import get_settings
-from tasks.sources.s3_client import describe_shared_client
+from vlm_caption.tasks.results.quality import RETRY_FLAGS
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.s3_client import describe_shared_client
 
 MAX_FAILURES_LISTED = 10_000
 SAMPLE_CAPTIONS = 5

@@ -17,15 +17,15 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.errors import OutOfSpaceError
-from tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
-from tasks.results.layout import manifest_key, part_key, partition_report_key, run_of
-from tasks.results.parquet_view import owe_view
-from tasks.records import ResultRecord
-from tasks.results.report import PartitionReport
-from tasks.results.writing_log import after_part, before_part
-from tasks.retries import Retries
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.errors import OutOfSpaceError
+from vlm_caption.tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
+from vlm_caption.tasks.results.layout import manifest_key, part_key, partition_report_key, run_of
+from vlm_caption.tasks.results.parquet_view import owe_view
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.report import PartitionReport
+from vlm_caption.tasks.results.writing_log import after_part, before_part
+from vlm_caption.tasks.retries import Retries
+from vlm_caption.tasks.sources.storage import Storage
 
 
 class DiskFullError(OutOfSpaceError, OSError):

@@ -67,8 +67,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tasks.results.layout import STAMP, STAMP_LEN, writing_key, writing_prefix
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.results.layout import STAMP, STAMP_LEN, writing_key, writing_prefix
+from vlm_caption.tasks.sources.storage import Storage
 
 WRITE_S = 300.0  # a stamp older than this no longer vouches for a part landing now
 REFRESH_S = WRITE_S / 2  # a writer writes a stamp at most every REFRESH_S (while it writes parts)

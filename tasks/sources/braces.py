@@ -8,7 +8,7 @@ import itertools
 import re
 from collections.abc import Iterator
 
-from tasks.sources.storage import StorageError
+from vlm_caption.tasks.sources.storage import StorageError
 
 MAX_EXPANSION = 2_000_000  # names held as a set while listing; more is a mistake in the pattern
 

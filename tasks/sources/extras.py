@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from tasks.sources.items import WorkItem
+from vlm_caption.tasks.sources.items import WorkItem
 
 
 def annotate_records(items: Iterable[WorkItem], records: list) -> list:

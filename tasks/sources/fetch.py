@@ -9,9 +9,9 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from tasks.settings import get_settings
-from tasks.sources.items import ObjectRef
-from tasks.sources.storage import Storage, shared_s3_storage
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.storage import Storage, shared_s3_storage
 
 
 class TooLargeError(ValueError):

@@ -7,11 +7,11 @@ import functools
 import itertools
 from collections.abc import Iterator
 
-from tasks.sources.fetch import MediaFetcher
-from tasks.sources.storage import StorageError
-from tasks.sources.webdataset import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
-from tasks.sources.items import ObjectRef, RefusedRef, WorkItem
-from tasks.sources.reader import SourceReader
+from vlm_caption.tasks.sources.fetch import MediaFetcher
+from vlm_caption.tasks.sources.storage import StorageError
+from vlm_caption.tasks.sources.webdataset import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+from vlm_caption.tasks.sources.items import ObjectRef, RefusedRef, WorkItem
+from vlm_caption.tasks.sources.reader import SourceReader
 
 
 MODALITY_PAGE = 1000  # objects the check reads for what the source holds (one S3 page)

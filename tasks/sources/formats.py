@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tasks.sources.braces import check_pattern, expand_braces, has_braces, literal_prefix
-from tasks.sources.items import ObjectRef
-from tasks.sources.storage import Storage, StorageError, open_storage
+from vlm_caption.tasks.sources.braces import check_pattern, expand_braces, has_braces, literal_prefix
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.storage import Storage, StorageError, open_storage
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from tasks.sources.files import FilesReader
-from tasks.sources.items import ObjectRef, RefusedRef, WorkItem
-from tasks.sources.reader import SourceReader
+from vlm_caption.tasks.sources.files import FilesReader
+from vlm_caption.tasks.sources.items import ObjectRef, RefusedRef, WorkItem
+from vlm_caption.tasks.sources.reader import SourceReader
 
 ROOT_GROUP = "."  # objects at the source root, beside the folders
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from tasks.sources.files import FilesReader
-from tasks.sources.formats import SourceSpec, source_storage
-from tasks.sources.inventory_report import MANIFEST, csv_rows, find_report, parquet_rows, read_report
-from tasks.sources.items import ObjectRef
-from tasks.sources.storage import StorageError, matches_glob
+from vlm_caption.tasks.sources.files import FilesReader
+from vlm_caption.tasks.sources.formats import SourceSpec, source_storage
+from vlm_caption.tasks.sources.inventory_report import MANIFEST, csv_rows, find_report, parquet_rows, read_report
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.storage import StorageError, matches_glob
 
 
 class InventoryReader(FilesReader):

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from tasks.sources.formats import source_storage
-from tasks.sources.ranged import open_seekable
-from tasks.sources.storage import Storage, StorageError, split_parent
+from vlm_caption.tasks.sources.formats import source_storage
+from vlm_caption.tasks.sources.ranged import open_seekable
+from vlm_caption.tasks.sources.storage import Storage, StorageError, split_parent
 
 MANIFEST = "manifest.json"
 REPORT_FOLDER = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}-\d{2}Z")  # when S3 began scanning for that report

@@ -19,11 +19,11 @@ from typing import Union
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.observability import get_logger, phase
-from tasks.sources.formats import SourceSpec
-from tasks.sources.items import Shard, WorkItem, as_text
-from tasks.sources.registry import open_reader
-from tasks.sources.watermark import changed_items
+from vlm_caption.tasks.observability import get_logger, phase
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.items import Shard, WorkItem, as_text
+from vlm_caption.tasks.sources.registry import open_reader
+from vlm_caption.tasks.sources.watermark import changed_items
 
 
 def iter_items(source: SourceSpec, read: Callable[[WorkItem], None] | None = None) -> Iterator[WorkItem]:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 import time
 
-from tasks.observability import get_logger
-from tasks.sources.formats import SourceSpec
-from tasks.sources.storage import Storage
-from tasks.sources.watermark import scoped_key
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.storage import Storage
+from vlm_caption.tasks.sources.watermark import scoped_key
 
 LISTING_ENDS = "listed/"
 

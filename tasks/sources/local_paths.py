@@ -20,7 +20,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 
-from tasks.sources.items import BadInput, ObjectRef, RefusedRef
+from vlm_caption.tasks.sources.items import BadInput, ObjectRef, RefusedRef
 
 LINK_OUTSIDE = ("a link to outside the source folder: not followed (the job's follow_links, "
                 "--follow-links, allows it)")

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tasks.sources.fetch import MediaFetcher
-from tasks.sources.formats import SourceSpec
-from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.reader import SourceReader
-from tasks.sources.storage import Storage, StorageError, split_parent
+from vlm_caption.tasks.sources.fetch import MediaFetcher
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
+from vlm_caption.tasks.sources.reader import SourceReader
+from vlm_caption.tasks.sources.storage import Storage, StorageError, split_parent
 
 
 class ManifestLine(BaseModel):

@@ -21,14 +21,14 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tasks.observability import get_logger
-from tasks.sources.fetch import MediaFetcher
-from tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files, split_location
-from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.ranged import open_seekable
-from tasks.sources.reader import BadInput, SourceReader
-from tasks.sources.storage import Storage, StorageError
-from tasks.sources.transient import is_transient, retry_transient
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.sources.fetch import MediaFetcher
+from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files, split_location
+from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
+from vlm_caption.tasks.sources.ranged import open_seekable
+from vlm_caption.tasks.sources.reader import BadInput, SourceReader
+from vlm_caption.tasks.sources.storage import Storage, StorageError
+from vlm_caption.tasks.sources.transient import is_transient, retry_transient
 
 DEFAULT_COLUMNS = ("image", "jpg", "png", "webp", "url", "URL", "uri", "path")  # tried when no column is given
 BATCH_ROWS = 256

@@ -20,11 +20,11 @@ import functools
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
-from tasks.sources.fetch import MediaFetcher
-from tasks.sources.formats import SourceSpec
-from tasks.sources.items import ObjectRef, WorkItem
-from tasks.sources.reader import SourceReader
-from tasks.sources.storage import StorageError, matches_glob, split_parent
+from vlm_caption.tasks.sources.fetch import MediaFetcher
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
+from vlm_caption.tasks.sources.reader import SourceReader
+from vlm_caption.tasks.sources.storage import StorageError, matches_glob, split_parent
 
 FETCHED_SCHEMES = ("", "s3", "s3a", "http", "https", "file")  # what MediaFetcher reads
 UNFETCHABLE = "unfetchable"

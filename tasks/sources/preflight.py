@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.sources.formats import SourceSpec
-from tasks.sources.storage import Storage, StorageError, error_code, open_storage
-from tasks.sources.transient import is_transient
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.storage import Storage, StorageError, error_code, open_storage
+from vlm_caption.tasks.sources.transient import is_transient
 
 PROBE_PREFIX = ".vlm-caption-probe-"
 
@@ -60,8 +60,8 @@ def resolve_source(job) -> tuple[Any, SourceSpec]:
     settled (a Parquet column, an inventory's newest report) written back, and the source's spec
     with its storage opened: every partition then reads it the same way, and a wrong location or
     column is one message that says what to change."""
-    from tasks.sources.registry import detect_format, reader_class
-    from tasks.sources.watermark import resolve_modified_since
+    from vlm_caption.tasks.sources.registry import detect_format, reader_class
+    from vlm_caption.tasks.sources.watermark import resolve_modified_since
 
     with storage_errors(job.location, "listing the source to tell its format"):
         fmt = detect_format(job.location, job.source_format, job.manifest is not None)

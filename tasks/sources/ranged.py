@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from typing import BinaryIO
 
-from tasks.sources.storage import LocalStorage, Storage
+from vlm_caption.tasks.sources.storage import LocalStorage, Storage
 
 READ_AHEAD = 8 << 20  # a ranged GET fetches at least this much: tar headers of small members share one
 

@@ -23,9 +23,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import ClassVar
 
-from tasks.sources.formats import SourceSpec
-from tasks.sources.items import BadInput, ObjectRef, WorkItem
-from tasks.sources.storage import Storage
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.items import BadInput, ObjectRef, WorkItem
+from vlm_caption.tasks.sources.storage import Storage
 
 BAD_INPUT = "bad_input"  # the error kind of a `BadInput` (tasks/sources/items.py: storage raises it too)
 

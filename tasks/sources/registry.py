@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import itertools
 
-from tasks.sources import formats
-from tasks.sources.files import FilesReader
-from tasks.sources.formats import SourceSpec
-from tasks.sources.groups import GroupsReader
-from tasks.sources.inventory import InventoryReader
-from tasks.sources.manifest import ManifestReader
-from tasks.sources.parquet_source import ParquetReader
-from tasks.sources.path_list import PathListReader
-from tasks.sources.reader import SourceReader
-from tasks.sources.storage import StorageError
-from tasks.sources.transient import retry_transient
-from tasks.sources.webdataset import WebDatasetReader
+from vlm_caption.tasks.sources import formats
+from vlm_caption.tasks.sources.files import FilesReader
+from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.groups import GroupsReader
+from vlm_caption.tasks.sources.inventory import InventoryReader
+from vlm_caption.tasks.sources.manifest import ManifestReader
+from vlm_caption.tasks.sources.parquet_source import ParquetReader
+from vlm_caption.tasks.sources.path_list import PathListReader
+from vlm_caption.tasks.sources.reader import SourceReader
+from vlm_caption.tasks.sources.storage import StorageError
+from vlm_caption.tasks.sources.transient import retry_transient
+from vlm_caption.tasks.sources.webdataset import WebDatasetReader
 
 # `auto` asks each in turn (a prefix holding tars is WebDataset even with Parquet beside them);
 # `files` (which claims nothing) is what is left.

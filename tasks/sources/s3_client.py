@@ -18,7 +18,7 @@ import os
 import threading
 from typing import Any
 
-from tasks.settings import get_settings
+from vlm_caption.tasks.settings import get_settings
 
 MIN_POOL_CONNECTIONS = 64
 RETRY_MODE = "adaptive"  # backs off on throttling for every thread sharing the client
@@ -98,7 +98,7 @@ def make_s3_client(block=None):
     session, parameters = session_and_parameters(block)
     credentials = session.get_credentials()  # resolved once; the client signs with the same
     if credentials is not None:
-        from tasks.observability import register_secret
+        from vlm_caption.tasks.observability import register_secret
 
         frozen = credentials.get_frozen_credentials()
         register_secret(frozen.access_key, frozen.secret_key, frozen.token)

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from tasks.errors import UserError
-from tasks.sources.items import ObjectRef
-from tasks.sources.local_paths import key_path, walk_files
-from tasks.sources.s3_client import shared_s3_client
+from vlm_caption.tasks.errors import UserError
+from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.local_paths import key_path, walk_files
+from vlm_caption.tasks.sources.s3_client import shared_s3_client
 
 
 class StorageError(UserError, ValueError):

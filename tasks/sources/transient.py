@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from tasks.observability import get_logger
-from tasks.sources.storage import ShortBodyError, error_code
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.sources.storage import ShortBodyError, error_code
 
 T = TypeVar("T")
 

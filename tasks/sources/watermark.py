@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.observability import get_logger
-from tasks.sources.formats import ChangedSince, SourceSpec
-from tasks.sources.items import WorkItem
-from tasks.sources.storage import Storage, StorageError, key_within, open_storage, split_parent
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.sources.formats import ChangedSince, SourceSpec
+from vlm_caption.tasks.sources.items import WorkItem
+from vlm_caption.tasks.sources.storage import Storage, StorageError, key_within, open_storage, split_parent
 
 WATERMARKS = "watermarks/"
 # What the watermark stays behind what a listing saw. An object's LastModified is when its upload
@@ -80,7 +80,7 @@ def scoped_key(folder: str, source: SourceSpec, fingerprint: str) -> str:
     """One object under `folder` (WATERMARKS here) per result set and what a listing covers, its
     location and glob: another glob, or another inventory configuration of the same bucket, lists
     other objects."""
-    from tasks.sources.inventory_report import report_series
+    from vlm_caption.tasks.sources.inventory_report import report_series
 
     where = report_series(source.uri) if source.format == "inventory" else source.uri
     scope = hashlib.sha256(json.dumps([where.rstrip("/"), source.glob]).encode()).hexdigest()[:12]
@@ -90,7 +90,7 @@ def scoped_key(folder: str, source: SourceSpec, fingerprint: str) -> str:
 def with_changed_since(source: SourceSpec, modified_since: str | None, output: Storage,
                        fingerprint: str) -> SourceSpec:
     """The source, listing only what changed when the job says so (its `changed`)."""
-    from tasks.sources.registry import reader_class
+    from vlm_caption.tasks.sources.registry import reader_class
 
     if modified_since is None:
         return source
@@ -99,7 +99,7 @@ def with_changed_since(source: SourceSpec, modified_since: str | None, output: S
                            f"S3 Inventory reports, not a {'job manifest' if source.is_manifest else source.format} "
                            "source")
     if source.format == "inventory":
-        from tasks.sources.inventory_report import read_report
+        from vlm_caption.tasks.sources.inventory_report import read_report
 
         as_of = read_report(source.uri).created_at
     else:

@@ -20,13 +20,13 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tasks.observability import get_logger
-from tasks.sources.braces import has_braces
-from tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files, split_location
-from tasks.sources.items import ObjectRef, RefusedRef, WorkItem
-from tasks.sources.ranged import open_seekable
-from tasks.sources.reader import BadInput, SourceReader
-from tasks.sources.storage import Storage, StorageError
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.sources.braces import has_braces
+from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files, split_location
+from vlm_caption.tasks.sources.items import ObjectRef, RefusedRef, WorkItem
+from vlm_caption.tasks.sources.ranged import open_seekable
+from vlm_caption.tasks.sources.reader import BadInput, SourceReader
+from vlm_caption.tasks.sources.storage import Storage, StorageError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "mkv", "avi")
