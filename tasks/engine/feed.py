@@ -147,14 +147,20 @@ class EngineFeed:
             waiting = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in waiting:
                 task.cancel()
-            await asyncio.wait(waiting, timeout=ENGINE_STOP_S) if waiting else None
+            if waiting:
+                await asyncio.wait(waiting, timeout=ENGINE_STOP_S)
             # vLLM's own clean-up: left to the interpreter's exit, multiprocessing terminates the
             # engine process first, and vLLM logs "engine core exited unexpectedly" after every run.
             with contextlib.suppress(Exception):  # already dead: nothing left to stop
                 self.llm.shutdown(timeout=ENGINE_STOP_S)
 
-        with contextlib.suppress(Exception):
+        try:
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(ENGINE_STOP_S * 2 + 10)
+        except Exception as exc:  # noqa: BLE001 - the run is ending either way; the process exit ends vLLM's
+            from vlm_caption.tasks.observability import get_logger
+
+            get_logger().warning("the engine did not stop cleanly; its process ends with this one",
+                                 error=f"{type(exc).__name__}: {exc}")
         self._stop_loop()
 
     def _stop_loop(self) -> None:
