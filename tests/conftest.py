@@ -27,6 +27,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # otherwise share ~/.prefect's SQLite database and the job slots kept beside it.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"vlm-caption-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
 
+# Where each pytest process (xdist's workers too: they inherit it) reports the processes it left
+# behind; the process that started the session reads them at its end (pytest_sessionfinish).
+os.environ.setdefault("PYTEST_LEFT_BEHIND_DIR", tempfile.mkdtemp(prefix="vlm-caption-tests-left-"))
+SESSION_PREFECT_HOME = os.environ["PREFECT_HOME"]
+
 from tests.checkpoints import build_checkpoint  # noqa: E402
 
 pytest_plugins = ["tests.postgres"]  # the session's PostgreSQL and Prefect server
@@ -217,3 +222,56 @@ def s3_client(s3_endpoint):
     import boto3
 
     return boto3.client("s3", endpoint_url=s3_endpoint)
+
+
+# ---- no process left behind (issue 68) ------------------------------------------------------
+# multiprocessing's helpers (its resource tracker, a pool's forkserver and workers) end with the
+# interpreter that made them, after this hook: they are not left behind.
+ENDS_WITH_US = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver", b"multiprocessing.spawn")
+
+
+def processes_left_behind() -> list[str]:
+    """Processes this test process started that still run once its fixtures are torn down: its
+    children, and any process (detached, a new session) that inherited its Prefect home."""
+    import psutil
+
+    me, home = os.getpid(), f"PREFECT_HOME={SESSION_PREFECT_HOME}".encode()
+    pids = {child.pid for child in psutil.Process(me).children(recursive=True)}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(proc.name) != me and home in (proc / "environ").read_bytes().split(b"\0"):
+                pids.add(int(proc.name))
+        except (OSError, ValueError):  # gone, or not ours to read
+            continue
+    found = []
+    for pid in sorted(pids):
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # ended already; its parent has not read its exit status yet
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if any(helper in command for helper in ENDS_WITH_US) or b"execnet" in command:
+                continue  # multiprocessing's helpers; xdist's workers (the session's controller)
+            words = command.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{pid} {words[:200]}")
+            os.kill(pid, 9)  # so the next session does not inherit it either
+        except OSError:
+            continue
+    return found
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Every process a test started is ended by its fixtures, even when it fails: one still
+    running at the end fails the session, named (and is ended here)."""
+    folder = Path(os.environ["PYTEST_LEFT_BEHIND_DIR"])
+    left = processes_left_behind()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None:  # the controller reports them
+        if left:
+            (folder / f"{worker}.txt").write_text("\n".join(left))
+        return
+    for report in sorted(folder.glob("*.txt")):
+        left += [f"{report.stem}: {line}" for line in report.read_text().splitlines()]
+    if left:
+        sys.stderr.write("\nprocesses left behind by the tests (ended now):\n" + "\n".join(left) + "\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
