@@ -1,15 +1,16 @@
 """A run's plan: the job resolved once, at the run's start, and handed down.
 
 `make_plan(job)` is the pre-flight. It checks everything that needs no engine (remote code, the
-engine arguments, the source, the output, the model) and fails with every problem at once, one
-line each (`PreflightError`); otherwise it returns a `RunPlan`: the job with its source format and
-Parquet column resolved, the recipe object (the job found it by name when it was made), the
-engine to build (`EngineSpec`: the recipe's engine arguments with the job's overrides), the model,
-the fingerprint, where the items come from and the output store. Nothing below the plan looks a
-recipe up by name or builds engine arguments again. `vlm-caption run` makes it before Prefect
-starts (a mistake costs seconds); the flow makes it again in its own process (a deployment run has
-had no CLI), and a child partition from the job it is given. Storage objects are shared per
-location per process (`tasks/sources/storage.py`), so making the plan twice opens nothing twice.
+engine arguments, the source, the output and that a fan-out's partitions all reach it, the model)
+and fails with every problem at once, one line each (`PreflightError`); otherwise it returns a
+`RunPlan`: the job with its source format and Parquet column resolved, the recipe object (the job
+found it by name when it was made), the engine to build (`EngineSpec`: the recipe's engine
+arguments with the job's overrides), the model, the fingerprint, where the items come from and
+the output store. Nothing below the plan looks a recipe up by name or builds engine arguments
+again. `vlm-caption run` makes it before Prefect starts (a mistake costs seconds); the flow makes
+it again in its own process (a deployment run has had no CLI), and a child partition from the job
+it is given. Storage objects are shared per location per process (`tasks/sources/storage.py`), so
+making the plan twice opens nothing twice.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def make_plan(job: CaptionJob) -> RunPlan:
     engine = check(lambda: engine_spec(job))  # refuses remote code the job did not allow
     check(lambda: check_engine_overrides(job.engine_overrides))
     resolved, source = check(lambda: resolve_source(job)) or (None, None)
-    output = check(lambda: check_output(job.output))
+    # A fan-out's other partitions write there too: a local folder must be one they see.
+    output = check(lambda: check_output(job.output, job.partition_deployment if job.fan_out > 1 else None))
     if not job.skip_model_check:  # the job's model, or the recipe's for its modality, loads and fits the recipe
         check(lambda: check_model(recipe, job.modality, job.model, revision=job.engine_overrides.get("revision")))
     if len(problems) == 1:

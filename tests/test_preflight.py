@@ -269,3 +269,109 @@ def test_a_modality_the_source_does_not_hold_is_said_with_every_other_problem(tm
     assert "no-such-model" in lines
     job = CaptionJob(source=str(photos), output=str(tmp_path / "out"), recipe="qwen2_vl", skip_model_check=True)
     assert make_plan(job).job.modality == "image"
+
+
+# ---- a fan-out whose output is a local folder ------------------------------------------------
+class PoolReads:
+    """Prefect's client as the pre-flight reads it (the partition deployment, then its work pool),
+    answering with Prefect's own objects; the reads counted."""
+
+    def __init__(self, pool_type: str):
+        self.pool_type, self.reads = pool_type, []
+
+    def __call__(self, sync_client: bool = False):
+        assert sync_client
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+    def read_deployment_by_name(self, name: str):
+        import uuid
+
+        from prefect.client.schemas.responses import DeploymentResponse
+
+        self.reads.append(name)
+        return DeploymentResponse(id=uuid.uuid4(), name=name.split("/")[1], flow_id=uuid.uuid4(), work_pool_name="gpus")
+
+    def read_work_pool(self, name: str):
+        from prefect.client.schemas.objects import WorkPool
+
+        self.reads.append(name)
+        return WorkPool(name=name, type=self.pool_type)
+
+
+def _fan_out_job(tmp_path, **fields) -> CaptionJob:
+    photos = tmp_path / "photos"
+    photos.mkdir(exist_ok=True)
+    (photos / "a.jpg").write_bytes(image_bytes(size=(32, 24)))
+    return CaptionJob(**{"source": str(photos), "output": str(tmp_path / "out"), "fan_out": 4,
+                         "skip_model_check": True, **fields})
+
+
+@pytest.fixture
+def api_url():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: "http://prefect.internal:4200/api"}):
+        yield
+
+
+def test_a_local_output_for_partitions_in_containers_is_one_line_before_anything_starts(tmp_path, monkeypatch,
+                                                                                        capsys, api_url):
+    """A fan-out's partitions claim shards and write results in its output: a folder on the
+    parent's disk is not there for partitions that a Kubernetes (or Docker, ...) worker starts in
+    containers of their own. The pre-flight reads the partition deployment's pool (two reads, only
+    for a local output with fan_out > 1) and refuses the job in one line, exit 2."""
+    import prefect.client.orchestration
+
+    from vlm_caption.flows.cli import report_user_error
+    from vlm_caption.flows.plan import PreflightError, make_plan
+
+    reads = PoolReads("kubernetes")
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", reads)
+    with pytest.raises(StorageError) as raised:
+        make_plan(_fan_out_job(tmp_path))
+    assert reads.reads == ["vlm-caption/partition", "gpus"]
+    assert report_user_error(raised.value) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"vlm-caption: error: {tmp_path / 'out'}: a local output folder cannot be shared by a fan-out's "
+                    "partitions, which 'vlm-caption/partition' runs in containers of their own (work pool 'gpus', "
+                    "type kubernetes): write to s3://, or set fan_out=1")
+    assert not (tmp_path / "out").exists()
+
+    with pytest.raises(PreflightError) as both:  # with every other problem, one line each
+        make_plan(_fan_out_job(tmp_path, source=str(tmp_path / "nope")))
+    source, output = both.value.problems
+    assert "no such folder" in source and output == line.removeprefix("vlm-caption: error: ")
+
+
+def test_a_local_output_is_kept_for_a_process_pool_a_single_run_or_no_api(tmp_path, monkeypatch, api_url):
+    """A process pool's workers run partitions on hosts that may share the folder (one host, or a
+    network file system: docs/operations.md says they must); a run that does not fan out, or whose
+    server is the embedded one (no worker reaches it), reads nothing."""
+    import prefect.client.orchestration
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from vlm_caption.flows.plan import make_plan
+
+    real = prefect.client.orchestration.get_client
+    process = PoolReads("process")
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", process)
+    assert make_plan(_fan_out_job(tmp_path)).job.fan_out == 4
+    assert process.reads == ["vlm-caption/partition", "gpus"]
+
+    containers = PoolReads("docker")
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", containers)
+    make_plan(_fan_out_job(tmp_path, fan_out=1))
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        make_plan(_fan_out_job(tmp_path))
+    assert containers.reads == []
+
+    # An API nobody answers: the CLI says so right after the plan, the flow cannot start without one.
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", real)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        assert make_plan(_fan_out_job(tmp_path)).job.fan_out == 4

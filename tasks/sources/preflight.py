@@ -1,7 +1,8 @@
 """Check the job's locations before any engine starts: the source through its reader's `check`
 (one page listed, or the file found; `tasks/sources/reader.py`) and the output, where a small
-object is written then deleted. A mistake then costs seconds, not an engine start, and leaves
-nothing behind; the message says what to do."""
+object is written then deleted (and, for a fan-out, that a local folder is one its partitions
+see). A mistake then costs seconds, not an engine start, and leaves nothing behind; the message
+says what to do."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlm_caption.tasks.sources.formats import SourceSpec
-from vlm_caption.tasks.sources.storage import Storage, StorageError, error_code, open_storage
+from vlm_caption.tasks.sources.storage import LocalStorage, Storage, StorageError, error_code, open_storage
 from vlm_caption.tasks.sources.transient import is_transient
 
 PROBE_PREFIX = ".vlm-caption-probe-"
@@ -77,10 +78,11 @@ def resolve_source(job) -> tuple[Any, SourceSpec]:
     return job.model_copy(update=update), spec
 
 
-def check_output(uri: str) -> Storage:
+def check_output(uri: str, partitions_on: str | None = None) -> Storage:
     """The output's storage, once a probe object was written there and deleted. Folders made
     for the probe are removed again (the first write makes them): a run refused for another
-    problem leaves nothing behind."""
+    problem leaves nothing behind. `partitions_on`: the deployment that runs a fanned-out run's
+    other partitions, which must see a local folder too (`check_shared_folder`)."""
     probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     made = _folders_to_make(uri)
     with storage_errors(uri, "writing a probe object to the output"):
@@ -92,7 +94,49 @@ def check_output(uri: str) -> Storage:
             for folder in made:  # deepest first; only ones that are (still) empty
                 with contextlib.suppress(OSError):
                     folder.rmdir()
+    if partitions_on is not None and isinstance(out, LocalStorage):
+        check_shared_folder(uri, partitions_on)
     return out
+
+
+# A process worker runs each flow run on its own host, which may share a folder with the parent's
+# (one host, or a network file system); any other pool type runs each in a container of its own.
+HOST_POOL_TYPES = {"process"}
+
+
+def check_shared_folder(uri: str, deployment: str) -> None:
+    """The partitions of a fan-out coordinate in its output (tasks/claims.py), so a local folder
+    serves only partitions that see it: one whose partitions run on a pool of containers
+    (Kubernetes, Docker, ECS, ...) is refused before anything starts. A process pool's workers
+    must share the folder at the same path (docs/operations.md, "Fan-out over several GPUs")."""
+    pool = partition_pool(deployment)
+    if pool is not None and pool[1] not in HOST_POOL_TYPES:
+        raise StorageError(
+            f"{uri}: a local output folder cannot be shared by a fan-out's partitions, which {deployment!r} runs "
+            f"in containers of their own (work pool {pool[0]!r}, type {pool[1]}): write to s3://, or set fan_out=1")
+
+
+def partition_pool(deployment: str) -> tuple[str, str] | None:
+    """The name and type of the work pool that runs `deployment`, read from Prefect's API. None
+    without PREFECT_API_URL (the run's server is then this process's embedded one, which no worker
+    elsewhere reaches), or where the deployment or the API is not there: the fan-out says so as
+    it starts (tasks/fanout.py), the CLI right after the plan."""
+    from vlm_caption.tasks.prefect_api import import_prefect
+
+    import_prefect()  # as the CLI imports it: a first-run notice is held for the run's terminal
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        return None
+    try:
+        with get_client(sync_client=True) as client:
+            pool = client.read_deployment_by_name(deployment).work_pool_name
+            return (pool, client.read_work_pool(pool).type) if pool else None
+    except (ObjectNotFound, httpx.HTTPError):
+        return None
 
 
 def _folders_to_make(uri: str) -> list[Path]:
