@@ -48,6 +48,7 @@ STACK_MODULES = ("test_deployments", "test_api_outage")  # tests/postgres.py: pr
 LONGEST_FIRST = {"prefect-stack": 420, "test_kills": 290, "test_bench": 220, "test_storage_faults": 170, "test_prefect_ui": 85,
                  "test_interrupt": 150, "test_media_flow": 80, "test_demo": 80, "test_engine_faults": 70, "test_concurrency": 45,
                  "test_recipe_checks": 45, "test_real_processors": 40, "test_render_pool": 30,
+                 "test_separate_hosts": 450,  # (422-448 s with -n 0 on a busy 2-core machine, load 6-7)
                  "test_readme_operate": 400}  # (436 s with -n 0 on a busy 2-core machine, not a fresh .ci/run)
 
 
@@ -84,7 +85,8 @@ HEAVY_FIXTURES = {"checkpoints_root", "prefect_api", "s3_endpoint", "postgres", 
 HEAVY_MODULES = {"test_bench", "test_storage_faults", "test_prefect_ui", "test_media_flow", "test_demo",
                  "test_engine_faults", "test_concurrency", "test_recipe_checks", "test_real_processors",
                  "test_render_pool", "test_kills", "test_readme_operate", "test_resize", "test_gallery",
-                 "test_prefect_api", "test_processor_device", "test_vllm_api", "test_interrupt", *STACK_MODULES}
+                 "test_prefect_api", "test_processor_device", "test_vllm_api", "test_interrupt", "test_scaling",
+                 *STACK_MODULES}
 
 
 # Tests of otherwise fast modules that start a process (a CLI in a subprocess, a decode pool, moto).
