@@ -232,16 +232,20 @@ def s3_client(s3_endpoint):
 ENDS_WITH_US = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver", b"multiprocessing.spawn")
 
 
-def processes_left_behind() -> list[str]:
+def processes_left_behind(basetemp: Path) -> list[str]:
     """Processes this test process started that still run once its fixtures are torn down: its
-    children, and any process (detached, a new session) that inherited its Prefect home."""
+    children, and any process (detached, or orphaned when its parent ended) whose environment
+    holds this process's Prefect home or a folder of its `basetemp` (a worker given a Prefect home
+    of a test's own, and the engine it started)."""
     import psutil
 
     me, home = os.getpid(), f"PREFECT_HOME={SESSION_PREFECT_HOME}".encode()
+    folder = f"{basetemp}/".encode()
     pids = {child.pid for child in psutil.Process(me).children(recursive=True)}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if int(proc.name) != me and home in (proc / "environ").read_bytes().split(b"\0"):
+            environ = (proc / "environ").read_bytes()
+            if int(proc.name) != me and (home in environ.split(b"\0") or folder in environ):
                 pids.add(int(proc.name))
         except (OSError, ValueError):  # gone, or not ours to read
             continue
@@ -261,12 +265,20 @@ def processes_left_behind() -> list[str]:
     return found
 
 
+BASETEMP: list[Path] = []  # this process's pytest temporary folder, once a test has run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _basetemp(tmp_path_factory):
+    BASETEMP.append(tmp_path_factory.getbasetemp())
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Every process a test started is ended by its fixtures, even when it fails: one still
     running at the end fails the session, named (and is ended here)."""
     folder = Path(os.environ["PYTEST_LEFT_BEHIND_DIR"])
-    left = processes_left_behind()
+    left = processes_left_behind(BASETEMP[0]) if BASETEMP else []
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is not None:  # the controller reports them
         if left:
