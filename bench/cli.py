@@ -15,6 +15,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from vlm_caption.flows.params import resolve_json_schema
     from vlm_caption.tasks.errors import UsageError
 
+    if args.scaling:  # the simulation stands alone: stub engines, its own loopback S3 (bench/scaling.py)
+        from vlm_caption.bench.scaling import main as scaling
+
+        return scaling(["--partitions", args.scaling, "--dir", args.dir])
     width, _, height = args.size.partition("x")
     if not (width.isdigit() and height.isdigit()):
         raise UsageError(f"--size {args.size}: expected WIDTHxHEIGHT in pixels, e.g. 640x480")
@@ -129,3 +133,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "sorting after them (a bucket whose keys begin with the day)")
     parser.add_argument("--history-nothing-new-only", action="store_true",
                         help="with --history: only the night with nothing new (not the 1%% new nor the empty output)")
+    parser.add_argument("--scaling", metavar="N,N,...",
+                        help="instead: the scaling simulation over these partition counts, e.g. 1,4,16 (stub engines, "
+                        "the product's shard plan, claims and writes on a loopback S3; the first count calibrates "
+                        "the model): a table, and scaling.json in --dir (docs/operations.md, \"How a night scales "
+                        "with hosts\")")

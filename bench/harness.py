@@ -139,7 +139,7 @@ def loopback_s3(work: Path):
 def _upload(folder: Path, prefix: str, env: dict[str, str]) -> None:
     """Every file under `folder` to `prefix`, through the flow's own storage code, in a child
     process that sees the phases' environment."""
-    code = ("import sys; from pathlib import Path; from tasks.sources.storage import open_storage\n"
+    code = ("import sys; from pathlib import Path; from vlm_caption.tasks.sources.storage import open_storage\n"
             "folder, store = Path(sys.argv[1]), open_storage(sys.argv[2], create=True)\n"
             "for path in sorted(p for p in folder.rglob('*') if p.is_file()):\n"
             "    store.write(str(path.relative_to(folder)), path.read_bytes())")

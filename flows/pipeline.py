@@ -79,6 +79,7 @@ def finish_partition(pipeline: ShardPipeline, run: PartitionRun, claims: ShardCl
             pipeline.run(pick(plan_again))
         finally:
             plan_again.close()
+        pipeline.drain_writes()
 
     def retake_until_done(until: Callable[[], bool] = lambda: True) -> None:
         while (retaken := claims.retake()) is not None or not until():
@@ -87,6 +88,7 @@ def finish_partition(pipeline: ShardPipeline, run: PartitionRun, claims: ShardCl
             else:
                 time.sleep(RETAKE_POLL_S)
 
+    pipeline.drain_writes()  # its own shards' parts and done marks written before it looks at the claims
     retake_until_done()
     if plan.copy_shards:
         retake_until_done(plan.originals_done)
@@ -275,14 +277,18 @@ class ShardPipeline:
             self.report.collect(*self.writes.popleft())
         self.report.shard_done(shard, prepared.skipped, records)
 
+    def drain_writes(self) -> None:
+        """Wait for every part being written (and counted)."""
+        while self.writes:
+            self.report.collect(*self.writes.popleft())
+
     def close(self) -> tuple[RunStats, dict | None]:
         stats = self.stats
         if self.engine is None and self.starting is not None:
             self.engine = self.starting.result()  # started for items that turned out done by content
         if self.generate_started is not None:
             stats.mark_generating(self.generate_started, time.time())  # first request to last result
-        while self.writes:
-            self.report.collect(*self.writes.popleft())
+        self.drain_writes()
         self.report.close()
         self.steps.shutdown()
         return stats, self.engine

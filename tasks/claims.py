@@ -228,7 +228,8 @@ class ShardClaims:
         for index, (generation, owner) in sorted(holders.items()):
             if owner == self.owner:  # captioned here (the pipeline has drained); its mark was lost
                 self.mark_done(index)
-            elif self.gone(owner):
+            elif self.gone(owner) and not self.out.exists(self.done_key(index)):
+                # (done since it was listed: a holder marks its shards done, then says it finished)
                 if self.out.create(self._claim_key(index, generation + 1),
                                    json.dumps({"owner": self.owner, "partition": self.partition,
                                                "retaken_from": owner}).encode()):

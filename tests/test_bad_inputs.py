@@ -86,7 +86,7 @@ def rss_growth_kb(setup: str, decode: str) -> int:
     """In a fresh process: peak RSS growth (KB) while `decode` runs on every file of `files`
     (made by `setup`), each MediaError being that file's readable failure."""
     probe = (
-        f"import resource\nfrom tasks.media.image import MediaError\n{setup}\n"
+        f"import resource\nfrom vlm_caption.tasks.media.image import MediaError\n{setup}\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "for data in files.values():\n"
         f"    try:\n        {decode}\n    except MediaError:\n        pass\n"
@@ -97,7 +97,7 @@ def rss_growth_kb(setup: str, decode: str) -> int:
 
 
 def test_the_whole_corpus_decodes_in_bounded_memory():
-    growth = rss_growth_kb("from tests.test_bad_inputs import corpus\nfrom tasks.media.image import decode_image\n"
+    growth = rss_growth_kb("from tests.test_bad_inputs import corpus\nfrom vlm_caption.tasks.media.image import decode_image\n"
                            "files = corpus()", "decode_image(data, max_pixels=64_000_000)")
     assert growth < 100 * 1024  # the bomb's 30 GB were never allocated
 
@@ -125,7 +125,7 @@ def test_each_video_decodes_or_fails_readably(name):
 
 def test_the_video_corpus_decodes_in_bounded_memory():
     growth = rss_growth_kb(
-        "from tests.images import video_corpus\nfrom tasks.media.video import VideoLimits, decode_video\n"
+        "from tests.images import video_corpus\nfrom vlm_caption.tasks.media.video import VideoLimits, decode_video\n"
         "files = video_corpus()\n"
         "decode_video(files['two-hours.mp4'], num_frames=2, limits=VideoLimits(1e5, 10**7))  # warm the loader",
         "decode_video(data, num_frames=16, limits=VideoLimits(3 * 3600, 3840 * 2160))")

@@ -140,6 +140,22 @@ def test_a_partition_that_says_it_finished_is_not_waited_for():
     assert other.retake() == [0]
 
 
+
+def test_a_shard_done_between_the_listing_and_its_holders_finish_is_not_retaken(tmp_path, monkeypatch):
+    """A waiting partition lists the claims, then reads each holder's heartbeat: a holder that
+    marked its shard done and said it finished in between is not retaken from (which would
+    caption the shard again)."""
+    store = LocalStorage(tmp_path / "out", create=True)
+    with ShardClaims(store, "run4", 1, beat_s=60, stale_s=3600) as holder:
+        assert holder.claim(shards(1)[0])
+        other = ShardClaims(store, "run4", 0, stale_s=3600)
+        listed = other.unfinished()
+        assert listed == {0: (0, "p1")}
+        holder.mark_done(0)
+    monkeypatch.setattr(other, "unfinished", lambda: listed)  # as listed before the mark landed
+    assert other.retake() == [] and not store.exists("claims/run4/000000.r1")
+
+
 # ---- the shard plan: one listing per run, read by every partition (tasks/shard_plan.py) ----------
 
 class CountedSource:

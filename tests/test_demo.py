@@ -102,7 +102,7 @@ def test_a_slow_embedded_server_gets_a_message_that_says_what_to_do(monkeypatch,
 
 def test_the_embedded_server_gets_a_generous_start_up_timeout_unless_the_user_set_one():
     """As `run` and `demo` set it, before Prefect is imported (flows/cli.py)."""
-    probe = ("from tasks.prefect_api import embedded_server_defaults\nwith embedded_server_defaults():\n"
+    probe = ("from vlm_caption.tasks.prefect_api import embedded_server_defaults\nwith embedded_server_defaults():\n"
              "    import prefect.settings as s; print(s.PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER_EPHEMERAL")}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)

@@ -232,7 +232,7 @@ def test_chat_template_renders_offline_with_a_local_tokenizer(tmp_path):
 
 
 def test_recipes_show_imports_no_torch_or_vllm():
-    code = ("import sys, io, contextlib; from flows.cli import main; buf = io.StringIO()\n"
+    code = ("import sys, io, contextlib; from vlm_caption.flows.cli import main; buf = io.StringIO()\n"
             "with contextlib.redirect_stdout(buf): main(['recipes', 'show', 'qwen2_5_vl', '--json'])\n"
             "assert not {'torch', 'vllm', 'prefect'} & set(sys.modules), sorted(sys.modules)\n"
             "print(buf.getvalue())")

@@ -225,7 +225,7 @@ def test_a_decode_process_keeps_torch_and_opencv_to_its_threads():
     the pool's are spawned: an engine in this one (the tests run vLLM's engine core in-process)
     has replaced torch.set_num_threads with a no-op, as vLLM's CPU worker does."""
     code = ("import os, cv2, torch\n"
-            "from tasks.media.pool import keep_to_threads\n"
+            "from vlm_caption.tasks.media.pool import keep_to_threads\n"
             "assert cv2.getNumThreads() == 8\n"
             "keep_to_threads(1)\n"
             "print(torch.get_num_threads(), cv2.getNumThreads(),"
