@@ -89,7 +89,7 @@ def test_a_slow_embedded_server_gets_a_message_that_says_what_to_do(monkeypatch,
     def server_never_came_up(job):
         raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
 
-    import vlm_caption.flows.caption
+    import vlm_caption.flows.caption as _loaded  # noqa: F401 - binds no name `vlm_caption` (the flow has it)
 
     from vlm_caption import flows
     monkeypatch.setattr(flows.caption, "vlm_caption", server_never_came_up)

@@ -332,7 +332,7 @@ def test_an_unreadable_hub_cache_is_logged_with_what_it_costs(tmp_path, monkeypa
     suggestions leave out the cached models (no silent pass)."""
     import huggingface_hub
 
-    import vlm_caption.tasks.observability
+    import vlm_caption.tasks.observability as _loaded  # noqa: F401 - binds no name `vlm_caption` (the flow has it)
 
     from vlm_caption import tasks
     warned = []
@@ -371,7 +371,7 @@ def test_every_declared_model_type_is_one_transformers_knows():
 # ---- a run started any other way (a deployment): the flow refuses it ----------------------------
 def test_the_flow_fails_early_with_the_message_as_its_state(prefect_api, tmp_path, hf_env, tiny_qwen2_vl,
                                                              monkeypatch):
-    import vlm_caption.flows.pipeline
+    import vlm_caption.flows.pipeline as _loaded  # noqa: F401 - binds no name `vlm_caption` (the flow has it)
     from vlm_caption import flows
     from vlm_caption.flows.caption import vlm_caption
     from vlm_caption.flows.params import CaptionJob

@@ -228,7 +228,7 @@ def test_the_server_refuses_a_port_in_use_in_one_line(capsys):
 
 
 def test_the_server_without_uv_says_how_to_get_it(monkeypatch, capsys):
-    import vlm_caption.flows.server
+    import vlm_caption.flows.server as _loaded  # noqa: F401 - binds no name `vlm_caption` (the flow has it)
     from vlm_caption import flows
     monkeypatch.setattr(flows.server.shutil, "which", lambda name: None)
     assert cli.main(["server", "--port", str(free_port())]) == 2
@@ -240,7 +240,7 @@ def test_the_server_without_uv_says_how_to_get_it(monkeypatch, capsys):
 def test_the_server_runs_prefect_at_the_projects_version_in_its_own_environment(monkeypatch, capsys, tmp_path):
     from importlib.metadata import version
 
-    import vlm_caption.flows.server
+    import vlm_caption.flows.server as _loaded  # noqa: F401 - binds no name `vlm_caption` (the flow has it)
 
     from vlm_caption import flows
     monkeypatch.setenv("PREFECT_API_URL", "http://elsewhere:4200/api")
