@@ -1,11 +1,14 @@
 """Engine ready with and without each vLLM start option, one fresh process per row: the product's
 engine arguments (tasks/engine/arguments.py) for a LLaVA checkpoint (the bench's `llava-7b`), then
-vLLM's AsyncLLM built as the flow builds it and one request answered. One JSON line per row:
-import_s (vLLM imported), build_s (from_engine_args until ready), first_s (one short request).
+vLLM's AsyncLLM built as the flow builds it and one request answered. Every variant runs once per
+round; round 1 builds each variant's compile cache (an option that changes the compiled graphs
+misses the cache once), the later rounds are the figures. One JSON line per row: import_s (vLLM
+imported), build_s (from_engine_args until ready), first_s (one short request), and the phases vLLM
+logs (weights, compile, profile and KV cache, graph capture).
 
-    python -m vlm_caption.bench.start_options <checkpoint>      # on a GPU host, after a bench made the checkpoint
+    python -m vlm_caption.bench.start_options <checkpoint> [rounds]   # on a GPU host
 """
-import json, subprocess, sys, time
+import json, re, subprocess, sys, time
 
 ROW = r'''
 import json, sys, time, asyncio
@@ -15,9 +18,12 @@ from vlm_caption.tasks.engine.arguments import EngineSpec, engine_plan
 from vlm_caption.tasks.engine import vllm_api
 import vllm  # noqa
 t1 = time.perf_counter()
-spec = EngineSpec.build(get_recipe("llava"), model=sys.argv[1])
-args, _ = engine_plan(spec, on_cpu=False)
-args.update(json.loads(sys.argv[2]))
+extra = json.loads(sys.argv[2])
+if extra.pop("vllm defaults", False):  # raw's engine: vLLM's own defaults, the model only
+    args = {"model": sys.argv[1]}
+else:
+    args, _ = engine_plan(EngineSpec.build(get_recipe("llava"), model=sys.argv[1]), on_cpu=False)
+args.update(extra)
 async def main():
     llm = vllm_api.build_async_engine(args)
     t2 = time.perf_counter()
@@ -32,16 +38,35 @@ print("ROW", json.dumps({"import_s": round(t1 - t0, 2), "build_s": round(t2 - t1
 '''
 VARIANTS = {
     "product defaults": {},
+    "vLLM defaults (raw's engine)": {"vllm defaults": True},
+    "skip_mm_profiling": {"skip_mm_profiling": True},
+    "safetensors_load_strategy=eager": {"safetensors_load_strategy": "eager"},
+    "max_cudagraph_capture_size=64 (a batch of 64 at most)": {"max_cudagraph_capture_size": 64},
     "mm_processor_cache_gb=0": {"mm_processor_cache_gb": 0},
-    "limit_mm_per_prompt image 1, video 0": {"limit_mm_per_prompt": {"image": 1, "video": 0}},
-    "max_cudagraph_capture_size=256": {"max_cudagraph_capture_size": 256},
 }
+# What vLLM logs about its own start, seconds each (vLLM 0.26's wording).
+PHASES = {
+    "weights_s": r"Loading weights took ([\d.]+) seconds",
+    "model_load_s": r"Model loading took [\d.]+ Gi?B(?: memory)? and ([\d.]+) seconds",
+    "compile_s": r"torch\.compile takes ([\d.]+) s in total",
+    "graphs_s": r"Graph capturing finished in ([\d.]+) secs",
+    "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) seconds",
+}
+
+def run_variant(model: str, extra: dict) -> dict:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", ROW, model, json.dumps(extra)], capture_output=True, text=True)
+    line = [l for l in done.stdout.splitlines() if l.startswith("ROW ")]
+    row = json.loads(line[0][4:]) if line else {"error": done.stderr[-800:]}
+    for name, pattern in PHASES.items():
+        found = re.findall(pattern, done.stderr + done.stdout)
+        if found:
+            row[name] = float(found[-1])
+    row["process_s"] = round(time.perf_counter() - started, 2)
+    return row
+
 if __name__ == "__main__":
-    model = sys.argv[1]
-    for name, extra in VARIANTS.items():
-        started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", ROW, model, json.dumps(extra)], capture_output=True, text=True)
-        line = [l for l in done.stdout.splitlines() if l.startswith("ROW ")]
-        row = json.loads(line[0][4:]) if line else {"error": done.stderr[-800:]}
-        row.update(variant=name, process_s=round(time.perf_counter() - started, 2))
-        print(json.dumps(row), flush=True)
+    model, rounds = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    for round_ in range(1, rounds + 1):
+        for name, extra in VARIANTS.items():
+            print(json.dumps({"round": round_, "variant": name, **run_variant(model, extra)}), flush=True)
