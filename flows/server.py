@@ -180,9 +180,10 @@ def _stop(server: subprocess.Popen) -> int:
             server.send_signal(sig)
             return server.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
-            continue
-        except KeyboardInterrupt:  # a second Ctrl-C: stop now
-            continue
+            if sig == signal.SIGINT:  # said, so that a pause of 30 s is not taken for a hang
+                print(f"the Prefect server did not stop within {wait_s} s: killing it", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, as asked
+            pass
     return server.wait()
 
 

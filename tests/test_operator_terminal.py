@@ -119,3 +119,33 @@ def test_a_run_whose_parameters_do_not_validate_gets_a_name_and_one_line(prefect
         run = client.read_flow_run(state.state_details.flow_run_id)
     assert run.name == f"llava · {tmp_path}"
     assert run.state.type.value == "FAILED" and run.state.message == "invalid job: output: empty location"
+
+
+class _DeafServer:
+    """A server process that does not end on SIGINT (stuck in its shutdown): only SIGKILL ends it."""
+
+    def __init__(self):
+        self.signals = []
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+    def wait(self, timeout=None):
+        import signal
+
+        if self.signals[-1] != signal.SIGKILL:
+            raise subprocess.TimeoutExpired("prefect server", timeout)
+        return -9
+
+
+def test_a_server_that_does_not_stop_is_killed_and_the_operator_told_why(capsys):
+    """`vlm-caption server` stopping: a server deaf to SIGINT is killed after its wait, and the
+    pause is explained on stderr rather than passed over in silence."""
+    import signal
+
+    from vlm_caption.flows import server
+
+    deaf = _DeafServer()
+    assert server._stop(deaf) == -9
+    assert deaf.signals == [signal.SIGINT, signal.SIGKILL]
+    assert capsys.readouterr().err == "the Prefect server did not stop within 30 s: killing it\n"
