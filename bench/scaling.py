@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import queue
@@ -35,7 +34,7 @@ from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.results.done_index import read_done_index
 from vlm_caption.tasks.results.layout import partition_parts_id, results_prefix
 from vlm_caption.tasks.results.writers import write_shard
-from vlm_caption.tasks.shard_plan import CHUNK_SHARDS, POLL_S, SharedListing
+from vlm_caption.tasks.shard_plan import POLL_S, SharedListing
 from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.items import Shard
 from vlm_caption.tasks.sources.s3_client import make_s3_client
@@ -53,7 +52,6 @@ class Scenario:
     depth: int = 2  # shards waiting in a partition's feed, claimed before its engine takes them
     end_poll_s: float = RETAKE_POLL_S  # how often a partition out of shards looks at the others' claims
     fails_after: dict[int, int] = field(default_factory=dict)  # partition -> shards its engine generates, then fails
-    spread: bool = False  # what-if: each partition takes each chunk of the plan from its own share on (`_spread`)
 
 
 # A run's buckets, the source's and its output's own (moto lists a prefix by walking its bucket's every key).
@@ -150,14 +148,6 @@ class StubEngine:
         self.writer.shutdown(wait=True)
 
 
-def _spread(listed, index: int, partitions: int):
-    """Each chunk of the plan from partition `index`'s share on: partitions short of shards try different
-    ones, where the product's all try the plan's first free shard (one wins; the others pay a lost claim)."""
-    listed = iter(listed)
-    while chunk := list(itertools.islice(listed, CHUNK_SHARDS)):
-        yield from chunk[index * len(chunk) // partitions:] + chunk[:index * len(chunk) // partitions]
-
-
 def _partition(index: int, partitions: int, scenario: Scenario, store: Store, client, requests: Requests,
                go: threading.Event, t0: list[float]) -> dict:
     """A partition as flows/pipeline.py drives one: its shards claimed from the plan as its feed
@@ -165,7 +155,7 @@ def _partition(index: int, partitions: int, scenario: Scenario, store: Store, cl
     out = S3Storage(store.out, "", client)
     source = SourceSpec(f"s3://{store.source}/", opened=S3Storage(store.source, "", client))
     go.wait()
-    with ShardClaims(out, store.run_id, index) as claims:
+    with ShardClaims(out, store.run_id, index, partitions=partitions) as claims:  # N: where its share of a chunk is
         engine = StubEngine(claims, scenario, store.run_id, t0[0])
         done = read_done_index(out, FINGERPRINT)
 
@@ -173,7 +163,7 @@ def _partition(index: int, partitions: int, scenario: Scenario, store: Store, cl
             out, store.run_id, claims, source, scenario.shard_size, None,
             lambda items: done.pending_mask(items, QUESTIONS), shards=shards).start()
         with contextlib.closing(plan()) as listing:
-            engine.take(claims.claimed(_spread(listing, index, partitions) if scenario.spread else listing))
+            engine.take(claims.claimed(listing))
         requests.phase = "end"
         while not engine.failed and (retaken := claims.retake()) is not None:
             if not retaken:
@@ -210,8 +200,10 @@ def run_partitions(scenario: Scenario, partitions: int, store: Store) -> dict:
 
 
 def predict(scenario: Scenario, shards: int, n: int, calibration: dict, latency_s: float) -> dict[str, float]:
-    """wall(N) = F + P(N) + H(N) + E + ceil(S/N) * s + T + W(N); H, the start's lost claims: all try
-    the plan's first free shard, one wins each round of a PUT, a GET and a LIST."""
+    """wall(N) = F + P(N) + H(N) + E + ceil(S/N) * s + T + W(N); H, the start's lost claims as
+    docs/operations.md has it: all try the plan's first free shard, one wins each round of a PUT, a
+    GET and a LIST. (Kept as it was, though partitions now take each chunk from their own share on,
+    tasks/claims.py: they still meet at a first chunk cut at one shard, and at their shares' ends.)"""
     return {"F_first_shard": calibration["first_s"], "P_plan_poll": POLL_S / 2 * (n - 1) / n,
             "H_start_lost_claims": (n - 1) / 2 * 3 * latency_s, "E_engine_start": scenario.start_s,
             "G_generate": math.ceil(shards / n) * scenario.shard_size / scenario.rate,
@@ -282,11 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", default="1,4,16", help="partition counts, the first calibrating (1,4,16)")
     for name in ("items", "shard_size", "rate", "start_s", "depth"):  # the Scenario's, its defaults
         parser.add_argument("--" + name.replace("_", "-"), type=type(value := getattr(Scenario, name)), default=value)
-    parser.add_argument("--spread", action="store_true", help="what-if: partitions take the plan's chunks from "
-                        "their own share on, not all from its first free shard (the product's claims)")
     parser.add_argument("--dir", help="where scaling.json and the moto server's log go (default: a new temp folder)")
     args = parser.parse_args(argv)
-    scenario = Scenario(args.items, args.shard_size, args.rate, args.start_s, args.depth, spread=args.spread)
+    scenario = Scenario(args.items, args.shard_size, args.rate, args.start_s, args.depth)
     (work := Path(args.dir or tempfile.mkdtemp(prefix="vlm-caption-scaling-"))).mkdir(parents=True, exist_ok=True)
     with loopback_s3(work):
         report = simulate(scenario, tuple(int(n) for n in args.partitions.split(",")))

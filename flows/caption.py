@@ -37,7 +37,7 @@ from vlm_caption.flows.partition_run import PartitionRun
 from vlm_caption.flows.pipeline import caption_shards
 from vlm_caption.flows.plan import RunPlan, build_engine_first, make_plan, start_engine_first, take_partition_cores
 from vlm_caption.flows.run_state import fail_run, on_run_failed, run_label, run_name_from
-from vlm_caption.tasks.claims import remove_claims
+from vlm_caption.tasks.claims import remove_claims, was_retaken
 from vlm_caption.tasks.concurrency import one_run_per_job
 from vlm_caption.tasks.engine.host_share import current_cpus, format_cpu_list
 from vlm_caption.tasks.engine.vllm_engine import discard_early_engine
@@ -47,7 +47,8 @@ from vlm_caption.tasks.observability import configure_logging, emit, get_logger,
 from vlm_caption.tasks.results.gallery import gallery_after_run
 from vlm_caption.tasks.results.parquet_view import export_after_run
 from vlm_caption.tasks.results.report import PartitionReport, RunStats
-from vlm_caption.tasks.results.writers import read_partition_reports, write_manifest, write_partition_report
+from vlm_caption.tasks.results.writers import (read_partition_reports, report_from_parts, write_manifest,
+                                               write_partition_report)
 from vlm_caption.tasks.sources.watermark import advance_watermark
 
 
@@ -237,11 +238,27 @@ def merge_children(run: PartitionRun, children, stats: RunStats) -> list[Partiti
     reports.update(taken_over)
     merged = []
     for child in children:
-        report = reports.get(child.index) or PartitionReport(index=child.index, flow_run_id=child.flow_run_id)
         if child.index in reports:
+            report = reports[child.index]
             report.state = states[child.index]
         else:  # no report: it died; what it had claimed and not finished was retaken
-            report.state = f"{states[child.index]} (no report; its unfinished shards were retaken)"
+            report = _written_by(run, child)
+            report.state = (f"{states[child.index]} (no report: counted from the {len(report.parts)} parts it "
+                            "wrote; its unfinished shards were retaken)")
         stats.absorb(report)
         merged.append(report)
     return merged
+
+
+def _written_by(run: PartitionRun, child) -> PartitionReport:
+    """What a child that died had written (its parts, read back), so that the manifest counts
+    every item captioned. Its results are whole without this: a failed read costs only the counts."""
+    try:
+        report = report_from_parts(run.output, run.fingerprint, run.run_id, child.index,
+                                   lambda shard: was_retaken(run.output, run.run_id, shard))
+    except Exception as exc:  # noqa: BLE001 - logged; the run's results do not depend on it
+        run.log.warning("the parts of a partition that left no report could not be counted", partition=child.index,
+                        error=f"{type(exc).__name__}: {exc}")
+        report = PartitionReport(index=child.index)
+    report.flow_run_id = child.flow_run_id
+    return report

@@ -42,7 +42,7 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | Non
     if run.partition is None:
         stats, engine = _caption(run, None)
         return stats, engine, None
-    with ShardClaims(run.output, run.run_id, run.partition.index) as claims:
+    with ShardClaims(run.output, run.run_id, run.partition.index, partitions=run.partition.count) as claims:
         stats, engine = _caption(run, claims)
         return stats, engine, {"shards": claims.taken, "retaken": claims.retaken}
 

@@ -5,8 +5,9 @@ shard's claim) and lists the source, leaving out what is already done, into numb
 (`plan/000000.jsonl`, ...: a header line, then one line per shard), each written as soon as it
 holds CHUNK_SHARDS shards or CHUNK_S has passed, then `plan/end.json`. Every partition, the
 lister included, reads the shards from those chunks as they appear and claims each before taking
-it (tasks/claims.py), so the first shard starts while the listing goes on, a partition that
-starts late reads the plan instead of listing again, and the source is listed once per run.
+it, each chunk's from its own share of it on (tasks/claims.py, `own_share_first`), so the
+first shard starts while the listing goes on, a partition that starts late reads the plan
+instead of listing again, and the source is listed once per run.
 
 A chunk's header says how many items were listed through it and how many of them were already
 done; the lister's partition counts those (its report), so the run's counts add up once. A
@@ -176,7 +177,7 @@ class SharedListing:
                 header, shards = self._read(chunk)
                 if header["owner"] == self.claims.owner and header["done"] and self.shards == "originals":
                     yield AlreadyDone(header["done"])
-                for shard in shards:
+                for shard in self.claims.own_share_first(shards):  # partitions spread over the chunk
                     if self.shards == "all" or (shard.index in self.copy_shards) == (self.shards == "copies"):
                         yield shard
                 chunk += 1

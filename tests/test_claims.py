@@ -299,3 +299,34 @@ def test_a_finished_runs_claims_are_removed(store, planned_source):
                                                                              "claims/run8/alive-p0.json"]
     if isinstance(store, LocalStorage):
         assert not (store.root / "claims" / "run7").exists()
+
+
+def test_partitions_claim_each_chunk_of_the_plan_from_their_own_share_on(tmp_path, planned_source, monkeypatch):
+    """Four partitions take turns at the same plan (48 shards, three chunks of 16) on a folder:
+    each shard is won once; each partition's first shard is the first of its own quarter of the
+    first chunk, not the plan's first free shard for all; and a claim is lost only where a
+    partition has run through its share of a chunk into another's (once a chunk each), not at
+    nearly every turn."""
+    import vlm_caption.tasks.shard_plan as shard_plan
+
+    monkeypatch.setattr(shard_plan, "CHUNK_S", 3600.0)  # chunks cut at CHUNK_SHARDS (16) only, however slow the listing
+    store = LocalStorage(tmp_path / "out", create=True)
+    _, spec = planned_source(48 * 8)
+    everything = lambda items: [True] * len(items)  # noqa: E731
+    partitions = [ShardClaims(store, "run9", i, partitions=4) for i in range(4)]
+    plan = lambda claims: shard_plan.SharedListing(store, "run9", claims, spec, 8, None, everything)  # noqa: E731
+    list(plan(partitions[0]).start())  # the plan listed whole before the claims begin
+    lost, create = [], store.create
+    store.create = lambda key, data: create(key, data) or lost.append(key)  # a claim lost: None
+    turns = {claims.partition: claims.claimed(plan(claims).start()) for claims in partitions}
+    won: dict[int, list[int]] = {index: [] for index in turns}
+    while turns:
+        for index, turn in list(turns.items()):
+            if (shard := next(turn, None)) is None:
+                del turns[index]
+            else:
+                won[index].append(shard.index)
+    assert sorted(shard for shards in won.values() for shard in shards) == list(range(48))  # each once
+    assert [won[i][0] for i in range(4)] == [0, 4, 8, 12], won
+    shard_claims_lost = [key for key in lost if "/plan/" not in key]  # (not the plan's lister, taken)
+    assert len(shard_claims_lost) <= 4 * 3, shard_claims_lost

@@ -1,7 +1,7 @@
 """Fan-out with fewer live workers than partitions: a child that no worker has started is
 claimed by the parent (the same PENDING claim a worker makes, so never both) and captioned on
 the parent's engine. With no worker at all besides the parent, `fan_out=3` still completes,
-every object once."""
+every object once. A child that died left no report: the manifest counts what it wrote."""
 
 from __future__ import annotations
 
@@ -107,3 +107,42 @@ def test_a_parent_that_fails_calls_off_the_children_no_worker_started(idle_parti
     called_off = [r for r in runs if r.state and r.state.message == CALLED_OFF
                   and (r.parameters.get("job") or {}).get("output") == str(tmp_path / "out")]
     assert len(called_off) == 2 and all(r.state.is_cancelled() for r in called_off)
+
+
+def test_the_manifest_counts_what_a_child_that_left_no_report_had_written(tmp_path, monkeypatch):
+    """Child 2 was killed after writing two shards' parts: shard 3's done mark landed, shard 5's
+    did not (it was retaken; the retaker found its items done and listed them). Its records count
+    as processed, shard 3's items as listed, and its parts are the run's (the Parquet view's)."""
+    from types import SimpleNamespace
+
+    from vlm_caption.flows import caption as caption_flow
+    from vlm_caption.tasks.observability import get_logger
+    from vlm_caption.tasks.records import ResultRecord
+    from vlm_caption.tasks.results.layout import partition_parts_id
+    from vlm_caption.tasks.results.report import PartitionReport, RunStats
+    from vlm_caption.tasks.results.writers import read_partition_reports, write_partition_report, write_shard_once
+    from vlm_caption.tasks.sources.storage import LocalStorage
+
+    out = LocalStorage(tmp_path / "out", create=True)
+    write_partition_report.fn(out, "run1", PartitionReport(index=1, listed=4, processed=4, succeeded=4))
+
+    def record(key: str, error: dict | None = None) -> ResultRecord:
+        return ResultRecord(key=key, size=1, etag="e", sha256=None, recipe="r", model="m", question="q", prompt=None,
+                            text=None if error else "a caption", finish_reason="stop", error=error, timings={},
+                            fingerprint="fp", run_id=partition_parts_id("run1", 2))
+
+    failed = {"kind": "decode", "message": "not an image", "retryable": False}
+    write_shard_once(out, "fp", partition_parts_id("run1", 2), 3, [record("c.jpg"), record("d.jpg", failed)],
+                     "claims/run1/000003.done")
+    write_shard_once(out, "fp", partition_parts_id("run1", 2), 5, [record("e.jpg"), record("f.jpg")])
+    out.write("claims/run1/000005.r1", b"{}")
+    monkeypatch.setattr(caption_flow, "wait_for_children", lambda children, run_here: {1: "COMPLETED", 2: "CRASHED"})
+    monkeypatch.setattr(caption_flow, "read_partition_reports", read_partition_reports.fn)
+    run = SimpleNamespace(output=out, run_id="run1", fingerprint="fp", log=get_logger())
+    stats = RunStats()
+    merged = caption_flow.merge_children(run, [ChildRun(1, "flow-1", "c1"), ChildRun(2, "flow-2", "c2")], stats)
+
+    assert (stats.processed, stats.succeeded, stats.failed, stats.listed) == (4 + 4, 4 + 3, 1, 4 + 2)
+    dead = merged[1]
+    assert "no report" in dead.state and dead.flow_run_id == "flow-2" and len(dead.parts) == 2
+    assert sorted(stats.parts) == sorted(dead.parts) and stats.failures_by_kind == {"decode": 1}

@@ -326,6 +326,8 @@ def test_parent_and_partitions_on_separate_hosts_share_only_the_bucket_and_the_a
     assert sorted(partitions) == [0, 1, 2]
     assert sum(p["retaken"] for i, p in partitions.items() if i != victim) >= len(left), partitions
     assert "no report" in partitions[victim]["state"], partitions[victim]
+    # What the killed host wrote is counted from its parts: the manifest says every item captioned once.
+    assert manifest["counts"]["processed"] == ITEMS, (manifest["counts"], partitions[victim])
     print(f"separate hosts: p{victim} killed on {killed.name} holding shards {sorted(held)}, of which "
           f"{sorted(left)} unfinished; retaken: {[(i, p['retaken']) for i, p in sorted(partitions.items())]}; "
           f"manifest counts {manifest['counts']['processed']} processed of {ITEMS}; folders hidden: {can_hide()}")

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect import task
@@ -19,10 +20,12 @@ from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.errors import OutOfSpaceError
 from vlm_caption.tasks.results.done_index import index_rows, sidecar_bytes, sidecar_key
-from vlm_caption.tasks.results.layout import manifest_key, part_key, partition_report_key, run_of
+from vlm_caption.tasks.results.done_rows import parse_records, read_part_lines
+from vlm_caption.tasks.results.layout import (manifest_key, part_key, part_prefix, partition_parts_id,
+                                              partition_report_key, run_of)
 from vlm_caption.tasks.results.parquet_view import owe_view
 from vlm_caption.tasks.records import ResultRecord
-from vlm_caption.tasks.results.report import PartitionReport
+from vlm_caption.tasks.results.report import PartitionReport, RunStats
 from vlm_caption.tasks.results.writing_log import after_part, before_part
 from vlm_caption.tasks.retries import Retries
 from vlm_caption.tasks.sources.storage import Storage
@@ -126,3 +129,21 @@ def read_partition_reports(out: Storage, run_id: str, indexes: list[int]) -> dic
     """The reports the children wrote; a child that died before writing one is simply absent."""
     return {index: PartitionReport.model_validate_json(out.read(partition_report_key(run_id, index)))
             for index in indexes if out.exists(partition_report_key(run_id, index))}
+
+
+def report_from_parts(out: Storage, fingerprint: str, run_id: str, index: int,
+                      retaken: Callable[[int], bool]) -> PartitionReport:
+    """The counts of partition `index`, which left no report (it died), from the parts it wrote:
+    one listing of its own parts' prefix and a read of each, done only for such a partition. Its
+    records count as processed; a part's items as listed unless `retaken(shard)` (the partition
+    that retook the shard listed them: it found them done, on the done-index). What it skipped
+    as already done, and its engine's time, are not in its parts: they stay out of the counts."""
+    stats, prefix = RunStats(), part_prefix(fingerprint, partition_parts_id(run_id, index))
+    for ref in out.iter_objects(prefix=prefix):
+        if not ref.key.endswith(".jsonl"):
+            continue
+        records, _ = parse_records(read_part_lines(out, ref.key))
+        shard = int(ref.key[len(prefix):].removesuffix(".jsonl"))
+        stats.add(0 if retaken(shard) else len({record.key for record in records}), 0, records)
+        stats.parts.append(out.describe(ref.key))
+    return stats.report(index, None)
