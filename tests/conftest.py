@@ -185,7 +185,7 @@ def prefect_api():
     """A real, temporary Prefect API (SQLite) for the whole session."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=600):  # a bound for a hung start, not a speed
         yield
 
 
@@ -199,16 +199,18 @@ def s3_endpoint():
     url = f"http://127.0.0.1:{port}"
     # stopped however the session ends (issue 68: no server left running after a failed test)
     with started([sys.executable, "-m", "vlm_caption.bench.loopback_s3", "-H", "127.0.0.1", "-p", str(port)],
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
-        deadline = time.time() + 30
-        while time.time() < deadline:
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as moto:
+        # Waited for until it answers or ends, not for a fixed 30 s: on a loaded machine its imports
+        # alone took longer, and this session-wide fixture's error then failed every S3 test after it.
+        deadline = time.time() + 600
+        while time.time() < deadline and moto.poll() is None:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                 break
             except OSError:
                 time.sleep(0.2)
         else:
-            raise RuntimeError("moto server did not start")
+            raise RuntimeError(f"moto server did not start (exit code {moto.poll()})")
         env = {
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1", "VLM_CAPTION_S3_ENDPOINT_URL": url,

@@ -181,7 +181,7 @@ def test_the_readme_operate_block_as_pasted_by_a_newcomer(operator):
     # The README's way to stop them: nothing of theirs is left, the port is free again.
     assert operator.type("kill %1\n") == 0
     assert operator.type("uv run vlm-caption server --stop\n") == 0, operator.tail()
-    deadline = time.time() + 60
+    deadline = time.time() + 300  # processes ending slowly on a loaded machine are not left behind
     while started_by(operator.home, operator.shell.pid) and time.time() < deadline:
         time.sleep(1)
     left = started_by(operator.home, operator.shell.pid)
