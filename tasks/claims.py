@@ -179,7 +179,7 @@ class ShardClaims:
         self.out.write(self.done_key(index), b"")
 
     def _claim_key(self, index: int, generation: int) -> str:
-        return f"{self.prefix}{index:06d}" + (f".r{generation}" if generation else "")
+        return claim_key(self.run_id, index, generation)
 
     def _check_same_shard(self, shard: Shard, mine: dict) -> None:
         try:
@@ -252,10 +252,15 @@ class ShardClaims:
         return retaken
 
 
+def claim_key(run_id: str, index: int, generation: int) -> str:
+    """Shard `index`'s claim: generation 0 the first, N its Nth retake (`.rN`)."""
+    return f"{claims_prefix(run_id)}{index:06d}" + (f".r{generation}" if generation else "")
+
+
 def was_retaken(out: Storage, run_id: str, index: int) -> bool:
     """Shard `index` was claimed again (`.r1`) from a partition that was gone: its retaker counted
     its items (flows/caption.py counts a dead partition's parts, the others' from its report)."""
-    return out.exists(f"{claims_prefix(run_id)}{index:06d}.r1")
+    return out.exists(claim_key(run_id, index, 1))
 
 
 def remove_claims(out: Storage, run_id: str) -> int:
