@@ -1,7 +1,7 @@
 """A run's plan: the job resolved once, at the run's start, and handed down.
 
 `make_plan(job)` is the pre-flight. It checks everything that needs no engine (remote code, the
-engine arguments, the source, the output and that a fan-out's partitions all reach it, the model)
+engine arguments, the source, the output and that a fan-out's partitions all reach both, the model)
 and fails with every problem at once, one line each (`PreflightError`); otherwise it returns a
 `RunPlan`: the job with its source format and Parquet column resolved, the recipe object (the job
 found it by name when it was made), the engine to build (`EngineSpec`: the recipe's engine
@@ -75,9 +75,10 @@ def make_plan(job: CaptionJob) -> RunPlan:
     recipe = job.resolved_recipe
     engine = check(lambda: engine_spec(job))  # refuses remote code the job did not allow
     check(lambda: check_engine_overrides(job.engine_overrides))
-    resolved, source = check(lambda: resolve_source(job)) or (None, None)
-    # A fan-out's other partitions write there too: a local folder must be one they see.
-    output = check(lambda: check_output(job.output, job.partition_deployment if job.fan_out > 1 else None))
+    # A fan-out's other partitions read the source and write the output too: a local folder must be one they see.
+    partitions_on = job.partition_deployment if job.fan_out > 1 else None
+    resolved, source = check(lambda: resolve_source(job, partitions_on)) or (None, None)
+    output = check(lambda: check_output(job.output, partitions_on))
     if not job.skip_model_check:  # the job's model, or the recipe's for its modality, loads and fits the recipe
         check(lambda: check_model(recipe, job.modality, job.model, revision=job.engine_overrides.get("revision")))
     if len(problems) == 1:

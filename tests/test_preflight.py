@@ -271,7 +271,7 @@ def test_a_modality_the_source_does_not_hold_is_said_with_every_other_problem(tm
     assert make_plan(job).job.modality == "image"
 
 
-# ---- a fan-out whose output is a local folder ------------------------------------------------
+# ---- a fan-out whose source or output is a local folder ----------------------------------------
 class PoolReads:
     """Prefect's client as the pre-flight reads it (the partition deployment, then its work pool),
     answering with Prefect's own objects; the reads counted."""
@@ -324,8 +324,9 @@ def test_a_local_output_for_partitions_in_containers_is_one_line_before_anything
                                                                                         capsys, api_url):
     """A fan-out's partitions claim shards and write results in its output: a folder on the
     parent's disk is not there for partitions that a Kubernetes (or Docker, ...) worker starts in
-    containers of their own. The pre-flight reads the partition deployment's pool (two reads, only
-    for a local output with fan_out > 1) and refuses the job in one line, exit 2."""
+    containers of their own. The pre-flight reads the partition deployment's pool (two reads for
+    each local folder, only with fan_out > 1) and refuses the job in one line, exit 2; beside the
+    local source's line (the next test), one line each."""
     import prefect.client.orchestration
 
     from vlm_caption.flows.cli import report_user_error
@@ -333,11 +334,12 @@ def test_a_local_output_for_partitions_in_containers_is_one_line_before_anything
 
     reads = PoolReads("kubernetes")
     monkeypatch.setattr(prefect.client.orchestration, "get_client", reads)
-    with pytest.raises(StorageError) as raised:
+    with pytest.raises(PreflightError) as raised:
         make_plan(_fan_out_job(tmp_path))
-    assert reads.reads == ["vlm-caption/partition", "gpus"]
+    assert reads.reads == ["vlm-caption/partition", "gpus"] * 2  # the source's, then the output's
     assert report_user_error(raised.value) == 2
-    (line,) = capsys.readouterr().err.splitlines()
+    source_line, line = capsys.readouterr().err.splitlines()
+    assert source_line.startswith(f"vlm-caption: error: {tmp_path / 'photos'}: a local source folder cannot be read ")
     assert line == (f"vlm-caption: error: {tmp_path / 'out'}: a local output folder cannot be shared by a fan-out's "
                     "partitions, which 'vlm-caption/partition' runs in containers of their own (work pool 'gpus', "
                     "type kubernetes): write to s3://, or set fan_out=1")
@@ -345,8 +347,47 @@ def test_a_local_output_for_partitions_in_containers_is_one_line_before_anything
 
     with pytest.raises(PreflightError) as both:  # with every other problem, one line each
         make_plan(_fan_out_job(tmp_path, source=str(tmp_path / "nope")))
-    source, output = both.value.problems
+    source, output = both.value.problems  # a source that is not there says so (not where it is)
     assert "no such folder" in source and output == line.removeprefix("vlm-caption: error: ")
+
+
+def test_a_local_source_for_partitions_in_containers_is_one_line_and_kept_for_a_process_pool(tmp_path, monkeypatch,
+                                                                                             capsys, api_url):
+    """A fan-out's partitions read the media themselves: a source on the parent's disk (a folder,
+    or a manifest, tar or Parquet file, by its path or a file:// URI) is not there for partitions
+    in containers of their own. The pre-flight refuses it in one line, exit 2, as it does a local
+    output; a process pool's partitions, or a run that does not fan out, read it."""
+    import prefect.client.orchestration
+
+    from vlm_caption.flows.cli import report_user_error
+    from vlm_caption.flows.plan import make_plan
+    from vlm_caption.tasks.sources.preflight import resolve_source
+
+    import tarfile
+
+    photos = _fan_out_job(tmp_path).source
+    (tmp_path / "jobs.jsonl").write_text('{"id": "a", "media": ["photos/a.jpg"]}\n')
+    with tarfile.open(tmp_path / "shard-000.tar", "w") as tar:
+        tar.add(f"{photos}/a.jpg", arcname="a.jpg")
+    containers = PoolReads("docker")
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", containers)
+    for source in (photos, f"file://{photos}", str(tmp_path / "jobs.jsonl"), str(tmp_path / "shard-000.tar")):
+        where = {"source": None, "manifest": source} if source.endswith(".jsonl") else {"source": source}
+        with pytest.raises(StorageError) as raised:
+            resolve_source(_fan_out_job(tmp_path, **where), "vlm-caption/partition")
+        assert report_user_error(raised.value) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line == (f"vlm-caption: error: {source}: a local source folder cannot be read by a fan-out's "
+                        "partitions, which 'vlm-caption/partition' runs in containers of their own (work pool "
+                        "'gpus', type docker): read from s3://, or set fan_out=1")
+    assert containers.reads == ["vlm-caption/partition", "gpus"] * 4
+    assert make_plan(_fan_out_job(tmp_path, fan_out=1)).job.fan_out == 1  # nothing read: no partitions
+    assert containers.reads == ["vlm-caption/partition", "gpus"] * 4
+
+    process = PoolReads("process")
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", process)
+    _, spec = resolve_source(_fan_out_job(tmp_path), "vlm-caption/partition")
+    assert spec.uri == photos and process.reads == ["vlm-caption/partition", "gpus"]
 
 
 def test_a_local_output_is_kept_for_a_process_pool_a_single_run_or_no_api(tmp_path, monkeypatch, api_url):
@@ -362,7 +403,7 @@ def test_a_local_output_is_kept_for_a_process_pool_a_single_run_or_no_api(tmp_pa
     process = PoolReads("process")
     monkeypatch.setattr(prefect.client.orchestration, "get_client", process)
     assert make_plan(_fan_out_job(tmp_path)).job.fan_out == 4
-    assert process.reads == ["vlm-caption/partition", "gpus"]
+    assert process.reads == ["vlm-caption/partition", "gpus"] * 2  # the local source's, then the output's
 
     containers = PoolReads("docker")
     monkeypatch.setattr(prefect.client.orchestration, "get_client", containers)

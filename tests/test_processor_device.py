@@ -65,23 +65,6 @@ def test_a_fixed_kv_cache_smaller_than_the_processors_share_is_refused_up_front(
     assert engine_plan(on_cpu, on_cpu=False)[1].device == "cpu"
 
 
-def test_on_a_gpu_fewer_cuda_graphs_are_captured_unless_the_job_chose_them(monkeypatch):
-    monkeypatch.setattr(arguments, "_cuda_present", lambda: True)
-    args, _ = engine_plan(EngineSpec.build(get_recipe("llava"), model="/none"), on_cpu=False)
-    sizes = args["cudagraph_capture_sizes"]
-    assert len(sizes) == 28 and sizes[-1] == 512  # vLLM's default: 51 sizes to 512
-    # a batch is padded to the next size: by 16 sequences at most to 256, by 32 above (12%)
-    assert all(later - earlier <= (16 if later <= 256 else 32) for earlier, later in zip(sizes, sizes[1:]))
-    small = EngineSpec.build(get_recipe("llava"), model="/none", engine_overrides={"max_num_seqs": 24})
-    assert engine_plan(small, on_cpu=False)[0]["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 32, 48]
-    for chosen in ({"max_cudagraph_capture_size": 64}, {"cudagraph_capture_sizes": [8]}, {"enforce_eager": True},
-                   {"compilation_config": {"cudagraph_capture_sizes": [4]}}):
-        args, _ = engine_plan(EngineSpec.build(get_recipe("llava"), model="/none", engine_overrides=chosen), on_cpu=False)
-        assert args.get("cudagraph_capture_sizes") == chosen.get("cudagraph_capture_sizes")
-    assert "cudagraph_capture_sizes" not in engine_plan(EngineSpec.build(get_recipe("idefics3"), model="/none"),
-                                                        on_cpu=False)[0]  # the recipe runs eager
-
-
 def test_on_cpu_nothing_changes():
     args, placement = engine_plan(EngineSpec.build(get_recipe("qwen2_vl"), model="/none"), on_cpu=True)
     assert placement.device == "cpu" and placement.reason == "no GPU on this machine"

@@ -114,8 +114,6 @@ def engine_plan(spec: EngineSpec, *, on_cpu: bool) -> tuple[dict[str, Any], Proc
     apply_placement(args, placement)
     if on_cpu:
         _size_cpu_kv_cache(args)
-    else:
-        _fewer_cuda_graphs(args)
     limit = checkpoint_context_limit(args["model"], bool(args.get("trust_remote_code")))
     if limit and args.get("max_model_len") and args["max_model_len"] > limit:
         args["max_model_len"] = limit
@@ -141,24 +139,6 @@ def _cuda_present() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda_alike()
-
-
-# vLLM captures a CUDA graph for each of 51 batch sizes by default (every 8 to 256, every 16 to
-# 512): about 7 s of a 7B engine's 40 s start on an H200 (docs/benchmarks.md, start options).
-# Every 16 to 256 and every 32 to 512 is 28 sizes: a step is padded to the next size, by at most
-# 16 sequences up to 256 and 32 above (12% of a batch past 256).
-CUDA_GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32))
-
-
-def _fewer_cuda_graphs(args: dict[str, Any]) -> None:
-    """Capture CUDA graphs for `CUDA_GRAPH_SIZES` up to vLLM's own bound (twice the batch, at
-    most 512), unless the caller chose the graphs or turned them off. A graph replays the same
-    kernels as the eager step, so no caption changes."""
-    chosen = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "compilation_config")
-    if args.get("enforce_eager") or any(args.get(key) is not None for key in chosen):
-        return
-    bound = min(2 * args["max_num_seqs"], 512) if args.get("max_num_seqs") else 512
-    args["cudagraph_capture_sizes"] = [size for size in CUDA_GRAPH_SIZES if size <= bound]
 
 
 CPU_KV_CACHE_GIB = 2

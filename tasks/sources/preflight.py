@@ -1,8 +1,8 @@
 """Check the job's locations before any engine starts: the source through its reader's `check`
 (one page listed, or the file found; `tasks/sources/reader.py`) and the output, where a small
-object is written then deleted (and, for a fan-out, that a local folder is one its partitions
-see). A mistake then costs seconds, not an engine start, and leaves nothing behind; the message
-says what to do."""
+object is written then deleted (and, for a fan-out, that a local source or output is one its
+partitions see). A mistake then costs seconds, not an engine start, and leaves nothing behind;
+the message says what to do."""
 
 from __future__ import annotations
 
@@ -56,11 +56,12 @@ def _explain(uri: str, doing: str, exc: Exception) -> str:
     return f"{uri}: failed while {doing}: {name}: {exc}"
 
 
-def resolve_source(job) -> tuple[Any, SourceSpec]:
+def resolve_source(job, partitions_on: str | None = None) -> tuple[Any, SourceSpec]:
     """The job (a CaptionJob) with `source_format: auto` resolved and what its reader's check
     settled (a Parquet column, an inventory's newest report) written back, and the source's spec
     with its storage opened: every partition then reads it the same way, and a wrong location or
-    column is one message that says what to change."""
+    column is one message that says what to change. `partitions_on`: the deployment that runs a
+    fanned-out run's other partitions, which read a local source too (`check_shared_folder`)."""
     from vlm_caption.tasks.sources.registry import detect_format, reader_class
     from vlm_caption.tasks.sources.watermark import resolve_modified_since
 
@@ -75,6 +76,8 @@ def resolve_source(job) -> tuple[Any, SourceSpec]:
               "modified_since": resolve_modified_since(job.modified_since)}  # a duration: one time for all
     if job.manifest is None:
         update["source"] = spec.where  # an inventory's report named once (the newest under a folder)
+    if partitions_on is not None and _is_local(spec.where):  # a folder, or a manifest, tar or Parquet file
+        check_shared_folder(spec.where, partitions_on, "source")
     return job.model_copy(update=update), spec
 
 
@@ -95,25 +98,29 @@ def check_output(uri: str, partitions_on: str | None = None) -> Storage:
                 with contextlib.suppress(OSError):
                     folder.rmdir()
     if partitions_on is not None and isinstance(out, LocalStorage):
-        check_shared_folder(uri, partitions_on)
+        check_shared_folder(uri, partitions_on, "output")
     return out
 
 
 # A process worker runs each flow run on its own host, which may share a folder with the parent's
 # (one host, or a network file system); any other pool type runs each in a container of its own.
 HOST_POOL_TYPES = {"process"}
+# What a fan-out's partitions do with a local folder, by what it is for, and where to do it instead.
+SHARED_USES = {"output": ("shared", "write to s3://"), "source": ("read", "read from s3://")}
 
 
-def check_shared_folder(uri: str, deployment: str) -> None:
-    """The partitions of a fan-out coordinate in its output (tasks/claims.py), so a local folder
-    serves only partitions that see it: one whose partitions run on a pool of containers
-    (Kubernetes, Docker, ECS, ...) is refused before anything starts. A process pool's workers
-    must share the folder at the same path (docs/operations.md, "Fan-out over several GPUs")."""
+def check_shared_folder(uri: str, deployment: str, what: str) -> None:
+    """The partitions of a fan-out read its source and coordinate in its output (tasks/claims.py),
+    so a local folder (`what`: "source" or "output") serves only partitions that see it: one whose
+    partitions run on a pool of containers (Kubernetes, Docker, ECS, ...) is refused before
+    anything starts. A process pool's workers must see the folder at the same path
+    (docs/operations.md, "Fan-out over several GPUs")."""
     pool = partition_pool(deployment)
     if pool is not None and pool[1] not in HOST_POOL_TYPES:
+        done, instead = SHARED_USES[what]
         raise StorageError(
-            f"{uri}: a local output folder cannot be shared by a fan-out's partitions, which {deployment!r} runs "
-            f"in containers of their own (work pool {pool[0]!r}, type {pool[1]}): write to s3://, or set fan_out=1")
+            f"{uri}: a local {what} folder cannot be {done} by a fan-out's partitions, which {deployment!r} runs "
+            f"in containers of their own (work pool {pool[0]!r}, type {pool[1]}): {instead}, or set fan_out=1")
 
 
 def partition_pool(deployment: str) -> tuple[str, str] | None:
@@ -141,7 +148,7 @@ def partition_pool(deployment: str) -> tuple[str, str] | None:
 
 def _folders_to_make(uri: str) -> list[Path]:
     """A local output's folders that do not exist yet, deepest first (none for S3)."""
-    if "://" in uri and not uri.startswith("file://"):
+    if not _is_local(uri):
         return []
     path = Path(uri.removeprefix("file://")).expanduser().absolute()
     missing = []
@@ -149,3 +156,8 @@ def _folders_to_make(uri: str) -> list[Path]:
         missing.append(path)
         path = path.parent
     return missing
+
+
+def _is_local(uri: str) -> bool:
+    """A plain path or a file:// URI (a location of any other scheme is S3's or refused)."""
+    return "://" not in uri or uri.startswith("file://")
