@@ -191,7 +191,8 @@ def build_checkpoint(work: Path, recipe: str, shape: str) -> str:
         raise SystemExit(f"the bench builds random-weight checkpoints for {known}; "
                          f"give --model for recipe {recipe!r} with shape {shape!r}")
     builder, path = CHECKPOINTS[recipe][0], work / f"{recipe}-{shape}"
-    code = f"from vlm_caption.tasks.tiny_checkpoint import {builder}; {builder}({str(path)!r}, shape={shape!r})"
+    module = "tasks.tiny_checkpoint" if recipe == "llava" else "bench.checkpoints"
+    code = f"from vlm_caption.{module} import {builder}; {builder}({str(path)!r}, shape={shape!r})"
     subprocess.run([sys.executable, "-c", code], check=True)
     return str(path)
 

@@ -26,8 +26,8 @@ BUILDERS: dict[str, str] = {
     "cohere2_vision": "tests.tiny_llava_family:build_tiny_cohere2_vision",
     "rvl": "tests.tiny_llava_family:build_tiny_rvl",
     # Qwen-VL and GLM-V (tests/tiny_qwen_family.py)
-    "qwen2_vl": "vlm_caption.tasks.tiny_checkpoint:build_tiny_qwen2_vl",
-    "qwen2_5_vl": "vlm_caption.tasks.tiny_checkpoint:build_tiny_qwen2_5_vl",
+    "qwen2_vl": "vlm_caption.bench.checkpoints:build_tiny_qwen2_vl",
+    "qwen2_5_vl": "vlm_caption.bench.checkpoints:build_tiny_qwen2_5_vl",
     "qwen3_vl": "tests.tiny_qwen_family:build_tiny_qwen3_vl",
     "qwen3_vl_moe": "tests.tiny_qwen_family:build_tiny_qwen3_vl_moe",
     "qwen2_5_omni": "tests.tiny_qwen_family:build_tiny_qwen2_5_omni",

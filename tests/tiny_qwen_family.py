@@ -3,7 +3,7 @@
 Qwen3-VL (dense and MoE), the Qwen2.5-Omni thinker, Tarsier2 (Qwen2-VL inside), GLM-4.1V and
 GLM-4.5V (bf16 and block-wise FP8). Widths and depths are tiny; the processor configs are the real
 models' (patch 14/16, merge 2, the same pixel budgets), so the recipes' `mm_processor_kwargs` mean
-what they mean on the real checkpoints. Qwen2-VL / Qwen2.5-VL live in tasks/tiny_checkpoint.py.
+what they mean on the real checkpoints. Qwen2-VL / Qwen2.5-VL live in bench/checkpoints.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vlm_caption.tasks.tiny_checkpoint import (QWEN2_VL_CHAT_TEMPLATE, QWEN2_VL_SPECIALS, build_tiny_qwen_vl,
-                                   save_fast_tokenizer, train_tokenizer)
+from vlm_caption.bench.checkpoints import QWEN2_VL_CHAT_TEMPLATE, QWEN2_VL_SPECIALS, build_tiny_qwen_vl
+from vlm_caption.tasks.tiny_checkpoint import save_fast_tokenizer, train_tokenizer
 
 MARKER = "TINY_RANDOM_WEIGHTS"
 # Text widths every builder shares: vLLM's CPU attention needs head_dim 64 (or 128); 2 layers.
