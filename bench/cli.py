@@ -78,7 +78,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the flow once more with these settings, e.g. VLM_CAPTION_PREPARE_AHEAD=4")
     parser.add_argument("--fan-out-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                         help="with --gpus N: run the fan-out once more with these settings in the run's and its "
-                        "workers' environment, e.g. VLM_CAPTION_CPU_SHARE=all")
+                        "workers' environment, e.g. VLM_CAPTION_PREPARE_AHEAD=4")
     parser.add_argument("--profile", action="store_true",
                         help="record what holds the GIL in the flow's process and its children: the engine "
                         "core, the pools (py-spy must be installed)")

@@ -103,7 +103,7 @@ def raw_slice(items: list, index: int, count: int) -> list:
 def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, limit: int | None = None) -> dict[str, Any]:
     started = _process_started()
     from vlm_caption.flows.params import CaptionJob
-    from vlm_caption.flows.plan import make_plan, start_engine_first, take_partition_cores
+    from vlm_caption.flows.plan import make_plan, start_engine_first
 
     source, output = str(folder), str(Path(cfg.workdir) / f"out-{int(time.time())}")
     if cfg.source == "s3":  # uploaded by the driver (bench/harness.py, s3_source)
@@ -115,8 +115,7 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, lim
                      modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE, follow_links=True,
                      sampling=cfg.sampling(), fan_out=fan_out, processor_device=cfg.processor_device,
                      json_schema=cfg.structured(), limit=limit)
-    plan = make_plan(job)  # as `vlm-caption run` does: the plan, the cores, vLLM's import, the engine, then Prefect
-    take_partition_cores(job)
+    plan = make_plan(job)  # as `vlm-caption run` does: the plan, vLLM's import, the engine, then Prefect
     start_engine_first(plan)  # a fan-out's parent: its flow asks for its children first
     from vlm_caption.tasks.engine.engine_process import wait_for_engine_process
 

@@ -35,11 +35,10 @@ from vlm_caption.flows.head_start import settle_head_start
 from vlm_caption.flows.params import CaptionJob, Partition
 from vlm_caption.flows.partition_run import PartitionRun
 from vlm_caption.flows.pipeline import caption_shards
-from vlm_caption.flows.plan import RunPlan, build_engine_first, make_plan, start_engine_first, take_partition_cores
+from vlm_caption.flows.plan import RunPlan, build_engine_first, make_plan, start_engine_first
 from vlm_caption.flows.run_state import fail_run, on_run_failed, run_label, run_name_from
 from vlm_caption.tasks.claims import remove_claims, was_retaken
 from vlm_caption.tasks.concurrency import one_run_per_job
-from vlm_caption.tasks.engine.host_share import current_cpus, format_cpu_list
 from vlm_caption.tasks.engine.vllm_engine import discard_early_engine
 from vlm_caption.tasks.errors import UserError
 from vlm_caption.tasks.fanout import CALLED_OFF, ChildrenOnWork, start_children, wait_for_children, wait_for_orphans
@@ -67,14 +66,15 @@ def _run_id() -> str:
 
 
 def _where() -> dict:
-    """Which worker, host and GPU ran this partition (shown in the manifest), and when its run was
-    asked for and its process began: with the engine's build and ready times, how a partition's
-    start splits between the worker, Prefect and the engine."""
+    """Which worker, host, GPU and how many cores ran this partition (shown in the manifest), and
+    when its run was asked for and its process began: with the engine's build and ready times, how
+    a partition's start splits between the worker, Prefect and the engine."""
     import psutil
 
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: no affinity
     return {"flow_run_id": str(flow_run.id) if flow_run.id else None,
             "worker": os.environ.get("PREFECT__WORKER_NAME"), "host": socket.gethostname(),
-            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": current_cpus(),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": str(cpus),
             "asked_at": flow_run.scheduled_start_time.timestamp() if flow_run.id else None,
             "process_started_at": psutil.Process().create_time()}
 
@@ -94,12 +94,9 @@ def vlm_caption(job: CaptionJob) -> dict:
 def run_job(job: CaptionJob) -> dict:
     """The flow's body: the plan, the job's slot, the run."""
     configure_logging()
-    cpus, why = take_partition_cores(job)  # before torch is imported: its threads are sized to these cores
     plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
     run_id = job.partition.run_id if job.partition else _run_id()
     log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
-    if cpus is not None:
-        log.info("keeping to cores", cpus=format_cpu_list(cpus), why=why)
     # vLLM imported here, then the engine built beside the slot, the done-index and the listing; a
     # fan-out's parent asks for its children first (caption_job), their start beside its import.
     early = start_engine_first(plan)

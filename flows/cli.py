@@ -160,14 +160,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import_prefect()
     check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
-    from vlm_caption.flows.plan import start_engine_first, take_partition_cores
+    from vlm_caption.flows.plan import start_engine_first
     from vlm_caption.tasks.concurrency import hold_job_lock
     from vlm_caption.tasks.observability import phase
     from vlm_caption.tasks.terminal import print_run_end, run_terminal
 
     # Another run of this job on this Prefect home: waited for here, saying so, before any engine or server.
     hold_job_lock(plan.fingerprint, job.output, lambda line: print(f"vlm-caption: {line}", file=sys.stderr))
-    take_partition_cores(job)  # before torch is imported: its threads are sized to the cores it may use
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         # vLLM's import, then the engine's start, which overlaps Prefect's start and the flow run's.
         # A fan-out's parent imports neither yet: its flow asks for the children first (flows/plan.py).

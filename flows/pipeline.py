@@ -124,7 +124,6 @@ class ShardPipeline:
         self.done, self.claims = done, claims
         self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
         self.lookahead = max(1, get_settings().prepare_ahead)
-        self.while_starting = get_settings().prepare_while_engine_starts
         # Shards fetched and decoded at once while filling (each has its own fetch threads).
         self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, work.shard_size, len(work.questions)))
         self.preparing: set = set()  # prepare futures not yet done
@@ -149,8 +148,6 @@ class ShardPipeline:
         stops the run settles every shard taken, so that every batch's task run ends."""
         self.listed = iter(shards)
         try:
-            if self.while_starting != "feed" and self.engine is None:
-                self.hold_until_engine_up()
             self.prepare_ahead()
             while self.ahead:
                 shard, preparing = self.ahead.popleft()
@@ -212,23 +209,11 @@ class ShardPipeline:
         return preparing
 
     def start_engine(self) -> None:
-        """The engine's start submitted once; the decode pool starts beside it unless `none`."""
+        """The engine's start submitted once; the decode pool starts beside it."""
         if self.starting is None:
             ensure_vllm_imported()  # made by the flow's thread (tasks/engine/vllm_import.py), if not yet
             self.starting = start_engine.submit(self.options.spec)
-            if self.while_starting != "none":
-                start_decode_pool(self.work.modality)
-
-    def hold_until_engine_up(self) -> None:
-        """`pool` or `none` (VLM_CAPTION_PREPARE_WHILE_ENGINE_STARTS): nothing fetched or decoded
-        before the engine is up."""
-        if (first := self.next_shard()) is None:
-            return
-        self.start_engine()
-        self.engine = self.starting.result()
-        if self.while_starting == "none":
             start_decode_pool(self.work.modality)
-        self.ahead.append((first, self.take(first)))
 
     def prepared_one(self, preparing) -> None:
         self.preparing.discard(preparing)

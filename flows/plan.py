@@ -22,11 +22,9 @@ from dataclasses import dataclass
 from vlm_caption.flows.params import CaptionJob
 from vlm_caption.recipes import Recipe, RecipeError
 from vlm_caption.tasks.engine.arguments import EngineSpec
-from vlm_caption.tasks.engine.host_share import take_cpu_share
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.layout import results_prefix
 from vlm_caption.tasks.records import job_fingerprint
-from vlm_caption.tasks.settings import get_settings
 from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.listing_end import object_after_listing_end
 from vlm_caption.tasks.sources.registry import READERS, reader_class
@@ -122,16 +120,6 @@ def source_spec(job: CaptionJob) -> SourceSpec:
     fmt = "manifest" if job.manifest is not None else job.source_format
     spec = reader_class(fmt).spec_for(job.location, modality=job.modality, glob=job.glob, column=job.column)
     return dataclasses.replace(spec, follow_links=job.follow_links)
-
-
-def take_partition_cores(job: CaptionJob) -> tuple[list[int] | None, str]:
-    """A partition of a fanned-out run keeps to its GPU's share of the host's cores
-    (tasks/engine/host_share.py). Before vLLM (torch) is imported in this process: `vlm-caption
-    run` and the bench call it right after the plan, then start vLLM's import before Prefect's;
-    the flow calls it again (a no-op then). Here, not in flows/caption.py: that imports Prefect."""
-    if job.fan_out <= 1 and job.partition is None:
-        return None, "not a partition of a fanned-out run"
-    return take_cpu_share(get_settings().cpu_share)
 
 
 def start_engine_first(plan: RunPlan) -> bool:

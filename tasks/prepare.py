@@ -25,6 +25,13 @@ from vlm_caption.tasks.sources.reader import BAD_INPUT, BadInput, SourceReader
 from vlm_caption.tasks.sources.registry import open_reader
 from vlm_caption.tasks.sources.storage import ShortBodyError
 
+# Fetches in flight in this process, over every shard being prepared: with the done-index's 16
+# readers, within the S3 client's pool of 64 connections (tasks/sources/s3_client.py).
+FETCH_CONCURRENCY = 16
+# Fetched, not yet decoded bytes held at once by this process (videos are large: bytes, not a count
+# of objects): 1 GiB lets all 16 fetches hold a 64 MiB clip; a bigger object goes alone.
+MAX_BYTES_IN_FLIGHT = 1024**3
+
 
 @dataclass(frozen=True)
 class MediaOptions:
@@ -133,8 +140,8 @@ class ItemPreparer:
                  options: MediaOptions):
         settings = get_settings()
         self.reader, self.done, self.questions, self.options = reader, done, questions, options
-        self.budget = shared_budget(settings.max_bytes_in_flight)
-        self.slots = fetch_slots(max(1, settings.fetch_concurrency))
+        self.budget = shared_budget(MAX_BYTES_IN_FLIGHT)
+        self.slots = fetch_slots(FETCH_CONCURRENCY)
         self.max_object_bytes = settings.max_object_bytes
         self.max_image_pixels = settings.max_image_pixels
         self.video_limits = VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels)
@@ -215,7 +222,7 @@ def prepare_shard(source: SourceSpec, shard: Shard, done: DoneIndex, questions: 
     its error, so nothing here is tried again."""
     preparer = ItemPreparer(open_reader(source), done, questions, options)
     prepared = PreparedShard(shard)
-    workers = max(1, min(get_settings().fetch_concurrency, len(shard.items)))
+    workers = max(1, min(FETCH_CONCURRENCY, len(shard.items)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
         for item in pool.map(preparer.prepare, shard.items):
             if item is None:

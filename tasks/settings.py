@@ -25,17 +25,10 @@ class Settings(BaseSettings):
     minio_credentials_block: str | None = Field(
         None, description="Name of a prefect-aws `MinIOCredentials` block to take S3 credentials from, instead "
         "of an `AwsCredentials` block.")
-    fetch_concurrency: int = Field(
-        16, description="Objects fetched at once by this process, over every shard being prepared.")
     s3_read_timeout_s: float = Field(
         60.0, description="Seconds after which a stalled S3 read is dropped and retried.")
     s3_max_attempts: int = Field(
         8, description="Attempts per S3 call, boto3's adaptive retries (throttling, 5xx, connection resets).")
-    # Bytes of fetched-but-not-yet-decoded media held at once by this process, over every shard
-    # being prepared (videos are large: the bound is on bytes, not on a count of objects).
-    max_bytes_in_flight: int = Field(
-        1024**3, description="Bytes of fetched, not yet decoded media this process holds at once, over every "
-        "shard being prepared.")
     max_object_bytes: int = Field(
         2 * 1024**3, description="Largest object fetched; a bigger one (a video) is an error record.")
     # Engine feed: more shards in the engine keep a large GPU's batch full between shards; each
@@ -50,31 +43,9 @@ class Settings(BaseSettings):
     # Shards fetched and decoded at once ahead of the engine once it is running (while it starts,
     # as many as its feed will hold). One shard at a time is a shard's latency (its task run, its
     # fetches) per shard, which a small model outruns.
-    # `vlm-caption run` and the bench hold Prefect's start back until the engine started first has
-    # reached vLLM's engine process (tasks/engine/engine_process.py); 0 starts Prefect at once.
-    engine_spawn_wait_s: float = Field(
-        30.0, description="Seconds `vlm-caption run` waits, at most, for the engine it started first to reach "
-        "vLLM's engine process before Prefect starts beside it; 0: no wait.")
     prepare_ahead: int = Field(
         2, description="Shards fetched and decoded ahead of the engine once it runs (while it starts, as many as "
         "its feed will hold).")
-    # What the run prepares while its engine builds. `feed`: the decode pool starts and the
-    # feed's depth is decoded ahead, so the engine is full the moment it is up; `pool`: only the
-    # pool's processes start; `none`: nothing until the engine is up, leaving the build every
-    # core. On a GPU host `feed` came out best (docs/benchmarks.md, "What a run prepares while
-    # its engine builds"); the others are for hosts with few cores.
-    prepare_while_engine_starts: Literal["feed", "pool", "none"] = Field(
-        "feed", description="What a run prepares while its engine builds: feed (the decode pool started and the "
-        "feed's depth decoded ahead), pool (only the decode pool's processes started), none (nothing until the "
-        "engine is up).")
-    # Two engines on one host, each sizing its threads to every core, contend for the cores and
-    # each GPU does less than one alone (tasks/engine/host_share.py; docs/benchmarks.md, "Two
-    # H100s"). A partition of a fanned-out run keeps to its GPU's share of the host's cores.
-    cpu_share: str = Field(
-        "auto", description="Cores a partition of a fanned-out run keeps to. auto: when it sees one GPU "
-        "(CUDA_VISIBLE_DEVICES=i) of a host with several, that GPU's share of the host's physical cores; all: "
-        "every core; or a list like 0-15,32-47. A run that is not fanned out keeps every core.",
-        pattern=r"^\s*(auto|all|\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*)\s*$")
     # Media
     decode_processes: int | None = Field(
         None, description="Processes of the decode pool. Unset: one per core this process may use (cpuset, "
@@ -194,7 +165,7 @@ def _default_text(name: str, value: object) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     text = f"`{value}`"
-    if isinstance(value, int) and (name.endswith("_bytes") or name == "max_bytes_in_flight"):
+    if isinstance(value, int) and name.endswith("_bytes"):
         return f"{text} ({value / 1024**3:g} GiB)" if value >= 1024**3 else text
     if isinstance(value, int) and name.endswith("_s") and value >= 3600:
         return f"{text} ({value / 3600:g} h)"

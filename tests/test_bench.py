@@ -181,9 +181,9 @@ def test_variants_get_their_own_columns(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
     args = parser.parse_args(["--flow-env", "VLM_CAPTION_FEED_DEPTH=1,VLM_CAPTION_PREPARE_AHEAD=4",
-                              "--fan-out-env", "VLM_CAPTION_CPU_SHARE=all"])
+                              "--fan-out-env", "VLM_CAPTION_PREPARE_AHEAD=4"])
     assert args.flow_env == ["VLM_CAPTION_FEED_DEPTH=1,VLM_CAPTION_PREPARE_AHEAD=4"]
-    assert args.fan_out_env == ["VLM_CAPTION_CPU_SHARE=all"]
+    assert args.fan_out_env == ["VLM_CAPTION_PREPARE_AHEAD=4"]
     phase = lambda rate: {"generate_items_per_s": rate, "wall_s": 10.0}  # noqa: E731
     report = {"config": {"images": 4, "modality": "image", "width": 96, "height": 64}, "device": "cpu",
               "raw": {**phase(2.0), "prompt_tokens": 4000, "cached_prompt_tokens": 3000},
@@ -198,7 +198,7 @@ def test_variants_get_their_own_columns(tmp_path, capsys):
     header = next(line for line in out.splitlines() if "metric" in line)
     assert [name.strip() for name in header.strip("┃ ").split("┃")] == [
         "metric", "raw (example's way)", "flow", "flow / raw", args.flow_env[0], "/ raw", "flow on 2 GPUs",
-        "/ flow", "2 GPUs, VLM_CAPTION_CPU_SHARE=all", "/ flow"]
+        "/ flow", "2 GPUs, VLM_CAPTION_PREPARE_AHEAD=4", "/ flow"]
     row = next(line for line in out.splitlines() if "generate_items_per_s" in line)
     assert [cell.strip() for cell in row.strip("│ ").split("│")] == [
         "generate_items_per_s", "2.00", "3.00", "1.50", "4.00", "2.00", "5.00", "1.67", "4.50", "1.50"]

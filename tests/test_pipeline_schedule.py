@@ -138,7 +138,6 @@ def _run(shards: int) -> None:
 
 
 def test_the_feeds_whole_depth_is_prepared_while_the_engine_starts(stand_ins, monkeypatch):
-    monkeypatch.setenv("VLM_CAPTION_PREPARE_WHILE_ENGINE_STARTS", "feed")
     monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(2 * 1024**3))
     get_settings.cache_clear()
     schedule = stand_ins(engine_start_s=3.0)  # ample for 32 quick prepares on a busy machine
@@ -151,7 +150,6 @@ def test_the_feeds_whole_depth_is_prepared_while_the_engine_starts(stand_ins, mo
 
 
 def test_what_is_prepared_while_the_engine_starts_is_bounded_by_decoded_bytes(stand_ins, monkeypatch):
-    monkeypatch.setenv("VLM_CAPTION_PREPARE_WHILE_ENGINE_STARTS", "feed")
     shard_bytes = SHARD_SIZE * 336 * 336 * 3
     monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(12 * shard_bytes))
     get_settings.cache_clear()
@@ -162,17 +160,3 @@ def test_what_is_prepared_while_the_engine_starts_is_bounded_by_decoded_bytes(st
     assert 12 <= schedule.prepared_when_up <= 12 + 2
     assert schedule.generated == list(range(20))
 
-
-@pytest.mark.parametrize("setting", ["pool", "none"])
-def test_nothing_is_prepared_while_the_engine_starts_when_the_setting_keeps_the_cores_for_it(
-        stand_ins, monkeypatch, setting):
-    monkeypatch.setenv("VLM_CAPTION_PREPARE_WHILE_ENGINE_STARTS", setting)
-    get_settings.cache_clear()
-    pool_starts: list[bool] = []  # whether the engine was up when the decode pool started
-    schedule = stand_ins(engine_start_s=1.0)
-    monkeypatch.setattr(pipeline, "start_decode_pool",
-                        lambda modality: pool_starts.append(schedule.prepared_when_up is not None))
-    _run(shards=20)
-    assert schedule.prepared_when_up == 0
-    assert schedule.generated == list(range(20))  # then every shard, in order, once
-    assert pool_starts == [setting == "none"]  # once: beside the engine's build (pool), or after it (none)

@@ -21,9 +21,11 @@ import os
 import time
 
 from vlm_caption.tasks.engine.vllm_engine import early_builds
-from vlm_caption.tasks.settings import get_settings
 
 POLL_S = 0.05
+# The build's share of this process took 6.4 s where measured (docs/benchmarks.md): 30 s only
+# bounds a build stuck before its engine process.
+SPAWN_WAIT_S = 30.0
 
 
 def children_now() -> set[int]:
@@ -49,13 +51,11 @@ def engine_process_started(before: set[int]) -> bool:
     return False
 
 
-def wait_for_engine_process(timeout_s: float | None = None) -> float:
+def wait_for_engine_process(timeout_s: float = SPAWN_WAIT_S) -> float:
     """Wait until the early engine build has started vLLM's engine process, has ended, or
-    `timeout_s` (`VLM_CAPTION_ENGINE_SPAWN_WAIT_S`) has passed, so that a build that never starts
-    one (stuck before it) holds the run back no longer; returns the seconds waited. Nothing is
-    waited for without an early build, or for an engine that runs in this process
-    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
-    timeout_s = get_settings().engine_spawn_wait_s if timeout_s is None else timeout_s
+    `timeout_s` has passed, so that a build that never starts one (stuck before it) holds the run
+    back no longer; returns the seconds waited. Nothing is waited for without an early build, or
+    for an engine that runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
     builds = early_builds()
     if timeout_s <= 0 or not builds or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         return 0.0

@@ -20,21 +20,21 @@ from typing import Any
 
 from vlm_caption.tasks.settings import get_settings
 
-MIN_POOL_CONNECTIONS = 64
+POOL_CONNECTIONS = 64  # the fetch threads (tasks/prepare.py: FETCH_CONCURRENCY) and the done-index's readers
 RETRY_MODE = "adaptive"  # backs off on throttling for every thread sharing the client
 
 
 def settings_config():
     """The botocore `Config` our settings give: retries, timeouts, the connection pool. Every
-    fetch thread (`VLM_CAPTION_FETCH_CONCURRENCY`) and each of the done-index's readers holds a
-    connection while it reads; with fewer, threads wait for one (botocore's default is 10)."""
+    fetch thread and each of the done-index's readers holds a connection while it reads; with
+    fewer, threads wait for one (botocore's default is 10)."""
     from botocore.config import Config
 
     settings = get_settings()
     # botocore's `retries["max_attempts"]` counts the retries after the first request; the
     # setting counts attempts, as `total_max_attempts` does.
     return Config(retries={"total_max_attempts": settings.s3_max_attempts, "mode": RETRY_MODE},
-                  max_pool_connections=max(MIN_POOL_CONNECTIONS, 2 * settings.fetch_concurrency),
+                  max_pool_connections=POOL_CONNECTIONS,
                   read_timeout=settings.s3_read_timeout_s, connect_timeout=min(settings.s3_read_timeout_s, 60))
 
 
@@ -124,7 +124,7 @@ def _client_key() -> tuple:
     endpoint, block or set of credentials (a test's, a profile switched) gets another client."""
     settings = get_settings()
     return (settings.s3_endpoint_url, settings.aws_credentials_block, settings.minio_credentials_block,
-            settings.s3_max_attempts, settings.s3_read_timeout_s, settings.fetch_concurrency,
+            settings.s3_max_attempts, settings.s3_read_timeout_s,
             tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
 
 
