@@ -140,8 +140,8 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
     from vlm_caption.flows.plan import make_plan
     import numpy as np
 
-    from vlm_caption.tasks.results.done_index import (ROW, SIDECAR_HEADER, SIDECAR_MAGIC, compacted_bytes, content_hash,
-                                          result_key, sidecar_key, signature_hash)
+    from vlm_caption.tasks.results.done_rows import (ROW, SIDECAR_HEADER, SIDECAR_MAGIC, compacted_bytes, content_hash,
+                                         result_key, sidecar_key, signature_hash)
     from vlm_caption.tasks.results.layout import compacted_index_key, manifest_key, part_key
     from vlm_caption.tasks.records import ResultRecord, sha256_hex
     from vlm_caption.tasks.results.report import RunStats

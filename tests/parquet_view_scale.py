@@ -39,7 +39,7 @@ def _line_template() -> str:
 def write_parts(store, run: str, items: range, etag: str = "e") -> tuple[list[str], dict]:
     """Parts of 64 as write_shard writes them (the body, then its sidecar), built from one record's
     JSON for speed; the parts' URIs and, per part key, (size, rows) for a compacted index."""
-    from vlm_caption.tasks.results.done_index import ROW, content_hash, result_key, sidecar_bytes, signature_hash
+    from vlm_caption.tasks.results.done_rows import ROW, content_hash, result_key, sidecar_bytes, signature_hash
     from vlm_caption.tasks.results.layout import part_key
 
     template, uris, covered = _line_template(), [], {}
@@ -82,7 +82,7 @@ def _in_child(*args) -> None:
 
 
 def main(total: int, runs: int, out: str) -> None:
-    from vlm_caption.tasks.results.done_index import compacted_bytes
+    from vlm_caption.tasks.results.done_rows import compacted_bytes
     from vlm_caption.tasks.results.layout import compacted_index_key
     from vlm_caption.tasks.sources.storage import open_storage
 

@@ -18,7 +18,7 @@ import pytest
 
 from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
-from vlm_caption.tasks.results.done_index import SIDECAR_HEADER, sidecar_key
+from vlm_caption.tasks.results.done_rows import SIDECAR_HEADER, sidecar_key
 from vlm_caption.tasks.results.writers import DiskFullError
 from tests.images import image_bytes
 

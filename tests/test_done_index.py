@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 import tracemalloc
 
-from vlm_caption.tasks.results.done_index import ROW, DoneIndex, load_done_index, sidecar_key
+from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
+from vlm_caption.tasks.results.done_rows import ROW, sidecar_key
 from vlm_caption.tasks.results.layout import part_key
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.results.writers import write_shard

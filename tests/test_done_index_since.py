@@ -13,8 +13,8 @@ import time as real_time
 import pytest
 
 from vlm_caption.tasks.results import done_index, done_rows, layout, writing_log
-from vlm_caption.tasks.results.done_index import COMPACT_AFTER, ROW, load_done_index
-from vlm_caption.tasks.results.done_rows import COMPACT_HEADER, COMPACT_MAGIC_1
+from vlm_caption.tasks.results.done_index import COMPACT_AFTER, load_done_index
+from vlm_caption.tasks.results.done_rows import COMPACT_HEADER
 from vlm_caption.tasks.results.layout import (compacted_index_prefix, part_key, part_prefix, partition_parts_id,
                                   results_prefix, writing_prefix)
 from vlm_caption.tasks.results.writers import write_shard
@@ -147,29 +147,6 @@ def test_a_part_its_writer_rewrote_after_the_index_is_read_again(tmp_path, prefe
     clock.offset = 0
     index, _ = load(out)
     assert done(index, 0, 7777) and len(index) == COMPACT_AFTER + 7
-
-
-def test_an_index_of_the_first_format_is_read_once_with_a_full_listing_then_replaced(tmp_path, prefect_api, clock):
-    """An output compacted by an older version: its index has no stamp to go on from."""
-    import numpy as np
-
-    out = open_storage(str(tmp_path / "out"), create=True)
-    clock.offset = -DAY
-    write_parts(out, "1111-before", range(3))
-    parts = [part_key(FP, "1111-before", s) for s in range(3)]
-    rows = [np.frombuffer(out.read(p.replace(".jsonl", ".idx")), ROW, offset=16) for p in parts]
-    covered = json.dumps([[p, len(out.read(p)), len(r)] for p, r in zip(parts, rows)]).encode()
-    out.write(f"{compacted_index_prefix(FP)}20260101T000000-old.vidx",
-              COMPACT_HEADER.pack(COMPACT_MAGIC_1, len(covered)) + covered + np.concatenate(rows).tobytes())
-    clock.offset = 0
-    index, watched = load(out)
-    assert done(index, 0, 1, 2) and results_prefix(FP) in watched.listed
-    assert watched.reads[0].endswith("-old.vidx") and len(watched.reads) == 1  # its rows used, no sidecar read
-    (replaced,) = indexes(out)
-    assert not replaced.endswith("-old.vidx")
-    clock.offset = DAY
-    index, watched = load(out)
-    assert done(index, 0, 1, 2) and watched.listed == [compacted_index_prefix(FP), writing_prefix(FP)]
 
 
 def test_a_part_deleted_by_hand_long_after_counts_until_the_indexes_are_deleted(tmp_path, prefect_api, clock):

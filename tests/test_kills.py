@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as pads
 
-from vlm_caption.tasks.results.done_index import load_part_rows, result_key
+from vlm_caption.tasks.results.done_rows import load_part_rows, result_key
 from vlm_caption.tasks.sources.storage import open_storage
 from tests.images import image_bytes
 

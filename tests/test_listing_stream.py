@@ -164,7 +164,8 @@ def test_items_already_done_are_counted_not_sharded_and_the_rest_fill_whole_shar
 def test_done_items_are_judged_as_the_done_index_judges_each_one():
     """`DoneIndex.pending_mask` (a batch at once) says what `pending_by_listing` says item by item:
     done, changed since (another etag), a question not asked before, a re-run result, no etag."""
-    from vlm_caption.tasks.results.done_index import DoneIndex, index_rows
+    from vlm_caption.tasks.results.done_index import DoneIndex
+    from vlm_caption.tasks.results.done_rows import index_rows
     from vlm_caption.tasks.records import ResultRecord
     from vlm_caption.tasks.sources.items import WorkItem
 

@@ -13,7 +13,7 @@ import pytest
 
 from vlm_caption.flows.cli import main
 from vlm_caption.tasks.results import parquet, parquet_view
-from vlm_caption.tasks.results.done_index import sidecar_key
+from vlm_caption.tasks.results.done_rows import sidecar_key
 from vlm_caption.tasks.results.layout import part_key, run_parquet_key
 from vlm_caption.tasks.results.parquet import export_parquet
 from vlm_caption.tasks.results.parquet_view import export_after_run

@@ -16,9 +16,8 @@ import pytest
 
 from vlm_caption.flows.cli import main
 from vlm_caption.tasks.results import parquet_view
-from vlm_caption.tasks.results.done_index import load_part_rows, result_key
-from vlm_caption.tasks.results.layout import LEGACY_PARQUET_KEY, part_key, part_prefix, partition_parts_id, run_parquet_key
-from vlm_caption.tasks.results.parquet import export_parquet
+from vlm_caption.tasks.results.done_rows import load_part_rows, result_key
+from vlm_caption.tasks.results.layout import part_key, part_prefix, partition_parts_id, run_parquet_key
 from vlm_caption.tasks.results.parquet_compact import compact_view
 from vlm_caption.tasks.results.parquet_view import add_run
 from vlm_caption.tasks.records import ResultRecord
@@ -150,7 +149,16 @@ def test_the_view_grows_by_the_runs_results_and_holds_each_once(tmp_path):
     report = add_run(o, FP, RUN3, [part])
     assert report["rewritten"] == {str(output / "parquet" / merged): 1}
     assert files(output) == {merged, f"run-{RUN3}.parquet"}
-    assert {r["key"]: r["caption"] for r in assert_view_is_the_done_index(output)}["d.jpg"] == "a wolf"
+    rows = assert_view_is_the_done_index(output)
+    assert {r["key"]: r["caption"] for r in rows}["d.jpg"] == "a wolf"
+
+    # `datasets` reads the folder's files as one dataset too.
+    from datasets import load_dataset
+
+    dataset = load_dataset("parquet", data_files=f"{output}/parquet/*.parquet", split="train",
+                           cache_dir=str(tmp_path / "hf-cache"))
+    assert sorted((r["key"], r["run_id"]) for r in dataset) == sorted((r["key"], r["run_id"]) for r in rows)
+    assert {r["key"]: r["source"] for r in dataset}["b.jpg"] == "s3://media/photos/"
 
 
 def test_a_result_left_twice_is_settled_by_compaction(tmp_path, monkeypatch):
@@ -172,27 +180,6 @@ def test_a_result_left_twice_is_settled_by_compaction(tmp_path, monkeypatch):
     assert len(files(output)) == 1
     rows = {r["key"]: r for r in assert_view_is_the_done_index(output)}
     assert rows["a.jpg"]["run_id"] == RUN2
-
-
-def test_an_output_in_the_old_layout_reads_as_one_dataset_after_the_first_new_run(tmp_path):
-    """Older versions rebuilt parquet/results.parquet at each run's end. It stays in the view as
-    its first file; a result it holds that a run computes again is removed from it."""
-    from datasets import load_dataset
-
-    output = tmp_path / "out"
-    o = out(output)
-    first_run(output)
-    (output / "parquet" / f"run-{RUN1}.parquet").unlink()
-    export_parquet(o, o, LEGACY_PARQUET_KEY)  # the old layout
-    part = write_shard(o, FP, RUN2, 0, [reuploaded("a.jpg", RUN2, "second caption"), record("e.jpg", RUN2, "egg")])
-    report = add_run(o, FP, RUN2, [part])
-    assert report["rewritten"] == {str(output / LEGACY_PARQUET_KEY): 1}
-    assert files(output) == {"results.parquet", f"run-{RUN2}.parquet"}
-    rows = assert_view_is_the_done_index(output)
-    dataset = load_dataset("parquet", data_files=f"{output}/parquet/*.parquet", split="train",
-                           cache_dir=str(tmp_path / "hf-cache"))
-    assert sorted((r["key"], r["run_id"]) for r in dataset) == sorted((r["key"], r["run_id"]) for r in rows)
-    assert {r["key"]: r["source"] for r in dataset}["d.jpg"] == "s3://media/photos/"
 
 
 def test_a_fanned_out_run_adds_every_partitions_parts_each_result_once(tmp_path):
@@ -253,26 +240,6 @@ def test_s3_view(s3_client):
                              for key in keys)
     assert sorted(zip(table.column("key").to_pylist(), table.column("caption").to_pylist())) == [
         ("a.jpg", "second"), ("b.jpg", "bee")]
-
-
-def test_files_an_older_version_wrote_are_rewritten_in_todays_schema(tmp_path):
-    """Records gain fields over versions (a column more). `datasets` refuses a folder whose
-    files' columns differ, so the first run after an upgrade rewrites the older files."""
-    from datasets import load_dataset
-
-    output = tmp_path / "out"
-    first_run(output)
-    older = output / run_parquet_key(RUN1)
-    pq.write_table(pq.read_table(older).drop_columns(["members", "video"]), older)  # as an older version wrote it
-    part = write_shard(out(output), FP, RUN2, 0, [record("e.jpg", RUN2, "an egg")])
-    report = add_run(out(output), FP, RUN2, [part])
-    assert report["conformed"] == [str(older)]
-    rows = assert_view_is_the_done_index(output)
-    dataset = load_dataset("parquet", data_files=f"{output}/parquet/*.parquet", split="train",
-                           cache_dir=str(tmp_path / "hf-cache"))
-    assert sorted(r["key"] for r in dataset) == sorted(r["key"] for r in rows) == ["a.jpg", "b.jpg", "d.jpg", "e.jpg"]
-    assert add_run(out(output), FP, RUN3, [write_shard(out(output), FP, RUN3, 0, [record("f.jpg", RUN3)])]).get(
-        "conformed") is None  # once
 
 
 def test_a_runs_step_reads_only_its_own_parts_and_takes_the_earlier_ones_from_its_done_index(tmp_path):

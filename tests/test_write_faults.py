@@ -20,7 +20,7 @@ import pytest
 
 from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
-from vlm_caption.tasks.results import done_index
+from vlm_caption.tasks.results import done_index, done_rows
 from vlm_caption.tasks.sources.storage import open_storage
 from tests.fault_proxy import WRITE_KINDS, FaultProxy
 from tests.images import image_bytes
@@ -54,9 +54,9 @@ def _whole_parts(client) -> list[dict]:
         assert body.endswith(b"\n"), f"{key} is half-written"
         lines = [json.loads(line) for line in body.decode().splitlines()]
         sidecar = _read(client, key.removesuffix(".jsonl") + ".idx")
-        magic, size = done_index.SIDECAR_HEADER.unpack_from(sidecar)
-        rows = (len(sidecar) - done_index.SIDECAR_HEADER.size) // done_index.ROW.itemsize
-        assert (magic, size, rows) == (done_index.SIDECAR_MAGIC, len(body), len(lines)), f"{key}: stale sidecar"
+        magic, size = done_rows.SIDECAR_HEADER.unpack_from(sidecar)
+        rows = (len(sidecar) - done_rows.SIDECAR_HEADER.size) // done_rows.ROW.itemsize
+        assert (magic, size, rows) == (done_rows.SIDECAR_MAGIC, len(body), len(lines)), f"{key}: stale sidecar"
         records += lines
     return records
 
@@ -110,8 +110,8 @@ def test_write_faults_lose_duplicate_and_half_write_nothing(prefect_api, bucket,
     # The compacted index the rerun wrote covers every part; a load from it finds every result.
     (compacted,) = [k for k in _keys(client, "out/results/") if k.endswith(".vidx")]
     data = _read(client, compacted)
-    _, length = done_index.COMPACT_HEADER.unpack_from(data)
-    covered = json.loads(data[done_index.COMPACT_HEADER.size:done_index.COMPACT_HEADER.size + length])
+    _, length = done_rows.COMPACT_HEADER.unpack_from(data)
+    covered = json.loads(data[done_rows.COMPACT_HEADER.size:done_rows.COMPACT_HEADER.size + length])
     assert len(covered) == COUNT // 2
     assert len(done_index.load_done_index.fn(open_storage(job.output, create=True), rerun["fingerprint"])) == COUNT
 

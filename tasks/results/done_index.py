@@ -46,10 +46,9 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.observability import get_logger, phase
-from vlm_caption.tasks.results.done_rows import (  # noqa: F401 - the done-index's names, as other modules import them
-    COMPACT_HEADER, COMPACT_MAGIC, ROW, SIDECAR_HEADER, SIDECAR_MAGIC, PartRows, Signature, _hash64, _parse_part,
-    _read_sidecar, compacted_bytes, content_hash, index_rows, listing_signature, load_part_rows, parse_records,
-    record_signature, result_key, sidecar_bytes, sidecar_key, signature_hash)
+from vlm_caption.tasks.results.done_rows import (ROW, PartRows, Signature, _hash64, compacted_bytes, content_hash,
+                                                listing_signature, load_part_rows, record_signature, result_key,
+                                                signature_hash)
 from vlm_caption.tasks.results.earlier import EarlierRecords
 from vlm_caption.tasks.results.layout import compacted_index_key
 from vlm_caption.tasks.records import ResultRecord

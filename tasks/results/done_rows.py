@@ -34,7 +34,6 @@ SIDECAR_MAGIC = b"VLMIDX1\0"
 SIDECAR_HEADER = struct.Struct("<8sQ")  # magic, byte size of the part it indexes
 READERS = 16  # parallel sidecar reads (object stores answer many small GETs at once well)
 COMPACT_MAGIC = b"VLMCIDX2"
-COMPACT_MAGIC_1 = b"VLMCIDX1"  # the first format: no `after`, so a load from it lists everything once
 COMPACT_HEADER = struct.Struct("<8sQ")  # magic, byte length of the JSON list of parts that follows
 _EXTRA = struct.Struct("<Q")  # then the byte length of the JSON of `after` and `retry`, then the rows
 
@@ -86,11 +85,10 @@ def sidecar_key(part_key: str) -> str:
 
 class Compacted:
     """A compacted index: each part it holds (key, size, rows); `after`, the stamp from which a
-    load lists `writing/` for the parts written since (None in the first format, which a load
-    cannot continue from: it lists everything); `retry`, parts it could not read; `lineage`, when
-    the indexes before it were written (tasks/results/writing_log.py, Removal)."""
+    load lists `writing/` for the parts written since; `retry`, parts it could not read;
+    `lineage`, when the indexes before it were written (tasks/results/writing_log.py, Removal)."""
 
-    def __init__(self, parts: list[tuple[str, int, np.ndarray]], after: str | None, retry: list[str],
+    def __init__(self, parts: list[tuple[str, int, np.ndarray]], after: str, retry: list[str],
                  lineage: list[str] | None = None):
         self.parts, self.after, self.retry, self.lineage = parts, after, retry, lineage or []
 
@@ -100,15 +98,13 @@ def _read_compacted(out: Storage, key: str, log) -> Compacted | None:
     try:
         data = out.read(key)
         magic, length = COMPACT_HEADER.unpack_from(data)
-        if magic not in (COMPACT_MAGIC, COMPACT_MAGIC_1):
+        if magic != COMPACT_MAGIC:
             raise ValueError("not a compacted done-index")
         start = COMPACT_HEADER.size + length
         covered = json.loads(data[COMPACT_HEADER.size:start])
-        extra = {"after": None, "retry": []}
-        if magic == COMPACT_MAGIC:
-            (extra_length,) = _EXTRA.unpack_from(data, start)
-            extra = json.loads(data[start + _EXTRA.size:start + _EXTRA.size + extra_length])
-            start += _EXTRA.size + extra_length
+        (extra_length,) = _EXTRA.unpack_from(data, start)
+        extra = json.loads(data[start + _EXTRA.size:start + _EXTRA.size + extra_length])
+        start += _EXTRA.size + extra_length
         table = np.frombuffer(data, ROW, offset=start)
         if sum(count for _, _, count in covered) != len(table):
             raise ValueError("rows do not match the parts listed")
@@ -120,7 +116,7 @@ def _read_compacted(out: Storage, key: str, log) -> Compacted | None:
     for part, size, count in covered:
         parts.append((part, size, table[at:at + count]))
         at += count
-    return Compacted(parts, extra["after"], list(extra["retry"]), list(extra.get("lineage", [])))
+    return Compacted(parts, extra["after"], list(extra["retry"]), list(extra["lineage"]))
 
 
 def compacted_bytes(parts: dict[str, tuple[int, np.ndarray]], after: str | None = None,
@@ -164,6 +160,13 @@ def parse_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
     return records, bad
 
 
+def final_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
+    """The final records among a part's lines, in order (the i-th is its done-index row i), and
+    how many non-empty lines are not records."""
+    records, bad = parse_records(lines)
+    return [r for r in records if r.is_final], bad
+
+
 def read_part_lines(out: Storage, key: str) -> list[str]:
     """A part's lines. A read that fails transiently is tried again, then raised."""
     return retry_transient(lambda: out.read(key), out.describe(key)).decode("utf-8").splitlines()
@@ -193,7 +196,7 @@ class PartRows:
     sidecar was made from another body (cut short or rewritten by hand since); `compacted` the
     compacted indexes listed; `read_one_by_one` the parts none covered; `unreadable` those of
     them that could not be read; `after` where a compacted index of this load goes on from;
-    `renew` whether the latest compacted index is to be replaced (an old format, or damaged);
+    `renew` whether the latest compacted index is to be replaced (damaged);
     `lineage` the write stamps of the index read and of those before it."""
 
     def __init__(self, parts: dict[str, ObjectRef], rows: dict[str, np.ndarray], resized: set[str],
@@ -235,20 +238,18 @@ def read_part_rows(out: Storage, parts: list[ObjectRef], listed: Iterable[str],
 
 def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
     """The latest compacted index, then the sidecars (or, where none fits, the records) of the
-    parts it does not hold, kept per part; it writes no compacted index. From an index with a
-    `writing/` stamp it lists only the parts of the writers stamped since, and the parts it
-    could not read (tasks/results/writing_log.py says why nothing is missed); else everything."""
+    parts it does not hold, kept per part; it writes no compacted index. From an index it lists
+    only the parts of the writers stamped in `writing/` since, and the parts it could not read
+    (tasks/results/writing_log.py says why nothing is missed); without one (none, or damaged),
+    everything."""
     started = time.time()  # before any listing: what lands after it has a later stamp
     log = get_logger(fingerprint=fingerprint)
     compacted = sorted(ref.key for ref in out.iter_objects(prefix=compacted_index_prefix(fingerprint))
                        if ref.key.endswith(".vidx"))
     index = _read_compacted(out, compacted[-1], log) if compacted else None
     by_part: dict[str, np.ndarray] = {}
-    if index is None or index.after is None:  # no index to go on from: the whole history, listed
+    if index is None:  # no index to go on from: the whole history, listed
         objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
-        for key, size, rows in index.parts if index else ():
-            if key in objects and objects[key].size == size:
-                by_part[key] = rows
     else:
         prefixes = [part_prefix(fingerprint, writer) for writer in writers_since(out, fingerprint, index.after)]
         objects = listed_under(out, prefixes + [key.removesuffix(".jsonl") for key in index.retry])
@@ -266,4 +267,4 @@ def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
     by_part.update(read)  # a part that could not be read stays out: the next load tries it again
     lineage = [*index.lineage, compacted_index_written(fingerprint, compacted[-1])] if index is not None else []
     return PartRows(parts, by_part, resized, compacted, len(rest), unreadable, grace_stamp(started),
-                    renew=bool(compacted) and (index is None or index.after is None), lineage=lineage)
+                    renew=bool(compacted) and index is None, lineage=lineage)

@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from vlm_caption.tasks.results.done_rows import parse_records, read_part_lines
+from vlm_caption.tasks.results.done_rows import final_records, read_part_lines
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.sources.storage import Storage
 
@@ -39,7 +39,7 @@ class EarlierRecords:
             records = self._cache.get(part)
             if records is None:
                 try:
-                    records = [r for r in parse_records(read_part_lines(self.out, part))[0] if r.is_final]
+                    records = final_records(read_part_lines(self.out, part))[0]
                 except Exception:  # noqa: BLE001 - gone or unreadable since the load: no copy from it
                     records = []
                 self.reads += 1

@@ -211,7 +211,7 @@ def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = N
     that cannot be read is logged and added to `unreadable` (the page says how many it could not
     show)."""
     from vlm_caption.tasks.observability import get_logger
-    from vlm_caption.tasks.results.done_index import parse_records
+    from vlm_caption.tasks.results.done_rows import parse_records
 
     for key in (key_within(out, p) for p in parts):
         try:

@@ -14,7 +14,6 @@
     parquet/run-<run_id>.parquet                        the final results a run added (the Parquet
                                                         view, tasks/results/parquet_view.py)
     parquet/compacted-<stamp>-<tag>.parquet             many runs' rows, merged by compaction
-    parquet/results.parquet                             the view as older versions wrote it (one file)
     listed/<fingerprint>-<scope>.json                   where the job's last complete listing ended
                                                         (tasks/sources/listing_end.py)
 """
@@ -28,7 +27,6 @@ STAMP_LEN = 15  # len("20261128T010203")
 _PARTITION_SUFFIX = re.compile(r"-p\d+$")
 _PART_NAME = re.compile(r"^part-(.+)-\d{5}\.jsonl$")
 PARQUET_VIEW_PREFIX = "parquet/"
-LEGACY_PARQUET_KEY = "parquet/results.parquet"
 
 
 def results_prefix(fingerprint: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_index import _parse_part, _read_sidecar, parse_records, sidecar_key
+from vlm_caption.tasks.results.done_rows import final_records, read_part_rows
 from vlm_caption.tasks.results.layout import manifest_key, run_of
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.sources.items import ObjectRef
@@ -103,13 +103,6 @@ def _list_parts(out: Storage) -> tuple[dict[str, list[ObjectRef]], set[str]]:
     return {fp: sorted(parts, key=part_order) for fp, parts in sorted(by_fingerprint.items())}, keys
 
 
-def _final_records(data: bytes) -> tuple[list[ResultRecord], int]:
-    """The final records of a part's body in order (as the done-index counts them), and how
-    many non-empty lines are not records."""
-    records, bad = parse_records(data.decode("utf-8").splitlines())
-    return [r for r in records if r.is_final], bad
-
-
 class _Sources:
     """The source (or manifest) each run read, from its manifest; None where there is none (the
     run is named in the report's `runs_without_source`, and logged)."""
@@ -134,15 +127,17 @@ class _Sources:
         return self.known[run]
 
 
-def latest_ordinals(keyed: list[np.ndarray]) -> list[np.ndarray]:
-    """Given each part's result keys in record order (parts oldest first), the ordinals in each
-    part of the results that are the latest: a key's last record in the newest part holding it."""
+def latest_ordinals(keyed: list[np.ndarray], stamps: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Given each part's (or file's) result keys in record order (parts oldest first), the
+    ordinals in each part of the results that are the latest: a key's last record in the newest
+    part holding it; with `stamps` (a number per record, like the keys), the latest stamp first."""
     if not keyed:
         return []
     key = np.concatenate([k.astype(np.uint64) for k in keyed])
     rank = np.concatenate([np.full(len(k), i, np.uint32) for i, k in enumerate(keyed)])
     ordinal = np.concatenate([np.arange(len(k), dtype=np.uint32) for k in keyed])
-    order = np.lexsort((ordinal, rank, key))  # by key, then oldest to newest
+    by_stamp = (np.concatenate(stamps),) if stamps is not None else ()
+    order = np.lexsort((ordinal, rank, *by_stamp, key))  # by key, then oldest to newest (stamp, part, record)
     key, rank, ordinal = key[order], rank[order], ordinal[order]
     last = np.ones(len(key), bool)
     last[:-1] = key[1:] != key[:-1]
@@ -150,25 +145,22 @@ def latest_ordinals(keyed: list[np.ndarray]) -> list[np.ndarray]:
     return [np.sort(ordinal[rank == i]) for i in range(len(keyed))]
 
 
-def _winners(out: Storage, parts: list[ObjectRef], keys: set[str], log, report) -> list[np.ndarray]:
-    """For each part, the ordinals (among its final records) of the results that are the latest.
-
-    Pass one reads the done-index sidecars (a few bytes a part) or, without a valid one, parses
-    the part; the rows are keyed as the done-index keys results, in the part's record order."""
-    keyed = []
+def latest_in_parts(out: Storage, parts: list[ObjectRef], listed: Iterable[str], log,
+                    report: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """For each part (oldest first), its result keys in its final records' order and the
+    ordinals among them of the results that are the latest (`latest_ordinals`). The keys come
+    from the done-index sidecars (a few bytes a part) where `listed` names one that fits, else
+    from parsing the part; a part whose sidecar does not fit is named in `report` as damaged,
+    one that cannot be read as skipped (it has no keys)."""
+    rows_of, resized, unreadable = read_part_rows(out, parts, listed, log)
+    skipped = set(unreadable)
     for part in parts:
-        rows = None
-        if sidecar_key(part.key) in keys:
-            rows = _read_sidecar(out, sidecar_key(part.key), part.size)
-            if rows is None:
-                report["damaged_parts"][out.describe(part.key)] = RESIZED
-        if rows is None:
-            rows = _parse_part(out, part, log)
-        if rows is None:
+        if part.key in resized:
+            report["damaged_parts"][out.describe(part.key)] = RESIZED
+        if part.key in skipped:
             report["skipped_parts"][out.describe(part.key)] = "unreadable"
-            rows = np.empty(0, dtype=[("key", "<u8")])
-        keyed.append(rows["key"])
-    return latest_ordinals(keyed)
+    keyed = [rows_of[part.key]["key"] if part.key in rows_of else np.empty(0, np.uint64) for part in parts]
+    return keyed, latest_ordinals(keyed)
 
 
 def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], log, report: dict,
@@ -183,7 +175,7 @@ def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], lo
             continue
         try:
             data = out.read(part.key)
-            records, bad = _final_records(data)
+            records, bad = final_records(data.decode("utf-8").splitlines())
         except (OSError, UnicodeDecodeError) as exc:
             report["skipped_parts"][out.describe(part.key)] = f"unreadable: {exc}"
             log.warning("results part unreadable; left out of the Parquet export",
@@ -210,7 +202,7 @@ def iter_row_batches(out: Storage, log=None, report: dict | None = None,
     report = report if report is not None else {"damaged_parts": {}, "skipped_parts": {}}
     by_fingerprint, keys = _list_parts(out)
     chosen = ((part, wanted) for parts in by_fingerprint.values()
-              for part, wanted in zip(parts, _winners(out, parts, keys, log, report)))
+              for part, wanted in zip(parts, latest_in_parts(out, parts, keys, log, report)[1]))
     yield from select_rows(out, chosen, log, report, rows_per_batch)
 
 

@@ -1,5 +1,5 @@
 """Compaction and rebuild of the Parquet view (tasks/results/parquet_view.py says what the view
-is): its files, listed; rows copied between files in today's schema; the files merged into one
+is): its files, listed; rows copied between files; the files merged into one
 (`vlm-caption export OUTPUT --compact`), or the view made again from every part (`vlm-caption
 export OUTPUT`)."""
 
@@ -11,19 +11,19 @@ import time
 import numpy as np
 
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_index import result_key
-from vlm_caption.tasks.results.layout import LEGACY_PARQUET_KEY, PARQUET_VIEW_PREFIX, compacted_parquet_key
-from vlm_caption.tasks.results.parquet import ROW_GROUP_ROWS, export_parquet, results_schema
+from vlm_caption.tasks.results.done_rows import result_key
+from vlm_caption.tasks.results.layout import PARQUET_VIEW_PREFIX, compacted_parquet_key
+from vlm_caption.tasks.results.parquet import ROW_GROUP_ROWS, export_parquet, latest_ordinals, results_schema
 from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.storage import Storage
 
 _STAMP_PATTERN = r"(?P<stamp>\d{8}T\d{6})"
 
 
-def _member_order(ref: ObjectRef) -> tuple[int, str]:
-    """The old single file, then compacted files, then run files, each by name (its stamp)."""
+def _member_order(ref: ObjectRef) -> tuple[bool, str]:
+    """Compacted files, then run files, each by name (its stamp)."""
     name = ref.key.removeprefix(PARQUET_VIEW_PREFIX)
-    return (0 if ref.key == LEGACY_PARQUET_KEY else 1 if name.startswith("compacted-") else 2, name)
+    return (not name.startswith("compacted-"), name)
 
 
 def view_files(out: Storage) -> list[ObjectRef]:
@@ -35,61 +35,45 @@ def view_files(out: Storage) -> list[ObjectRef]:
 
 def copy_rows(source, write, keep: np.ndarray) -> int:
     """Hand `write` the rows of ParquetFile `source` whose indexes are in sorted `keep`, row
-    group by row group (memory: one row group), in today's schema; the rows handed."""
+    group by row group (memory: one row group); the rows handed."""
     import pyarrow as pa
 
-    schema, handed, start = results_schema(), 0, 0
+    handed, start = 0, 0
     for index in range(source.num_row_groups):
         count = source.metadata.row_group(index).num_rows
         wanted = keep[np.searchsorted(keep, start):np.searchsorted(keep, start + count)] - start
         start += count
         if len(wanted):
             table = source.read_row_group(index)
-            write(conform(table if len(wanted) == count else table.take(pa.array(wanted)), schema))
+            write(table if len(wanted) == count else table.take(pa.array(wanted)))
             handed += len(wanted)
     return handed
-
-
-def conform(table, schema):
-    """`table` with the columns of today's schema (a column an older version did not write is null)."""
-    import pyarrow as pa
-
-    if table.schema == schema:
-        return table
-    return pa.Table.from_arrays([table[field.name].cast(field.type) if field.name in table.column_names
-                                 else pa.nulls(len(table), field.type) for field in schema], schema=schema)
 
 
 def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray], int]:
     """For each file, the indexes of its rows that are the latest of their result (fingerprint,
     item key, question, as 64 bits like the done-index's keys): the latest run's stamp, then the
-    later file, then the later row; and the rows of all the files. Memory: 28 bytes a row."""
+    later file, then the later row (`latest_ordinals`); and the rows of all the files. Memory:
+    24 bytes a row."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    hashes, stamps, members, rows = [], [], [], []
-    for index, ref in enumerate(files):
+    hashes, stamps = [], []
+    for ref in files:
         table = pq.read_table(pa.BufferReader(out.read(ref.key)), columns=["fingerprint", "key", "question", "run_id"])
         hashes.append(np.fromiter((result_key(f"{fp}\x1f{key}", question) for fp, key, question in zip(
             table["fingerprint"].to_pylist(), table["key"].to_pylist(), table["question"].to_pylist())),
             np.uint64, len(table)))
         stamp = pc.struct_field(pc.extract_regex(pc.fill_null(table["run_id"], ""), _STAMP_PATTERN), [0])
         stamps.append(pc.fill_null(pc.cast(pc.replace_substring(stamp, "T", ""), pa.int64()), 0).to_numpy())
-        members.append(np.full(len(table), index, np.int32))
-        rows.append(np.arange(len(table), dtype=np.int64))
-    hashed, stamp, member, row = (np.concatenate(a) for a in (hashes, stamps, members, rows))
-    order = np.lexsort((row, member, stamp, hashed))  # by result, then oldest to newest
-    last = np.ones(len(order), bool)
-    last[:-1] = hashed[order][1:] != hashed[order][:-1]
-    member, row = member[order][last], row[order][last]
-    return [np.sort(row[member == index]) for index in range(len(files))], len(order)
+    return latest_ordinals(hashes, stamps), sum(len(h) for h in hashes)
 
 
 def compact_view(out: Storage) -> dict:
     """Merge the view's files into one (`parquet/compacted-<stamp>-<tag>.parquet`), a result
     held twice kept once (the latest), then remove the files merged. Reads the view, no part;
-    memory: the de-duplication's 28 bytes a row, one row group and the file written."""
+    memory: the de-duplication's 24 bytes a row, one row group and the file written."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -4,8 +4,6 @@ what each run adds, not with the history.
 
     parquet/run-<run_id>.parquet              the final results a run added, written at its end
     parquet/compacted-<stamp>-<tag>.parquet   many runs' rows in one file (compaction, rebuild)
-    parquet/results.parquet                   the one file older versions rebuilt at each run's
-                                              end; it stays a member of the view like the others
 
 Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parquet")`,
 `pyarrow.dataset.dataset("OUT/parquet/")`, `pandas.read_parquet("OUT/parquet/")`, DuckDB's
@@ -17,21 +15,18 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
   it computed again (an object re-uploaded since), and in which parts they stand, the done-index
   it loaded at its start tells (kept by `load_done_index` for this step; one is loaded here
   where the process has none, as when `add_run` is called on its own). Each such result is then
-  removed from the older file that holds it, which is rewritten: the file of the run whose part held the
-  earlier record, or, where that run has no file of its own (it ended before this view, or
-  compaction merged it), the compacted files and the old one. The run that wrote a part cut
-  short since has its file checked against every result this run added (the cut records are
-  the ones computed again). The new file is written before an older one is rewritten: a reader
+  removed from the older file that holds it, which is rewritten: the file of the run whose part
+  held the earlier record, or, where that run has no file of its own (compaction or a rebuild
+  merged it), the compacted files. The run that wrote a part cut short since has its file
+  checked against every result this run added (the cut records are the ones computed again). The new file is written before an older one is rewritten: a reader
   in between, or a crash, sees a result twice, never not at all; compaction settles that.
-- Readers such as `datasets` refuse a folder whose files' columns differ: a run that adds a
-  file rewrites, once, the files written in an older schema (records gain fields over versions).
 - A run owes the view its file from its first part on: before that part it leaves an empty
   `results/<fp>/view-owed/<run_id>` (`owe_view`), removed once its file is written. A run killed
   at any moment before then (or whose export failed) leaves it, and the next run of the job, with
   or without new items, adds that run's file from all of its parts before its own
   (`add_owed_runs`, one listing of a folder that is empty on a normal night): a rerun makes the
   view whole, and its manifest's `complete` says whether it did. `vlm-caption export OUTPUT`
-  rebuilds the view from every part, as one file, for outputs older than this rule.
+  rebuilds the view from every part, as one file.
 - Compaction (`vlm-caption export OUTPUT --compact`, tasks/results/parquet_compact.py) merges the view's files into one, keeping
   the latest of a result held twice (by the run's stamp), from the files alone (no part is
   read); it writes the merged file, then removes the ones it merged. Run it while no run of
@@ -42,7 +37,6 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
 from __future__ import annotations
 
 import io
-import struct
 import threading
 import time
 from typing import Any
@@ -52,18 +46,15 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_index import DoneIndex, loaded_index, read_done_index, result_key
-from vlm_caption.tasks.results.done_rows import listed_under, read_part_rows
+from vlm_caption.tasks.results.done_index import DoneIndex, loaded_index, read_done_index
+from vlm_caption.tasks.results.done_rows import listed_under, result_key
 from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key, view_owed_key,
                                    view_owed_prefix)
-from vlm_caption.tasks.results.parquet import (RESIZED, ROW_GROUP_ROWS, latest_ordinals, part_order, results_schema, select_rows,
+from vlm_caption.tasks.results.parquet import (ROW_GROUP_ROWS, latest_in_parts, part_order, results_schema, select_rows,
                                    write_rows)
 from vlm_caption.tasks.results.parquet_compact import copy_rows, view_files
-from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.storage import Storage, key_within
 
-_NO_ROWS = np.empty(0, dtype=[("key", "<u8")])
-FOOTER_READ = 64 << 10  # the tail read for a file's schema: a run's file's whole footer
 _owed: set[tuple[str, str, str]] = set()  # (output, fingerprint, run) this process has marked owed
 _owed_lock = threading.Lock()
 
@@ -123,14 +114,8 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
                    if key.endswith(".jsonl") and (key in named or part_run(key) == run_id)), key=part_order)
     for key in sorted(named - {part.key for part in mine}):
         report["skipped_parts"][out.describe(key)] = "not found"
-    rows_of, resized, unreadable = read_part_rows(out, mine, listed.keys(), log)
-    for key in sorted(resized):
-        report["damaged_parts"][out.describe(key)] = RESIZED
-    for key in unreadable:
-        report["skipped_parts"][out.describe(key)] = "unreadable"
-    keyed = [rows_of.get(part.key, _NO_ROWS)["key"] for part in mine]
-    wanted = latest_ordinals(keyed)
-    added = np.unique(np.concatenate([k[w] for k, w in zip(keyed, wanted)] or [_NO_ROWS["key"]]).astype(np.uint64))
+    keyed, wanted = latest_in_parts(out, mine, listed.keys(), log, report)
+    added = np.unique(np.concatenate([k[w] for k, w in zip(keyed, wanted)] or [np.empty(0, np.uint64)]))
     key = run_parquet_key(run_id)
     if earlier is None:
         earlier = loaded_index(out, fingerprint)
@@ -159,12 +144,11 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
             continue
         if removed:
             rewritten[out.describe(member)] = removed
-    conformed = _conform_files(out, key, report, log) if rows else []
     out.delete(view_owed_key(fingerprint, run_id))  # the run's file is written: the view owes it nothing
     complete = not report["damaged_parts"] and not report["skipped_parts"]
     result = {"path": out.describe(key) if rows else None, "rows": rows, "row_groups": groups,
               "complete": complete, "seconds": round(time.perf_counter() - started, 3),
-              **({"rewritten": rewritten} if rewritten else {}), **({"conformed": conformed} if conformed else {}),
+              **({"rewritten": rewritten} if rewritten else {}),
               **{k: v for k, v in report.items() if v}}
     (log.info if complete else log.warning)("Parquet view: the run's results added", path=result["path"], rows=rows,
                                             rewritten=len(rewritten))
@@ -175,9 +159,8 @@ def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray
              own: str) -> tuple[list[str], set[int]]:
     """The view's files that may hold an earlier record of a result this run added, and those
     results' keys: the file of each run whose part holds one (the done-index says which), or,
-    for a run without a file of its own, the compacted files and the old single file. A run whose
-    part was cut short since lost records this run may have computed again: its file is checked
-    against all of them."""
+    for a run without a file of its own, the compacted files. A run whose part was cut short
+    since lost records this run may have computed again: its file is checked against all of them."""
     cut = {part_run(key) for key in earlier.resized if key not in mine}
     runs: set[str | None] = set(cut)
     replaced = set(added.tolist()) if cut else set()
@@ -220,47 +203,6 @@ def _drop_rows(out: Storage, key: str, fingerprint: str, results: set[tuple[str,
         copy_rows(source, writer.write_table, keep)
     out.write(key, buffer.getvalue())  # one atomic write: readers see the old file or the new one
     return len(drop)
-
-
-def _file_schema(out: Storage, ref: ObjectRef):
-    """A view file's schema, from its footer alone (one ranged read; two for a long footer)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    tail = out.read_range(ref.key, max(0, ref.size - FOOTER_READ), min(ref.size, FOOTER_READ))
-    if len(tail) < 12 or tail[-4:] != b"PAR1":
-        raise ValueError("not a Parquet file (no footer)")
-    (length,) = struct.unpack("<I", tail[-8:-4])
-    if length + 8 > len(tail):
-        tail = out.read_range(ref.key, ref.size - length - 8, length + 8)
-    return pq.read_schema(pa.BufferReader(b"PAR1" + tail[-(length + 8):]))
-
-
-def _conform_files(out: Storage, own: str, report: dict, log) -> list[str]:
-    """Rewrite in today's schema the view's files written in another (by an older version, one
-    whose records had other fields): readers such as `datasets` refuse files whose columns
-    differ. A footer read per file; a file is rewritten once, at the first run after an upgrade."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema, conformed = results_schema(), []
-    for ref in view_files(out):
-        if ref.key == own:
-            continue
-        try:
-            if _file_schema(out, ref).equals(schema, check_metadata=False):
-                continue
-            source = pq.ParquetFile(pa.BufferReader(out.read(ref.key)))
-            buffer = io.BytesIO()
-            with pq.ParquetWriter(buffer, schema, compression="zstd") as writer:
-                copy_rows(source, writer.write_table, np.arange(source.metadata.num_rows))
-            out.write(ref.key, buffer.getvalue())
-            conformed.append(out.describe(ref.key))
-        except Exception as exc:  # noqa: BLE001 - reported and logged; the next run tries again
-            report.setdefault("not_conformed", {})[out.describe(ref.key)] = f"{type(exc).__name__}: {exc}"
-            log.warning("Parquet view: a file in an older schema could not be rewritten in today's; readers "
-                        "may refuse the folder until it is", file=out.describe(ref.key), error=str(exc))
-    return conformed
 
 
 @task(name="export-parquet", cache_policy=NONE, persist_result=False)

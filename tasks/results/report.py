@@ -81,7 +81,7 @@ class PartitionReport(Tally):
     worker: str | None = None  # the Prefect worker that ran it
     host: str | None = None
     devices: str | None = None  # CUDA_VISIBLE_DEVICES of the worker
-    cpus: str | None = None  # the cores it kept to (tasks/engine/host_share.py), as a cpulist
+    cpus: str | None = None  # how many cores its process could use
     asked_at: float | None = None  # when its flow run was asked for (scheduled), epoch seconds
     process_started_at: float | None = None  # when the process that ran it began
     state: str = "COMPLETED"

@@ -28,8 +28,8 @@ prefix, a page for a night's run), reads what it does not hold, and its compacte
 
   (I) every part that index does not hold (with its current size) has a stamp > its `after`.
 
-A load that lists the whole of results/<fp>/ (no usable index: the first, an old format, a damaged
-one) makes it true: a part it did not list landed after t, so by (W) has a stamp
+A load that lists the whole of results/<fp>/ (no usable index: the first, or a damaged one)
+makes it true: a part it did not list landed after t, so by (W) has a stamp
 >= t - WRITE_S > after'. An incremental load keeps it: take a part P it does not hold as P is
 now. If the index it read did not hold P as it is now either, by (I) P has a stamp s > after.
 If s had landed when the load listed `writing/`, the load listed P's writer after t and did not
