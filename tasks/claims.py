@@ -8,19 +8,16 @@ only when its pipeline has room for one, so a partition whose engine is ready la
 GPU is slower, takes fewer shards, and all of them run out of unclaimed shards at about the
 same moment. Partition i of N walks each chunk of the plan from its own share on (shard
 i·len/N, wrapping round: `own_share_first`), so partitions meet only where one has run through
-its share into another's, and there each takes what the others left. Were all to try the plan's
-first free shard, N-1 of them would lose each claim: lost claims grew with N² (bench/scaling.py,
-48 shards on 16 partitions: 251 lost claims that way, 78 from their own shares). Nothing passes
-through one host's disk or memory: partitions on other hosts see the same store, as the results
-already require.
+its share into another's (48 shards on 16 partitions: 78 lost claims, 251 when all tried the
+plan's first free shard; bench/scaling.py). Nothing passes through one host's disk or memory.
 
-When its part is written a shard is marked done (`<shard>.done`, by the same write task). Each partition beats a
-heartbeat (`alive-p<N>.json`) every BEAT_S seconds, and says `finished` when its pipeline ends,
-however it ends. After its own shards, a partition waits for the run's claimed shards to be
-done; a shard whose holder finished without marking it done, or whose heartbeat stood still
-for STALE_S seconds (a killed worker, a lost host), is claimed again (`<shard>.r1`, `.r2`, ...,
-again by a conditional write, so one partition retakes it) and captioned here. So the
-partitions finish together, and a partition that dies loses nothing.
+When its part is written a shard is marked done (`<shard>.done`, by the same write task). Each
+partition beats a heartbeat (`alive-p<N>.json`) every BEAT_S seconds and, however its pipeline
+ends, says `finished` (in the beat and as `finished-p<N>`). After its own shards, a partition
+waits for the run's claimed shards to be done; a shard whose holder finished without marking it
+done, or whose heartbeat stood still for STALE_S seconds (a killed worker, a lost host), is
+claimed again (`<shard>.r1`, `.r2`, ..., by a conditional write, so one partition retakes it) and
+captioned here. So the partitions finish together, and a partition that dies loses nothing.
 
 A claim names the shard's first and last item: two partitions that see other items in a shard
 (a plan relisted by a partition that replaced a gone lister, over a source that changed) is
@@ -83,6 +80,7 @@ class Heartbeat:
             self._thread.join(timeout=self.beat_s + 5)
         try:
             self.beat("finished")
+            self.out.write(self.key.replace("alive-", "finished-").removesuffix(".json"), b"")  # seen in a listing
         except Exception as error:  # noqa: BLE001 - they retake it once the heartbeat is stale
             self.log.warning("could not say this partition finished; others wait for its heartbeat to go stale",
                              error=str(error))
@@ -112,7 +110,12 @@ class ShardClaims:
         self.stale_s = stale_s
         self.taken = 0  # shards this partition claimed (first claims and retakes)
         self.retaken = 0
-        self._seen: dict[str, _Seen] = {}
+        self._seen: dict[str, _Seen] = {}  # heartbeats read (`gone`)
+        self._listed: dict[str, _Seen] = {}  # heartbeats' ETags as the claims' listings showed them (`retake`)
+        self._finished: set[str] = set()  # owners whose `finished-<owner>` a listing showed
+        self._holders: dict[tuple[int, int], str] = {}  # (shard, generation) -> owner: a claim never changes
+        self._mine: set[tuple[int, int]] = set()  # the claims this partition won
+        self._waiting_since: float | None = None
         self.log = get_logger(run_id=run_id, partition=partition)
         self.heartbeat = Heartbeat(out, self._alive_key(self.owner), partition, beat_s, self.log)
 
@@ -133,9 +136,10 @@ class ShardClaims:
         body = {"owner": self.owner, "partition": self.partition, "items": len(shard.items),
                 "first": shard.items[0].id if shard.items else None,
                 "last": shard.items[-1].id if shard.items else None}
-        won = self.out.create(self._claim_key(shard.index, 0), json.dumps(body).encode())
+        won = self.out.create(claim_key(self.run_id, shard.index, 0), json.dumps(body).encode())
         if won:
             self.taken += 1
+            self._mine.add((shard.index, 0))
         elif compare:
             self._check_same_shard(shard, body)
         return won
@@ -178,12 +182,9 @@ class ShardClaims:
     def mark_done(self, index: int) -> None:
         self.out.write(self.done_key(index), b"")
 
-    def _claim_key(self, index: int, generation: int) -> str:
-        return claim_key(self.run_id, index, generation)
-
     def _check_same_shard(self, shard: Shard, mine: dict) -> None:
         try:
-            theirs = json.loads(self.out.read(self._claim_key(shard.index, 0)))
+            theirs = json.loads(self.out.read(claim_key(self.run_id, shard.index, 0)))
         except (OSError, ValueError) as error:
             self.log.warning("a claim could not be read back", shard=shard.index, error=str(error))
             return
@@ -194,26 +195,44 @@ class ShardClaims:
                              theirs=[theirs.get("first"), theirs.get("last")])
 
     # ---- the end: wait for the others, retake what a gone partition left --------------------------
-    def unfinished(self) -> dict[int, tuple[int, str]]:
-        """Claimed shards not done yet: index -> (latest generation, its holder)."""
+    def unfinished(self) -> dict[int, int]:
+        """Claimed shards not done yet (index -> latest generation), from one listing of the
+        claims, which shows the heartbeats' ETags and the `finished-` marks too: while nobody is
+        gone a waiting partition reads nothing else (reading each claim and heartbeat each poll
+        made the end seconds long on a store at 200 ms, bench/scaling.py)."""
         latest: dict[int, int] = {}
         done: set[int] = set()
         for ref in self.out.iter_objects(prefix=self.prefix):
             name = ref.key[len(self.prefix):]
             if name.endswith(".done"):
                 done.add(int(name[:6]))
+            elif name.startswith("finished-"):
+                self._finished.add(name[len("finished-"):])
+            elif name.startswith("alive-") and name.endswith(".json"):
+                seen = self._listed.setdefault(name[len("alive-"):-len(".json")], _Seen(ref.etag))
+                if seen.beat != ref.etag:
+                    seen.beat, seen.changed_at = ref.etag, time.monotonic()
             elif (match := CLAIM.match(name)):
                 index, generation = int(match[1]), int(match[2] or 0)
                 latest[index] = max(latest.get(index, 0), generation)
-        holders = {}
-        for index, generation in latest.items():
-            if index in done:
-                continue
+        return {index: generation for index, generation in latest.items() if index not in done}
+
+    def _gone_as_listed(self, owner: str) -> bool:
+        """`gone` from the listings alone: a `finished` mark, a heartbeat whose ETag stood still
+        for `stale_s`, or none listed for `stale_s` of waiting."""
+        if owner == self.owner:
+            return False
+        seen = self._listed.get(owner)
+        since = seen.changed_at if seen is not None else self._waiting_since or time.monotonic()
+        return owner in self._finished or time.monotonic() - since >= self.stale_s
+
+    def _holder(self, index: int, generation: int) -> str | None:
+        if (index, generation) not in self._holders:
             try:
-                holders[index] = (generation, json.loads(self.out.read(self._claim_key(index, generation)))["owner"])
+                self._holders[(index, generation)] = json.loads(self.out.read(claim_key(self.run_id, index, generation)))["owner"]
             except (OSError, ValueError, KeyError) as error:  # a claim being written: seen next round
                 self.log.warning("a claim could not be read", shard=index, error=str(error))
-        return holders
+        return self._holders.get((index, generation))
 
     def gone(self, owner: str) -> bool:
         """The holder said it finished, or its heartbeat has not changed for `stale_s` seconds."""
@@ -233,19 +252,26 @@ class ShardClaims:
     def retake(self) -> list[int] | None:
         """The shards of gone partitions this partition now holds (retaken); an empty list while
         other live partitions still hold shards; None once every claimed shard is done."""
-        holders = self.unfinished()
-        if not holders:
+        pending = self.unfinished()
+        if not pending:
             return None
+        self._waiting_since = self._waiting_since or time.monotonic()
+        for index in [index for index, generation in pending.items() if (index, generation) in self._mine]:
+            self.mark_done(index)  # captioned here (the pipeline has drained); its mark was lost
+            del pending[index]
+        owners = set(self._listed) | self._finished
+        if not any(map(self._gone_as_listed, owners)) and time.monotonic() - self._waiting_since < self.stale_s:
+            return []  # nobody is gone: no claim read
         retaken = []
-        for index, (generation, owner) in sorted(holders.items()):
-            if owner == self.owner:  # captioned here (the pipeline has drained); its mark was lost
-                self.mark_done(index)
-            elif self.gone(owner) and not self.out.exists(self.done_key(index)):
+        for index, generation in sorted(pending.items()):
+            owner = self._holder(index, generation)
+            if owner is not None and self._gone_as_listed(owner) and not self.out.exists(self.done_key(index)):
                 # (done since it was listed: a holder marks its shards done, then says it finished)
-                if self.out.create(self._claim_key(index, generation + 1),
+                if self.out.create(claim_key(self.run_id, index, generation + 1),
                                    json.dumps({"owner": self.owner, "partition": self.partition,
                                                "retaken_from": owner}).encode()):
                     self.log.warning("a shard whose partition is gone is captioned here", shard=index, gone=owner)
+                    self._mine.add((index, generation + 1))
                     retaken.append(index)
         self.taken += len(retaken)
         self.retaken += len(retaken)

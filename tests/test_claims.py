@@ -141,6 +141,21 @@ def test_a_partition_that_says_it_finished_is_not_waited_for():
 
 
 
+def test_a_partition_waiting_on_live_holders_lists_the_claims_and_reads_nothing(tmp_path, monkeypatch):
+    """At a run's end every partition out of shards polls the claims: one listing a poll, no
+    read of a claim or a heartbeat while nobody is gone (the end took seconds at 16 simulated
+    partitions, a read per unfinished shard and per holder each poll)."""
+    store = LocalStorage(tmp_path / "out", create=True)
+    with ShardClaims(store, "run9", 1, beat_s=60, stale_s=3600) as holder:
+        assert all(holder.claim(shard) for shard in shards(3))
+        waiting = ShardClaims(store, "run9", 0, stale_s=3600)
+        reads = []
+        monkeypatch.setattr(store, "read", lambda key: reads.append(key) or b"")
+        assert [waiting.retake() for _ in range(3)] == [[], [], []] and reads == []
+        monkeypatch.undo()
+    assert waiting.retake() == [0, 1, 2]  # it said it finished with its shards not done: retaken at once
+
+
 def test_a_shard_done_between_the_listing_and_its_holders_finish_is_not_retaken(tmp_path, monkeypatch):
     """A waiting partition lists the claims, then reads each holder's heartbeat: a holder that
     marked its shard done and said it finished in between is not retaken from (which would
@@ -150,9 +165,10 @@ def test_a_shard_done_between_the_listing_and_its_holders_finish_is_not_retaken(
         assert holder.claim(shards(1)[0])
         other = ShardClaims(store, "run4", 0, stale_s=3600)
         listed = other.unfinished()
-        assert listed == {0: (0, "p1")}
+        assert listed == {0: 0}
         holder.mark_done(0)
-    monkeypatch.setattr(other, "unfinished", lambda: listed)  # as listed before the mark landed
+    assert other.unfinished() == {} and "p1" in other._finished  # done, and its holder said it finished
+    monkeypatch.setattr(other, "unfinished", lambda: dict(listed))  # as listed before the mark landed
     assert other.retake() == [] and not store.exists("claims/run4/000000.r1")
 
 
@@ -293,10 +309,10 @@ def test_a_finished_runs_claims_are_removed(store, planned_source):
             claims.mark_done(shard.index)
     with ShardClaims(store, "run8", 0) as other:  # another run's claims stay
         other.claim(shards(1)[0])
-    assert remove_claims(store, "run7") >= 3 + 3 + 1 + 2  # claims, done marks, heartbeat, plan
+    assert remove_claims(store, "run7") >= 3 + 3 + 2 + 2  # claims, done marks, heartbeat and its mark, plan
     assert list(store.iter_objects(prefix="claims/run7/")) == []
-    assert [ref.key for ref in store.iter_objects(prefix="claims/run8/")] == ["claims/run8/000000",
-                                                                             "claims/run8/alive-p0.json"]
+    assert [ref.key for ref in store.iter_objects(prefix="claims/run8/")] == [
+        "claims/run8/000000", "claims/run8/alive-p0.json", "claims/run8/finished-p0"]
     if isinstance(store, LocalStorage):
         assert not (store.root / "claims" / "run7").exists()
 
