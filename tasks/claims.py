@@ -1,15 +1,14 @@
 """How the partitions of a fanned-out run share its shards: claims in the output store.
 
-The run's source is listed once, into a shard plan every partition reads (tasks/shard_plan.py:
-only the shards with work left are in it), and before it fetches a shard a partition *claims* it: it creates
-`claims/<run_id>/<shard>` with a conditional write (`Storage.create`: `If-None-Match: *` on
-S3, a hard link on a folder), which exactly one partition wins. A partition takes a new shard
+The run's source is listed once, into a shard plan every partition reads (tasks/shard_plan.py),
+and before it fetches a shard a partition *claims* it: it creates `claims/<run_id>/<shard>` with
+a conditional write (`If-None-Match: *` on S3, a hard link on a folder), which one partition wins. A partition takes a new shard
 only when its pipeline has room for one, so a partition whose engine is ready late, or whose
 GPU is slower, takes fewer shards, and all of them run out of unclaimed shards at about the
 same moment. Partition i of N walks each chunk of the plan from its own share on (shard
 i·len/N, wrapping round: `own_share_first`), so partitions meet only where one has run through
 its share into another's (48 shards on 16 partitions: 78 lost claims, 251 when all tried the
-plan's first free shard; bench/scaling.py). Nothing passes through one host's disk or memory.
+plan's first free shard; bench/scaling.py).
 
 When its part is written a shard is marked done (`<shard>.done`, by the same write task). Each
 partition beats a heartbeat (`alive-p<N>.json`) every BEAT_S seconds and, however its pipeline
@@ -20,9 +19,8 @@ claimed again (`<shard>.r1`, `.r2`, ..., by a conditional write, so one partitio
 captioned here. So the partitions finish together, and a partition that dies loses nothing.
 
 A claim names the shard's first and last item: two partitions that see other items in a shard
-(a plan relisted by a partition that replaced a gone lister, over a source that changed) is
-logged; no item is lost (the next run's done-index sees what no shard had), one may be
-captioned twice.
+(a lister replaced, over a source that changed) is logged; no item is lost, one may be captioned
+twice.
 
 When the run has finished (the parent, after its children), `remove_claims` deletes the run's
 claims/ objects, so a nightly job leaves none behind.
@@ -59,9 +57,8 @@ class _Seen:
 
 
 class Heartbeat:
-    """A partition's heartbeat: `alive-<owner>.json` rewritten every `beat_s` seconds by a thread
-    while the partition runs, and `finished` once, however its pipeline ends, so that the others
-    retake what it left undone at once instead of waiting for the beat to go stale."""
+    """A partition's heartbeat: `alive-<owner>.json` rewritten every `beat_s` seconds while the
+    partition runs, and `finished` once, however it ends: the others retake its shards at once."""
 
     def __init__(self, out: Storage, key: str, partition: int, beat_s: float, log):
         self.out, self.key, self.partition, self.beat_s, self.log = out, key, partition, beat_s, log
@@ -146,9 +143,8 @@ class ShardClaims:
 
     def claimed(self, shards):
         """The shards of `shards` this partition wins, claimed one at a time as they are asked for.
-        At a lost claim it lists the claims (one request) and skips every shard claimed by then:
-        a partition that starts late, or falls behind, goes straight to the first unclaimed shard
-        instead of a conditional write for each one the others hold."""
+        At a lost claim it lists the claims and skips every shard claimed by then, instead of a
+        conditional write for each one the others hold."""
         taken: set[int] = set()
         compared = False
         for shard in shards:
@@ -165,8 +161,7 @@ class ShardClaims:
 
     def own_share_first(self, chunk: list[Shard]) -> list[Shard]:
         """A chunk of the plan in the order this partition tries its shards: from its own share
-        on (partition i of N at shard i·len/N), then round to the chunk's start, so that
-        partitions short of shards try different ones (see the module's docstring)."""
+        on (partition i of N at shard i·len/N), then round to the chunk's start."""
         start = self.partition * len(chunk) // max(1, self.partitions)
         return chunk[start:] + chunk[:start]
 
@@ -196,10 +191,9 @@ class ShardClaims:
 
     # ---- the end: wait for the others, retake what a gone partition left --------------------------
     def unfinished(self) -> dict[int, int]:
-        """Claimed shards not done yet (index -> latest generation), from one listing of the
-        claims, which shows the heartbeats' ETags and the `finished-` marks too: while nobody is
-        gone a waiting partition reads nothing else (reading each claim and heartbeat each poll
-        made the end seconds long on a store at 200 ms, bench/scaling.py)."""
+        """Claimed shards not done yet (index -> latest generation), from one listing of the claims,
+        which shows the heartbeats' ETags and `finished-` marks too: while nobody is gone nothing
+        else is read (a read of each claim and heartbeat a poll: seconds at 200 ms a request)."""
         latest: dict[int, int] = {}
         done: set[int] = set()
         for ref in self.out.iter_objects(prefix=self.prefix):
@@ -218,8 +212,7 @@ class ShardClaims:
         return {index: generation for index, generation in latest.items() if index not in done}
 
     def _gone_as_listed(self, owner: str) -> bool:
-        """`gone` from the listings alone: a `finished` mark, a heartbeat whose ETag stood still
-        for `stale_s`, or none listed for `stale_s` of waiting."""
+        """`gone` from the listings: a `finished` mark, or no new heartbeat ETag for `stale_s`."""
         if owner == self.owner:
             return False
         seen = self._listed.get(owner)
@@ -229,7 +222,8 @@ class ShardClaims:
     def _holder(self, index: int, generation: int) -> str | None:
         if (index, generation) not in self._holders:
             try:
-                self._holders[(index, generation)] = json.loads(self.out.read(claim_key(self.run_id, index, generation)))["owner"]
+                claim = json.loads(self.out.read(claim_key(self.run_id, index, generation)))
+                self._holders[(index, generation)] = claim["owner"]
             except (OSError, ValueError, KeyError) as error:  # a claim being written: seen next round
                 self.log.warning("a claim could not be read", shard=index, error=str(error))
         return self._holders.get((index, generation))
