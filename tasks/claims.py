@@ -2,13 +2,13 @@
 
 The run's source is listed once, into a shard plan every partition reads (tasks/shard_plan.py),
 and before it fetches a shard a partition *claims* it: it creates `claims/<run_id>/<shard>` with
-a conditional write (`If-None-Match: *` on S3, a hard link on a folder), which one partition wins. A partition takes a new shard
-only when its pipeline has room for one, so a partition whose engine is ready late, or whose
-GPU is slower, takes fewer shards, and all of them run out of unclaimed shards at about the
-same moment. Partition i of N walks each chunk of the plan from its own share on (shard
-i·len/N, wrapping round: `own_share_first`), so partitions meet only where one has run through
-its share into another's (48 shards on 16 partitions: 78 lost claims, 251 when all tried the
-plan's first free shard; bench/scaling.py).
+a conditional write (`If-None-Match: *` on S3, a hard link on a folder), which one partition
+wins. A partition takes a new shard only when its pipeline has room for one, so one whose engine
+is ready late, or whose GPU is slower, takes fewer, and all run out of unclaimed shards together.
+Partition i of N walks each chunk of the plan from its own share on (shard i·len/N, wrapping
+round: `own_share_first`), so partitions meet only where one has run through its share into
+another's (48 shards on 16 partitions: 78 lost claims, 251 when all tried the plan's first free
+shard; bench/scaling.py).
 
 When its part is written a shard is marked done (`<shard>.done`, by the same write task). Each
 partition beats a heartbeat (`alive-p<N>.json`) every BEAT_S seconds and, however its pipeline

@@ -18,8 +18,9 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
   removed from the older file that holds it, which is rewritten: the file of the run whose part
   held the earlier record, or, where that run has no file of its own (compaction or a rebuild
   merged it), the compacted files. The run that wrote a part cut short since has its file
-  checked against every result this run added (the cut records are the ones computed again). The new file is written before an older one is rewritten: a reader
-  in between, or a crash, sees a result twice, never not at all; compaction settles that.
+  checked against every result this run added (the cut records are the ones computed again).
+  The new file is written before an older one is rewritten: a reader in between, or a crash,
+  sees a result twice, never not at all; compaction settles that.
 - A run owes the view its file from its first part on: before that part it leaves an empty
   `results/<fp>/view-owed/<run_id>` (`owe_view`), removed once its file is written. A run killed
   at any moment before then (or whose export failed) leaves it, and the next run of the job, with

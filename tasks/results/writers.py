@@ -19,8 +19,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.errors import OutOfSpaceError
-from vlm_caption.tasks.results.done_rows import index_rows, sidecar_bytes, sidecar_key
-from vlm_caption.tasks.results.done_rows import parse_records, read_part_lines
+from vlm_caption.tasks.results.done_rows import index_rows, parse_records, read_part_lines, sidecar_bytes, sidecar_key
 from vlm_caption.tasks.results.layout import (manifest_key, part_key, part_prefix, partition_parts_id,
                                               partition_report_key, run_of)
 from vlm_caption.tasks.results.parquet_view import owe_view
