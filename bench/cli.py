@@ -37,7 +37,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               start_rounds=args.start_rounds, history=args.history,
                               history_source=args.history_source, history_keep=args.history_keep,
                               history_new=not args.history_nothing_new_only, history_new_at=args.history_new_at,
-                              json_schema=json.dumps(schema) if schema is not None else None))
+                              json_schema=json.dumps(schema) if schema is not None else None,
+                              engine_args=json.dumps(dict(args.engine_arg)) if args.engine_arg else None))
     return 0
 
 
@@ -53,6 +54,8 @@ class SkipRaw(argparse.Action):
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from vlm_caption.flows.cli_job import engine_arg  # `run`'s own KEY=VALUE parsing
+
     parser.add_argument("--dir", default="vlm-caption-bench", help="working folder (default: ./vlm-caption-bench)")
     parser.add_argument("--model", help="model path or id (default: a random-weight checkpoint of --shape)")
     parser.add_argument("--shape", choices=["tiny", "7b", "2b"], default="tiny",
@@ -115,6 +118,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after the compared phases, N rounds of raw (with the flow's processor device) and the "
                         "flow over 16 items each, alternating which goes first: the engine-ready gap, flow less "
                         "raw, as each round's and the median (a single phase's start moves with the host)")
+    parser.add_argument("--engine-arg", action="append", type=engine_arg, default=[], metavar="KEY=VALUE",
+                        help="a vLLM engine argument for the flow's phases (repeatable); raw keeps vLLM's defaults")
     parser.add_argument("--json-schema", metavar="FILE|tags",
                         help="both phases answer in JSON matching this schema (vLLM's structured outputs)")
     parser.add_argument("--history", type=int, default=0, metavar="N",

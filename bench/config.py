@@ -76,6 +76,9 @@ class BenchConfig:
     # A JSON Schema (as JSON text) both phases constrain every answer to with vLLM's structured
     # outputs; generation then ends where the schema does (no ignore_eos). None: prose.
     json_schema: str | None = None
+    # vLLM engine arguments (as a JSON object) for the flow's phases only (the job's
+    # engine_overrides): raw keeps vLLM's defaults, the figure the flow's start is put over.
+    engine_args: str | None = None
     # N > 0: `--history N` (bench/history.py): a nightly run over N done results, with
     # nothing new and with 1% new, instead of the raw/flow comparison.
     history: int = 0

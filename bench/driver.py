@@ -57,7 +57,7 @@ from vlm_caption.bench.harness import GpuSampler, partition_workers, prefect_api
 from vlm_caption.bench.media import make_bench_media, make_bench_tars
 from vlm_caption.bench.phases import RESULT_FILE
 from vlm_caption.bench.processes import run_to_end, started
-from vlm_caption.bench.report import engine_ready_gaps, print_table, profile_summary, ratios, write_report
+from vlm_caption.bench.report import engine_ready_gaps, ideal_fan_out, print_table, profile_summary, ratios, write_report
 from vlm_caption.bench.rounds import run_start_rounds
 
 
@@ -253,6 +253,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             with partition_workers(gpus, work, {**phase_env, **settings}):
                 result = run_phase("fan-out", replace(cfg, gpus=gpus), folder, model, env={**phase_env, **settings})
             result = {**result, "gpus": gpus, "ratio_over_flow": ratios(result, report["flow"])}
+            ideal = ideal_fan_out(report["flow"], gpus)
+            if ideal:  # the bar: wall within 0.95 of E + G/N + T
+                result.update(ideal=ideal, ideal_over_wall=round(ideal["wall_s"] / result["wall_s"], 3))
             if "raw_n" in report and gpus == cfg.gpus:  # its headline: ready_to_last_items_per_s, over raw, N processes
                 result["ratio_over_raw_n"] = ratios(result, report["raw_n"])
             if gpus != cfg.gpus:

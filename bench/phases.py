@@ -114,7 +114,8 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, lim
     job = CaptionJob(source=source, output=output, recipe=cfg.recipe, model=model, shard_size=cfg.shard_size,
                      modality=cfg.modality, num_frames=cfg.frames, max_images=GROUP_SIZE, follow_links=True,
                      sampling=cfg.sampling(), fan_out=fan_out, processor_device=cfg.processor_device,
-                     json_schema=cfg.structured(), limit=limit)
+                     json_schema=cfg.structured(), limit=limit,
+                     engine_overrides=json.loads(cfg.engine_args) if cfg.engine_args else {})
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, vLLM's import, the engine, then Prefect
     start_engine_first(plan)  # a fan-out's parent: its flow asks for its children first
     from vlm_caption.tasks.engine.engine_process import wait_for_engine_process

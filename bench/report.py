@@ -112,6 +112,19 @@ GAP_NAMES = {"flow_minus_raw": "flow over raw", "flow_minus_raw_same": "flow ove
              "flow_minus_raw_before_build": "of which before vllm.LLM began"}
 
 
+def ideal_fan_out(flow: dict[str, Any], gpus: int) -> dict[str, float] | None:
+    """The wall a fan-out over `gpus` GPUs would have if only generating divided: the 1-GPU flow's
+    engine ready E (from its process start), its generating window G over N, and the rest of its
+    wall T (the outputs after the last result, and any gap before the first), E + G/N + T. A
+    fan-out pays E once more per partition at best in parallel, so this is its ceiling."""
+    ready, generating, wall = flow.get("engine_ready_s"), flow.get("generate_s"), flow.get("wall_s")
+    if not (ready and generating and wall):
+        return None
+    rest = wall - ready - generating
+    return {"engine_ready_s": round(ready, 2), "generate_s": round(generating, 2), "rest_s": round(rest, 2),
+            "wall_s": round(ready + generating / gpus + rest, 2)}
+
+
 def engine_ready_gaps(report: dict[str, Any]) -> dict[str, float]:
     """How much later than raw's each flow phase's first engine was ready, each counted from its
     own phase's start (the issue's bound: a raw script's + 5 s): `flow_minus_raw` (the flow on one
@@ -238,6 +251,12 @@ def print_table(report: dict[str, Any], path: Path) -> None:
             f"{GAP_NAMES.get(name, name)} {value:+.2f} s" for name, value in gaps.items()))
     if "start_rounds" in report:
         print(start_rounds_line(report["start_rounds"]))
+    for name, result in (("fan-out", report.get("fan_out") or {}), *report.get("fan_out_gpus", {}).items()):
+        ideal = result.get("ideal")
+        if ideal:
+            print(f"{name} on {result['gpus']} GPUs: wall {result['wall_s']:.2f} s against its ideal E + G/N + T = "
+                  f"{ideal['engine_ready_s']} + {ideal['generate_s']}/{result['gpus']} + {ideal['rest_s']} = "
+                  f"{ideal['wall_s']} s (the 1-GPU flow's figures): ideal / wall {result['ideal_over_wall']:.3f}")
     ratio = report.get("fan_out", {}).get("ratio_over_raw_n", {}).get("ready_to_last_items_per_s")
     if ratio is not None:
         print(f"fan-out / raw {report['fan_out']['gpus']} processes, items/s from the first engine ready to the "

@@ -56,7 +56,7 @@ class Subcommand(argparse.ArgumentParser):
         super().error(message)
 
 
-def _engine_arg(text: str) -> tuple[str, Any]:
+def engine_arg(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. max_model_len=4096")
@@ -128,7 +128,7 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
                         "empty caption")
     parser.add_argument("--no-dedup", dest="dedup", action="store_false",
                         help="ask for every item, copies of another's bytes too (default: each distinct media once)")
-    parser.add_argument("--engine-arg", action="append", type=_engine_arg, default=[],
+    parser.add_argument("--engine-arg", action="append", type=engine_arg, default=[],
                         metavar="KEY=VALUE", help="vLLM engine argument override (repeatable)")
     parser.add_argument("--processor-device", choices=["auto", "cuda", "cpu"],
                         help="where the model's processor runs (default auto: the GPU where the recipe's "

@@ -155,6 +155,11 @@ def test_bench_compares_raw_flow_and_a_fan_out_on_videos_from_s3(tmp_path):
     assert child["asked_s"] - 0.5 <= child["process_started_s"]
     assert fan_out["ratio_over_flow"]["generate_items_per_s"] == round(
         fan_out["generate_items_per_s"] / report["flow"]["generate_items_per_s"], 3)
+    # beside its ideal, the 1-GPU flow's E + G/2 + T, in the JSON and under the table
+    flow, ideal = report["flow"], fan_out["ideal"]
+    assert ideal["wall_s"] == pytest.approx(flow["wall_s"] - flow["generate_s"] / 2, abs=0.011)
+    assert fan_out["ideal_over_wall"] == round(ideal["wall_s"] / fan_out["wall_s"], 3)
+    assert f"fan-out on 2 GPUs: wall {fan_out['wall_s']:.2f} s against its ideal" in done.stdout
     workers = [p for p in psutil.process_iter(["cmdline"]) if "bench-gpu1" in " ".join(p.info["cmdline"] or [])]
     assert workers == []
     # no GPU: the processor stays on the CPU in both, and raw runs once
