@@ -8,7 +8,8 @@ import argparse
 import importlib
 import json
 from collections.abc import Callable
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, get_args, get_origin
 
 
 # `vlm-caption run` given neither what to caption nor where the results go.
@@ -88,88 +89,78 @@ def json_schema_option(value: str | None) -> dict[str, Any] | str | None:
                           f"give a JSON file or one of: {', '.join(BUILTIN_SCHEMAS)}") from None
 
 
-def add_job_options(parser: argparse.ArgumentParser) -> None:
-    # Here, not at the top: the registry imports every source reader, which `vlm-caption --help` need not wait for.
-    from vlm_caption.tasks.sources.registry import SOURCE_FORMATS, formats_help
+# The job's options that are a CaptionJob field (or a `sampling` one) as it is: their type, choices, default
+# and help come from the field (flows/params.py); not given, an option is None (a flag False): the field's own.
+FIELD_OPTIONS = ("recipe", "modality", "method", "num_frames", "max_images", "model", "skip_model_check",
+                 "shard_size", "limit", "glob", "source_format", "column", "modified_since", "follow_links",
+                 "gallery_items", "processor_device", "trust_remote_code")
+SAMPLING_OPTIONS = ("temperature", "max_tokens", "seed")
+METAVARS = {"modified_since": "TIME|DURATION|auto"}
 
-    parser.add_argument("--recipe", default="llava", help="recipe name (default: llava)")
+
+def add_field_options(parser: Any, model: Any, names: tuple[str, ...]) -> None:
+    """`--name` for each of these fields of the pydantic `model`: a bool a flag, a Literal its choices,
+    else its type; its description the help, with its default unless that is None or a bool."""
+    for name in names:
+        field = model.model_fields[name]
+        kind = field.annotation
+        if get_origin(kind) is UnionType:  # `X | None`
+            kind = next(arg for arg in get_args(kind) if arg is not type(None))
+        if kind is bool:
+            option: dict[str, Any] = {"action": "store_true"}
+        elif get_origin(kind) is Literal:
+            option = {"choices": list(get_args(kind))}
+        else:
+            option = {"type": None if kind is str else kind, "metavar": METAVARS.get(name)}
+        text = (field.description or "").replace("`", "").replace("%", "%%")
+        if field.default is not None and kind is not bool:
+            text += f" (default: {field.default})"
+        parser.add_argument("--" + name.replace("_", "-"), help=text, **option)
+
+
+def add_job_options(parser: argparse.ArgumentParser) -> None:
+    # Here, not at the top: the job's model imports every source reader; `vlm-caption --help` need not wait for it.
+    from vlm_caption.flows.params import CaptionJob, SamplingSettings
+
+    add_field_options(parser, CaptionJob, FIELD_OPTIONS)
+    add_field_options(parser, SamplingSettings, SAMPLING_OPTIONS)
+    parser.set_defaults(recipe=CaptionJob.model_fields["recipe"].default)  # args.recipe always names one
     parser.add_argument("--question", action="append", dest="questions", metavar="QUESTION",
-                        help="asked about every item, one record each (repeatable)")
-    parser.add_argument("--modality", choices=["image", "video", "multi-image"],
-                        help="what one item is: an image, a video, or a group of images (one folder, or "
-                        "one manifest line) (default: image)")
-    parser.add_argument("--method", choices=["generate", "chat"],
-                        help="generate (default) or chat: LLM.chat with image parts and the chat template")
-    parser.add_argument("--num-frames", type=int, help="frames sampled from each video (default 16)")
-    parser.add_argument("--max-images", type=int, help="largest image group accepted (default 8)")
-    parser.add_argument("--model", help="model id or local path instead of the recipe's")
-    parser.add_argument("--skip-model-check", action="store_true",
-                        help="start without checking the model first (that it loads, and that its model_type "
-                        "is one the recipe is for)")
-    parser.add_argument("--shard-size", type=int, default=None, help="items per results part (default 64)")
-    parser.add_argument("--limit", type=int, help="stop after this many items")
-    parser.add_argument("--glob", help="only keys matching this glob, e.g. '*.jpg'")
-    parser.add_argument("--source-format", choices=SOURCE_FORMATS,
-                        help=f"what the source holds: {formats_help()}".replace("`", "").replace("%", "%%"))
-    parser.add_argument("--column", help="Parquet: the column of image URLs, s3:// URIs, paths or bytes")
-    parser.add_argument("--modified-since", metavar="TIME|DURATION|auto",
-                        help="only objects modified after this time (2026-11-20T03:00:00Z), this long before the "
-                        "run (26h, 2d), or auto: since the watermark the last completed run left in the output")
-    parser.add_argument("--follow-links", action="store_true",
-                        help="a local folder source: read its symbolic links that lead outside the folder "
-                        "(off: each is a bad_input record, its target never read)")
-    parser.add_argument("--gallery-items", type=int,
-                        help="items on the run's HTML gallery beside its manifest (default 200; 0: none)")
-    parser.add_argument("--temperature", type=float)
-    parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--seed", type=int)
+                        help="Asked about every item, one record each (repeatable).")
     parser.add_argument("--retry-looping", type=float, nargs="?", const=1.3, metavar="PENALTY",
-                        help="ask again, with this repetition penalty (1.3 if none given), for each looping or "
-                        "empty caption")
+                        help="Ask again, with this repetition penalty (1.3 if none given), for each looping or "
+                        "empty caption.")
     parser.add_argument("--no-dedup", dest="dedup", action="store_false",
-                        help="ask for every item, copies of another's bytes too (default: each distinct media once)")
+                        help="Ask for every item, copies of another's bytes too (default: each distinct media once).")
     parser.add_argument("--engine-arg", action="append", type=engine_arg, default=[],
-                        metavar="KEY=VALUE", help="vLLM engine argument override (repeatable)")
-    parser.add_argument("--processor-device", choices=["auto", "cuda", "cpu"],
-                        help="where the model's processor runs (default auto: the GPU where the recipe's "
-                             "processor is checked there)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow recipes that run the model repository's own code")
+                        metavar="KEY=VALUE", help="A vLLM engine argument over the recipe's (repeatable).")
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help="every log line on the terminal as it comes (Prefect's, vLLM's, the flow's) instead "
-                        "of a progress bar, the rest in the run's log file")
+                        help="Every log line on the terminal as it comes (Prefect's, vLLM's, the flow's) instead "
+                        "of a progress bar, the rest in the run's log file.")
     parser.add_argument("--log-format", choices=["auto", "console", "json"],
                         help="json: the flow's structured log lines and the final summary as JSON, on the "
-                        "terminal, for machines (implies -v); console or auto: VLM_CAPTION_LOG_FORMAT's choices")
+                        "terminal, for machines (implies -v); console or auto: VLM_CAPTION_LOG_FORMAT's choices.")
     structured = parser.add_mutually_exclusive_group()
-    structured.add_argument("--json-schema", metavar="FILE|tags",
-                            help="answer JSON matching this JSON Schema file (or `tags`: a built-in "
-                            '{"tags": [...], "caption": ...} schema); records get it parsed in `structured`')
-    structured.add_argument("--regex", help="answer text matching this regular expression")
-    structured.add_argument("--choice", type=_choices, metavar="A,B,C", help="answer one of these strings")
+    structured.add_argument("--json-schema", metavar="FILE|tags", help="Structured output: every answer is JSON "
+                            'matching this JSON Schema file (or tags: a built-in {"tags": [...], "caption": ...} '
+                            "schema); the record's structured holds it parsed.")
+    add_field_options(structured, CaptionJob, ("regex",))
+    structured.add_argument("--choice", type=_choices, metavar="A,B,C",
+                            help="Structured output: every answer is one of these strings.")
 
 
 def job_fields(args: argparse.Namespace) -> dict[str, Any]:
-    fields: dict[str, Any] = {"recipe": args.recipe, "trust_remote_code": args.trust_remote_code}
-    if args.skip_model_check:
-        fields["skip_model_check"] = True
-    if args.follow_links:
-        fields["follow_links"] = True
+    """The CaptionJob fields the options give: only those given (a flag: set); the rest are the job's defaults."""
+    given = {name: getattr(args, name) for name in (*FIELD_OPTIONS, *SAMPLING_OPTIONS, "regex", "questions",
+                                                    "retry_looping", "choice")}
+    fields = {name: value for name, value in given.items() if value is not None and value is not False}
     if not args.dedup:
         fields["dedup"] = False
-    for name in ("questions", "model", "shard_size", "limit", "glob", "modality", "method", "num_frames",
-                 "max_images", "processor_device", "source_format", "column", "gallery_items",
-                 "modified_since", "retry_looping"):
-        if getattr(args, name) is not None:
-            fields[name] = getattr(args, name)
-    sampling = {k: getattr(args, k) for k in ("temperature", "max_tokens", "seed")
-                if getattr(args, k) is not None}
+    sampling = {name: fields.pop(name) for name in SAMPLING_OPTIONS if name in fields}
     if sampling:
         fields["sampling"] = sampling
     if args.engine_arg:
         fields["engine_overrides"] = dict(args.engine_arg)
-    schema = json_schema_option(args.json_schema)
-    for name, value in (("json_schema", schema), ("regex", args.regex), ("choice", args.choice)):
-        if value is not None:
-            fields[name] = value
+    if args.json_schema is not None:
+        fields["json_schema"] = json_schema_option(args.json_schema)
     return fields

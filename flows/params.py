@@ -52,10 +52,10 @@ class SamplingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     temperature: float | None = Field(
-        None, ge=0.0, le=2.0, description="None: the recipe's value, else 0.0 (greedy)."
+        None, ge=0.0, le=2.0, description="Empty: the recipe's value, else 0.0 (greedy)."
     )
     max_tokens: int | None = Field(
-        None, ge=1, le=65536, description="None: the recipe's value, else 256."
+        None, ge=1, le=65536, description="Empty: the recipe's value, else 256."
     )
     seed: int | None = Field(0, description="Per-request sampling seed; fixed by default so reruns agree.")
     ignore_eos: bool = Field(False, description="Always generate max_tokens (benchmarks).")
