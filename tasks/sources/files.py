@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Iterator
 
-from vlm_caption.tasks.sources.fetch import MediaFetcher
 from vlm_caption.tasks.sources.storage import StorageError
 from vlm_caption.tasks.sources.webdataset import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from vlm_caption.tasks.sources.items import ObjectRef, RefusedRef, WorkItem
@@ -30,10 +28,7 @@ class FilesReader(SourceReader):
     about = "media objects (one item per object, or per folder with multi-image)"
     groups = True
     timed = True
-
-    @functools.cached_property
-    def fetcher(self) -> MediaFetcher:
-        return MediaFetcher(self.storage, keys_only=True)  # listed keys, never locations
+    keys_only = True  # listed keys, never locations
 
     def check(self):
         """One page proves access, and tells a small source of images asked for videos (or the
@@ -56,6 +51,3 @@ class FilesReader(SourceReader):
     def items(self) -> Iterator[WorkItem]:
         for ref in self.objects():  # a link the storage refuses is its item's `bad_input` record
             yield WorkItem(ref.key, (ref,), problem=ref.problem if isinstance(ref, RefusedRef) else None)
-
-    def read_member(self, member: ObjectRef) -> bytes:
-        return self.fetcher.read(member)

@@ -37,7 +37,7 @@ class _OpenedOnce:
     """A frozen dataclass's storage, opened at the first use when none was handed in, then kept."""
 
     opened: Storage | None
-    location: str
+    base: str  # where the storage is rooted
 
     @property
     def links_followed(self) -> bool:
@@ -46,7 +46,7 @@ class _OpenedOnce:
     @property
     def storage(self) -> Storage:
         if self.opened is None:
-            object.__setattr__(self, "opened", source_storage(self.location, self.links_followed))
+            object.__setattr__(self, "opened", source_storage(self.base, self.links_followed))
         return self.opened  # type: ignore[return-value]
 
 
@@ -63,10 +63,6 @@ class FileSet(_OpenedOnce):
     def __post_init__(self) -> None:
         if self.pattern is not None and has_braces(self.pattern):
             check_pattern(self.pattern)  # a broken or huge pattern: BraceError, saying why
-
-    @property
-    def location(self) -> str:
-        return self.base
 
 
 def split_location(uri: str) -> tuple[str, str | None]:
@@ -129,20 +125,11 @@ class SourceSpec(_OpenedOnce):
     opened: Storage | None = field(default=None, compare=False, repr=False)  # at `base`, opened once
 
     @property
-    def is_manifest(self) -> bool:
-        return self.format == "manifest"
-
-    @property
     def links_followed(self) -> bool:
         """A manifest, path list or inventory report names its media itself (a manifest absolute
         paths too): what it names, through a link or not, is what the job asked for. A listed
         folder's links are followed where the job says so."""
         return self.follow_links or self.items_root is not None
-
-    @property
-    def location(self) -> str:
-        """Where the storage is rooted: `base`."""
-        return self.base
 
     @property
     def base(self) -> str:

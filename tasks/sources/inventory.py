@@ -57,7 +57,16 @@ class InventoryReader(FilesReader):
         return dataclasses.replace(self.spec, uri=manifest, items_root=read_report(manifest).bucket_uri, opened=None)
 
     def objects(self) -> Iterator[ObjectRef]:
-        return iter_inventory(self.spec)
+        """The source bucket's objects the report lists, as a listing of it gives them (no folder
+        markers; the glob applied), data file after data file."""
+        report = read_report(self.spec.uri)
+        storage = source_storage(report.data_root)
+        for file in report.files:
+            rows = csv_rows(storage, file, report) if report.file_format == "CSV" else parquet_rows(storage, file)
+            for key, size, etag, modified, latest, deleted in rows:
+                if deleted or latest is False or not key or key.endswith("/") or not matches_glob(key, self.spec.glob):
+                    continue
+                yield ObjectRef(key, size, etag.strip('"'), modified)
 
 
 def check_report(uri: str) -> str:
@@ -75,16 +84,3 @@ def inventory_source(manifest_uri: str, modality: str, glob: str | None) -> Sour
     """The source spec of a report: listed from the report, fetched from the source bucket."""
     return SourceSpec(manifest_uri, modality, glob=glob, format="inventory",
                       items_root=read_report(manifest_uri).bucket_uri)
-
-
-def iter_inventory(source: SourceSpec) -> Iterator[ObjectRef]:
-    """The source bucket's objects the report lists, as a listing of it gives them (no folder
-    markers; the glob applied), data file after data file."""
-    report = read_report(source.uri)
-    storage = source_storage(report.data_root)
-    for file in report.files:
-        rows = csv_rows(storage, file, report) if report.file_format == "CSV" else parquet_rows(storage, file)
-        for key, size, etag, modified, latest, deleted in rows:
-            if deleted or latest is False or not key or key.endswith("/") or not matches_glob(key, source.glob):
-                continue
-            yield ObjectRef(key, size, etag.strip('"'), modified)

@@ -160,7 +160,7 @@ def csv_rows(storage: Storage, file: DataFile, report: InventoryReport) -> Itera
                 continue
             try:
                 parsed = (_decode_key(row[key]), int(row[size]) if row[size] else -1, row[etag],
-                          _iso_seconds(row[modified]) if modified is not None and row[modified] else None,
+                          iso_seconds(row[modified]) if modified is not None and row[modified] else None,
                           row[latest].lower() == "true" if latest is not None else None,
                           deleted is not None and row[deleted].lower() == "true")
             except (IndexError, ValueError) as exc:  # the same row again would fail the same way
@@ -203,9 +203,9 @@ def _decode_key(text: str) -> str:
     return text
 
 
-def _iso_seconds(text: str) -> float:
-    """`2016-11-06T21:32:00.000Z` (a CSV report's LastModifiedDate) as epoch seconds."""
-    moment = datetime.datetime.fromisoformat(text)
+def iso_seconds(text: str) -> float:
+    """`2016-11-06T21:32:00.000Z` (a CSV report's LastModifiedDate, a --modified-since) as epoch seconds."""
+    moment = datetime.datetime.fromisoformat(text.strip())
     return (moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
@@ -218,7 +218,7 @@ def _epoch_seconds(array) -> list[float | None]:
         return [None if v is None else v / scale for v in array.cast(pa.int64()).to_pylist()]
     if pa.types.is_integer(array.type):  # the raw int64 of a TIMESTAMP_MILLIS column
         return [None if v is None else v / 1e3 for v in array.to_pylist()]
-    return [None if v is None else _iso_seconds(v) for v in array.to_pylist()]
+    return [None if v is None else iso_seconds(v) for v in array.to_pylist()]
 
 
 class _Checked(io.RawIOBase):

@@ -41,11 +41,6 @@ def _seen(items: Iterable[WorkItem], read: Callable[[WorkItem], None]) -> Iterat
         yield item
 
 
-def up_to(items: Iterable[WorkItem], limit: int | None) -> Iterator[WorkItem]:
-    """The first `limit` items (all with None)."""
-    return iter(items) if limit is None else itertools.islice(items, limit)
-
-
 @dataclass(frozen=True)
 class AlreadyDone:
     """Items the listing found already done (every question, judged from the listing alone):
@@ -196,8 +191,8 @@ class ShardStream:
         raise StreamClosed
 
     def _list_from(self, skip: int) -> None:
-        items = up_to(iter_items(self.source, self._read), self.limit)
-        for item in itertools.islice(items, skip, None):
+        # After the `skip` items already handed over, up to `limit` (all with None).
+        for item in itertools.islice(iter_items(self.source, self._read), skip, self.limit):
             if self.pending is None:
                 self._take([item])
             else:

@@ -9,16 +9,14 @@ manifest's own folder. A malformed line stops the job before any engine starts, 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vlm_caption.tasks.sources.fetch import MediaFetcher
 from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from vlm_caption.tasks.sources.reader import SourceReader
-from vlm_caption.tasks.sources.storage import Storage, StorageError, split_parent
+from vlm_caption.tasks.sources.storage import StorageError, split_parent
 
 
 class ManifestLine(BaseModel):
@@ -42,52 +40,48 @@ class ManifestLine(BaseModel):
 
 
 class ManifestReader(SourceReader):
-    """`--manifest FILE`: one item per line; its storage is the manifest's folder."""
+    """`--manifest FILE`: one item per line; its storage is the manifest's folder (a path list's
+    reader is one too, its lines paths)."""
 
     name = "manifest"
     groups = True
     selectable = False
     checking = "looking for the manifest"
+    kind = "manifest"  # what the file is, in messages
 
     @classmethod
     def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
                  column: str | None = None) -> SourceSpec:
         return SourceSpec(location, modality, format=cls.name, glob=glob, items_root=split_parent(location)[0])
 
-    @functools.cached_property
-    def fetcher(self) -> MediaFetcher:
-        return MediaFetcher(self.storage)
+    @property
+    def file_name(self) -> str:
+        return split_parent(self.spec.uri)[1]
 
     def check(self) -> SourceSpec:
-        if not self.storage.exists(split_parent(self.spec.uri)[1]):
-            raise StorageError(f"{self.spec.uri}: manifest not found")
+        if not self.storage.exists(self.file_name):
+            raise StorageError(f"{self.spec.uri}: {self.kind} not found")
         return self.spec
 
-    def items(self) -> Iterator[WorkItem]:
-        return read_manifest(self.storage, self.spec.uri)
-
-    def read_member(self, member: ObjectRef) -> bytes:
-        return self.fetcher.read(member)
-
-
-def read_manifest(storage: Storage, manifest_uri: str) -> Iterator[WorkItem]:
-    """The manifest's items; `storage` is its folder."""
-    name = split_parent(manifest_uri)[1]
-    try:
-        text = storage.read(name).decode("utf-8")
-    except FileNotFoundError as exc:
-        raise StorageError(f"{manifest_uri}: manifest not found") from exc
-    seen: set[str] = set()
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    def text(self) -> str:
+        """The file's text; `storage` is its folder."""
         try:
-            parsed = ManifestLine.model_validate_json(line)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}" for e in exc.errors())
-            raise StorageError(f"{manifest_uri} line {number}: {problems}. Each line is "
-                               '{"id": "...", "media": ["..."], "question": "..."}') from None
-        if parsed.id in seen:
-            raise StorageError(f"{manifest_uri} line {number}: id {parsed.id!r} appears twice; ids name results")
-        seen.add(parsed.id)
-        yield parsed.item()
+            return self.storage.read(self.file_name).decode("utf-8")
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.spec.uri}: {self.kind} not found") from exc
+
+    def items(self) -> Iterator[WorkItem]:
+        seen: set[str] = set()
+        for number, line in enumerate(self.text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                parsed = ManifestLine.model_validate_json(line)
+            except ValidationError as exc:
+                problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}" for e in exc.errors())
+                raise StorageError(f"{self.spec.uri} line {number}: {problems}. Each line is "
+                                   '{"id": "...", "media": ["..."], "question": "..."}') from None
+            if parsed.id in seen:
+                raise StorageError(f"{self.spec.uri} line {number}: id {parsed.id!r} appears twice; ids name results")
+            seen.add(parsed.id)
+            yield parsed.item()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime
-import decimal
 import functools
 import json
 import threading
@@ -22,11 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.sources.fetch import MediaFetcher
-from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files, split_location
+from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from vlm_caption.tasks.sources.ranged import open_seekable
-from vlm_caption.tasks.sources.reader import BadInput, SourceReader
+from vlm_caption.tasks.sources.reader import BadInput, ShardFilesReader
 from vlm_caption.tasks.sources.storage import Storage, StorageError
 from vlm_caption.tasks.sources.transient import is_transient, retry_transient
 
@@ -51,7 +49,7 @@ class ColumnError(StorageError):
     """The media column is not in the file (a pre-flight error: exit 2 from the CLI)."""
 
 
-class ParquetReader(SourceReader):
+class ParquetReader(ShardFilesReader):
     """Parquet files (one, a prefix of them, or a brace pattern): one item per row."""
 
     name = "parquet"
@@ -63,20 +61,6 @@ class ParquetReader(SourceReader):
     def detects(cls, names: list[str]) -> bool:
         return bool(names) and all(name.endswith(".parquet") for name in names)
 
-    @classmethod
-    def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
-                 column: str | None = None) -> SourceSpec:
-        base, pattern = split_location(location)
-        return SourceSpec(base, modality, glob=glob, format=cls.name, pattern=pattern, column=column)
-
-    @property
-    def files(self) -> FileSet:
-        return FileSet(self.spec.uri, self.spec.pattern, ".parquet", self.storage)
-
-    @functools.cached_property
-    def fetcher(self) -> MediaFetcher:
-        return MediaFetcher(self.storage)
-
     def check(self) -> SourceSpec:
         """The media column named (or found among the usual names) in the first file's footer."""
         return dataclasses.replace(self.spec, column=check_parquet_source(self.files, self.spec.column))
@@ -87,7 +71,7 @@ class ParquetReader(SourceReader):
     def read_member(self, member: ObjectRef) -> bytes:
         if isinstance(member, ParquetCellRef):
             return read_cell(self.storage, member)
-        return self.fetcher.read(member)  # a URL, s3:// URI or path cell
+        return super().read_member(member)  # a URL, s3:// URI or path cell
 
     def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
         if key != record_key:  # a URL cell's member is named by its URL
@@ -185,8 +169,6 @@ def _jsonable(value):
         return f"<{len(value)} bytes>" if len(value) > 64 else base64.b64encode(value).decode()
     if isinstance(value, (datetime.date, datetime.datetime, datetime.time)):
         return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return str(value)
     return str(value)
 
 

@@ -19,11 +19,13 @@ A new format is one module with its reader and one entry in the registry.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import ClassVar
 
-from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.fetch import MediaFetcher
+from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, split_location
 from vlm_caption.tasks.sources.items import BadInput, ObjectRef, WorkItem
 from vlm_caption.tasks.sources.storage import Storage
 
@@ -48,6 +50,8 @@ class SourceReader(ABC):
     selectable: ClassVar[bool] = True
     # What the pre-flight is doing, in its error messages.
     checking: ClassVar[str] = "listing the source"
+    # Members are keys listed under the source, never locations (`tasks/sources/fetch.py`).
+    keys_only: ClassVar[bool] = False
 
     def __init__(self, spec: SourceSpec):
         self.spec = spec
@@ -93,11 +97,32 @@ class SourceReader(ABC):
             raise BadInput(item.problem)
         return self.read_member(member)
 
-    @abstractmethod
+    @functools.cached_property
+    def fetcher(self) -> MediaFetcher:
+        return MediaFetcher(self.storage, keys_only=self.keys_only)
+
     def read_member(self, member: ObjectRef) -> bytes:
-        """A member's bytes (`BadInput` for damage found now; a store's failure as it is)."""
+        """A member's bytes (`BadInput` for damage found now; a store's failure as it is): by
+        default fetched where it lives, a key under the source or a location."""
+        return self.fetcher.read(member)
 
     def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
         """The member a result record names (`key`, `size`, `etag`), located again to read it
         (the gallery's pictures); None when it cannot be."""
         return ObjectRef(key, size, etag)
+
+
+class ShardFilesReader(SourceReader):
+    """A format stored as shard files of its suffix (tars, Parquet): one, a folder or prefix of
+    them, or a brace pattern (`shards/{00000..00099}.tar`)."""
+
+    @classmethod
+    def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
+                 column: str | None = None) -> SourceSpec:
+        base, pattern = split_location(location)
+        return SourceSpec(base, modality, glob=glob, format=cls.name, pattern=pattern,
+                          column=column if cls.takes_column else None)
+
+    @property
+    def files(self) -> FileSet:
+        return FileSet(self.spec.uri, self.spec.pattern, self.suffixes[0], self.storage)

@@ -164,26 +164,22 @@ class S3Storage:
         except self._client.exceptions.NoSuchBucket as exc:
             raise StorageError(f"{self.uri}: bucket {self.bucket!r} does not exist") from exc
 
-    def read(self, key: str) -> bytes:
-        """The whole object. A body shorter than its Content-Length (a connection cut mid-way)
-        is fetched again, never passed on as if complete."""
-        return self._get(key)
-
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """`length` bytes from `start` (one ranged GET); fewer only where the object ends first,
         none where it ends before `start`. Retried like `read`."""
         if length <= 0:
             return b""
         try:
-            return self._get(key, Range=f"bytes={start}-{start + length - 1}")
+            return self.read(key, Range=f"bytes={start}-{start + length - 1}")
         except self._client.exceptions.ClientError as exc:
             if error_code(exc) == "InvalidRange":
                 return b""  # the range starts past the end of the object
             raise
 
-    def _get(self, key: str, **request) -> bytes:
-        """One GET (whole, or a `Range=`), fetched again while the body breaks off or arrives
-        shorter than its Content-Length; the client's own retries cover the request itself."""
+    def read(self, key: str, **request) -> bytes:
+        """The whole object (or a `Range=`: one GET), fetched again while the body breaks off or
+        arrives shorter than its Content-Length (a connection cut mid-way), never passed on as if
+        complete; the client's own retries cover the request itself."""
         from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
         problem = ""
@@ -220,7 +216,7 @@ class S3Storage:
             if error_code(exc) not in ("PreconditionFailed", "ConditionalRequestConflict") and status not in (409, 412):
                 raise
         try:
-            return self._get(key) == data
+            return self.read(key) == data
         except FileNotFoundError:  # deleted since: nobody holds it now, try once more
             return self.create(key, data)
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.sources.formats import ChangedSince, SourceSpec
+from vlm_caption.tasks.sources.inventory_report import iso_seconds, read_report, report_series
 from vlm_caption.tasks.sources.items import WorkItem
 from vlm_caption.tasks.sources.storage import Storage, StorageError, key_within, open_storage, split_parent
 
@@ -50,7 +51,7 @@ def check_modified_since(value: str | None) -> str | None:
     if value is None or value == "auto" or _DURATION.fullmatch(value.strip()):
         return value if value is None else value.strip()
     try:
-        _time_of(value)
+        iso_seconds(value)
     except ValueError:
         raise ValueError(f"{value!r} is not a time (2026-11-20 or 2026-11-20T03:00:00Z), a duration "
                          "(26h, 90m, 2d, 1w) or auto") from None
@@ -62,13 +63,8 @@ def resolve_modified_since(value: str | None, now: float | None = None) -> str |
     if value is None or value == "auto":
         return value
     match = _DURATION.fullmatch(value)
-    moment = (now or time.time()) - float(match[1]) * _UNIT_S[match[2]] if match else _time_of(value)
+    moment = (now or time.time()) - float(match[1]) * _UNIT_S[match[2]] if match else iso_seconds(value)
     return _iso(moment)
-
-
-def _time_of(text: str) -> float:
-    moment = datetime.datetime.fromisoformat(text.strip())
-    return (moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
 def _iso(seconds: float) -> str:
@@ -79,8 +75,6 @@ def scoped_key(folder: str, source: SourceSpec, fingerprint: str) -> str:
     """One object under `folder` (WATERMARKS here) per result set and what a listing covers, its
     location and glob: another glob, or another inventory configuration of the same bucket, lists
     other objects."""
-    from vlm_caption.tasks.sources.inventory_report import report_series
-
     where = report_series(source.uri) if source.format == "inventory" else source.uri
     scope = hashlib.sha256(json.dumps([where.rstrip("/"), source.glob]).encode()).hexdigest()[:12]
     return f"{folder}{fingerprint}-{scope}.json"
@@ -95,19 +89,17 @@ def with_changed_since(source: SourceSpec, modified_since: str | None, output: S
         return source
     if not reader_class(source.format).timed:  # the reader's objects carry no modification time
         raise StorageError(f"{source.uri}: --modified-since is for a folder or bucket of media files and for "
-                           f"S3 Inventory reports, not a {'job manifest' if source.is_manifest else source.format} "
-                           "source")
+                           "S3 Inventory reports, not a "
+                           f"{'job manifest' if source.format == 'manifest' else source.format} source")
     if source.format == "inventory":
-        from vlm_caption.tasks.sources.inventory_report import read_report
-
         as_of = read_report(source.uri).created_at
     else:
         as_of = time.time()
     if modified_since != "auto":
-        return dataclasses.replace(source, changed=ChangedSince(_time_of(modified_since), None, as_of))
+        return dataclasses.replace(source, changed=ChangedSince(iso_seconds(modified_since), None, as_of))
     key = scoped_key(WATERMARKS, source, fingerprint)
     kept = _read(output.describe(key))
-    after = _time_of(kept["modified_after"]) if "modified_after" in kept else None
+    after = iso_seconds(kept["modified_after"]) if "modified_after" in kept else None
     return dataclasses.replace(source, changed=ChangedSince(after, output.describe(key), as_of))
 
 

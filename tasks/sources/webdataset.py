@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.sources.braces import has_braces
-from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files, split_location
+from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files
 from vlm_caption.tasks.sources.items import ObjectRef, RefusedRef, WorkItem
 from vlm_caption.tasks.sources.ranged import open_seekable
-from vlm_caption.tasks.sources.reader import BadInput, SourceReader
+from vlm_caption.tasks.sources.reader import BadInput, ShardFilesReader
 from vlm_caption.tasks.sources.storage import Storage, StorageError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
@@ -44,7 +44,7 @@ class TarMemberRef(ObjectRef):
     offset: int = 0
 
 
-class WebDatasetReader(SourceReader):
+class WebDatasetReader(ShardFilesReader):
     """Tar shards: one tar, a prefix of tars, or a brace pattern (`shards/{00000..00099}.tar`)."""
 
     name = "webdataset"
@@ -59,16 +59,6 @@ class WebDatasetReader(SourceReader):
     @classmethod
     def detects(cls, names: list[str]) -> bool:
         return any(name.endswith(".tar") for name in names)  # img2dataset writes .parquet and .json beside its tars
-
-    @classmethod
-    def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
-                 column: str | None = None) -> SourceSpec:
-        base, pattern = split_location(location)
-        return SourceSpec(base, modality, glob=glob, format=cls.name, pattern=pattern)
-
-    @property
-    def files(self) -> FileSet:
-        return FileSet(self.spec.uri, self.spec.pattern, ".tar", self.storage)
 
     def check(self) -> SourceSpec:
         if first_file(self.files) is None:
