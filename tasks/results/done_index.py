@@ -8,11 +8,10 @@ same bytes as a done result's (its listed ETags are MD5s and equal, or its fetch
 equal) takes that result's answer (`earlier_answer`; tasks/same_media.py).
 
 The index is compact so that a bucket's whole history loads fast: 24 bytes per finished result
-(8-byte hashes of the result's key, of its members' signature and of its content; the rows and
-their formats are tasks/results/done_rows.py), held in one sorted numpy array, plus 4 bytes per
-result saying which part and line it came from. The first lookup by content or by listed ETags
-sorts that column once: 12 bytes more per result for each (its values and rows), so a run with
-copies holds at most 52 bytes per earlier result; a run without any holds 28.
+(its row: tasks/results/done_rows.py) held in one sorted numpy array, plus 4 bytes per result
+saying which part and line it came from. The first lookup by content or by listed ETags sorts
+that column once: 12 bytes more per result for each (its values and rows), so a run with copies
+holds at most 52 bytes per earlier result; a run without any holds 28.
 
 Each results part has a small sidecar (`part-....idx`, written just after the part) holding its
 rows, so loading reads a few bytes per part instead of parsing JSON; a part without a sidecar, or
@@ -20,16 +19,11 @@ whose size no longer matches the one its sidecar was made from, is parsed.
 
 A long history has many parts, and on an object store each sidecar is a request of its own
 (1M results in parts of 64: 15,625 GETs). So once a load reads COMPACT_AFTER or more parts one
-by one, it writes what it loaded as one compacted index (`index-<stamp>.vidx`: the parts it
-covers, with their sizes, and their rows), and the next load reads that one object plus the
-parts written since. Nor does it list the history: each writer leaves a `writing/` stamp every
-few minutes while it writes, and a load lists only the parts of the writers stamped since its
-index was made (less an hour's grace), so a night with nothing new lists a page or two
-(tasks/results/writing_log.py: why no part is missed, concurrent writers and compactions
-included). A compacted index counts a part's rows only while that part is still there with the
-same size, which a load checks for every part of a writer stamped since: deleting or rewriting
-such a part is seen as before; an older part deleted or rewritten by hand is seen once the
-compacted indexes are deleted (the next load then lists everything).
+by one, it writes what it loaded as one compacted index (`index-<stamp>.vidx`), and the next
+load reads that one object plus the parts written since. Nor does it list the history: it lists
+the parts of the writers whose `writing/` stamps are newer than its index, so a night with
+nothing new lists a page or two (tasks/results/writing_log.py: why no part is missed, concurrent
+writers and compactions included, and when a part changed by hand is seen).
 
 The run's own load is kept for the Parquet step at its end (`loaded_index`): which earlier
 results it replaces, and in which parts they stand, without reading the history again.
@@ -84,7 +78,7 @@ class DoneIndex:
         self._table = table[order]
         self._earlier: EarlierRecords | None = None
         self._ordinal = np.empty(0, np.uint32)
-        if out is not None and len(parts) == len(tables):
+        if out is not None:
             self._ordinal = order.astype(np.uint32)  # which loaded row (part, final record) each sorted row is
             starts = np.cumsum([0] + [len(t) for t in tables[:-1]]) if tables else np.empty(0, np.int64)
             self._earlier = EarlierRecords(out, parts, starts)
@@ -103,6 +97,10 @@ class DoneIndex:
         wanted = np.uint64(result_key(key, question))
         keys = self._table["key"]
         return self._table[np.searchsorted(keys, wanted, "left"):np.searchsorted(keys, wanted, "right")]
+
+    def _pending(self, item_id: str, questions: tuple[str, ...], column: str, value: int) -> tuple[str, ...]:
+        wanted = np.uint64(value)  # the questions without a result of `item_id` whose `column` is `value`
+        return tuple(q for q in questions if not (self._rows(item_id, q)[column] == wanted).any())
 
     def parts_holding(self, keys: np.ndarray) -> dict[str, np.ndarray]:
         """For result keys (`result_key`), the parts holding a row of any of them, and which
@@ -124,11 +122,8 @@ class DoneIndex:
 
     def pending_by_listing(self, item: WorkItem, questions: tuple[str, ...]) -> tuple[str, ...]:
         """The questions still to compute, judged from the listing alone (no fetch)."""
-        signature = listing_signature(item)
-        if signature is None:
-            return questions
-        wanted = np.uint64(signature_hash(signature))
-        return tuple(q for q in questions if not (self._rows(item.id, q)["signature"] == wanted).any())
+        signed = listed_signature_hash(item)
+        return questions if signed is None else self._pending(item.id, questions, "signature", signed)
 
     def pending_mask(self, items: list[WorkItem], questions: tuple[str, ...]) -> np.ndarray:
         """For each item, whether a question of it is still to compute judged from the listing
@@ -169,10 +164,7 @@ class DoneIndex:
     def pending_by_content(self, item_id: str, sha256: str | None,
                            questions: tuple[str, ...]) -> tuple[str, ...]:
         """Of those, the ones whose result is not there for these very bytes."""
-        if sha256 is None:
-            return questions
-        wanted = np.uint64(content_hash(sha256))
-        return tuple(q for q in questions if not (self._rows(item_id, q)["sha"] == wanted).any())
+        return questions if sha256 is None else self._pending(item_id, questions, "sha", content_hash(sha256))
 
     def _matching(self, column: str, value: int) -> np.ndarray:
         """The ordinals of the rows whose `column` is `value` (the column sorted at its first lookup)."""
@@ -189,8 +181,7 @@ class DoneIndex:
         """A done caption of `question` about the same bytes: found by the fetched `sha256`, or
         before any fetch by a `signature` of listed ETags that are MD5s (tasks/same_media.py `content_signature`).
         The record of an item that was itself captioned is preferred to a copy's. None where there
-        is none, or where this index cannot read records back (an older output's rows without a
-        content hash take part in no lookup by content)."""
+        is none, or where this index cannot read records back."""
         if self._earlier is None or not (sha256 or signature):
             return None
         if sha256:
@@ -217,10 +208,9 @@ _loaded: dict[tuple[str, str], DoneIndex] = {}  # (output, fingerprint) -> the l
 @task(name="load-done-index", cache_policy=NONE, persist_result=False, retries=2)
 def load_done_index(out: Storage, fingerprint: str) -> DoneIndex:
     """Results that earlier runs with this fingerprint finished for good (captioned, or failed
-    in a way a rerun would only repeat), in the output `out` (`RunPlan.output`). A part that
-    cannot be parsed is skipped with a warning naming it; its items are computed again. One
-    read many parts one by one writes a compacted index for the next. The index is kept for
-    `loaded_index` (the Parquet step at the run's end)."""
+    in a way a rerun would only repeat), in the output `out` (`RunPlan.output`), kept for
+    `loaded_index`. A part that cannot be parsed is skipped with a warning naming it; its items
+    are computed again."""
     done = read_done_index(out, fingerprint)
     with _loaded_lock:
         _loaded[(out.uri, fingerprint)] = done

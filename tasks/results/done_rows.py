@@ -3,10 +3,10 @@ part's sidecar (`part-....idx`) and of a compacted index (`index-<stamp>.vidx`),
 part's rows (the done-index, tasks/results/done_index.py, and the Parquet view read them).
 
 A row is 24 bytes: 8-byte hashes of the result's key (item and question), of its members'
-listed (etag, size) and of its content (sha256; 0 where it is unknown, as in records written
-before content hashes were kept: such rows take part in no lookup by content). A part's rows are
-its final records' in the order they stand in the part, so row i of a part is its i-th final
-record (what tasks/results/earlier.py reads back to copy an answer).
+listed (etag, size) and of its content (sha256; 0 where it is unknown, the media not read: such
+rows take part in no lookup by content). A part's rows are its final records' in the order they
+stand in the part, so row i of a part is its i-th final record (what tasks/results/earlier.py
+reads back to copy an answer).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import struct
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 from pydantic import ValidationError
@@ -35,7 +36,7 @@ SIDECAR_HEADER = struct.Struct("<8sQ")  # magic, byte size of the part it indexe
 READERS = 16  # parallel sidecar reads (object stores answer many small GETs at once well)
 COMPACT_MAGIC = b"VLMCIDX2"
 COMPACT_HEADER = struct.Struct("<8sQ")  # magic, byte length of the JSON list of parts that follows
-_EXTRA = struct.Struct("<Q")  # then the byte length of the JSON of `after` and `retry`, then the rows
+_EXTRA = struct.Struct("<Q")  # then the byte length of the JSON of `after`, `retry`, `lineage`; then the rows
 
 Signature = tuple[tuple[str, int], ...]  # (etag, size) of each member, in order
 
@@ -83,18 +84,9 @@ def sidecar_key(part_key: str) -> str:
     return part_key.removesuffix(".jsonl") + ".idx"
 
 
-class Compacted:
-    """A compacted index: each part it holds (key, size, rows); `after`, the stamp from which a
-    load lists `writing/` for the parts written since; `retry`, parts it could not read;
-    `lineage`, when the indexes before it were written (tasks/results/writing_log.py, Removal)."""
-
-    def __init__(self, parts: list[tuple[str, int, np.ndarray]], after: str, retry: list[str],
-                 lineage: list[str] | None = None):
-        self.parts, self.after, self.retry, self.lineage = parts, after, retry, lineage or []
-
-
-def _read_compacted(out: Storage, key: str, log) -> Compacted | None:
-    """The compacted index; None when it is gone (a concurrent load replaced it) or damaged."""
+def _read_compacted(out: Storage, key: str, log) -> SimpleNamespace | None:
+    """The compacted index: `parts` (key, size, rows), and `after`, `retry`, `lineage` (what
+    `compacted_bytes` says); None when it is gone (a concurrent load replaced it) or damaged."""
     try:
         data = out.read(key)
         magic, length = COMPACT_HEADER.unpack_from(data)
@@ -116,7 +108,7 @@ def _read_compacted(out: Storage, key: str, log) -> Compacted | None:
     for part, size, count in covered:
         parts.append((part, size, table[at:at + count]))
         at += count
-    return Compacted(parts, extra["after"], list(extra["retry"]), list(extra["lineage"]))
+    return SimpleNamespace(parts=parts, after=extra["after"], retry=extra["retry"], lineage=extra["lineage"])
 
 
 def compacted_bytes(parts: dict[str, tuple[int, np.ndarray]], after: str | None = None,
@@ -249,7 +241,7 @@ def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
     index = _read_compacted(out, compacted[-1], log) if compacted else None
     by_part: dict[str, np.ndarray] = {}
     if index is None:  # no index to go on from: the whole history, listed
-        objects = {ref.key: ref for ref in out.iter_objects(prefix=results_prefix(fingerprint))}
+        objects = listed_under(out, [results_prefix(fingerprint)])
     else:
         prefixes = [part_prefix(fingerprint, writer) for writer in writers_since(out, fingerprint, index.after)]
         objects = listed_under(out, prefixes + [key.removesuffix(".jsonl") for key in index.retry])

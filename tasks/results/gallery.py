@@ -24,10 +24,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.done_rows import parse_records
 from vlm_caption.tasks.results.gallery_artifact import publish_gallery
 from vlm_caption.tasks.results.gallery_page import GalleryItem, render_gallery
 from vlm_caption.tasks.results.layout import manifest_key
 from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.settings import get_settings
 from vlm_caption.tasks.sources.storage import Storage, key_within
 from vlm_caption.tasks.tiny_checkpoint import is_tiny_checkpoint
 
@@ -58,17 +61,17 @@ def gallery_key(run_id: str) -> str:
     return manifest_key(run_id).removesuffix(".json") + ".html"
 
 
-def sample_items(records: Iterable[ResultRecord], limit: int, seed: int = 0) -> list[GalleryItem]:
+def sample_items(records: Iterable[ResultRecord], limit: int) -> list[GalleryItem]:
     """At most `limit` items, a uniform sample of the failed, of the flagged (a caption the caption
     checks flagged) and of the others: failed ones get up to a quarter of the places, flagged ones
     come next, then the others; memory is the sample's, however many records stream by. An item's records (one per question) come
     together in a part, and are taken together."""
-    rng = random.Random(seed)
+    rng = random.Random(0)
     failed_cap = max(1, limit // 4) if limit else 0
     pools: dict[int, tuple[list[GalleryItem], list[int]]] = {rank: ([], [0]) for rank in (0, 1, 2)}
     for key, group in itertools.groupby(records, key=lambda r: r.key):
         item = GalleryItem(key, list(group))
-        rank = 0 if item.failed else 1 if flagged(item) else 2
+        rank = 0 if item.failed else 1 if item.flagged else 2
         chosen, seen = pools[rank]
         seen[0] += 1
         room = failed_cap if rank == 0 else limit
@@ -77,12 +80,7 @@ def sample_items(records: Iterable[ResultRecord], limit: int, seed: int = 0) -> 
         elif (slot := rng.randrange(seen[0])) < room:
             chosen[slot] = item
     items = (pools[0][0] + pools[1][0] + pools[2][0])[:limit]
-    return sorted(items, key=lambda item: (not item.failed, not flagged(item), item.key))
-
-
-def flagged(item: GalleryItem) -> bool:
-    """An item with a caption flagged by the caption checks (tasks/results/quality.py)."""
-    return any(r.quality for r in item.records)
+    return sorted(items, key=lambda item: (not item.failed, not item.flagged, item.key))
 
 
 def _jpeg(image, limit: int = THUMB_BYTES) -> str | None:
@@ -108,8 +106,8 @@ def thumbnail(data: bytes) -> str | None:
         return None
 
 
-def frame_strip(data: bytes, frames: int = STRIP_FRAMES) -> list[str]:
-    """`frames` evenly spaced frames of a video as small JPEG data URIs, decoded by the
+def frame_strip(data: bytes) -> list[str]:
+    """STRIP_FRAMES evenly spaced frames of a video as small JPEG data URIs, decoded by the
     captioning's own video decoder within its limits (max_video_seconds, ...), in the decode
     pool where the run decodes its clips there; [] when the video does not decode or its strip
     would be over THUMB_BYTES."""
@@ -118,11 +116,10 @@ def frame_strip(data: bytes, frames: int = STRIP_FRAMES) -> list[str]:
     from vlm_caption.tasks.media.pool import decode_video_pooled
     from vlm_caption.tasks.media.resize import FrameThumbnails
     from vlm_caption.tasks.media.video import VideoLimits
-    from vlm_caption.tasks.settings import get_settings
 
     settings = get_settings()
     try:
-        video = decode_video_pooled(data, num_frames=frames, resize=FrameThumbnails(STRIP_PIXELS),
+        video = decode_video_pooled(data, num_frames=STRIP_FRAMES, resize=FrameThumbnails(STRIP_PIXELS),
                                     limits=VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels))
         uris = []
         for frame in video.frames:  # shrunk where it was decoded
@@ -136,7 +133,7 @@ def frame_strip(data: bytes, frames: int = STRIP_FRAMES) -> list[str]:
         return []
 
 
-def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord], bytes | None] | None,
+def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord], bytes | None],
                   limit: int, title: str, summary: dict, fetch_s: float = 20.0,
                   sampled: list[GalleryItem] | None = None) -> tuple[str, int]:
     """The page's HTML and the number of items on it; `fetch` gives an item's image (or video)
@@ -158,7 +155,7 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
 
     def picture(item: GalleryItem) -> tuple[str | None, list[str]]:
         first = item.records[0]
-        if fetch is None or first.size > THUMB_SOURCE_BYTES:
+        if first.size > THUMB_SOURCE_BYTES:
             return None, []
         if first.video:
             with decoding:  # video_slots() whole videos in memory at a time
@@ -169,8 +166,6 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
 
     _make_pictures(items, picture, fetch_s)
     if unfetched:
-        from vlm_caption.tasks.observability import get_logger
-
         get_logger().warning("gallery: media could not be read again for their pictures (placeholders shown)",
                              items=len(unfetched), first=unfetched[:3])
         summary = {**summary, "pictures not fetched": len(unfetched)}
@@ -210,9 +205,6 @@ def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = N
     the history (a run that wrote nothing shows no item; earlier runs' pages show theirs). A part
     that cannot be read is logged and added to `unreadable` (the page says how many it could not
     show)."""
-    from vlm_caption.tasks.observability import get_logger
-    from vlm_caption.tasks.results.done_rows import parse_records
-
     for key in (key_within(out, p) for p in parts):
         try:
             lines = out.read(key).decode("utf-8").splitlines()
@@ -244,22 +236,19 @@ def media_fetcher(source: SourceSpec) -> Callable[[ResultRecord], bytes | None]:
 
 
 def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list[str], *, items: int, title: str,
-                      fingerprint: str, facts: dict | None = None) -> dict:
+                      fingerprint: str, facts: dict) -> dict:
     """Write the run's gallery of at most `items` items (none: 0) next to its manifest in the
     output `out`, its pictures read again from `source`, and link it from a Prefect artifact; a
     failure is reported in the manifest, never raised (the captions are written already).
     `facts`: the run's counts and cost, shown in the page's heading line."""
     if items <= 0:
         return {"path": None}
-    from vlm_caption.tasks.observability import get_logger
-    from vlm_caption.tasks.settings import get_settings
-
     try:
         began = time.monotonic()
         unreadable: list[str] = []
         sampled: list[GalleryItem] = []
         page, shown = build_gallery(run_records(out, parts, unreadable), media_fetcher(source), items, title,
-                                    {"run": run_id, **(facts or {}), "fingerprint": fingerprint},
+                                    {"run": run_id, **facts, "fingerprint": fingerprint},
                                     get_settings().gallery_fetch_s,
                                     sampled=sampled)
         out.write(gallery_key(run_id), page.encode())

@@ -12,7 +12,7 @@ open one from an http page) nor an `s3://` URI, so the artifact is what opens fr
 from __future__ import annotations
 
 import time
-from vlm_caption.tasks.results.gallery_page import GalleryItem
+from vlm_caption.tasks.results.gallery_page import GalleryItem, cut
 from vlm_caption.tasks.settings import get_settings
 from vlm_caption.tasks.sources.storage import S3Storage, Storage
 
@@ -38,9 +38,8 @@ def gallery_rows(items: list[GalleryItem]) -> list[dict[str, str]]:
                 answer = f"error: {record.error.get('kind', 'error')}: {record.error.get('message', '')}"
             else:
                 answer = record.text or ""
-            if len(answer) > CELL_CHARS:
-                answer = answer[:CELL_CHARS] + f"… ({len(answer) - CELL_CHARS} more characters on the page)"
-            rows.append({"key": item.key, "question": record.question or "", "caption": answer})
+            rows.append({"key": item.key, "question": record.question or "",
+                         "caption": cut(answer, CELL_CHARS, " on the page")})
     return rows
 
 

@@ -29,9 +29,13 @@ class GalleryItem:
     def failed(self) -> bool:
         return any(r.error for r in self.records)
 
+    @property
+    def flagged(self) -> bool:  # a caption flagged by the caption checks (tasks/results/quality.py)
+        return any(r.quality for r in self.records)
 
-def _cut(text: str, limit: int = TEXT_CHARS) -> str:
-    return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more characters)"
+
+def cut(text: str, limit: int = TEXT_CHARS, where: str = "") -> str:
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more characters{where})"
 
 
 def _caption_html(text: str) -> str:
@@ -39,11 +43,11 @@ def _caption_html(text: str) -> str:
     if len(text) <= PREVIEW_CHARS:
         return f'<div class="caption">{html.escape(text)}</div>'
     return (f'<details class="caption"><summary><span class="preview">{html.escape(text[:PREVIEW_CHARS])}… </span>'
-            f'<span class="more">show all {len(text)} characters</span></summary>{html.escape(_cut(text))}</details>')
+            f'<span class="more">show all {len(text)} characters</span></summary>{html.escape(cut(text))}</details>')
 
 
 def _json(value) -> str:
-    return _cut(json.dumps(value, ensure_ascii=False, indent=1, default=str))
+    return cut(json.dumps(value, ensure_ascii=False, indent=1, default=str))
 
 
 STYLE = """
@@ -81,10 +85,10 @@ def _item_html(item: GalleryItem) -> str:
     parts = [f'<div class="item{" failed" if item.failed else ""}" data-key="{html.escape(item.key)}">', picture,
              f'<div class="key">{html.escape(item.key)}</div>']
     for record in item.records:
-        parts.append(f'<div class="q">{html.escape(_cut(record.question or "", 300))}</div>')
+        parts.append(f'<div class="q">{html.escape(cut(record.question or "", 300))}</div>')
         if record.error:
             kind, message = record.error.get("kind", "error"), record.error.get("message", "")
-            parts.append(f'<div class="error">error: {html.escape(kind)}: {html.escape(_cut(message, 600))}</div>')
+            parts.append(f'<div class="error">error: {html.escape(kind)}: {html.escape(cut(message, 600))}</div>')
         if record.quality:
             parts.append(f'<div class="error quality">flagged: {html.escape(", ".join(record.quality))}</div>')
         if record.duplicate_of:  # the same bytes as that item: its answer, no request of its own

@@ -13,7 +13,7 @@
     partitions/<run_id>/pNNN.json                       a fanned-out child's report
     parquet/run-<run_id>.parquet                        the final results a run added (the Parquet
                                                         view, tasks/results/parquet_view.py)
-    parquet/compacted-<stamp>-<tag>.parquet             many runs' rows, merged by compaction
+    parquet/compacted-<stamp>-<tag>.parquet             many runs' rows, merged by compaction or a rebuild
     listed/<fingerprint>-<scope>.json                   where the job's last complete listing ended
                                                         (tasks/sources/listing_end.py)
 """
@@ -29,13 +29,17 @@ _PART_NAME = re.compile(r"^part-(.+)-\d{5}\.jsonl$")
 PARQUET_VIEW_PREFIX = "parquet/"
 
 
+def stamp(seconds: float) -> str:
+    return time.strftime(STAMP, time.gmtime(seconds))
+
+
 def results_prefix(fingerprint: str) -> str:
     return f"results/{fingerprint}/"
 
 
 def compacted_index_key(fingerprint: str) -> str:
     """Sorts by when it was written (UTC, then a random tag for loads in the same second)."""
-    return f"{compacted_index_prefix(fingerprint)}{time.strftime(STAMP, time.gmtime(time.time()))}-{uuid.uuid4().hex[:8]}.vidx"
+    return f"{compacted_index_prefix(fingerprint)}{stamp(time.time())}-{uuid.uuid4().hex[:8]}.vidx"
 
 
 def compacted_index_written(fingerprint: str, key: str) -> str:
@@ -96,7 +100,7 @@ def run_parquet_key(run_id: str) -> str:
 
 def compacted_parquet_key() -> str:
     """Sorts by when it was written (UTC, then a random tag for two in the same second)."""
-    return f"{PARQUET_VIEW_PREFIX}compacted-{time.strftime(STAMP, time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
+    return f"{PARQUET_VIEW_PREFIX}compacted-{stamp(time.time())}-{uuid.uuid4().hex[:8]}.parquet"
 
 
 def manifest_key(run_id: str) -> str:

@@ -38,7 +38,7 @@ from vlm_caption.tasks.sources.storage import Storage
 
 ROW_GROUP_ROWS = 8192
 TIMING_KEYS = ("fetch_s", "decode_s", "generate_s")
-_STAMP = re.compile(r"(\d{8}T\d{6})")
+STAMP_IN_NAME = re.compile(r"(?P<stamp>\d{8}T\d{6})")  # a run id's UTC stamp
 RESIZED = "its done-index sidecar was made from another body (cut short or rewritten)"
 
 # Record fields with a column of their own; every other field of ResultRecord (e.g. `structured`)
@@ -88,7 +88,7 @@ def _row(record: ResultRecord, source: str | None, extra: list[str]) -> dict[str
 
 def part_order(part: ObjectRef) -> tuple[str, str]:
     """Parts sort by their run's UTC stamp (`part-<8 hex>-<stamp>[-pN]-<shard>.jsonl`), then name."""
-    found = _STAMP.search(part.key.rsplit("/", 1)[-1])
+    found = STAMP_IN_NAME.search(part.key.rsplit("/", 1)[-1])
     return (found.group(1) if found else "", part.key)
 
 
@@ -195,24 +195,12 @@ def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], lo
         yield batch
 
 
-def iter_row_batches(out: Storage, log=None, report: dict | None = None,
-                     rows_per_batch: int = ROW_GROUP_ROWS) -> Iterator[list[dict[str, Any]]]:
-    """The rows of the export (every fingerprint's latest final results) in batches, part by part."""
-    log = log or get_logger()
-    report = report if report is not None else {"damaged_parts": {}, "skipped_parts": {}}
-    by_fingerprint, keys = _list_parts(out)
-    chosen = ((part, wanted) for parts in by_fingerprint.values()
-              for part, wanted in zip(parts, latest_in_parts(out, parts, keys, log, report)[1]))
-    yield from select_rows(out, chosen, log, report, rows_per_batch)
-
-
-def write_rows(target: Storage, key: str, batches: Iterable[list[dict[str, Any]]], *,
-               row_group_rows: int = ROW_GROUP_ROWS, empty_too: bool = True) -> tuple[int, int]:
-    """Write the batches as one Parquet file of the export's schema, row group by row group
-    into a local temporary file, then put it in place with one atomic write (a PUT, or a temp
-    file and a rename); the rows and row groups written. With empty_too=False, no rows write
-    nothing."""
-    import pyarrow as pa
+def write_rows(target: Storage, key: str, batches: Iterable, *, row_group_rows: int = ROW_GROUP_ROWS,
+               empty_too: bool = True) -> tuple[int, int]:
+    """Write the batches (lists of rows, or tables of the export's schema) as one Parquet file,
+    small ones gathered into row groups of `row_group_rows`, put in place as the module's
+    docstring says (readers see the old file or the new one); the rows and row groups written.
+    With empty_too=False, no rows write nothing."""
     import pyarrow.parquet as pq
 
     schema = results_schema()
@@ -220,12 +208,26 @@ def write_rows(target: Storage, key: str, batches: Iterable[list[dict[str, Any]]
     with tempfile.TemporaryDirectory(prefix="vlm-caption-parquet-") as tmp:
         path = Path(tmp) / "results.parquet"
         with pq.ParquetWriter(path, schema, compression="zstd") as writer:
-            for batch in batches:
-                writer.write_table(pa.Table.from_pylist(batch, schema=schema), row_group_size=row_group_rows)
-                rows, groups = rows + len(batch), groups + 1
+            for table in _row_groups(batches, schema, row_group_rows):
+                writer.write_table(table, row_group_size=row_group_rows)
+                rows, groups = rows + len(table), groups + 1
         if rows or empty_too:
             target.write(key, path.read_bytes())
     return rows, groups
+
+
+def _row_groups(batches: Iterable, schema, size: int) -> Iterator:
+    """The batches as tables, small ones (a run's file, a part's records) gathered up to `size` rows."""
+    import pyarrow as pa
+
+    pending: list = []
+    for batch in batches:
+        pending.append(batch if isinstance(batch, pa.Table) else pa.Table.from_pylist(batch, schema=schema))
+        if sum(len(t) for t in pending) >= size:
+            yield pa.concat_tables(pending)
+            pending = []
+    if pending:
+        yield pa.concat_tables(pending)
 
 
 def export_parquet(out: Storage, target: Storage, target_key: str, *,
@@ -236,7 +238,10 @@ def export_parquet(out: Storage, target: Storage, target_key: str, *,
     started = time.perf_counter()
     log = get_logger()
     report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
-    rows, groups = write_rows(target, target_key, iter_row_batches(out, log, report, row_group_rows),
+    by_fingerprint, keys = _list_parts(out)  # each fingerprint's latest final results, part by part
+    chosen = ((part, wanted) for parts in by_fingerprint.values()
+              for part, wanted in zip(parts, latest_in_parts(out, parts, keys, log, report)[1]))
+    rows, groups = write_rows(target, target_key, select_rows(out, chosen, log, report, row_group_rows),
                               row_group_rows=row_group_rows)
     complete = not report["damaged_parts"] and not report["skipped_parts"]
     result = {"path": target.describe(target_key), "rows": rows, "row_groups": groups, "complete": complete,

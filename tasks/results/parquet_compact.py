@@ -5,19 +5,17 @@ export OUTPUT`)."""
 
 from __future__ import annotations
 
-import io
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.done_rows import result_key
 from vlm_caption.tasks.results.layout import PARQUET_VIEW_PREFIX, compacted_parquet_key
-from vlm_caption.tasks.results.parquet import ROW_GROUP_ROWS, export_parquet, latest_ordinals, results_schema
+from vlm_caption.tasks.results.parquet import STAMP_IN_NAME, export_parquet, latest_ordinals, write_rows
 from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.storage import Storage
-
-_STAMP_PATTERN = r"(?P<stamp>\d{8}T\d{6})"
 
 
 def _member_order(ref: ObjectRef) -> tuple[bool, str]:
@@ -33,21 +31,19 @@ def view_files(out: Storage) -> list[ObjectRef]:
                   key=_member_order)
 
 
-def copy_rows(source, write, keep: np.ndarray) -> int:
-    """Hand `write` the rows of ParquetFile `source` whose indexes are in sorted `keep`, row
-    group by row group (memory: one row group); the rows handed."""
+def kept_rows(source, keep: np.ndarray) -> Iterator:
+    """The rows of ParquetFile `source` whose indexes are in sorted `keep`, as tables, row group
+    by row group (memory: one row group)."""
     import pyarrow as pa
 
-    handed, start = 0, 0
+    start = 0
     for index in range(source.num_row_groups):
         count = source.metadata.row_group(index).num_rows
         wanted = keep[np.searchsorted(keep, start):np.searchsorted(keep, start + count)] - start
         start += count
         if len(wanted):
             table = source.read_row_group(index)
-            write(table if len(wanted) == count else table.take(pa.array(wanted)))
-            handed += len(wanted)
-    return handed
+            yield table if len(wanted) == count else table.take(pa.array(wanted))
 
 
 def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray], int]:
@@ -65,7 +61,7 @@ def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray]
         hashes.append(np.fromiter((result_key(f"{fp}\x1f{key}", question) for fp, key, question in zip(
             table["fingerprint"].to_pylist(), table["key"].to_pylist(), table["question"].to_pylist())),
             np.uint64, len(table)))
-        stamp = pc.struct_field(pc.extract_regex(pc.fill_null(table["run_id"], ""), _STAMP_PATTERN), [0])
+        stamp = pc.struct_field(pc.extract_regex(pc.fill_null(table["run_id"], ""), STAMP_IN_NAME.pattern), [0])
         stamps.append(pc.fill_null(pc.cast(pc.replace_substring(stamp, "T", ""), pa.int64()), 0).to_numpy())
     return latest_ordinals(hashes, stamps), sum(len(h) for h in hashes)
 
@@ -83,21 +79,10 @@ def compact_view(out: Storage) -> dict:
         return {"path": out.describe(files[0].key) if files else None, "merged": [], "rows": None,
                 "seconds": round(time.perf_counter() - started, 3)}
     keep, total = _latest_rows(out, files)
-    key, rows, pending = compacted_parquet_key(), 0, []
-    buffer = io.BytesIO()
-    with pq.ParquetWriter(buffer, results_schema(), compression="zstd") as writer:
-        def write(table) -> None:  # runs' small files gathered into row groups of ROW_GROUP_ROWS
-            pending.append(table)
-            if sum(len(t) for t in pending) >= ROW_GROUP_ROWS:
-                writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
-                pending.clear()
-
-        for ref, wanted in zip(files, keep):
-            if len(wanted):
-                rows += copy_rows(pq.ParquetFile(pa.BufferReader(out.read(ref.key))), write, wanted)
-        if pending:
-            writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
-    out.write(key, buffer.getvalue())
+    key = compacted_parquet_key()
+    tables = (table for ref, wanted in zip(files, keep) if len(wanted)
+              for table in kept_rows(pq.ParquetFile(pa.BufferReader(out.read(ref.key))), wanted))
+    rows, _ = write_rows(out, key, tables)  # runs' small files gathered into row groups
     for ref in files:  # after the merged file is in place: a reader sees a result twice, never not at all
         out.delete(ref.key)
     result = {"path": out.describe(key), "rows": rows, "merged": [out.describe(ref.key) for ref in files],
@@ -106,14 +91,14 @@ def compact_view(out: Storage) -> dict:
     return result
 
 
-def rebuild_view(out: Storage, *, row_group_rows: int = ROW_GROUP_ROWS) -> dict:
+def rebuild_view(out: Storage) -> dict:
     """The view made again from every part (`vlm-caption export OUTPUT`): one compacted file,
     then the files it replaces removed. Reads the whole history: for repairs (a run killed
     before its end, parts changed by hand), not for each run. The runs the view owed a file
     (killed before it) are in the new file: they are owed nothing more."""
     files = view_files(out)
     owed = [ref.key for ref in out.iter_objects(prefix="results/") if "/view-owed/" in ref.key]
-    report = export_parquet(out, out, compacted_parquet_key(), row_group_rows=row_group_rows)
+    report = export_parquet(out, out, compacted_parquet_key())
     for key in [ref.key for ref in files] + owed:
         out.delete(key)
     return {**report, "replaced": [out.describe(ref.key) for ref in files]}

@@ -1,9 +1,6 @@
-"""The Parquet view of an output: every file under <output>/parquet/ read as ONE dataset holds
-each final result once, the latest (the rules of tasks/results/parquet.py), and grows with
-what each run adds, not with the history.
-
-    parquet/run-<run_id>.parquet              the final results a run added, written at its end
-    parquet/compacted-<stamp>-<tag>.parquet   many runs' rows in one file (compaction, rebuild)
+"""The Parquet view of an output: every file under <output>/parquet/ (a run's, or compacted ones:
+tasks/results/layout.py) read as ONE dataset holds each final result once, the latest (the rules
+of tasks/results/parquet.py), and grows with what each run adds, not with the history.
 
 Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parquet")`,
 `pyarrow.dataset.dataset("OUT/parquet/")`, `pandas.read_parquet("OUT/parquet/")`, DuckDB's
@@ -28,16 +25,13 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
   (`add_owed_runs`, one listing of a folder that is empty on a normal night): a rerun makes the
   view whole, and its manifest's `complete` says whether it did. `vlm-caption export OUTPUT`
   rebuilds the view from every part, as one file.
-- Compaction (`vlm-caption export OUTPUT --compact`, tasks/results/parquet_compact.py) merges the view's files into one, keeping
-  the latest of a result held twice (by the run's stamp), from the files alone (no part is
-  read); it writes the merged file, then removes the ones it merged. Run it while no run of
-  the output is ending: a run that rewrites a file compaction has just merged leaves a result
-  twice, until the next compaction.
+- Compaction (`vlm-caption export OUTPUT --compact`, tasks/results/parquet_compact.py says how)
+  merges the view's files into one. Run it while no run of the output is ending: a run that
+  rewrites a file compaction has just merged leaves a result twice, until the next compaction.
 """
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from typing import Any
@@ -51,9 +45,8 @@ from vlm_caption.tasks.results.done_index import DoneIndex, loaded_index, read_d
 from vlm_caption.tasks.results.done_rows import listed_under, result_key
 from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key, view_owed_key,
                                    view_owed_prefix)
-from vlm_caption.tasks.results.parquet import (ROW_GROUP_ROWS, latest_in_parts, part_order, results_schema, select_rows,
-                                   write_rows)
-from vlm_caption.tasks.results.parquet_compact import copy_rows, view_files
+from vlm_caption.tasks.results.parquet import latest_in_parts, part_order, select_rows, write_rows
+from vlm_caption.tasks.results.parquet_compact import kept_rows, view_files
 from vlm_caption.tasks.sources.storage import Storage, key_within
 
 _owed: set[tuple[str, str, str]] = set()  # (output, fingerprint, run) this process has marked owed
@@ -71,12 +64,10 @@ def owe_view(out: Storage, fingerprint: str, run_id: str) -> None:
         _owed.add(token)
 
 
-def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log,
-                  earlier: DoneIndex | None = None) -> dict[str, dict]:
+def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log, earlier: DoneIndex | None) -> dict[str, dict]:
     """The view's file of each earlier run of this job that wrote parts and never had its file
     written (killed, or its export failed), added oldest first: {run: what `add_run` wrote, or
-    {"error": ...}}. One listing of the owed runs' folder, empty on a normal night. `earlier`:
-    the done-index of this run's start (loaded here if needed and not given)."""
+    {"error": ...}}. `earlier`: the done-index of this run's start (loaded here if needed and None)."""
     # Oldest first, by the UTC stamp in the run's id, as parts are ordered.
     owed = [ref.key.rsplit("/", 1)[-1]
             for ref in sorted(out.iter_objects(prefix=view_owed_prefix(fingerprint)), key=part_order)]
@@ -95,13 +86,12 @@ def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log,
 
 
 def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, earlier: DoneIndex | None = None,
-            row_group_rows: int = ROW_GROUP_ROWS, whole_run: bool = False) -> dict:
+            whole_run: bool = False) -> dict:
     """Add the final results of run `run_id` (its parts `parts`, as the run names them, and any
     other part listed under its id; with `whole_run`, every part listed under it) to the view,
     and return what was written: the run's file and rows, the older files rewritten (rows
-    removed from each), damaged parts. `earlier`: the done-index of the run's start, by default
-    the one this process loaded (`loaded_index`), else one loaded here; it says which earlier
-    parts hold a result the run computed again."""
+    removed from each), damaged parts. `earlier`: the done-index of the run's start (by default
+    as the module's docstring says)."""
     started = time.perf_counter()
     if not parts and not whole_run:  # nothing new: nothing to read, nothing to write
         return {"path": None, "rows": 0, "complete": True, "seconds": 0.0}
@@ -126,13 +116,13 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
     again: set[tuple[str, str]] = set()  # (item key, question) of the results replaced: few, usually none
 
     def batches():
-        for batch in select_rows(out, zip(mine, wanted), log, report, row_group_rows):
+        for batch in select_rows(out, zip(mine, wanted), log, report):
             if replaced:
                 again.update((row["key"], row["question"] or "") for row in batch
                              if result_key(row["key"], row["question"]) in replaced)
             yield batch
 
-    rows, groups = write_rows(out, key, batches(), row_group_rows=row_group_rows, empty_too=False)
+    rows, groups = write_rows(out, key, batches(), empty_too=False)
     rewritten: dict[str, int] = {}
     for member in holders if rows else []:
         try:
@@ -158,10 +148,8 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
 
 def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray,
              own: str) -> tuple[list[str], set[int]]:
-    """The view's files that may hold an earlier record of a result this run added, and those
-    results' keys: the file of each run whose part holds one (the done-index says which), or,
-    for a run without a file of its own, the compacted files. A run whose part was cut short
-    since lost records this run may have computed again: its file is checked against all of them."""
+    """The view's files that may hold an earlier record of a result this run added (which: the
+    module's docstring), and those results' keys, as the done-index says."""
     cut = {part_run(key) for key in earlier.resized if key not in mine}
     runs: set[str | None] = set(cut)
     replaced = set(added.tolist()) if cut else set()
@@ -185,7 +173,7 @@ def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray
 def _drop_rows(out: Storage, key: str, fingerprint: str, results: set[tuple[str, str]]) -> int:
     """Rewrite view file `key` without its rows of `results` ((item key, question)) under
     `fingerprint`; the rows removed (nothing written when none). Finding them reads three
-    columns; the rewrite goes row group by row group."""
+    columns; the rewrite goes row group by row group (`write_rows`: readers see the old file or the new one)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -198,11 +186,7 @@ def _drop_rows(out: Storage, key: str, fingerprint: str, results: set[tuple[str,
             if (ids["key"][i].as_py(), ids["question"][i].as_py() or "") in results]
     if not drop:
         return 0
-    keep = np.setdiff1d(np.arange(source.metadata.num_rows), drop)
-    buffer = io.BytesIO()
-    with pq.ParquetWriter(buffer, results_schema(), compression="zstd") as writer:
-        copy_rows(source, writer.write_table, keep)
-    out.write(key, buffer.getvalue())  # one atomic write: readers see the old file or the new one
+    write_rows(out, key, kept_rows(source, np.setdiff1d(np.arange(source.metadata.num_rows), drop)))
     return len(drop)
 
 
@@ -210,10 +194,9 @@ def _drop_rows(out: Storage, key: str, fingerprint: str, results: set[tuple[str,
 def export_after_run(out: Storage, output_uri: str, fingerprint: str, run_id: str, parts: list[str]) -> dict:
     """The end-of-run step: the run's new results added to the view of its output `out`
     (`output_uri` as the job names it, for the message). A failure is logged and returned as
-    `{"error": ...}`, never raised: the run's captions are in its JSON Lines parts, and the
-    next run (or `vlm-caption export`) makes the view whole from them. Earlier runs the view
-    still owes a file (killed before their end) are added first; `complete` is true only when
-    every one of them and this run's own results are in the view."""
+    `{"error": ...}`, never raised: the run's captions are in its JSON Lines parts. Runs the view
+    still owes a file are added first (`add_owed_runs`); `complete` is true only when they and
+    this run's own results are all in the view."""
     log = get_logger(run_id=run_id, fingerprint=fingerprint)
     try:
         earlier = loaded_index(out, fingerprint)  # this run's, from its start (None where it loaded none)

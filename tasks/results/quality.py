@@ -21,8 +21,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-LOOPING, EMPTY, TRUNCATED, SCHEMA = "looping", "empty", "truncated", "schema"
-FLAGS = (LOOPING, EMPTY, TRUNCATED, SCHEMA)
+LOOPING, EMPTY, TRUNCATED, SCHEMA = "looping", "empty", "truncated", "schema"  # a record's flags, in this order
 RETRY_FLAGS = frozenset({LOOPING, EMPTY})  # what asking again with other sampling can mend
 
 MAX_UNIT_WORDS = 8
@@ -85,7 +84,7 @@ def is_looping(text: str | None) -> bool:
 
 def caption_flags(text: str | None, finish_reason: str | None, schema_failed: bool = False,
                   prose: bool = True) -> list[str]:
-    """The flags of one answer, in FLAGS order ([] when it is fine). A structured answer (`prose`
+    """The flags of one answer, in their order ([] when it is fine). A structured answer (`prose`
     false: JSON, a regex, a choice) is not checked for loops: its form repeats by design (a list
     of objects with the same keys), and one that runs on is cut and fails its schema instead."""
     flags = []

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from vlm_caption.tasks.results.quality import RETRY_FLAGS
+from vlm_caption.tasks.results.quality import wants_retry
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.settings import get_settings
 from vlm_caption.tasks.sources.s3_client import describe_shared_client
@@ -47,6 +47,10 @@ class Tally(BaseModel):
     device: str | None = None
     samples: list[dict[str, str]] = Field(default_factory=list)
     parts: list[str] = Field(default_factory=list)
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failures_by_kind.values())
 
     @property
     def generate_s(self) -> float:
@@ -94,7 +98,7 @@ class PartitionReport(Tally):
                                            "cpus", "asked_at", "process_started_at", "listed", "processed",
                                            "succeeded", "generate_from", "generate_to", "shards", "retaken",
                                            "device_s", "device", "duplicates"}),
-                "failed": sum(self.failures_by_kind.values()),
+                "failed": self.failed,
                 "flagged": self.quality_flagged,
                 "generate_items_per_s": self.generate_items_per_s(),
                 "engine_ready_at": (self.engine or {}).get("ready_at"),
@@ -112,10 +116,6 @@ class RunStats(Tally):
     def tokens_per_request(self) -> float | None:
         """Prompt and output tokens of a successful request, on average (None before the first)."""
         return (self.prompt_tokens + self.output_tokens) / self.succeeded if self.succeeded else None
-
-    @property
-    def failed(self) -> int:
-        return sum(self.failures_by_kind.values())
 
     def add(self, listed: int, skipped: int, records: list[ResultRecord]) -> None:
         """One shard: `listed` items, `skipped` of them already done, a record per result."""
@@ -141,7 +141,7 @@ class RunStats(Tally):
     def count_quality(self, record: ResultRecord) -> None:
         if record.retried_for:
             self.quality_retried += 1
-            self.quality_fixed += not RETRY_FLAGS.intersection(record.quality or [])
+            self.quality_fixed += not wants_retry(record.quality or [])
         if not record.quality:
             return
         self.quality_flagged += 1
@@ -268,10 +268,10 @@ def quality_line(flagged: int, by_flag: dict[str, int], retried: int, fixed: int
     return line + (f"; {retried} asked again, {fixed} fixed" if retried else "")
 
 
-def flagged_line(flagged: list[dict[str, Any]], count: int, shown: int = SAMPLE_FLAGGED) -> str:
+def flagged_line(flagged: list[dict[str, Any]], count: int) -> str:
     """The first flagged records, for the summary artifact: `a.jpg (looping), b.jpg (empty), … 3 more`."""
-    line = ", ".join(f"{f['key']} ({', '.join(f['quality'])})" for f in flagged[:shown])
-    return line + (f", … {count - shown} more (the manifest's flagged)" if count > shown else "")
+    line = ", ".join(f"{f['key']} ({', '.join(f['quality'])})" for f in flagged[:SAMPLE_FLAGGED])
+    return line + (f", … {count - SAMPLE_FLAGGED} more (the manifest's flagged)" if count > SAMPLE_FLAGGED else "")
 
 
 def versions() -> dict[str, str | None]:

@@ -68,8 +68,7 @@ def _unless_disk_full(task, task_run, state) -> bool:
     return not isinstance(getattr(data, "result", data), DiskFullError)  # the exception, or its result record
 
 
-# A shard's write is tried again 3 times, 2 s apart, except on a full disk (a permanent
-# DiskFullError: waiting frees no space). Each try rewrites the whole part, so none is half-written.
+# A shard's write, tried again 3 times 2 s apart but never on a full disk (above); each try rewrites the whole part.
 WRITE_RETRIES = Retries(3, delay_s=2.0)
 
 

@@ -56,8 +56,7 @@ partitions of a run, a run dying while another starts) and concurrent loads and 
 covered: every compacted index satisfies (I) on its own. Not seen without a full listing: a part
 deleted or rewritten by hand (not by a run) once no run's stamp since its index names its
 writer; deleting the compacted indexes (`results/<fp>/index-*.vidx`) makes the next load list
-everything again. An output written by a version without stamps mixed with this one: every worker
-of an output is upgraded together.
+everything again.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from vlm_caption.tasks.results.layout import STAMP, STAMP_LEN, writing_key, writing_prefix
+from vlm_caption.tasks.results.layout import STAMP, STAMP_LEN, stamp, writing_key, writing_prefix
 from vlm_caption.tasks.sources.storage import Storage
 
 WRITE_S = 300.0  # a stamp older than this no longer vouches for a part landing now
@@ -79,10 +78,6 @@ REMOVERS = 16  # parallel deletes
 
 _lock = threading.Lock()
 _last: dict[tuple[str, str, str], float] = {}  # (output, fingerprint, parts_id) -> monotonic time of its stamp
-
-
-def stamp(seconds: float) -> str:
-    return time.strftime(STAMP, time.gmtime(seconds))
 
 
 def before_part(out: Storage, fingerprint: str, parts_id: str) -> None:
