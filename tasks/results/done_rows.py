@@ -17,7 +17,7 @@ import struct
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 from pydantic import ValidationError
@@ -84,9 +84,17 @@ def sidecar_key(part_key: str) -> str:
     return part_key.removesuffix(".jsonl") + ".idx"
 
 
-def _read_compacted(out: Storage, key: str, log) -> SimpleNamespace | None:
-    """The compacted index: `parts` (key, size, rows), and `after`, `retry`, `lineage` (what
-    `compacted_bytes` says); None when it is gone (a concurrent load replaced it) or damaged."""
+class Compacted(NamedTuple):
+    """A compacted index as read: `parts` (key, size, rows), and what `compacted_bytes` says of the rest."""
+
+    parts: list[tuple[str, int, np.ndarray]]
+    after: str
+    retry: list[str]
+    lineage: list[str]
+
+
+def _read_compacted(out: Storage, key: str, log) -> Compacted | None:
+    """The compacted index; None when it is gone (a concurrent load replaced it) or damaged."""
     try:
         data = out.read(key)
         magic, length = COMPACT_HEADER.unpack_from(data)
@@ -108,7 +116,7 @@ def _read_compacted(out: Storage, key: str, log) -> SimpleNamespace | None:
     for part, size, count in covered:
         parts.append((part, size, table[at:at + count]))
         at += count
-    return SimpleNamespace(parts=parts, after=extra["after"], retry=extra["retry"], lineage=extra["lineage"])
+    return Compacted(parts, extra["after"], extra["retry"], extra["lineage"])
 
 
 def compacted_bytes(parts: dict[str, tuple[int, np.ndarray]], after: str | None = None,
