@@ -115,8 +115,8 @@ GAP_NAMES = {"flow_minus_raw": "flow over raw", "flow_minus_raw_same": "flow ove
 def ideal_fan_out(flow: dict[str, Any], gpus: int) -> dict[str, float] | None:
     """The wall a fan-out over `gpus` GPUs would have if only generating divided: the 1-GPU flow's
     engine ready E (from its process start), its generating window G over N, and the rest of its
-    wall T (the outputs after the last result, and any gap before the first), E + G/N + T. A
-    fan-out pays E once more per partition at best in parallel, so this is its ceiling."""
+    wall T (the outputs after the last result, and any gap before the first), E + G/N + T. Each
+    partition pays its own E, at best all at once, so no fan-out's wall is shorter than this."""
     ready, generating, wall = flow.get("engine_ready_s"), flow.get("generate_s"), flow.get("wall_s")
     if not (ready and generating and wall):
         return None

@@ -9,7 +9,10 @@ import importlib
 import json
 from collections.abc import Callable
 from types import UnionType
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+
+if TYPE_CHECKING:  # pydantic is imported with the job's model, only once a subcommand is used
+    from pydantic import BaseModel
 
 
 # `vlm-caption run` given neither what to caption nor where the results go.
@@ -98,7 +101,7 @@ SAMPLING_OPTIONS = ("temperature", "max_tokens", "seed")
 METAVARS = {"modified_since": "TIME|DURATION|auto"}
 
 
-def add_field_options(parser: Any, model: Any, names: tuple[str, ...]) -> None:
+def add_field_options(parser: argparse._ActionsContainer, model: type[BaseModel], names: tuple[str, ...]) -> None:
     """`--name` for each of these fields of the pydantic `model`: a bool a flag, a Literal its choices,
     else its type; its description the help, with its default unless that is None or a bool."""
     for name in names:
