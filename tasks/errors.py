@@ -19,7 +19,7 @@ from __future__ import annotations
 from vlm_caption.recipes.errors import UserError
 
 __all__ = ["BusyError", "EngineFailure", "FanOutFailure", "OutOfSpaceError", "PrefectUnavailable", "UsageError",
-           "UserError", "is_permanent"]
+           "UserError", "failure_of", "is_permanent", "retry_unless_permanent"]
 
 
 class UsageError(UserError, ValueError):
@@ -65,3 +65,16 @@ class FanOutFailure(UserError):
 def is_permanent(exc: BaseException) -> bool:
     """A user error that a retry would only repeat."""
     return isinstance(exc, UserError) and exc.permanent
+
+
+def failure_of(state) -> BaseException | None:
+    """The exception a failed Prefect state holds (its data, or the result record holding it)."""
+    data = getattr(state, "data", None)
+    failure = getattr(data, "result", data)
+    return failure if isinstance(failure, BaseException) else None
+
+
+def retry_unless_permanent(task, task_run, state) -> bool:
+    """A task's `retry_condition_fn`: any failure is tried again but a permanent one (a full disk)."""
+    failure = failure_of(state)
+    return failure is None or not is_permanent(failure)

@@ -218,7 +218,7 @@ def prepare_shard(source: SourceSpec, shard: Shard, done: DoneIndex, questions: 
                   options: MediaOptions) -> PreparedShard:
     """Fetch (bounded concurrency and bytes), hash and decode one shard; skip what is done. Media
     are read by the source format's reader, through the storage the plan opened.
-    A plain function, run on the pipeline's threads (flows/shard_steps.py); an item's failure is
+    A plain function, run on its batch's threads (flows/batches.py); an item's failure is
     its error, so nothing here is tried again."""
     preparer = ItemPreparer(open_reader(source), done, questions, options)
     prepared = PreparedShard(shard)

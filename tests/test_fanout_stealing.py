@@ -120,7 +120,7 @@ def test_the_manifest_counts_what_a_child_that_left_no_report_had_written(tmp_pa
     from vlm_caption.tasks.records import ResultRecord
     from vlm_caption.tasks.results.layout import partition_parts_id
     from vlm_caption.tasks.results.report import PartitionReport, RunStats
-    from vlm_caption.tasks.results.writers import read_partition_reports, write_partition_report, write_shard_once
+    from vlm_caption.tasks.results.writers import read_partition_reports, write_partition_report, write_shard
     from vlm_caption.tasks.sources.storage import LocalStorage
 
     out = LocalStorage(tmp_path / "out", create=True)
@@ -132,9 +132,9 @@ def test_the_manifest_counts_what_a_child_that_left_no_report_had_written(tmp_pa
                             fingerprint="fp", run_id=partition_parts_id("run1", 2))
 
     failed = {"kind": "decode", "message": "not an image", "retryable": False}
-    write_shard_once(out, "fp", partition_parts_id("run1", 2), 3, [record("c.jpg"), record("d.jpg", failed)],
+    write_shard(out, "fp", partition_parts_id("run1", 2), 3, [record("c.jpg"), record("d.jpg", failed)],
                      "claims/run1/000003.done")
-    write_shard_once(out, "fp", partition_parts_id("run1", 2), 5, [record("e.jpg"), record("f.jpg")])
+    write_shard(out, "fp", partition_parts_id("run1", 2), 5, [record("e.jpg"), record("f.jpg")])
     out.write("claims/run1/000005.r1", b"{}")
     monkeypatch.setattr(caption_flow, "wait_for_children", lambda children, run_here: {1: "COMPLETED", 2: "CRASHED"})
     monkeypatch.setattr(caption_flow, "read_partition_reports", read_partition_reports.fn)

@@ -37,16 +37,23 @@ def die(*args, **kwargs):
     os.killpg(0, signal.SIGKILL)
 
 import vlm_caption.flows.caption as caption
-import vlm_caption.tasks.results.writers as writers
+import vlm_caption.flows.batches as writers
 
 if point == "before-first-part":
-    writers.write_shard_once = die
-elif point == "between-parts":
-    write, calls = writers.write_shard_once, []
+    writers.write_shard = die
+elif point == "between-parts":  # the shards write side by side: the kill waits for the first part to land
+    import threading
+    write, calls, landed = writers.write_shard, [], threading.Event()
     def second_dies(*args, **kwargs):
         calls.append(1)
-        return die() if len(calls) == 2 else write(*args, **kwargs)
-    writers.write_shard_once = second_dies
+        if len(calls) == 2:
+            landed.wait(120)
+            die()
+        try:
+            return write(*args, **kwargs)
+        finally:
+            landed.set()
+    writers.write_shard = second_dies
 elif point == "before-manifest":
     caption.write_manifest = die
 elif point == "before-parquet":

@@ -77,13 +77,13 @@ def test_a_fanned_out_night_with_nothing_new_starts_no_child(partition_deploymen
         finally:
             asked.set()
 
-    def generate(self, prepared):
+    def generate(self, prepared, last):
         assert asked.wait(60), "the children were not asked for at the shard plan's first shard"
-        return generating(self, prepared)
+        return generating(self, prepared, last)
 
-    starting, generating = flows.caption.start_children, flows.pipeline.ShardPipeline.generate
+    starting, generating = flows.caption.start_children, flows.batches.ShardPipeline.generate
     monkeypatch.setattr(flows.caption, "start_children", start_children)
-    monkeypatch.setattr(flows.pipeline.ShardPipeline, "generate", generate)
+    monkeypatch.setattr(flows.batches.ShardPipeline, "generate", generate)
     summary = vlm_caption(job)
     assert (summary["listed"], summary["skipped_already_done"], summary["processed"]) == (HISTORY + 2, HISTORY, 2)
     assert len(_child_runs(where.out)) == 2

@@ -1,6 +1,7 @@
-"""Prefect sees a run's shards a batch at a time (flows/shard_report.py): one `caption-batch`
+"""Prefect sees a run's shards a batch at a time (flows/batches.py): one `caption-batch`
 task run per batch of consecutive shards, the batches doubling from 1 shard up to a cap, so the
-task runs stay in the thousands at 100M items. A shard that fails past its retry makes its batch
+task runs stay in the thousands at 100M items. A batch's task run does its shards' work, and
+a shard that fails is tried again by the batch's task retries; past them it makes its batch
 Failed with its error, while its items are still written, as retryable error records that the
 next run computes again (tiny LLaVA, vLLM on CPU, a real Prefect API)."""
 
@@ -9,8 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-import vlm_caption.flows.shard_report as shard_report
-import vlm_caption.tasks.engine.steps as steps
+import vlm_caption.flows.batches as batches
 from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
 from tests.images import image_bytes
@@ -23,10 +23,10 @@ def test_task_runs_at_scale_are_a_few_thousand():
         shards, number = -(-items // shard_size), 0
         while shards > 0:
             number += 1
-            shards -= shard_report.batch_size(number, shard_size)
+            shards -= batches.batch_size(number, shard_size)
         return number
 
-    assert [shard_report.batch_size(n, 64) for n in range(1, 12)] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 512]
+    assert [batches.batch_size(n, 64) for n in range(1, 12)] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 512]
     assert task_runs(100_000_000, 64) == 3_060  # was 3 per shard: 4,687,500
     assert task_runs(100_000_000, 1024) == 3_056  # the cap is in items: 32 shards of 1,024
     assert task_runs(1_000, 64) == 5  # a small run still shows several: 1, 2, 4, 8 and the last 1
@@ -58,16 +58,16 @@ def test_batches_grow_and_a_failed_shard_fails_its_batch_and_loses_nothing(prefe
     source.mkdir()
     for i in range(IMAGES):
         (source / f"{i:02d}.jpg").write_bytes(image_bytes(size=(40 + i, 32), color=(i * 20, 80, 160)))
-    monkeypatch.setattr(shard_report, "BATCH_ITEMS", 4)  # batches of 1, 2, 4, then 4 at most (shards of 1)
-    tried, generate_once = Counter(), steps.generate_once
+    monkeypatch.setattr(batches, "BATCH_ITEMS", 4)  # batches of 1, 2, 4, then 4 at most (shards of 1)
+    tried, generate_shard = Counter(), batches.generate_shard
 
     def failing_shard_4(prepared, *args):
         tried[prepared.shard.index] += 1
         if prepared.shard.index == 4:
             raise RuntimeError("a fault the test put in shard 4")
-        return generate_once(prepared, *args)
+        return generate_shard(prepared, *args)
 
-    monkeypatch.setattr(steps, "generate_once", failing_shard_4)
+    monkeypatch.setattr(batches, "generate_shard", failing_shard_4)
     job = CaptionJob(source=str(source), output=str(out), model=str(tiny_llava), shard_size=1,
                      sampling={"max_tokens": 2})
     state = vlm_caption(job, return_state=True)
@@ -76,17 +76,18 @@ def test_batches_grow_and_a_failed_shard_fails_its_batch_and_loses_nothing(prefe
     flow_run_id = state.state_details.flow_run_id
 
     runs = _task_runs(flow_run_id)
-    batches = {run.name: run for run in runs if run.name.startswith("caption-batch-")}
-    assert sorted(batches) == [f"caption-batch-{n}" for n in range(1, 6)]  # 12 shards: 1 + 2 + 4 + 4 + 1
+    batch_runs = {run.name: run for run in runs if run.name.startswith("caption-batch-")}
+    assert sorted(batch_runs) == [f"caption-batch-{n}" for n in range(1, 6)]  # 12 shards: 1 + 2 + 4 + 4 + 1
     assert not [run.name for run in runs if run.name.rsplit("-", 1)[0].endswith("-shard")]  # none per shard
     assert all(run.state.is_final() for run in runs), [(run.name, run.state.type) for run in runs]
-    failed = batches.pop("caption-batch-3")  # shards 3 to 6
+    failed = batch_runs.pop("caption-batch-3")  # shards 3 to 6
     assert failed.state.is_failed() and "shard 4" in failed.state.message, failed.state.message
+    assert failed.run_count == 1 + batches.BATCH_RETRIES  # Prefect's task retries did it again
     assert "a fault the test put in shard 4" in failed.state.message
-    assert all(run.state.is_completed() for run in batches.values())
+    assert all(run.state.is_completed() for run in batch_runs.values())
     lines = _batch_lines(flow_run_id)
     assert [line.split("shards=")[1].split()[0] for line in lines] == ["1", "2", "4", "4", "1"]
-    assert tried[4] == 2 and tried[3] == 1  # the failing shard tried again once, in the run's process
+    assert tried[4] == 1 + batches.BATCH_RETRIES and tried[3] == 1  # the failing shard tried again by its batch's retries
 
     records = [json.loads(line) for part in sorted(out.glob("results/*/*.jsonl")) for line in part.read_text().splitlines()]
     assert sorted(r["key"] for r in records) == [f"{i:02d}.jpg" for i in range(IMAGES)]  # every item written
@@ -95,6 +96,6 @@ def test_batches_grow_and_a_failed_shard_fails_its_batch_and_loses_nothing(prefe
     assert "a fault the test put in shard 4" in error["message"]
     assert summary["failed"] == 1 and summary["succeeded"] == IMAGES - 1
 
-    monkeypatch.setattr(steps, "generate_once", generate_once)
+    monkeypatch.setattr(batches, "generate_shard", generate_shard)
     again = vlm_caption(job)  # the failed item is not done: the next run computes it, and only it
     assert (again["skipped_already_done"], again["processed"], again["succeeded"]) == (IMAGES - 1, 1, 1)

@@ -1,6 +1,6 @@
 """The engine's steps: start the worker's one engine (a Prefect task run), and caption a prepared
 shard with one batched vLLM call (every (item, question) of the shard), one record each (a plain
-function, run on the pipeline's threads: flows/shard_steps.py)."""
+function, run on its batch's threads: flows/batches.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from vlm_caption.tasks.media.video import DecodedVideo
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.quality import better, caption_flags, wants_retry
 from vlm_caption.tasks.records import GenerationOutput, ItemError, ResultRecord, structured_answer
-from vlm_caption.tasks.retries import Retries
 from vlm_caption.tasks.same_media import SAME_MEDIA
 
 
@@ -66,22 +65,9 @@ def engine_request(item: PreparedItem, question: str, options: GenerateOptions) 
     return EngineRequest(question, media, item.sha256 or "")
 
 
-# One retry: if the engine died under the shard, the retry runs it on a new engine (get_engine
-# builds one). Nothing of the failed attempt was written, so nothing is duplicated.
-GENERATE_RETRIES = Retries(1, delay_s=1.0)
-
-
-def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprint: str,
-                   run_id: str) -> list[ResultRecord]:
-    """The shard's records, tried again once (`GENERATE_RETRIES`) unless its failure is permanent;
-    the last failure is raised (`failed_shard_records` then makes the shard's records)."""
-    return GENERATE_RETRIES.call(lambda: generate_once(prepared, options, fingerprint, run_id),
-                                 "a shard's generation", shard=prepared.shard.index)
-
-
 def failed_shard_records(prepared: PreparedShard, error: BaseException, model: str, options: GenerateOptions,
                          fingerprint: str, run_id: str) -> list[ResultRecord]:
-    """A record per (item, question) of a shard whose generation failed past its retry, each
+    """A record per (item, question) of a shard whose generation failed past its batch's retries, each
     with that failure, retryable (the next run asks again), so the shard's part still says
     what became of every item; an item that failed before (fetch, decode) keeps its own error."""
     failure = ItemError("generate", f"the shard failed: {type(error).__name__}: {error}", retryable=True)
@@ -94,9 +80,11 @@ def failed_shard_records(prepared: PreparedShard, error: BaseException, model: s
     return records
 
 
-def generate_once(prepared: PreparedShard, options: GenerateOptions, fingerprint: str,
+def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprint: str,
                   run_id: str) -> list[ResultRecord]:
     """Every (item, question) of a shard in one vLLM call; each gets a record, failed or not.
+    A failure of the whole shard (an engine that died) is raised: its batch tries it again
+    (flows/batches.py), on a new engine (`get_engine` builds one).
     Each item was fetched and decoded once; its questions share its media and content ids. A
     copy of media asked already takes that answer, with no request (tasks/same_media.py)."""
     engine = get_engine(options.spec)

@@ -18,7 +18,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from vlm_caption.tasks.errors import OutOfSpaceError
+from vlm_caption.tasks.errors import OutOfSpaceError, retry_unless_permanent
 from vlm_caption.tasks.results.done_rows import index_rows, parse_records, read_part_lines, sidecar_bytes, sidecar_key
 from vlm_caption.tasks.results.layout import (manifest_key, part_key, part_prefix, partition_parts_id,
                                               partition_report_key, run_of)
@@ -26,7 +26,6 @@ from vlm_caption.tasks.results.parquet_view import owe_view
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.results.report import PartitionReport, RunStats
 from vlm_caption.tasks.results.writing_log import after_part, before_part
-from vlm_caption.tasks.retries import Retries
 from vlm_caption.tasks.sources.storage import Storage
 
 
@@ -62,31 +61,14 @@ def write_object(out: Storage, key: str, data: bytes) -> None:
         raise error from None
 
 
-def _unless_disk_full(task, task_run, state) -> bool:
-    """Retry a failed write, except for a full disk."""
-    data = getattr(state, "data", None)
-    return not isinstance(getattr(data, "result", data), DiskFullError)  # the exception, or its result record
-
-
-# A shard's write, tried again 3 times 2 s apart but never on a full disk (above); each try rewrites the whole part.
-WRITE_RETRIES = Retries(3, delay_s=2.0)
-
-
 def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
                 records: list[ResultRecord], done_key: str | None = None) -> str | None:
-    """`write_shard_once`, tried again (`WRITE_RETRIES`); a plain function, run on the pipeline's
-    threads (flows/shard_steps.py)."""
-    return WRITE_RETRIES.call(lambda: write_shard_once(out, fingerprint, parts_id, shard_index, records, done_key),
-                              "a shard's write", shard=shard_index)
-
-
-def write_shard_once(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
-                     records: list[ResultRecord], done_key: str | None = None) -> str | None:
     """One JSON Lines file per shard, written atomically, then its done-index sidecar (a part
     whose sidecar is missing is parsed instead). Nothing to write, no file. Then `done_key`, the
     shard's claim marked done for the other partitions of a fan-out (tasks/claims.py): only
     after its part, so a partition that dies between the two has the shard redone, never lost.
-    `out` is the run's output (`RunPlan.output`)."""
+    `out` is the run's output (`RunPlan.output`). A failure is raised: the shard's batch tries it
+    again (flows/batches.py), rewriting the whole part."""
     written = None
     if records:
         key = part_key(fingerprint, parts_id, shard_index)
@@ -108,14 +90,14 @@ def write_shard_once(out: Storage, fingerprint: str, parts_id: str, shard_index:
 
 
 @task(name="write-manifest", cache_policy=NONE, persist_result=False, retries=3, retry_delay_seconds=2,
-      retry_condition_fn=_unless_disk_full)
+      retry_condition_fn=retry_unless_permanent)
 def write_manifest(out: Storage, run_id: str, manifest: dict) -> str:
     write_object(out, manifest_key(run_id), json.dumps(manifest, indent=2, default=str).encode())
     return out.describe(manifest_key(run_id))
 
 
 @task(name="write-partition-report", cache_policy=NONE, persist_result=False, retries=3,
-      retry_delay_seconds=2, retry_condition_fn=_unless_disk_full)
+      retry_delay_seconds=2, retry_condition_fn=retry_unless_permanent)
 def write_partition_report(out: Storage, run_id: str, report: PartitionReport) -> str:
     """A child run's accounting, for the parent's single manifest (flow results are not shared)."""
     write_object(out, partition_report_key(run_id, report.index), report.model_dump_json(indent=2).encode())

@@ -1,0 +1,142 @@
+"""The feed's schedule over one partition's shards (flows/batches.py does them): how many are
+taken and being prepared ahead of the engine, and how many are in it, on this process's threads.
+
+While the engine starts (or after it ran dry) the feed's whole depth of shards is fetched and
+decoded, so the engine is full the moment it is up; once it runs, `prepare_ahead` shards are
+(VLM_CAPTION_PREPARE_AHEAD). Filling, at most FEED_ITEMS items are being prepared at once (each
+shard being prepared has its own fetch threads). The depth is the engine's batch (how vLLM sized
+it, once it is up) and the mean decoded bytes of the shards prepared so far (tasks/engine/feed.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+
+from vlm_caption.flows.partition_run import PartitionRun
+from vlm_caption.flows.shard_report import ShardReport
+from vlm_caption.tasks.engine.arguments import EngineSpec
+from vlm_caption.tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
+from vlm_caption.tasks.engine.steps import start_engine
+from vlm_caption.tasks.engine.vllm_import import ensure_vllm_imported
+from vlm_caption.tasks.media.pool import start_decode_pool
+from vlm_caption.tasks.prepare import PreparedShard
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.items import Shard
+from vlm_caption.tasks.sources.listing import AlreadyDone, Listed
+
+
+class RunStopped(RuntimeError):
+    """The run stopped (Ctrl-C, a permanent failure): no shard goes further."""
+
+
+class FeedSchedule:
+    """Shards taken and not yet in the engine (`ahead`, of which `preparing` are being fetched
+    and decoded) and in the engine (`in_flight`), under one condition that every change notifies."""
+
+    def __init__(self, run: PartitionRun, spec: EngineSpec, report: ShardReport, shared: bool):
+        self.work, self.spec, self.report, self.shared = run.work, spec, report, shared
+        self.lookahead = max(1, get_settings().prepare_ahead)
+        self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, self.work.shard_size, len(self.work.questions)))
+        self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
+        self.room = threading.Condition()
+        self.ahead = self.preparing = self.in_flight = 0
+        self.stopping: BaseException | None = None  # why the run stops
+        self.starting = None  # the engine's start, submitted at the first shard taken
+        self.engine: dict | None = None
+        self.engine_lock = threading.Lock()
+
+    def take(self, listed: Iterable[Listed]) -> Shard | None:
+        """The listing's next shard, once there is room to prepare it (None: the listing ended,
+        or the run stops); items already done that the listing hands over are counted. The
+        engine starts at the first shard (a run with nothing new starts no engine or decode pool)."""
+        with self.room:
+            self.room.wait_for(lambda: self.stopping is not None or self.may_prepare())
+        if self.stopping is not None:
+            return None
+        for item in listed:
+            if isinstance(item, AlreadyDone):
+                self.report.skip(item.items)
+                continue
+            self.report.take(item)
+            self.start_engine()
+            self.retake()
+            return item
+        return None
+
+    def retake(self) -> None:
+        """A shard taken (again, by its batch's retry): ahead of the engine, being prepared."""
+        with self.room:
+            self.ahead += 1
+            self.preparing += 1
+
+    def may_prepare(self) -> bool:
+        ahead = self.ahead
+        return ahead < self.lookahead or (ahead + self.in_flight <= self.depth and self.preparing < self.filling)
+
+    @property
+    def depth(self) -> int:
+        """Shards in the engine at once (tasks/engine/feed.py)."""
+        work, sizing = self.work, self.engine["sizing"] if self.engine else None
+        mean_bytes = self.media_bytes / self.prepared_shards if self.prepared_shards else None
+        return feed_depth(work.modality, work.shard_size, len(work.questions), sizing, mean_bytes,
+                          shared=self.shared, request_tokens=self.report.stats.tokens_per_request())
+
+    def start_engine(self) -> None:
+        """The engine's start submitted once; the decode pool starts beside it."""
+        if self.starting is None:
+            ensure_vllm_imported()  # made by the flow's thread (tasks/engine/vllm_import.py), if not yet
+            self.starting = start_engine.submit(self.spec)
+            start_decode_pool(self.work.modality)
+
+    def prepared(self, prepared: PreparedShard | None) -> None:
+        """A shard's prepare ended (None: it failed); one with nothing to ask leaves the feed."""
+        with self.room:
+            self.preparing -= 1
+            if prepared is not None and prepared.items:
+                self.media_bytes += prepared.media_bytes
+                self.prepared_shards += 1
+            else:
+                self.ahead -= 1
+            self.room.notify_all()
+
+    @contextlib.contextmanager
+    def in_engine(self) -> Iterator[dict]:
+        """A prepared shard in the engine (yields it) once the engine is up and the feed has room."""
+        try:
+            engine = self.await_engine()
+            with self.room:
+                self.room.wait_for(lambda: self.stopping is not None or self.in_flight <= self.depth)
+                if self.stopping is not None:
+                    raise RunStopped("the run stopped")
+                self.in_flight += 1
+        finally:
+            with self.room:
+                self.ahead -= 1
+                self.room.notify_all()
+        try:
+            yield engine
+        finally:
+            with self.room:
+                self.in_flight -= 1
+                self.room.notify_all()
+
+    def await_engine(self) -> dict:
+        """The engine, once up (every shard waiting is told: the feed's depth follows its batch)."""
+        with self.engine_lock:
+            while self.engine is None:
+                if self.stopping is not None:
+                    raise RunStopped("the run stopped")
+                try:
+                    self.engine = self.starting.result(timeout=1.0)
+                except TimeoutError:
+                    continue
+                with self.room:
+                    self.room.notify_all()
+            return self.engine
+
+    def stop(self, exc: BaseException) -> None:
+        """No shard goes further: the listing stops taking, the shards waiting leave."""
+        with self.room:
+            self.stopping = self.stopping or exc
+            self.room.notify_all()
