@@ -9,12 +9,8 @@ of a job manifest) in, one result record per (item, question) out.
 
 The run's plan (`flows/plan.py`: pre-flight, then the job resolved once) is handed down; a
 partition's shards go through `flows/pipeline.py`. With `fan_out=N` the run starts N-1 child
-runs (tasks/fanout.py: at once when the output holds no result of the job, else at the shard
-plan's first shard, so a night with nothing new starts none) and captions as partition 0: every
-partition reads the same shards (one listing, the shard plan) and claims each before taking it
-(tasks/claims.py), so a partition that starts late or runs slower takes fewer, and one that dies
-has its unfinished shards retaken. The parent waits
-for the children and merges their reports into the one manifest.
+runs and captions as partition 0, the partitions claiming the shards they take (tasks/fanout.py,
+tasks/claims.py); the parent waits for the children and merges their reports into the one manifest.
 """
 
 from __future__ import annotations
@@ -61,10 +57,6 @@ def _run_name() -> str:
     return run_name_from(flow_run.parameters)
 
 
-def _run_id() -> str:
-    return str(flow_run.id or uuid.uuid4())[:8] + time.strftime("-%Y%m%dT%H%M%S", time.gmtime())
-
-
 def _where() -> dict:
     """Which worker, host, GPU and how many cores ran this partition (shown in the manifest), and
     when its run was asked for and its process began: with the engine's build and ready times, how
@@ -95,7 +87,10 @@ def run_job(job: CaptionJob) -> dict:
     """The flow's body: the plan, the job's slot, the run."""
     configure_logging()
     plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
-    run_id = job.partition.run_id if job.partition else _run_id()
+    if job.partition:
+        run_id = job.partition.run_id
+    else:
+        run_id = str(flow_run.id or uuid.uuid4())[:8] + time.strftime("-%Y%m%dT%H%M%S", time.gmtime())
     log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
     # vLLM imported here, then the engine built beside the slot, the done-index and the listing; a
     # fan-out's parent asks for its children first (caption_job), their start beside its import.
@@ -132,16 +127,20 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
                                   parent_run_id=run_id)
 
         if engine_first:  # work at once (no result yet, or objects after the last listing): the children are
-            children = ask_for_children()  # asked for before this process waits on vLLM's import, their start beside its engine's
+            children = ask_for_children()  # asked for before this process waits on vLLM's import, then the
+            build_engine_first(plan)  # engine's start, beside theirs
         else:  # earlier results: asked for at the plan's first shard; a night with nothing new starts none
             on_work = ChildrenOnWork(plan.output, run_id, ask_for_children).start()
-    if engine_first and job.fan_out > 1:  # the children asked for: vLLM's import, then the engine's start; a
-        build_engine_first(plan)  # run with earlier results imports it at its first new shard (flows/pipeline.py)
     try:
         run = PartitionRun.of(plan, run_id, own, log)  # what the shards need of the plan, handed down
         stats, engine, shared = caption_shards(run)
     except Exception:
-        children += _stopped(on_work, log)
+        if on_work is not None:  # the children the watch had started
+            try:
+                children += on_work.stop()
+            except Exception as exc:  # noqa: BLE001 - their start failed too: the run fails with its partition's error
+                log.error("starting the child partitions failed", error=str(exc))
+                children += on_work.children
         if children:  # a retry of this run must not overlap this attempt's children
             # ...and children no worker has started are called off, not waited for forever
             wait_for_children(children, run_here=lambda child: "CANCELLED", claim_message=CALLED_OFF)
@@ -197,18 +196,6 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
             "failed_by_kind": dict(stats.failures_by_kind), "failures": stats.failures}
 
 
-def _stopped(on_work: ChildrenOnWork | None, log) -> list:
-    """The children the watch had started when the run's own partition failed (none if its own
-    start failed too: that is logged, the partition's error is the run's)."""
-    if on_work is None:
-        return []
-    try:
-        return on_work.stop()
-    except Exception as exc:  # noqa: BLE001 - the run fails with its partition's error
-        log.error("starting the child partitions failed", error=str(exc))
-        return on_work.children
-
-
 def merge_children(run: PartitionRun, children, stats: RunStats) -> list[PartitionReport]:
     """Wait for the child runs, then add each partition's report to this run's counts. This run's
     own partition has ended only once every claimed shard was done (the partitions share the
@@ -239,23 +226,18 @@ def merge_children(run: PartitionRun, children, stats: RunStats) -> list[Partiti
             report = reports[child.index]
             report.state = states[child.index]
         else:  # no report: it died; what it had claimed and not finished was retaken
-            report = _written_by(run, child)
+            # What it had written (its parts, read back), so that the manifest counts every item
+            # captioned. Its results are whole without this: a failed read costs only the counts.
+            try:
+                report = report_from_parts(run.output, run.fingerprint, run.run_id, child.index,
+                                           lambda shard: was_retaken(run.output, run.run_id, shard))
+            except Exception as exc:  # noqa: BLE001 - logged; the run's results do not depend on it
+                run.log.warning("the parts of a partition that left no report could not be counted",
+                                partition=child.index, error=f"{type(exc).__name__}: {exc}")
+                report = PartitionReport(index=child.index)
+            report.flow_run_id = child.flow_run_id
             report.state = (f"{states[child.index]} (no report: counted from the {len(report.parts)} parts it "
                             "wrote; its unfinished shards were retaken)")
         stats.absorb(report)
         merged.append(report)
     return merged
-
-
-def _written_by(run: PartitionRun, child) -> PartitionReport:
-    """What a child that died had written (its parts, read back), so that the manifest counts
-    every item captioned. Its results are whole without this: a failed read costs only the counts."""
-    try:
-        report = report_from_parts(run.output, run.fingerprint, run.run_id, child.index,
-                                   lambda shard: was_retaken(run.output, run.run_id, shard))
-    except Exception as exc:  # noqa: BLE001 - logged; the run's results do not depend on it
-        run.log.warning("the parts of a partition that left no report could not be counted", partition=child.index,
-                        error=f"{type(exc).__name__}: {exc}")
-        report = PartitionReport(index=child.index)
-    report.flow_run_id = child.flow_run_id
-    return report

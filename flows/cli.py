@@ -10,7 +10,7 @@ import sys
 
 from vlm_caption.flows.cli_job import Subcommand, entry_point, job_fields
 from vlm_caption.tasks.interrupt import exit_now_if_building, stoppable
-from vlm_caption.tasks.prefect_api import embedded_server_defaults
+from vlm_caption.tasks.prefect_api import embedded_server_defaults, import_prefect, show_prefect_notice_now
 
 # The bench is a tool beside the product (bench/), never imported by it: its options and its
 # handler are named here and imported only when `vlm-caption bench` is used.
@@ -137,30 +137,28 @@ def _log_format(args: argparse.Namespace) -> None:
         get_settings.cache_clear()
 
 
-def import_prefect() -> None:
+def _start_prefect() -> None:
     """Prefect's first import in `run` and `demo`, before anything else imports it: what it prints
     as it starts in a terminal (its first-run telemetry notice) is held for the run's terminal to
-    place (tasks/prefect_api.py), not printed above the progress bar."""
-    from vlm_caption.tasks.prefect_api import import_prefect as import_holding_notice
+    place (tasks/prefect_api.py), not printed above the progress bar. Then a PREFECT_API_URL nobody
+    answers fails here, before any engine starts."""
+    from vlm_caption.flows.server import check_api_reachable
 
-    import_holding_notice()
+    import_prefect()
+    check_api_reachable()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     _log_format(args)
     from vlm_caption.flows.params import CaptionJob
-    from vlm_caption.flows.plan import make_plan
+    from vlm_caption.flows.plan import make_plan, start_engine_first
 
     job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **job_fields(args))
     # Every check that needs no engine, before Prefect starts: each problem one line, all at once.
     # The flow makes the plan again in its own process (a deployment run has had no CLI).
     plan = make_plan(job)
     job = plan.job
-    from vlm_caption.flows.server import check_api_reachable
-
-    import_prefect()
-    check_api_reachable()  # a PREFECT_API_URL nobody answers fails here, before any engine starts
-    from vlm_caption.flows.plan import start_engine_first
+    _start_prefect()
     from vlm_caption.tasks.concurrency import hold_job_lock
     from vlm_caption.tasks.observability import phase
     from vlm_caption.tasks.terminal import print_run_end, run_terminal
@@ -199,17 +197,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     _log_format(args)
     from vlm_caption.flows.demo import run_demo
-    from vlm_caption.flows.server import check_api_reachable
 
-    import_prefect()
-    check_api_reachable()
+    _start_prefect()
     return run_demo(args, job_fields(args))
-
-
-def cmd_server(args: argparse.Namespace) -> int:
-    from vlm_caption.flows.server_background import server_command
-
-    return server_command(args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -236,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     # (the bench's flow phases get them from its environment too).
     with stoppable(runs), embedded_server_defaults(runs or argv[:1] == ["bench"]):
         args = build_parser().parse_args(argv)
-        handlers = {"run": cmd_run, "demo": cmd_demo, "bench": BENCH_HANDLER, "server": cmd_server, "export": cmd_export}
+        handlers = {"run": cmd_run, "demo": cmd_demo, "bench": BENCH_HANDLER, "export": cmd_export,
+                    "server": "vlm_caption.flows.server_background:server_command"}
         if args.command == "recipes":
             handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
         else:
@@ -268,8 +259,6 @@ def report_user_error(exc: Exception) -> int | None:
         lines, code = [EMBEDDED_SERVER_HINT.format(timeout=timeout)], 3
     else:
         return None
-    from vlm_caption.tasks.prefect_api import show_prefect_notice_now
-
     show_prefect_notice_now(sys.stderr)  # Prefect's, if it has one for this terminal: before our error
     for line in lines:  # a pre-flight's problems, one line each
         print(f"vlm-caption: error: {line}", file=sys.stderr)

@@ -92,27 +92,19 @@ _lock = threading.Lock()
 
 
 def plan_key(plan: RunPlan) -> Key:
-    """Which partition's listing this is: the plan's, as the flow's PartitionRun takes it (`run_key`)."""
+    """Which partition's listing this is: the plan's, as the flow's PartitionRun takes it (`take_head_start`)."""
     return plan.fingerprint, plan.output.uri, plan.source.uri, ShardWork.of(plan.job)
-
-
-def run_key(run: PartitionRun) -> Key:
-    return run.fingerprint, run.output.uri, run.source.uri, run.work
 
 
 def manifests_of(plan: RunPlan) -> frozenset[str]:
     return frozenset(ref.key for ref in plan.output.iter_objects(prefix=MANIFESTS))
 
 
-def wants_head_start(plan: RunPlan) -> bool:
-    """A run of its own (no fan-out, not a partition); the caller knows it starts no engine first."""
-    return plan.job.fan_out <= 1 and plan.job.partition is None
-
-
 def begin_head_start(plan: RunPlan) -> bool:
-    """`vlm-caption run`, for a job whose output holds results of it: the load and the listing
-    begun now. True if begun."""
-    if not wants_head_start(plan):
+    """`vlm-caption run`, for a job whose output holds results of it (the caller knows it starts no
+    engine first): the load and the listing begun now, for a run of its own (no fan-out, not a
+    partition). True if begun."""
+    if plan.job.fan_out > 1 or plan.job.partition is not None:
         return False
     head = HeadStart(plan)
     with _lock:
@@ -156,13 +148,11 @@ def discard_head_start() -> None:
 
 
 def take_head_start(run: PartitionRun) -> tuple[DoneIndex, ShardStream] | None:
-    """The plan's done-index and begun listing, once; None where there is none (or its load
-    failed: the caller loads and lists as usual). Its `load-done-index` and `list-source` task
-    runs are made here, each waiting for its part."""
-    if run.partition is not None:
-        return None
+    """The plan's done-index and begun listing, once (flows/pipeline.py asks for a run not fanned out
+    only); None where there is none (or its load failed: the caller loads and lists as usual). Its
+    `load-done-index` and `list-source` task runs are made here, each waiting for its part."""
     with _lock:
-        head = _started.pop(run_key(run), None)
+        head = _started.pop((run.fingerprint, run.output.uri, run.source.uri, run.work), None)
     if head is None:
         return None
     done = wait_for_done_index(head)

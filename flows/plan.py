@@ -139,8 +139,6 @@ def start_engine_first(plan: RunPlan) -> bool:
     rerun) imports nothing here and starts its engine at the first item the listing shows is not
     done, so a night with nothing new needs no vLLM. The partitions of a fan-out follow their
     parent's finding."""
-    if plan.engine is None:
-        return False
     if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
         first = plan.job.partition.engine_first
     else:

@@ -47,31 +47,23 @@ def fail_run(exc: UserError):
     away (the caller of the flow, e.g. the CLI, gets `exc` raised back). A transient one is
     raised instead, to Prefect's own retry."""
     from prefect import get_run_logger
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
     from prefect.states import Failed
 
     message = one_line(exc)
     get_run_logger().error(message)
-    _no_retries(message)
-    return Failed(message=message, data=exc)
-
-
-def _no_retries(why: str) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.runtime import flow_run
-
-    if not flow_run.id:
-        return
     try:
-        with get_client(sync_client=True) as client:
-            run = client.read_flow_run(flow_run.id)
-            if run.empirical_policy.retries:
-                client.update_flow_run(flow_run.id, empirical_policy=run.empirical_policy.model_copy(
-                    update={"retries": 0}))
-    except Exception as exc:  # noqa: BLE001 - then Prefect retries it once more; the message stands
-        from prefect import get_run_logger
-
-        get_run_logger().warning(f"could not take the run's retries away ({type(exc).__name__}: {exc}); "
-                                 f"it may be retried once: {why}")
+        if flow_run.id:
+            with get_client(sync_client=True) as client:
+                run = client.read_flow_run(flow_run.id)
+                if run.empirical_policy.retries:
+                    client.update_flow_run(flow_run.id, empirical_policy=run.empirical_policy.model_copy(
+                        update={"retries": 0}))
+    except Exception as error:  # noqa: BLE001 - then Prefect retries it once more; the message stands
+        get_run_logger().warning(f"could not take the run's retries away ({type(error).__name__}: {error}); "
+                                 f"it may be retried once: {message}")
+    return Failed(message=message, data=exc)
 
 
 def validation_lines(exc) -> list[str]:

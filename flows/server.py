@@ -65,42 +65,22 @@ def check_port_free(host: str, port: int) -> None:
             raise ServerError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def uv_tool_run() -> list[str]:
-    uv = shutil.which("uv")
-    if uv:
-        return [uv, "tool", "run"]
-    uvx = shutil.which("uvx")
-    if uvx:
-        return [uvx]
-    raise ServerError("`vlm-caption server` starts Prefect's server in its own environment with uv, "
-                      "which is not on PATH: install it (`pip install uv`, or see "
-                      "https://docs.astral.sh/uv/getting-started/installation/) and run it again")
-
-
 def server_command(host: str, port: int) -> list[str]:
     """Prefect at the project's exact version, with a FastAPI its server and UI work with, and the
-    project's SQLAlchemy (2.1 breaks Prefect 3.8's scheduler)."""
+    project's SQLAlchemy (2.1 breaks Prefect 3.8's scheduler), run by `uv tool run` (or `uvx`)."""
+    uv, uvx = shutil.which("uv"), shutil.which("uvx")
+    if not (uv or uvx):
+        raise ServerError("`vlm-caption server` starts Prefect's server in its own environment with uv, "
+                          "which is not on PATH: install it (`pip install uv`, or see "
+                          "https://docs.astral.sh/uv/getting-started/installation/) and run it again")
     base_python = getattr(sys, "_base_executable", None) or sys.executable
-    return [*uv_tool_run(), "--python", base_python,
+    return [*([uv, "tool", "run"] if uv else [uvx]), "--python", base_python,
             "--from", f"prefect=={version('prefect')}",
             "--with", SERVER_FASTAPI, "--with", f"sqlalchemy=={version('sqlalchemy')}",
             "prefect", "server", "start", "--host", host, "--port", str(port)]
 
 
 LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
-
-
-def server_environment(host: str, port: int) -> dict[str, str]:
-    """This shell's environment (PREFECT_HOME, the database URL, ...), less a PREFECT_API_URL that
-    may point elsewhere: the UI's browser side talks to this server's own API."""
-    env = {key: value for key, value in os.environ.items() if key not in ("PREFECT_API_URL", "VIRTUAL_ENV")}
-    # Concurrency leases (the prod deployment's slot, each job's slot) kept on disk, not in the
-    # server's memory: a restart mid-run otherwise forgets them, their slots are never freed and
-    # the next nightly run waits forever.
-    env.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASES_ON_DISK)
-    if not (env.get("PREFECT_UI_API_URL") or env.get("PREFECT_SERVER_UI_API_URL")):
-        env["PREFECT_UI_API_URL"] = f"http://{browser_host(host)}:{port}/api"
-    return env
 
 
 def database_note(env: dict[str, str]) -> str:
@@ -120,8 +100,16 @@ def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subproc
     (SIGINT, or SIGTERM) stops it."""
     check_port_free(host, port)
     command = server_command(host, port)
-    env = server_environment(host, port)
     url = f"http://{browser_host(host)}:{port}"
+    # This shell's environment (PREFECT_HOME, the database URL, ...), less a PREFECT_API_URL that
+    # may point elsewhere: the UI's browser side talks to this server's own API.
+    env = {key: value for key, value in os.environ.items() if key not in ("PREFECT_API_URL", "VIRTUAL_ENV")}
+    # Concurrency leases (the prod deployment's slot, each job's slot) kept on disk, not in the
+    # server's memory: a restart mid-run otherwise forgets them, their slots are never freed and
+    # the next nightly run waits forever.
+    env.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASES_ON_DISK)
+    if not (env.get("PREFECT_UI_API_URL") or env.get("PREFECT_SERVER_UI_API_URL")):
+        env["PREFECT_UI_API_URL"] = f"{url}/api"
     print(f"vlm-caption server: Prefect {version('prefect')} with its UI, in its own environment "
           f"(uv tool run, {SERVER_FASTAPI}); {database_note(env)}.\n"
           f"  UI:  {url}\n"
@@ -189,8 +177,8 @@ def _stop(server: subprocess.Popen) -> int:
 
 def check_api_reachable(timeout_s: float = 10.0) -> None:
     """With PREFECT_API_URL set (environment or profile), fail at once, before any engine starts,
-    when nothing answers there. Any HTTP answer (even 401) counts as reachable. Without it, runs
-    use Prefect's embedded server and there is nothing to check."""
+    when nothing answers there. Any HTTP answer (even 401) counts as reachable. Without
+    it, runs use Prefect's embedded server and there is nothing to check."""
     import httpx
     from prefect.client.orchestration import get_client
     from prefect.settings import (PREFECT_API_REQUEST_TIMEOUT, PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES,

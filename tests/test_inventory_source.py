@@ -19,7 +19,7 @@ from urllib.parse import quote_plus
 import pytest
 
 from vlm_caption.tasks.sources.formats import SourceSpec
-from vlm_caption.tasks.sources.inventory import check_report, inventory_source
+from vlm_caption.tasks.sources.inventory import InventoryReader
 from vlm_caption.tasks.sources.listing import iter_items
 from vlm_caption.tasks.sources.registry import detect_format
 from vlm_caption.tasks.sources.storage import StorageError
@@ -104,6 +104,11 @@ def _seen(items) -> list[tuple]:
     return sorted((i.id, tuple((m.key, m.size, m.etag, round(m.last_modified, 3)) for m in i.members)) for i in items)
 
 
+def checked(location: str) -> SourceSpec:
+    """The spec pre-flight makes of a location: its report found and checked."""
+    return InventoryReader(InventoryReader.spec_for(location)).check()
+
+
 @pytest.mark.parametrize("fmt", ["CSV", "Parquet"])
 def test_a_report_lists_what_a_listing_lists(s3_client, tmp_path: Path, fmt: str):
     upload_objects(s3_client, SOURCE)
@@ -113,17 +118,17 @@ def test_a_report_lists_what_a_listing_lists(s3_client, tmp_path: Path, fmt: str
     manifest = write_report(s3_client, rows, fmt=fmt)
 
     # The configuration's folder names its newest report; the manifest says where the objects are.
-    assert check_report(f"s3://{DEST}/{PREFIX}/{SOURCE}/{CONFIG}/") == manifest
+    assert checked(f"s3://{DEST}/{PREFIX}/{SOURCE}/{CONFIG}/").uri == manifest
     assert detect_format(manifest, "auto", False) == "inventory"
-    report = inventory_source(manifest, "image", None)
+    report = InventoryReader.spec_for(manifest)
     assert report.base == f"s3://{SOURCE}/" and report.storage.uri == f"s3://{SOURCE}/"
     listing = SourceSpec(f"s3://{SOURCE}/", "image")
     assert len(_seen(iter_items(report))) == 9  # no older version, delete marker or folder marker
     assert _seen(iter_items(report)) == _seen(iter_items(listing))
     for glob in ("*.jpg", "images/sub/*"):
-        assert _seen(iter_items(inventory_source(manifest, "image", glob))) == \
+        assert _seen(iter_items(InventoryReader.spec_for(manifest, glob=glob))) == \
             _seen(iter_items(SourceSpec(f"s3://{SOURCE}/", "image", glob=glob)))
-    assert _seen(iter_items(inventory_source(manifest, "multi-image", None))) == \
+    assert _seen(iter_items(InventoryReader.spec_for(manifest, modality="multi-image"))) == \
         _seen(iter_items(SourceSpec(f"s3://{SOURCE}/", "multi-image")))
 
     # A copy of the report in a local folder (its dated folder and data/ beside it) reads the same.
@@ -131,8 +136,8 @@ def test_a_report_lists_what_a_listing_lists(s3_client, tmp_path: Path, fmt: str
         path = tmp_path / "copy" / obj["Key"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(s3_client.get_object(Bucket=DEST, Key=obj["Key"])["Body"].read())
-    local = check_report(str(tmp_path / "copy" / manifest.removeprefix(f"s3://{DEST}/")))
-    assert _seen(iter_items(inventory_source(local, "image", None))) == _seen(iter_items(listing))
+    local = checked(str(tmp_path / "copy" / manifest.removeprefix(f"s3://{DEST}/")))
+    assert _seen(iter_items(local)) == _seen(iter_items(listing))
 
 
 def test_a_report_that_cannot_be_used_says_what_to_change(s3_client, tmp_path: Path):
@@ -148,21 +153,21 @@ def test_a_report_that_cannot_be_used_says_what_to_change(s3_client, tmp_path: P
 
     rewrite(fileFormat="ORC")
     with pytest.raises(StorageError, match="a ORC report; vlm-caption reads CSV and Parquet inventory reports"):
-        check_report(manifest)
+        checked(manifest)
     rewrite(fileSchema="Bucket, Key, Size, LastModifiedDate")
     with pytest.raises(StorageError, match="the report has no ETag field; add Size and ETag"):
-        check_report(manifest)
+        checked(manifest)
     with pytest.raises(StorageError, match="no S3 Inventory report there"):
-        check_report(str(tmp_path))
+        checked(str(tmp_path))
     # A data file that is not what the manifest says (replaced, cut) stops the listing, naming it.
     rewrite(files=[dict(doc["files"][0], MD5checksum="0" * 32)])
     with pytest.raises(StorageError, match="the inventory manifest says 0{32}; the report is damaged or was replaced"):
-        list(iter_items(inventory_source(check_report(manifest), "image", None)))
+        list(iter_items(checked(manifest)))
     short = gzip.compress(b'"inv-bad","a.jpg"\n')  # fewer columns than the fileSchema names
     s3_client.put_object(Bucket="inv-bad-dest", Key=doc["files"][0]["key"], Body=short)
     rewrite(files=[dict(doc["files"][0], size=len(short), MD5checksum=hashlib.md5(short).hexdigest())])
     with pytest.raises(StorageError, match=r"line 1: not a row of the manifest's fileSchema \(Bucket, Key, VersionId"):
-        list(iter_items(inventory_source(check_report(manifest), "image", None)))
+        list(iter_items(checked(manifest)))
 
 
 def _records(out: Path) -> list[dict]:

@@ -379,7 +379,7 @@ def test_the_flow_fails_early_with_the_message_as_its_state(prefect_api, tmp_pat
     def refuse(*args, **kwargs):
         raise AssertionError("a shard or an engine was started for a job that should have been refused")
 
-    monkeypatch.setattr(flows.pipeline, "start_engine", refuse)
+    monkeypatch.setattr(flows.feed_schedule, "start_engine", refuse)
     monkeypatch.setattr(flows.pipeline, "ShardStream", refuse)
     (tmp_path / "imgs").mkdir()
     state = vlm_caption(CaptionJob(source=str(tmp_path / "imgs"), output=str(tmp_path / "caps"),

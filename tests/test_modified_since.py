@@ -16,7 +16,7 @@ import pytest
 
 from vlm_caption.flows.cli import main
 from vlm_caption.tasks.sources.formats import SourceSpec
-from vlm_caption.tasks.sources.inventory import inventory_source
+from vlm_caption.tasks.sources.inventory import InventoryReader
 from vlm_caption.tasks.sources.listing import iter_items
 from vlm_caption.tasks.sources.storage import open_storage
 from vlm_caption.tasks.sources.watermark import check_modified_since, resolve_modified_since, with_changed_since
@@ -72,7 +72,7 @@ def test_a_time_leaves_out_what_is_older(tmp_path: Path, s3_client):
         if row["key"] == "b.jpg":  # as if uploaded three days ago
             row["modified"] -= datetime.timedelta(days=3)
     manifest = write_report(s3_client, rows, source="since-src", dest="since-reports")
-    report = with_changed_since(inventory_source(manifest, "image", None), since, out, "fp")
+    report = with_changed_since(InventoryReader.spec_for(manifest), since, out, "fp")
     assert sorted(item.id for item in iter_items(report)) == ["a.jpg", "c.jpg"]
     bucket = with_changed_since(SourceSpec("s3://since-src/"), since, out, "fp")
     assert sorted(item.id for item in iter_items(bucket)) == ["a.jpg", "b.jpg", "c.jpg"]  # all uploaded now

@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 
+import vlm_caption.flows.feed_schedule
 import vlm_caption.flows.pipeline
 
 import vlm_caption.flows.plan
@@ -73,7 +74,7 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
         raise AssertionError("a run with nothing new built an engine")
 
     monkeypatch.setattr(vllm_engine, "_engine_for", no_engine)
-    monkeypatch.setattr(flows.pipeline, "start_decode_pool", lambda modality: built.append(modality))
+    monkeypatch.setattr(flows.feed_schedule, "start_decode_pool", lambda modality: built.append(modality))
 
     state = vlm_caption(job, return_state=True)
     assert state.is_completed(), state.message

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_caption.tasks.sources.formats import file_set
-from vlm_caption.tasks.sources.parquet_source import ColumnError, check_parquet_source, iter_parquet_items, read_cell
+from vlm_caption.tasks.sources.parquet_source import ColumnError, ParquetReader, read_cell
 from vlm_caption.tasks.sources.registry import detect_format
 from vlm_caption.tasks.sources.storage import open_storage
 from tests.images import corrupt_jpeg, image_bytes
@@ -34,12 +33,15 @@ def write_parquet(path, rows: int, *, corrupt: int | None = None, empty: int | N
     pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
 
 
+def reader(location: str, column: str | None = None) -> ParquetReader:
+    return ParquetReader(ParquetReader.spec_for(location, column=column))
+
+
 def test_rows_from_row_groups_with_metadata_and_column_errors(tmp_path: Path):
     write_parquet(tmp_path / "a.parquet", 10, empty=5)
-    files = file_set(str(tmp_path), ".parquet")
     assert detect_format(str(tmp_path), "auto", False) == "parquet"
-    assert check_parquet_source(files, None) == "image"  # the usual name, found
-    items = list(iter_parquet_items(files, "image"))
+    assert reader(str(tmp_path)).check().column == "image"  # the usual name, found
+    items = list(reader(str(tmp_path), "image").items())
     assert [i.id for i in items] == [f"a.parquet/{i}" for i in range(10)]
     assert json.loads(items[7].metadata) == {"caption": "alt 7", "width": 7}
     assert items[5].problem and "empty" in items[5].problem
@@ -48,12 +50,12 @@ def test_rows_from_row_groups_with_metadata_and_column_errors(tmp_path: Path):
     assert read_cell(open_storage(str(tmp_path)), cell) == image_bytes("PNG", size=(76, 50), color=(180, 60, 120))
 
     with pytest.raises(ColumnError) as wrong:
-        check_parquet_source(files, "img")
+        reader(str(tmp_path), "img").check()
     assert "no column 'img'; the columns are: caption, width, image" in str(wrong.value)
     write_parquet(tmp_path / "u.parquet", 2, url_prefix="s3://b/x/")
     (tmp_path / "a.parquet").unlink()
-    assert check_parquet_source(file_set(str(tmp_path), ".parquet"), None) == "url"
-    assert [m.members[0].key for m in iter_parquet_items(file_set(str(tmp_path / "u.parquet"), ".parquet"), "url")] \
+    assert reader(str(tmp_path)).check().column == "url"
+    assert [m.members[0].key for m in reader(str(tmp_path / "u.parquet"), "url").items()] \
         == ["s3://b/x/0.png", "s3://b/x/1.png"]
 
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 import vlm_caption.flows.caption
 
+import vlm_caption.flows.feed_schedule
 import vlm_caption.flows.pipeline
 from vlm_caption import flows
 from vlm_caption.flows.caption import vlm_caption
@@ -29,7 +30,7 @@ def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an engine was started for a job that should have been refused")
 
-    monkeypatch.setattr(flows.pipeline, "start_engine", refuse)  # where the shard pipeline finds them
+    monkeypatch.setattr(flows.feed_schedule, "start_engine", refuse)  # where the shard pipeline finds them
     monkeypatch.setattr(flows.pipeline, "ShardStream", refuse)
 
 

@@ -185,21 +185,21 @@ def _parquet_bytes() -> bytes:
 
 
 def test_a_parquet_file_that_times_out_is_retried_or_raised_never_bad_input(no_pause):
-    from vlm_caption.tasks.sources.parquet_source import file_items
+    from vlm_caption.tasks.sources.parquet_source import parquet_items
 
     data = _parquet_bytes()
     ref = ObjectRef("a.parquet", len(data), "e")
     store = FlakyStorage({"a.parquet": data}, ReadTimeoutError(endpoint_url="http://x"), failures=2)
-    items = list(file_items(store, ref, None))  # two timeouts, then read
+    items = list(parquet_items(store, ref, None))  # two timeouts, then read
     assert [item.id for item in items] == ["a.parquet/0", "a.parquet/1"] and not any(i.problem for i in items)
 
     store.failures = 10
     with pytest.raises(ReadTimeoutError):  # the listing resumes after what it handed over, or stops the run
-        list(file_items(store, ref, None))
+        list(parquet_items(store, ref, None))
 
     store.failures, broken = 0, {"b.parquet": b"not parquet at all" * 10}
     store.objects.update(broken)
-    [item] = file_items(store, ObjectRef("b.parquet", 180, "e"), None)
+    [item] = parquet_items(store, ObjectRef("b.parquet", 180, "e"), None)
     assert item.problem and "unreadable" in item.problem  # damage: a final bad_input record
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from vlm_caption.tasks.sources.braces import BraceError, expand_braces, expansion_count
-from vlm_caption.tasks.sources.formats import file_set, split_location
+from vlm_caption.tasks.sources.formats import split_location
 from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.registry import detect_format
 from vlm_caption.tasks.sources.storage import LocalStorage, open_storage
-from vlm_caption.tasks.sources.webdataset import iter_webdataset_items, read_member, split_member, tar_items
+from vlm_caption.tasks.sources.webdataset import WebDatasetReader, read_member, split_member, tar_items
 from tests.images import corrupt_jpeg, image_bytes
 
 BUCKET = "wds"
@@ -38,6 +38,10 @@ def shard_bytes(start: int, count: int, corrupt: int | None = None, extra: tuple
     stream = io.BytesIO()
     make_shard(stream, start, count, corrupt, extra)
     return stream.getvalue()
+
+
+def samples(location: str) -> list:
+    return list(WebDatasetReader(WebDatasetReader.spec_for(location)).items())
 
 
 def test_brace_patterns_expand_as_webdataset_users_write_them():
@@ -72,7 +76,7 @@ def test_samples_from_a_folder_of_shards_with_metadata_and_damage(tmp_path: Path
     (folder / "notes.json").write_text("{}")  # img2dataset writes stats beside its tars
 
     assert detect_format(str(folder), "auto", False) == "webdataset"
-    items = list(iter_webdataset_items(file_set(str(folder), ".tar"), "image"))
+    items = samples(str(folder))
     by_id = {item.id: item for item in items}
     whole = [f"00000.tar/{i:06d}" for i in range(4)]
     assert all(by_id[i].problem is None for i in whole)
@@ -97,7 +101,7 @@ def test_samples_from_a_folder_of_shards_with_metadata_and_damage(tmp_path: Path
     with wds.TarWriter(str(tmp_path / "odd" / "a.tar")) as sink:
         sink.write({"__key__": "k1", "txt": "only text"})
     (tmp_path / "odd" / "b.tar").write_bytes(b"not a tar at all" * 40)
-    odd = list(iter_webdataset_items(file_set(str(tmp_path / "odd"), ".tar"), "image"))
+    odd = samples(str(tmp_path / "odd"))
     assert [(i.id, bool(i.problem)) for i in odd] == [("a.tar/k1", True), ("b.tar", True)]
     assert "has: txt" in odd[0].problem
 
@@ -114,7 +118,7 @@ def test_a_dotted_extension_is_an_image_by_its_last_part(tmp_path: Path):
     decoded = next(iter(wds.WebDataset(str(tmp_path / "a.tar"), shardshuffle=False).decode("pil")))
     assert decoded["__key__"] == "000020007" and decoded["v2.final.jpg"].size == (70, 50)
 
-    items = list(iter_webdataset_items(file_set(str(tmp_path), ".tar"), "image"))
+    items = samples(str(tmp_path))
     assert [(i.id, i.problem) for i in items] == [("a.tar/000020007", None), ("a.tar/000020008", None)]
     assert items[0].members[0].key == "a.tar/000020007.v2.final.jpg"
     assert json.loads(items[0].metadata) == {"v2.meta.json": {"w": 70}}

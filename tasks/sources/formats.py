@@ -1,5 +1,5 @@
 """Where a job's items come from, resolved: `SourceSpec` (the location, its format and what the
-format needs) and, for formats stored as shard files (tars, Parquet), `FileSet`.
+format needs).
 
 A spec's storage is opened once, at the plan (`flows/plan.py`), and travels with it: the
 listing, every prepare step and the gallery read through that one object. `source_storage` is
@@ -8,11 +8,9 @@ the one place a source's location is opened.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from vlm_caption.tasks.sources.braces import check_pattern, expand_braces, has_braces, literal_prefix
-from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.braces import has_braces
 from vlm_caption.tasks.sources.storage import Storage, StorageError, open_storage
 
 
@@ -33,38 +31,6 @@ def source_storage(uri: str, follow_links: bool = False) -> Storage:
     return open_storage(uri, follow_links=follow_links)
 
 
-class _OpenedOnce:
-    """A frozen dataclass's storage, opened at the first use when none was handed in, then kept."""
-
-    opened: Storage | None
-    base: str  # where the storage is rooted
-
-    @property
-    def links_followed(self) -> bool:
-        return False
-
-    @property
-    def storage(self) -> Storage:
-        if self.opened is None:
-            object.__setattr__(self, "opened", source_storage(self.base, self.links_followed))
-        return self.opened  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class FileSet(_OpenedOnce):
-    """The shard files of a source: `pattern` (a file name or brace pattern) under `base`, or
-    every file with the format's suffix under `base` when `pattern` is None."""
-
-    base: str
-    pattern: str | None
-    suffix: str
-    opened: Storage | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.pattern is not None and has_braces(self.pattern):
-            check_pattern(self.pattern)  # a broken or huge pattern: BraceError, saying why
-
-
 def split_location(uri: str) -> tuple[str, str | None]:
     """`s3://b/shards/{000..009}.tar` -> (`s3://b/shards/`, `{000..009}.tar`); a single file
     likewise; a folder or prefix -> (itself, None)."""
@@ -79,35 +45,8 @@ def split_location(uri: str) -> tuple[str, str | None]:
     return uri, None
 
 
-def file_set(uri: str, suffix: str, storage: Storage | None = None) -> FileSet:
-    """The files a location names: one, a brace pattern of them, or every `suffix` file under it."""
-    return FileSet(*split_location(uri), suffix, storage)
-
-
-def iter_files(files: FileSet, glob: str | None = None, log=None) -> Iterator[ObjectRef]:
-    """The shard files, in listing order, each with its size and etag."""
-    storage = files.storage
-    if files.pattern is None:
-        yield from (ref for ref in storage.iter_objects(glob) if ref.key.endswith(files.suffix))
-        return
-    folder = literal_prefix(files.pattern).rpartition("/")[0]
-    wanted = set(expand_braces(files.pattern))
-    found: set[str] = set()
-    for ref in storage.iter_objects(glob, prefix=f"{folder}/" if folder else ""):
-        if ref.key in wanted:
-            found.add(ref.key)
-            yield ref
-    if len(found) < len(wanted) and log is not None:  # img2dataset leaves gaps where a shard failed
-        log.warning("shards named by the pattern are missing", pattern=files.pattern, found=len(found),
-                    expected=len(wanted), examples=sorted(wanted - found)[:3])
-
-
-def first_file(files: FileSet) -> ObjectRef | None:
-    return next(iter_files(files), None)
-
-
 @dataclass(frozen=True)
-class SourceSpec(_OpenedOnce):
+class SourceSpec:
     """Where the items come from and how they are formed (`format` names its reader,
     `tasks/sources/registry.py`)."""
 
@@ -130,6 +69,13 @@ class SourceSpec(_OpenedOnce):
         paths too): what it names, through a link or not, is what the job asked for. A listed
         folder's links are followed where the job says so."""
         return self.follow_links or self.items_root is not None
+
+    @property
+    def storage(self) -> Storage:
+        """The storage at `base`, opened at the first use when none was handed in, then kept."""
+        if self.opened is None:
+            object.__setattr__(self, "opened", source_storage(self.base, self.links_followed))
+        return self.opened  # type: ignore[return-value]
 
     @property
     def base(self) -> str:

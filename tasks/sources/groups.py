@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from vlm_caption.tasks.sources.files import FilesReader
 from vlm_caption.tasks.sources.items import ObjectRef, RefusedRef, WorkItem
@@ -27,19 +27,15 @@ class GroupsReader(SourceReader):
         return self.objects.check()
 
     def items(self) -> Iterator[WorkItem]:
-        yield from folder_groups(self.objects.objects())
+        """One item per folder. A folder's objects need not be contiguous in a listing (S3 sorts
+        `a/b/x.jpg` between `a/a.jpg` and `a/c.jpg`), so the whole listing is grouped first."""
+        groups: dict[str, list[ObjectRef]] = {}
+        for ref in self.objects.objects():
+            folder = ref.key.rsplit("/", 1)[0] if "/" in ref.key else ROOT_GROUP
+            groups.setdefault(folder, []).append(ref)
+        for folder, members in sorted(groups.items()):  # a group with a refused link is refused whole
+            yield WorkItem(folder, tuple(sorted(members, key=lambda m: m.key)),
+                           problem=next((m.problem for m in members if isinstance(m, RefusedRef)), None))
 
     def read_member(self, member: ObjectRef) -> bytes:
         return self.objects.read_member(member)
-
-
-def folder_groups(refs: Iterable[ObjectRef]) -> list[WorkItem]:
-    """One item per folder. A folder's objects need not be contiguous in a listing (S3 sorts
-    `a/b/x.jpg` between `a/a.jpg` and `a/c.jpg`), so the whole listing is grouped first."""
-    groups: dict[str, list[ObjectRef]] = {}
-    for ref in refs:
-        folder = ref.key.rsplit("/", 1)[0] if "/" in ref.key else ROOT_GROUP
-        groups.setdefault(folder, []).append(ref)
-    return [WorkItem(folder, tuple(sorted(members, key=lambda m: m.key)),
-                     problem=next((m.problem for m in members if isinstance(m, RefusedRef)), None))
-            for folder, members in sorted(groups.items())]  # a group with a refused link is refused whole

@@ -42,10 +42,10 @@ class InventoryReader(FilesReader):
     @classmethod
     def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
                  column: str | None = None) -> SourceSpec:
-        """A report's spec; for a folder of reports, its bucket is known once `check` found the report."""
-        if location.rstrip("/").endswith(MANIFEST):
-            return inventory_source(location, modality, glob)
-        return SourceSpec(location, modality, glob=glob, format=cls.name)
+        """A report's spec: listed from the report, fetched from its source bucket (for a folder of
+        reports, known once `check` found the report)."""
+        bucket = read_report(location).bucket_uri if location.rstrip("/").endswith(MANIFEST) else None
+        return SourceSpec(location, modality, glob=glob, format=cls.name, items_root=bucket)
 
     @classmethod
     def results_location(cls, location: str, spec: SourceSpec | None) -> str:
@@ -53,8 +53,14 @@ class InventoryReader(FilesReader):
         return (spec or cls.spec_for(location)).base
 
     def check(self) -> SourceSpec:
-        manifest = check_report(self.spec.uri)
-        return dataclasses.replace(self.spec, uri=manifest, items_root=read_report(manifest).bucket_uri, opened=None)
+        """Pre-flight: the report the location names, readable, its first data file there. The spec
+        names its manifest (once: every partition reads that report)."""
+        manifest = find_report(self.spec.uri)
+        report = read_report(manifest)
+        if report.files and not source_storage(report.data_root).exists(report.files[0].key):
+            raise StorageError(f"{manifest}: its data file {report.files[0].key} is not under {report.data_root}; "
+                               "a copy of a report keeps its data/ folder beside its dated folders")
+        return dataclasses.replace(self.spec, uri=manifest, items_root=report.bucket_uri, opened=None)
 
     def objects(self) -> Iterator[ObjectRef]:
         """The source bucket's objects the report lists, as a listing of it gives them (no folder
@@ -67,20 +73,3 @@ class InventoryReader(FilesReader):
                 if deleted or latest is False or not key or key.endswith("/") or not matches_glob(key, self.spec.glob):
                     continue
                 yield ObjectRef(key, size, etag.strip('"'), modified)
-
-
-def check_report(uri: str) -> str:
-    """Pre-flight: the report a location names, readable, its first data file there. Returns
-    the manifest's URI (named once: every partition reads that report)."""
-    manifest = find_report(uri)
-    report = read_report(manifest)
-    if report.files and not source_storage(report.data_root).exists(report.files[0].key):
-        raise StorageError(f"{manifest}: its data file {report.files[0].key} is not under {report.data_root}; "
-                           "a copy of a report keeps its data/ folder beside its dated folders")
-    return manifest
-
-
-def inventory_source(manifest_uri: str, modality: str, glob: str | None) -> SourceSpec:
-    """The source spec of a report: listed from the report, fetched from the source bucket."""
-    return SourceSpec(manifest_uri, modality, glob=glob, format="inventory",
-                      items_root=read_report(manifest_uri).bucket_uri)

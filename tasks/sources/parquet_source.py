@@ -20,8 +20,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files
+from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from vlm_caption.tasks.sources.ranged import open_seekable
 from vlm_caption.tasks.sources.reader import BadInput, ShardFilesReader
@@ -62,11 +61,22 @@ class ParquetReader(ShardFilesReader):
         return bool(names) and all(name.endswith(".parquet") for name in names)
 
     def check(self) -> SourceSpec:
-        """The media column named (or found among the usual names) in the first file's footer."""
-        return dataclasses.replace(self.spec, column=check_parquet_source(self.files, self.spec.column))
+        """The media column named (or found among the usual names) in the first file's schema,
+        read from its footer only."""
+        first = self.first_file()
+        if first is None:
+            raise StorageError(f"{self.spec.where}: no .parquet file there")
+        where = self.storage.describe(first.key)
+        try:
+            schema = retry_transient(lambda: _parquet_file(self.storage, first).schema_arrow, where)
+        except Exception as exc:  # noqa: BLE001 - said as what it is; a store's failure is pre-flight's to explain
+            if is_transient(exc):
+                raise
+            raise StorageError(f"{where}: not a readable Parquet file ({exc})") from exc
+        return dataclasses.replace(self.spec, column=choose_column(schema.names, self.spec.column, where))
 
-    def items(self) -> Iterator[WorkItem]:
-        return iter_parquet_items(self.files, self.spec.column, self.spec.glob, get_logger(source=self.spec.where))
+    def file_items(self, file: ObjectRef) -> Iterator[WorkItem]:
+        return parquet_items(self.storage, file, self.spec.column)
 
     def read_member(self, member: ObjectRef) -> bytes:
         if isinstance(member, ParquetCellRef):
@@ -74,9 +84,20 @@ class ParquetReader(ShardFilesReader):
         return super().read_member(member)  # a URL, s3:// URI or path cell
 
     def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
+        """A bytes cell (`<file>/<row>`) is located again from its file's footer."""
         if key != record_key:  # a URL cell's member is named by its URL
             return ObjectRef(key, size, etag)
-        return cell_ref(self.storage, key, size, etag, self.spec.column)
+        file, _, row = key.rpartition("/")
+        if not row.isdigit() or not self.spec.column:
+            return None
+        file_size, group_rows = _layout(self.storage, file, etag.rpartition(":")[0])  # by the file's etag: a new read
+        start, wanted = 0, int(row)
+        for group, rows in enumerate(group_rows):
+            if wanted < start + rows:
+                return ParquetCellRef(key, size, etag, file=file, row_group=group, row=wanted - start,
+                                      column=self.spec.column, file_size=file_size)
+            start += rows
+        return None
 
 
 def _parquet_file(storage: Storage, ref: ObjectRef):
@@ -99,28 +120,7 @@ def choose_column(names: list[str], column: str | None, where: str) -> str:
     return found
 
 
-def check_parquet_source(files: FileSet, column: str | None) -> str:
-    """Pre-flight: the first file's schema has the column (read from its footer only)."""
-    first = first_file(files)
-    if first is None:
-        raise StorageError(f"{files.base}{files.pattern or ''}: no {files.suffix} file there")
-    storage = files.storage
-    try:
-        schema = retry_transient(lambda: _parquet_file(storage, first).schema_arrow, storage.describe(first.key))
-    except Exception as exc:  # noqa: BLE001 - said as what it is; a store's failure is pre-flight's to explain
-        if is_transient(exc):
-            raise
-        raise StorageError(f"{storage.describe(first.key)}: not a readable Parquet file ({exc})") from exc
-    return choose_column(schema.names, column, storage.describe(first.key))
-
-
-def iter_parquet_items(files: FileSet, column: str | None, glob: str | None = None, log=None) -> Iterator[WorkItem]:
-    storage = files.storage
-    for ref in iter_files(files, glob, log):
-        yield from file_items(storage, ref, column)
-
-
-def file_items(storage: Storage, ref: ObjectRef, column: str | None) -> Iterator[WorkItem]:
+def parquet_items(storage: Storage, ref: ObjectRef, column: str | None) -> Iterator[WorkItem]:
     """One item per row, a row group at a time; a file that is not Parquet or lacks the column
     is one item naming the problem (a final `bad_input` record). A read of the store that keeps
     failing transiently (a timeout, throttling) is raised, never made into that record: the
@@ -227,21 +227,6 @@ def read_cell(storage: Storage, ref: ParquetCellRef) -> bytes:
     if not value:
         raise BadInput(f"{ref.key}: the cell is empty")
     return bytes(value)
-
-
-def cell_ref(storage: Storage, key: str, size: int, etag: str, column: str | None) -> ParquetCellRef | None:
-    """The bytes cell a record names (`<file>/<row>`), located again from the file's footer."""
-    file, _, row = key.rpartition("/")
-    if not row.isdigit() or not column:
-        return None
-    file_size, group_rows = _layout(storage, file, etag.rpartition(":")[0])  # the file's etag: a new file, a new read
-    start, wanted = 0, int(row)
-    for group, rows in enumerate(group_rows):
-        if wanted < start + rows:
-            return ParquetCellRef(key, size, etag, file=file, row_group=group, row=wanted - start, column=column,
-                                  file_size=file_size)
-        start += rows
-    return None
 
 
 @functools.lru_cache(maxsize=64)

@@ -24,8 +24,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import ClassVar
 
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.sources.braces import check_pattern, expand_braces, literal_prefix
 from vlm_caption.tasks.sources.fetch import MediaFetcher
-from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, split_location
+from vlm_caption.tasks.sources.formats import SourceSpec, split_location
 from vlm_caption.tasks.sources.items import BadInput, ObjectRef, WorkItem
 from vlm_caption.tasks.sources.storage import Storage
 
@@ -114,7 +116,7 @@ class SourceReader(ABC):
 
 class ShardFilesReader(SourceReader):
     """A format stored as shard files of its suffix (tars, Parquet): one, a folder or prefix of
-    them, or a brace pattern (`shards/{00000..00099}.tar`)."""
+    them, or a brace pattern (`shards/{00000..00099}.tar`). Its items are each file's in turn."""
 
     @classmethod
     def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
@@ -123,6 +125,32 @@ class ShardFilesReader(SourceReader):
         return SourceSpec(base, modality, glob=glob, format=cls.name, pattern=pattern,
                           column=column if cls.takes_column else None)
 
-    @property
-    def files(self) -> FileSet:
-        return FileSet(self.spec.uri, self.spec.pattern, self.suffixes[0], self.storage)
+    def shard_files(self, log=None) -> Iterator[ObjectRef]:
+        """The shard files, in listing order, each with its size and etag: the one named, those of
+        the brace pattern, or every file with the format's suffix under the source."""
+        pattern, suffix = self.spec.pattern, self.suffixes[0]
+        if pattern is None:
+            yield from (ref for ref in self.storage.iter_objects(self.spec.glob) if ref.key.endswith(suffix))
+            return
+        check_pattern(pattern)  # a broken or huge pattern: BraceError, saying why
+        folder = literal_prefix(pattern).rpartition("/")[0]
+        wanted = set(expand_braces(pattern))
+        found: set[str] = set()
+        for ref in self.storage.iter_objects(self.spec.glob, prefix=f"{folder}/" if folder else ""):
+            if ref.key in wanted:
+                found.add(ref.key)
+                yield ref
+        if len(found) < len(wanted) and log is not None:  # img2dataset leaves gaps where a shard failed
+            log.warning("shards named by the pattern are missing", pattern=pattern, found=len(found),
+                        expected=len(wanted), examples=sorted(wanted - found)[:3])
+
+    def first_file(self) -> ObjectRef | None:
+        return next(self.shard_files(), None)
+
+    def items(self) -> Iterator[WorkItem]:
+        for file in self.shard_files(get_logger(source=self.spec.where)):
+            yield from self.file_items(file)
+
+    @abstractmethod
+    def file_items(self, file: ObjectRef) -> Iterator[WorkItem]:
+        """One shard file's items, in order; what is wrong with the file, an item with a `problem`."""

@@ -20,9 +20,8 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.sources.braces import has_braces
-from vlm_caption.tasks.sources.formats import FileSet, SourceSpec, first_file, iter_files
+from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.items import ObjectRef, RefusedRef, WorkItem
 from vlm_caption.tasks.sources.ranged import open_seekable
 from vlm_caption.tasks.sources.reader import BadInput, ShardFilesReader
@@ -61,20 +60,24 @@ class WebDatasetReader(ShardFilesReader):
         return any(name.endswith(".tar") for name in names)  # img2dataset writes .parquet and .json beside its tars
 
     def check(self) -> SourceSpec:
-        if first_file(self.files) is None:
+        if self.first_file() is None:
             raise StorageError(f"{self.spec.where}: no .tar shard there; give a tar, a folder or prefix of "
                                "tars, or a brace pattern such as shards/{00000..00099}.tar")
         return self.spec
 
-    def items(self) -> Iterator[WorkItem]:
-        return iter_webdataset_items(self.files, self.spec.modality, self.spec.glob,
-                                     get_logger(source=self.spec.where))
+    def file_items(self, file: ObjectRef) -> Iterator[WorkItem]:
+        return tar_items(self.storage, file, self.spec.modality)
 
     def read_member(self, member: ObjectRef) -> bytes:
         return read_member(self.storage, member)
 
     def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
-        return member_ref(key, size, etag)
+        """The member a record names (its `members[0]`), located again: the inverse of `_member_ref`."""
+        tar, found, _ = key.partition(".tar/")
+        offset = etag.rpartition("@")[2]
+        if not found or not offset.isdigit():
+            return None
+        return TarMemberRef(key, size, etag, tar=tar + ".tar", offset=int(offset))
 
 
 def split_member(name: str) -> tuple[str, str]:
@@ -98,17 +101,11 @@ class _Sample:
     metadata: dict
 
 
-def iter_webdataset_items(files: FileSet, modality: str, glob: str | None = None, log=None) -> Iterator[WorkItem]:
-    storage = files.storage
-    for tar in iter_files(files, glob, log):
-        if isinstance(tar, RefusedRef):  # a link out of the folder: one item saying so, never read
-            yield _defect(tar, 0, tar.problem)
-            continue
-        yield from tar_items(storage, tar, modality)
-
-
 def tar_items(storage: Storage, tar: ObjectRef, modality: str) -> Iterator[WorkItem]:
     """The samples of one tar, in order, then (if any) one item naming what is wrong with it."""
+    if isinstance(tar, RefusedRef):  # a link out of the folder: one item saying so, never read
+        yield _defect(tar, 0, tar.problem)
+        return
     extensions = VIDEO_EXTENSIONS if modality == "video" else IMAGE_EXTENSIONS
     sample: _Sample | None = None
     with open_seekable(storage, tar.key, tar.size) as handle:
@@ -209,12 +206,3 @@ def read_member(storage: Storage, ref: TarMemberRef) -> bytes:
     if len(data) != ref.size:  # retryable: the next run lists the tar as it is then
         raise OSError(f"{ref.key}: got {len(data)} of {ref.size} bytes: the tar changed or was cut short")
     return data
-
-
-def member_ref(key: str, size: int, etag: str) -> TarMemberRef | None:
-    """The member a record names (its `members[0]`), located again: the inverse of `_member_ref`."""
-    tar, found, _ = key.partition(".tar/")
-    offset = etag.rpartition("@")[2]
-    if not found or not offset.isdigit():
-        return None
-    return TarMemberRef(key, size, etag, tar=tar + ".tar", offset=int(offset))
