@@ -35,10 +35,11 @@ class ShardReport:
             self.stats.add(items, items, [])
             self.progress.skip(items)
 
-    def shard_done(self, shard: Shard, skipped: int, records: list[ResultRecord], part: str | None) -> None:
+    def shard_done(self, shard: Shard, skipped: int, records: list[ResultRecord], part: str | None,
+                   failed: int | None = None) -> None:
         """The shard's part written (`part`; None: nothing to write): its records counted and
-        shown in the progress."""
-        failed = sum(1 for r in records if r.error)
+        shown in the progress (`failed`: its failures, if not its records')."""
+        failed = sum(1 for r in records if r.error) if failed is None else failed
         with self.lock:
             self.stats.add(len(shard.items), skipped, records)
             if part is not None:
@@ -52,8 +53,9 @@ class ShardReport:
 
     def unwritten(self, shard: Shard, skipped: int, records: list[ResultRecord], exc: BaseException) -> None:
         """A shard whose part could not be written past its batch's retries: its records counted
-        as `write` failures (the next run computes them again: they are not on the done-index)."""
-        self.shard_done(shard, skipped, [], None)
+        as `write` failures, in the progress and its `shard.failed` event too (the next run computes
+        them again: they are not on the done-index)."""
+        self.shard_done(shard, skipped, [], None, failed=len(records))
         error = f"{type(exc).__name__}: {exc}"
         with self.lock:
             stats = self.stats
@@ -62,11 +64,8 @@ class ShardReport:
             for record in records[:max(0, MAX_FAILURES_LISTED - len(stats.failures))]:
                 stats.failures.append({"key": record.key, "question": record.question, "kind": "write",
                                        "message": error, "retryable": True})
-        run = self.run
-        run.log.warning("a shard's part was not written; the next run computes its items again",
-                        shard=shard.index, records=len(records), error=error)
-        emit("shard.failed", run.run_id, shard=shard.index, partition=run.index,
-             failed=len(records), why="its part was not written")
+        self.run.log.warning("a shard's part was not written; the next run computes its items again",
+                             shard=shard.index, records=len(records), error=error)
 
     def close(self) -> None:
         self.progress.close()

@@ -99,3 +99,36 @@ def test_batches_grow_and_a_failed_shard_fails_its_batch_and_loses_nothing(prefe
     monkeypatch.setattr(batches, "generate_shard", generate_shard)
     again = vlm_caption(job)  # the failed item is not done: the next run computes it, and only it
     assert (again["skipped_already_done"], again["processed"], again["succeeded"]) == (IMAGES - 1, 1, 1)
+
+
+def test_a_part_never_written_is_counted_as_write_failures_and_computed_by_the_next_run(prefect_api, tiny_llava,
+                                                                                        tmp_path, monkeypatch):
+    source, out = tmp_path / "img", tmp_path / "out"
+    source.mkdir()
+    for i in range(3):
+        (source / f"{i:02d}.jpg").write_bytes(image_bytes(size=(40 + i, 32), color=(i * 60, 80, 160)))
+    tried, write_shard = Counter(), batches.write_shard
+
+    def failing_write_of_shard_1(out_, fingerprint, parts_id, index, records, *args):
+        tried[index] += 1
+        if index == 1:
+            raise RuntimeError("a write fault the test put in shard 1")
+        return write_shard(out_, fingerprint, parts_id, index, records, *args)
+
+    monkeypatch.setattr(batches, "write_shard", failing_write_of_shard_1)
+    job = CaptionJob(source=str(source), output=str(out), model=str(tiny_llava), shard_size=1,
+                     sampling={"max_tokens": 2})
+    state = vlm_caption(job, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert tried[1] == 1 + batches.BATCH_RETRIES and tried[0] == tried[2] == 1
+    assert summary["failed_by_kind"] == {"write": 1} and summary["succeeded"] == 2, summary
+    assert any(f["kind"] == "write" and "shard 1" in f["message"] for f in summary["failures"]), summary["failures"]
+    failed = [run for run in _task_runs(state.state_details.flow_run_id) if run.state.is_failed()]
+    assert [run.name for run in failed] == ["caption-batch-2"], failed  # shards 1 and 2; shard 1 never written
+    records = [json.loads(line) for part in out.glob("results/*/*.jsonl") for line in part.read_text().splitlines()]
+    assert sorted(r["key"] for r in records) == ["00.jpg", "02.jpg"]
+
+    monkeypatch.setattr(batches, "write_shard", write_shard)
+    again = vlm_caption(job)  # not on the done-index: computed again, and only it
+    assert (again["skipped_already_done"], again["processed"], again["succeeded"]) == (2, 1, 1)
