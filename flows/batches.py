@@ -93,7 +93,6 @@ def caption_batch(pipeline: ShardPipeline, batch: Batch, number: int) -> dict[st
     return pipeline.caption(batch)
 
 
-
 class ShardPipeline:
     """A partition's shards, done by batches (see the module's docstring): the listing's thread
     takes each shard once the feed's schedule has room to prepare it (flows/feed_schedule.py) and
