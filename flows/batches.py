@@ -206,8 +206,8 @@ class ShardPipeline:
                 self.report.unwritten(shard, prepared.skipped, records, exc)
                 batch.settled[shard.index] = (len(records), len(records), None)
                 return exc
-            self.report.shard_done(shard, prepared.skipped, records, part)
-            batch.settled[shard.index] = (len(records), sum(1 for r in records if r.error), part)
+            failed_records = self.report.shard_done(shard, prepared.skipped, records, part)
+            batch.settled[shard.index] = (len(records), failed_records, part)
             return failure
         except Exception as exc:
             if is_permanent(exc):

@@ -57,6 +57,10 @@ def _run_name() -> str:
     return run_name_from(flow_run.parameters)
 
 
+def _run_id() -> str:
+    return str(flow_run.id or uuid.uuid4())[:8] + time.strftime("-%Y%m%dT%H%M%S", time.gmtime())
+
+
 def _where() -> dict:
     """Which worker, host, GPU and how many cores ran this partition (shown in the manifest), and
     when its run was asked for and its process began: with the engine's build and ready times, how
@@ -87,10 +91,7 @@ def run_job(job: CaptionJob) -> dict:
     """The flow's body: the plan, the job's slot, the run."""
     configure_logging()
     plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
-    if job.partition:
-        run_id = job.partition.run_id
-    else:
-        run_id = str(flow_run.id or uuid.uuid4())[:8] + time.strftime("-%Y%m%dT%H%M%S", time.gmtime())
+    run_id = job.partition.run_id if job.partition else _run_id()
     log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
     # vLLM imported here, then the engine built beside the slot, the done-index and the listing; a
     # fan-out's parent asks for its children first (caption_job), their start beside its import.
@@ -135,12 +136,7 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
         run = PartitionRun.of(plan, run_id, own, log)  # what the shards need of the plan, handed down
         stats, engine, shared = caption_shards(run)
     except Exception:
-        if on_work is not None:  # the children the watch had started
-            try:
-                children += on_work.stop()
-            except Exception as exc:  # noqa: BLE001 - their start failed too: the run fails with its partition's error
-                log.error("starting the child partitions failed", error=str(exc))
-                children += on_work.children
+        children += _stopped(on_work, log)
         if children:  # a retry of this run must not overlap this attempt's children
             # ...and children no worker has started are called off, not waited for forever
             wait_for_children(children, run_here=lambda child: "CANCELLED", claim_message=CALLED_OFF)
@@ -196,6 +192,18 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
             "failed_by_kind": dict(stats.failures_by_kind), "failures": stats.failures}
 
 
+def _stopped(on_work: ChildrenOnWork | None, log) -> list:
+    """The children the watch had started when the run's own partition failed (none if its own
+    start failed too: that is logged, the partition's error is the run's)."""
+    if on_work is None:
+        return []
+    try:
+        return on_work.stop()
+    except Exception as exc:  # noqa: BLE001 - the run fails with its partition's error
+        log.error("starting the child partitions failed", error=str(exc))
+        return on_work.children
+
+
 def merge_children(run: PartitionRun, children, stats: RunStats) -> list[PartitionReport]:
     """Wait for the child runs, then add each partition's report to this run's counts. This run's
     own partition has ended only once every claimed shard was done (the partitions share the
@@ -226,18 +234,23 @@ def merge_children(run: PartitionRun, children, stats: RunStats) -> list[Partiti
             report = reports[child.index]
             report.state = states[child.index]
         else:  # no report: it died; what it had claimed and not finished was retaken
-            # What it had written (its parts, read back), so that the manifest counts every item
-            # captioned. Its results are whole without this: a failed read costs only the counts.
-            try:
-                report = report_from_parts(run.output, run.fingerprint, run.run_id, child.index,
-                                           lambda shard: was_retaken(run.output, run.run_id, shard))
-            except Exception as exc:  # noqa: BLE001 - logged; the run's results do not depend on it
-                run.log.warning("the parts of a partition that left no report could not be counted",
-                                partition=child.index, error=f"{type(exc).__name__}: {exc}")
-                report = PartitionReport(index=child.index)
-            report.flow_run_id = child.flow_run_id
+            report = _written_by(run, child)
             report.state = (f"{states[child.index]} (no report: counted from the {len(report.parts)} parts it "
                             "wrote; its unfinished shards were retaken)")
         stats.absorb(report)
         merged.append(report)
     return merged
+
+
+def _written_by(run: PartitionRun, child) -> PartitionReport:
+    """What a child that died had written (its parts, read back), so that the manifest counts
+    every item captioned. Its results are whole without this: a failed read costs only the counts."""
+    try:
+        report = report_from_parts(run.output, run.fingerprint, run.run_id, child.index,
+                                   lambda shard: was_retaken(run.output, run.run_id, shard))
+    except Exception as exc:  # noqa: BLE001 - logged; the run's results do not depend on it
+        run.log.warning("the parts of a partition that left no report could not be counted", partition=child.index,
+                        error=f"{type(exc).__name__}: {exc}")
+        report = PartitionReport(index=child.index)
+    report.flow_run_id = child.flow_run_id
+    return report

@@ -45,6 +45,7 @@ class FeedSchedule:
         self.starting = None  # the engine's start, submitted at the first shard taken
         self.engine: dict | None = None
         self.engine_lock = threading.Lock()
+        self.engine_up = threading.Event()  # the engine's start ended (built, or failed)
 
     def take(self, listed: Iterable[Listed]) -> Shard | None:
         """The listing's next shard, once there is room to prepare it (None: the listing ended,
@@ -87,6 +88,7 @@ class FeedSchedule:
         if self.starting is None:
             ensure_vllm_imported()  # made by the flow's thread (tasks/engine/vllm_import.py), if not yet
             self.starting = start_engine.submit(self.spec)
+            self.starting.add_done_callback(lambda _: self.engine_up.set())
             start_decode_pool(self.work.modality)
 
     def prepared(self, prepared: PreparedShard | None) -> None:
@@ -123,14 +125,12 @@ class FeedSchedule:
 
     def await_engine(self) -> dict:
         """The engine, once up (every shard waiting is told: the feed's depth follows its batch)."""
+        while not self.engine_up.wait(1.0):  # looked at each second: a run that stops leaves at once
+            if self.stopping is not None:
+                raise RunStopped("the run stopped")
         with self.engine_lock:
-            while self.engine is None:
-                if self.stopping is not None:
-                    raise RunStopped("the run stopped")
-                try:
-                    self.engine = self.starting.result(timeout=1.0)
-                except TimeoutError:
-                    continue
+            if self.engine is None:
+                self.engine = self.starting.result()
                 with self.room:
                     self.room.notify_all()
             return self.engine

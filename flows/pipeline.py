@@ -42,10 +42,10 @@ def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, d
     started = take_head_start(run) if claims is None else None  # a nightly run's, begun before its flow
     done = started[0] if started else load_done_index(run.output, run.fingerprint)
     stream = started[1] if started else listing(run, done, claims)
-    pipeline = ShardPipeline(run, done, run.engine, claims)
     try:
         # The engine is the plan's: a multi-image job's per-prompt image limit is its group limit
         # (--max-images), so its engine, like the others', starts before the listing has ended.
+        pipeline = ShardPipeline(run, done, run.engine, claims)
         run.log.info("run started", source=run.source.uri, output=run.output.uri, modality=work.modality,
                      questions=len(work.questions), already_done=len(done), partition=run.parts_id)
         pipeline.run(claims.claimed(stream) if claims else stream)

@@ -36,9 +36,9 @@ class ShardReport:
             self.progress.skip(items)
 
     def shard_done(self, shard: Shard, skipped: int, records: list[ResultRecord], part: str | None,
-                   failed: int | None = None) -> None:
+                   failed: int | None = None) -> int:
         """The shard's part written (`part`; None: nothing to write): its records counted and
-        shown in the progress (`failed`: its failures, if not its records')."""
+        shown in the progress (`failed`: its failures, if not its records'). Returns its failures."""
         failed = sum(1 for r in records if r.error) if failed is None else failed
         with self.lock:
             self.stats.add(len(shard.items), skipped, records)
@@ -50,6 +50,7 @@ class ShardReport:
         if failed:  # the event an automation reacts to; a shard that went well is in the progress artifact
             emit("shard.failed", self.run.run_id, shard=shard.index, partition=self.run.index,
                  objects=len(shard.items), skipped=skipped, failed=failed)
+        return failed
 
     def unwritten(self, shard: Shard, skipped: int, records: list[ResultRecord], exc: BaseException) -> None:
         """A shard whose part could not be written past its batch's retries: its records counted
