@@ -1,10 +1,8 @@
 """`vlm-caption bench --history N`: what a nightly run costs over a history of N done results.
 
 It synthesizes a source of N small items and their N done results exactly as a run leaves them
-(parts of `--shard-size` records under results/<fingerprint>/ with their `.idx` sidecars, the
-compacted done-index a load of that many parts writes, the run's manifest), then times
-`vlm-caption run` over it, each run a process of its own with a fresh Prefect home, as a
-nightly `vlm-caption run` starts:
+(parts of `--shard-size` records, the run's Parquet view file that the done-index reads, its
+manifest), then times `vlm-caption run` over it, each run a process with a fresh Prefect home:
 
 - `nothing_new`: every item done;
 - `one_pct_new`: N/100 new items, spread evenly among the done ones (each sorts after a done one),
@@ -16,10 +14,9 @@ Each run's figures: wall, the peak RSS of the run's process (and of its process 
 runs Prefect's server recorded and their states (read from the run's Prefect home's SQLite
 database), and how many events Prefect's server dropped (`Subscription queue is full` in the
 run's log). With `--history-source inventory` the history is an S3 Inventory report of a bucket
-(bench/history_inventory.py), not a folder to walk; `--history-keep DIR` keeps the
-synthesized history there and uses it again (what the bench's runs added removed first).
-Items are hard links to one small JPEG (a listing reads names and sizes; a done
-item's bytes are never read), written with os-level calls: a million in about a minute.
+(bench/history_inventory.py), not a folder to walk; `--history-keep DIR` keeps the synthesized
+history there and uses it again (what the bench's runs added removed first). Items are hard
+links to one small JPEG (a done item's bytes are never read): a million in about a minute.
 """
 
 from __future__ import annotations
@@ -136,13 +133,14 @@ def new_keys(where, n: int, at: str = "spread") -> list[str]:
 def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, str]) -> list[str]:
     """The source's N items (or the inventory report that lists them) and their N done results;
     returns the keys of the 1% to add later."""
+    import numpy as np
+    import pyarrow as pa
+
     from vlm_caption.flows.params import CaptionJob
     from vlm_caption.flows.plan import make_plan
-    import numpy as np
-
-    from vlm_caption.tasks.results.done_rows import (ROW, SIDECAR_HEADER, SIDECAR_MAGIC, compacted_bytes, content_hash,
-                                         result_key, sidecar_key, signature_hash)
-    from vlm_caption.tasks.results.layout import compacted_index_key, manifest_key, part_key
+    from vlm_caption.tasks.results.done_rows import content_hash, result_key, signature_hash
+    from vlm_caption.tasks.results.layout import manifest_key, part_key, run_parquet_key
+    from vlm_caption.tasks.results.parquet import results_schema, view_row, write_rows
     from vlm_caption.tasks.records import ResultRecord, sha256_hex
     from vlm_caption.tasks.results.report import RunStats
 
@@ -159,29 +157,31 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
                             model=plan.model, question=question, prompt="USER: <image>\nASSISTANT:",
                             text="a small photo", finish_reason="length", prompt_tokens=70, output_tokens=8,
                             timings={"fetch_s": 0.001, "decode_s": 0.001, "generate_s": 0.01},
-                            fingerprint=plan.fingerprint, run_id=HISTORY_RUN).model_dump_json()
-    signed = {folder: signature_hash(((etag, len(photo)),)) for folder, etag in etags.items()}
-    sha = content_hash(sha256_hex(photo))
-    record = lambda key: template.replace('"\\u0000"', json.dumps(key)).replace(  # noqa: E731
+                            fingerprint=plan.fingerprint, run_id=HISTORY_RUN)
+    line, parts = template.model_dump_json(), []
+    record = lambda key: line.replace('"\\u0000"', json.dumps(key)).replace(  # noqa: E731
         '"\\u0001"', json.dumps(etags[folder_of(key)]))
-    covered: dict[str, tuple[int, np.ndarray]] = {}
 
     def write_part(shard: int) -> None:
         chunk = keys[shard * cfg.shard_size:(shard + 1) * cfg.shard_size]
-        body = "".join(record(key) + "\n" for key in chunk).encode()
-        rows = np.array([(result_key(key, question), signed[folder_of(key)], sha) for key in chunk], dtype=ROW)
         key = part_key(plan.fingerprint, HISTORY_RUN, shard)
-        out.write(key, body)
-        out.write(sidecar_key(key), SIDECAR_HEADER.pack(SIDECAR_MAGIC, len(body)) + rows.tobytes())
-        covered[key] = (len(body), rows)
+        out.write(key, "".join(record(item) + "\n" for item in chunk).encode())
+        parts.append(key)
 
-    shards = -(-n // cfg.shard_size)
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(write_part, range(shards)))
-    where.compacted = compacted_index_key(plan.fingerprint)
-    out.write(where.compacted, compacted_bytes(dict(sorted(covered.items()))))
-    where.compacted = where.compacted.rsplit("/", 1)[1]
-    stats = RunStats(listed=n, processed=n, succeeded=n, parts=[out.describe(k) for k in sorted(covered)])
+        list(pool.map(write_part, range(-(-n // cfg.shard_size))))
+    # The run's view file, as `add_run` would write it, made column by column (a million rows).
+    signed = {folder: signature_hash(((etag, len(photo)),)) for folder, etag in etags.items()}
+    same = view_row(template, None, [])
+    columns = {"key": keys, "etag": [etags[folder_of(key)] for key in keys],
+               "done_key": np.fromiter((result_key(key, question) for key in keys), np.uint64, n),
+               "listed_hash": np.array([signed[folder_of(key)] for key in keys], np.uint64),
+               "content_hash": np.full(n, content_hash(sha256_hex(photo)), np.uint64)}
+    table = pa.table([pa.array(columns[f.name], f.type) if f.name in columns else
+                      pa.array([same.get(f.name)] * n, f.type) for f in results_schema()], schema=results_schema())
+    write_rows(out, run_parquet_key(HISTORY_RUN), [table])
+    where.compacted = run_parquet_key(HISTORY_RUN).rsplit("/", 1)[1]
+    stats = RunStats(listed=n, processed=n, succeeded=n, parts=[out.describe(k) for k in sorted(parts)])
     manifest = stats.manifest(run_id=HISTORY_RUN, parameters=plan.job.model_dump(mode="json"),
                               fingerprint=plan.fingerprint, engine=None)
     out.write(manifest_key(HISTORY_RUN), json.dumps(manifest, indent=2).encode())

@@ -125,8 +125,8 @@ def kept_history(base: Path, wanted: dict) -> bool:
 
 
 def restore(out: Path, marker: dict) -> None:
-    """The output as the synthesis left it: every file a later run wrote goes (its parts and
-    sidecars, manifests, Parquet, gallery, claims; a compacted index other than the synthesized)."""
+    """The output as the synthesis left it: every file a later run wrote goes (its parts, its
+    `view-owed` marks, manifests, gallery, claims; Parquet view files other than the synthesized)."""
     import os
 
     history_part = f"part-{marker['run']}-"

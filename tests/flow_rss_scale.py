@@ -2,7 +2,8 @@
 `python -m tests.flow_rss_scale 1024 102400 [DIR]`.
 
 For each count: a folder of that many tiny objects, and results for every one of them already
-written (parts of 64 with sidecars, as a finished run leaves them). The flow then runs in a
+written (parts of 64 and the run's Parquet view file, as a finished run leaves them: the
+done-index reads the view file's hash columns, no part). The flow then runs in a
 fresh process over the whole folder, end to end: it lists, shards, loads the done-index, runs a
 prepare and a write task per shard and writes the manifest; no engine starts, since nothing is
 left to caption. What grows with the listing shows in the peak RSS (no GPU needed)."""
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 QUESTION = "Describe the content of this image in detail."
+EARLIER = "ea71e000-20260101T000000"  # the finished run's id
 
 
 def _job(root: Path):
@@ -28,10 +30,12 @@ def _job(root: Path):
 
 
 def prepare(count: int, root: Path) -> None:
-    """The objects, and a finished run's results for each."""
+    """The objects, and a finished run's results for each (its parts, then its view file)."""
     from vlm_caption.flows.plan import fingerprint_of
     from vlm_caption.recipes import get_recipe
     from vlm_caption.tasks.records import ResultRecord
+    from vlm_caption.tasks.results.done_index import DoneIndex
+    from vlm_caption.tasks.results.parquet_view import add_run
     from vlm_caption.tasks.results.writers import write_shard
     from vlm_caption.tasks.sources.storage import open_storage
 
@@ -43,12 +47,14 @@ def prepare(count: int, root: Path) -> None:
     recipe = get_recipe(job.recipe)
     fingerprint = fingerprint_of(job, recipe, recipe.model_for(job.modality, job.model))
     objects = sorted(open_storage(str(images)).iter_objects(), key=lambda o: o.key)
+    out, parts = open_storage(job.output, create=True), []
     for shard, start in enumerate(range(0, count, 64)):
         records = [ResultRecord(key=o.key, size=o.size, etag=o.etag, sha256=None, recipe="llava", model="m",
                                 question=QUESTION, prompt=None, text="a caption", finish_reason="stop",
-                                timings={}, fingerprint=fingerprint, run_id="earlier")
+                                timings={}, fingerprint=fingerprint, run_id=EARLIER)
                    for o in objects[start:start + 64]]
-        write_shard(open_storage(job.output, create=True), fingerprint, "earlier", shard, records)
+        parts.append(write_shard(out, fingerprint, EARLIER, shard, records))
+    add_run(out, fingerprint, EARLIER, parts, earlier=DoneIndex())
 
 
 def run(root: str) -> None:

@@ -1,10 +1,11 @@
 """Measure the Parquet view's steps at scale (not a test): `python -m tests.parquet_view_scale
 1000000 100 [DIR]` writes that many results over that many runs to a folder, in parts of 64
-with their sidecars and the compacted done-index a run's load leaves, then times each step in a
-fresh process (seconds, peak RSS): the whole view made from every part (what every run did
-before the view grew by runs), a run with nothing new, a run with 1% new results, a run that
-re-uploads 10 objects of the previous run (its file is rewritten), one that re-uploads 10 in the
-compacted file (that file is rewritten), and a compaction."""
+(JSON Lines only, as the writers leave them), then times each step in a fresh process (seconds,
+peak RSS): the whole view made from every part (`vlm-caption export OUTPUT`, one compacted
+file), a run with nothing new, a run with 1% new results, a run that re-uploads 10 objects of
+the previous run (its file is rewritten), one that re-uploads 10 in the compacted file (that
+file is rewritten), and a compaction. Each run's step loads the done-index itself (none was
+loaded in its process), reading the view's hash columns, as a run does at its start."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-import numpy as np
 
 FP = "f" * 16
 PART = 64
@@ -36,25 +35,20 @@ def _line_template() -> str:
                         timings={"fetch_s": 0.01, "decode_s": 0.01, "generate_s": 0.2}).model_dump_json()
 
 
-def write_parts(store, run: str, items: range, etag: str = "e") -> tuple[list[str], dict]:
-    """Parts of 64 as write_shard writes them (the body, then its sidecar), built from one record's
-    JSON for speed; the parts' URIs and, per part key, (size, rows) for a compacted index."""
-    from vlm_caption.tasks.results.done_rows import ROW, content_hash, result_key, sidecar_bytes, signature_hash
+def write_parts(store, run: str, items: range, etag: str = "e") -> list[str]:
+    """Parts of 64 with the bodies write_shard writes, built from one record's JSON for speed;
+    their URIs. No view-owed mark: a run's load at its start comes before its parts."""
     from vlm_caption.tasks.results.layout import part_key
 
-    template, uris, covered = _line_template(), [], {}
-    signature, content = signature_hash(((etag, 1000),)), content_hash("S" * 64)
+    template, uris = _line_template(), []
     for shard, start in enumerate(range(items.start, items.stop, PART)):
         keys = [f"img/{i:08d}.jpg" for i in range(start, min(start + PART, items.stop))]
         body = "".join(template.replace('"key":"K"', f'"key":"{k}"').replace('"etag":"E"', f'"etag":"{etag}"')
                        .replace('"run_id":"R"', f'"run_id":"{run}"') + "\n" for k in keys).encode()
-        rows = np.array([(result_key(k, None), signature, content) for k in keys], ROW)
         key = part_key(FP, run, shard)
         store.write(key, body)
-        store.write(key.removesuffix(".jsonl") + ".idx", sidecar_bytes(rows, len(body)))
         uris.append(store.describe(key))
-        covered[key] = (len(body), rows)
-    return uris, covered
+    return uris
 
 
 def step(name: str, out: str, run: str = "", parts: list[str] | None = None) -> None:
@@ -82,21 +76,18 @@ def _in_child(*args) -> None:
 
 
 def main(total: int, runs: int, out: str) -> None:
-    from vlm_caption.tasks.results.done_rows import compacted_bytes
-    from vlm_caption.tasks.results.layout import compacted_index_key
     from vlm_caption.tasks.sources.storage import open_storage
 
-    store, covered, per = open_storage(out, create=True), {}, total // runs
+    store, per = open_storage(out, create=True), total // runs
     for day in range(runs):
-        covered.update(write_parts(store, run_id(day), range(day * per, (day + 1) * per))[1])
-    store.write(compacted_index_key(FP), compacted_bytes(covered))  # as the last run's load left it
-    _in_child("rebuild", out)  # the view as one compacted file, as older versions made it each run
+        write_parts(store, run_id(day), range(day * per, (day + 1) * per))
+    _in_child("rebuild", out)  # the view as one compacted file, made from every part
     _in_child("nothing new", out, run_id(runs), [])
-    parts, _ = write_parts(store, run_id(runs), range(total, total + total // 100))
+    parts = write_parts(store, run_id(runs), range(total, total + total // 100))
     _in_child("1% new", out, run_id(runs), parts)
-    parts, _ = write_parts(store, run_id(runs + 1), range(total, total + 10), etag="changed")
+    parts = write_parts(store, run_id(runs + 1), range(total, total + 10), etag="changed")
     _in_child("10 re-uploaded, in a run's file", out, run_id(runs + 1), parts)
-    parts, _ = write_parts(store, run_id(runs + 2), range(0, 10), etag="changed")
+    parts = write_parts(store, run_id(runs + 2), range(0, 10), etag="changed")
     _in_child("10 re-uploaded, in the compacted file", out, run_id(runs + 2), parts)
     _in_child("compact", out)
 

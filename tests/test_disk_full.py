@@ -14,16 +14,16 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
-from vlm_caption.tasks.results.done_rows import SIDECAR_HEADER, sidecar_key
 from vlm_caption.tasks.results.writers import DiskFullError
 from tests.images import image_bytes
 
 COUNT = 24
-ROOM = 48 * 1024  # what the filler leaves free: a few parts (each part and sidecar take a 4 KiB page)
+ROOM = 24 * 1024  # what the filler leaves free: a few parts (each takes a 4 KiB page; the run's empty mark none)
 
 
 @pytest.fixture
@@ -74,12 +74,16 @@ def test_a_full_disk_stops_the_run_and_a_rerun_completes(prefect_api, tiny_llava
     assert str(out) in message and "bytes" in message and "run the same job again" in message, message
 
     partial = _parts(out)
-    assert len(partial) < COUNT // 2, "the disk never filled: lower ROOM"
+    assert 0 < len(partial) < COUNT // 2, "the disk never filled (lower ROOM) or filled at once (raise it)"
     assert not [p for p in out.rglob(".*")], "a temporary file was left behind"
-    for part in partial:  # a part's sidecar, when there, indexes that very body
-        side = Path(sidecar_key(str(part)))
-        if side.exists():
-            assert SIDECAR_HEADER.unpack_from(side.read_bytes())[1] == part.stat().st_size
+    # Beside the parts, only the run's mark that the Parquet view owes it a file (it stopped before
+    # writing one): no sidecar, no index, no stamp; and no view file.
+    (fingerprint,) = {part.parent.name for part in partial}
+    owed = out / "results" / fingerprint / "view-owed"
+    files = {path.relative_to(out) for path in (out / "results").rglob("*") if path.is_file()}
+    assert files == {part.relative_to(out) for part in partial} | {path.relative_to(out) for path in owed.iterdir()}, files
+    (stopped_run,) = [mark.name for mark in owed.iterdir()]
+    assert not list(out.glob("parquet/*.parquet"))
     done_before = sum(len(records) for records in partial.values())
 
     filler.unlink()  # space is freed
@@ -88,3 +92,10 @@ def test_a_full_disk_stops_the_run_and_a_rerun_completes(prefect_api, tiny_llava
     assert Counter(r["key"] for r in records) == Counter(list(hashes))  # every item once: none lost, none twice
     assert all(r["error"] is None and r["sha256"] == hashes[r["key"]] for r in records)
     assert summary["skipped_already_done"] == done_before and summary["failed"] == 0, summary
+    # The rerun added the stopped run's view file (from its parts), then its own: the view owes nothing
+    # and holds every item once, and the rerun's manifest says so.
+    assert not list(owed.iterdir()), list(owed.iterdir())
+    view = [key for path in sorted(out.glob("parquet/*.parquet")) for key in pq.read_table(path).column("key").to_pylist()]
+    assert sorted(view) == sorted(hashes), view
+    parquet = json.loads((out / "manifests" / f"{summary['run_id']}.json").read_text())["parquet"]
+    assert parquet["complete"] and set(parquet["repaired"]) == {stopped_run}, parquet

@@ -1,21 +1,33 @@
-"""The compact done-index: each results part's sidecar of 24-byte rows is what a rerun reads;
-a part without one, or whose body changed since, is parsed instead; 100k earlier results load
-fast in bounded memory (the production target is 1M in < 10 s and < 500 MB)."""
+"""The done-index: a load reads the Parquet view's hash columns (`done_key`, `listed_hash`,
+`content_hash`) and parses only the parts of the runs the view still owes a file
+(`results/<fp>/view-owed/<run>`), or every part where the view holds nothing of the fingerprint.
+A part that cannot be read is skipped and named; one whose read fails for a moment is read
+again, never skipped. The owed marks are listed before the view files (a run writes its file,
+then removes its mark). A view file written before the hash columns existed gives the same rows.
+An earlier answer is read back from a view row. 100k earlier results in a view file load fast in
+bounded memory (the production target is 1M in < 10 s and < 500 MB: tests/done_index_scale.py)."""
 
 from __future__ import annotations
 
 import time
 import tracemalloc
 
-from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
-from vlm_caption.tasks.results.done_rows import ROW, sidecar_key
-from vlm_caption.tasks.results.layout import part_key
+import pytest
+
 from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
+from vlm_caption.tasks.results.done_rows import ROW, load_rows
+from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, VIEW_HASHES, part_key, part_prefix,
+                                              results_prefix, run_parquet_key, view_owed_key, view_owed_prefix)
+from vlm_caption.tasks.results.parquet import _OWN, view_row, write_rows
+from vlm_caption.tasks.results.parquet_view import add_run, export_after_run
 from vlm_caption.tasks.results.writers import write_shard
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from vlm_caption.tasks.sources.storage import Storage, open_storage
+from tests.recording_storage import RecordingStorage
 
 FP = "f" * 16
+RUN1, RUN2 = "aaaa0000-20260101T000000", "bbbb0000-20260102T000000"
 
 
 def _out(folder) -> Storage:
@@ -23,10 +35,10 @@ def _out(folder) -> Storage:
     return open_storage(str(folder), create=True)
 
 
-def _record(i: int, question: str = "q", error=None) -> ResultRecord:
+def _record(i: int, question: str = "q", error=None, fingerprint: str = FP) -> ResultRecord:
     return ResultRecord(key=f"img/{i:07d}.jpg", size=100 + i, etag=f"e{i}", sha256=f"{i:064x}", recipe="llava",
-                        model="m", question=question, prompt=None, text="a caption", finish_reason="stop",
-                        error=error, timings={}, fingerprint=FP, run_id="r")
+                        model="m", question=question, prompt=None, text=f"caption {i}", finish_reason="stop",
+                        error=error, timings={}, fingerprint=fingerprint, run_id="r")
 
 
 def _item(i: int, etag: str | None = None) -> WorkItem:
@@ -34,46 +46,194 @@ def _item(i: int, etag: str | None = None) -> WorkItem:
     return WorkItem(key, (ObjectRef(key, 100 + i, etag or f"e{i}"),))
 
 
-def test_sidecars_are_read_and_a_changed_part_is_parsed(tmp_path, prefect_api):
-    out = tmp_path / "out"
-    retryable = {"kind": "fetch", "message": "timeout", "retryable": True}
-    write_shard(_out(out), FP, "run1", 0, [_record(0), _record(1), _record(2, error=retryable)])
-    write_shard(_out(out), FP, "run1", 1, [_record(3), _record(3, question="other")])
-    part0 = out / part_key(FP, "run1", 0)
-    assert (out / sidecar_key(part_key(FP, "run1", 0))).stat().st_size == 16 + 2 * ROW.itemsize  # final rows only
+def _load(out: Storage) -> tuple[DoneIndex, RecordingStorage]:
+    watched = RecordingStorage(out)
+    return load_done_index.fn(watched, FP), watched
 
-    done = load_done_index.fn(_out(out), FP)
-    assert len(done) == 4
+
+def _done(index: DoneIndex, *numbers: int) -> bool:
+    return all(index.pending_by_listing(_item(i), ("q",)) == () for i in numbers)
+
+
+def _parts_read(watched: RecordingStorage) -> list[str]:
+    return sorted({key for key in watched.reads if key.endswith(".jsonl")})
+
+
+def test_the_parts_of_a_run_the_view_owes_a_file_are_parsed(tmp_path):
+    out = _out(tmp_path / "out")
+    retryable = {"kind": "fetch", "message": "timeout", "retryable": True}
+    write_shard(out, FP, RUN1, 0, [_record(0), _record(1), _record(2, error=retryable)])
+    write_shard(out, FP, RUN1, 1, [_record(3), _record(3, question="other")])
+    assert out.exists(view_owed_key(FP, RUN1)) and not list(out.iter_objects(prefix=PARQUET_VIEW_PREFIX))
+
+    done, watched = _load(out)
+    assert _parts_read(watched) == [part_key(FP, RUN1, 0), part_key(FP, RUN1, 1)]
+    assert len(done) == 4  # final records only
     assert done.pending_by_listing(_item(0), ("q", "new")) == ("new",)
     assert done.pending_by_listing(_item(2), ("q",)) == ("q",)  # a retryable failure is not done
     assert done.pending_by_listing(_item(0, etag="changed"), ("q",)) == ("q",)
     assert done.pending_by_content(_item(0).id, f"{0:064x}", ("q",)) == ()
     assert done.pending_by_listing(_item(3), ("q", "other")) == ()
 
-    # A part cut short (its sidecar no longer matches its size) is parsed: what it lost is redone.
-    part0.write_bytes(part0.read_bytes().split(b"\n", 1)[0] + b"\n")
-    done = load_done_index.fn(_out(out), FP)
-    assert done.pending_by_listing(_item(0), ("q",)) == () and done.pending_by_listing(_item(1), ("q",)) == ("q",)
-    # A part written before sidecars existed is parsed too.
-    (out / sidecar_key(part_key(FP, "run1", 1))).unlink()
-    assert len(load_done_index.fn(_out(out), FP)) == 3
+    # A part that cannot be read is skipped, named: its items are computed again.
+    out.write(part_key(FP, RUN1, 2), b"\xff\xfe not text")
+    loaded = load_rows(out, FP)
+    assert loaded.unreadable == [part_key(FP, RUN1, 2)] and sum(len(s.rows) for s in loaded.sources) == 4
 
 
-def test_100k_earlier_results_load_fast_in_bounded_memory(tmp_path, prefect_api):
-    out, per_part, total = tmp_path / "out", 64, 100_000
-    for shard, start in enumerate(range(0, total, per_part)):
-        write_shard(_out(out), FP, "big", shard, [_record(i) for i in range(start, min(start + per_part, total))])
-    tracemalloc.start()
-    began = time.perf_counter()
-    done = load_done_index.fn(_out(out), FP)
-    seconds = time.perf_counter() - began
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    print(f"DONE-INDEX 100k records, {total // per_part + 1} parts: {seconds:.2f} s, peak {peak / 2**20:.1f} MiB, "
-          f"index {done.nbytes / 2**20:.1f} MiB")
-    assert len(done) == total and done.nbytes == total * (ROW.itemsize + 4)  # + which part and line
-    assert peak < 64 * 2**20  # a dict of records would take ~20x this
-    assert done.pending_by_listing(_item(99_999), ("q",)) == () and done.pending_by_listing(_item(total), ("q",))
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_once_a_runs_view_file_is_written_a_load_reads_its_columns_and_no_part(tmp_path, where, request):
+    if where == "s3":
+        request.getfixturevalue("s3_client").create_bucket(Bucket="view")
+        out = open_storage("s3://view/out/")
+    else:
+        out = _out(tmp_path / "out")
+    parts = [write_shard(out, FP, RUN1, shard, [_record(2 * shard), _record(2 * shard + 1)]) for shard in range(3)]
+    export_after_run.fn(out, out.uri, FP, RUN1, parts)
+    assert out.exists(run_parquet_key(RUN1)) and not out.exists(view_owed_key(FP, RUN1))
+
+    done, watched = _load(out)  # a night with nothing new: the marks, the view files, their columns
+    assert len(done) == 6 and _done(done, 0, 5)
+    assert watched.listed == [view_owed_prefix(FP), PARQUET_VIEW_PREFIX]
+    assert set(watched.reads) == {run_parquet_key(RUN1)}
+
+    # A run that wrote since and has no view file yet: its parts are parsed, no other.
+    write_shard(out, FP, RUN2, 0, [_record(100)])
+    done, watched = _load(out)
+    assert len(done) == 7 and _done(done, 0, 5, 100)
+    assert part_prefix(FP, RUN2) in watched.listed and results_prefix(FP) not in watched.listed
+    assert _parts_read(watched) == [part_key(FP, RUN2, 0)]
+
+
+def test_with_no_view_file_of_the_fingerprint_every_part_is_parsed(tmp_path):
+    out = _out(tmp_path / "out")
+    parts = [write_shard(out, FP, RUN1, shard, [_record(shard)]) for shard in range(3)]
+    add_run(out, FP, RUN1, parts, earlier=DoneIndex())
+    other = "e" * 16  # another job's view file: no row of FP
+    add_run(out, other, RUN2, [write_shard(out, other, RUN2, 0, [_record(9, fingerprint=other)])],
+            earlier=DoneIndex())
+    out.delete(run_parquet_key(RUN1))  # deleted by hand; no mark says a run is owed
+
+    done, watched = _load(out)
+    assert len(done) == 3 and _done(done, 0, 1, 2) and not _done(done, 9)
+    assert results_prefix(FP) in watched.listed
+    assert _parts_read(watched) == [part_key(FP, RUN1, shard) for shard in range(3)]
+
+
+class RunEndsBetweenListings:
+    """The output, where run RUN2 writes its view file and removes its mark right after the
+    load's first listing of the marks or of the view files, before the other."""
+
+    def __init__(self, inner: Storage, parts: list[str]):
+        self.inner, self.parts, self.ended = inner, parts, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def iter_objects(self, glob=None, prefix="", start_after=""):
+        listed = list(self.inner.iter_objects(glob, prefix, start_after))
+        if prefix in (view_owed_prefix(FP), PARQUET_VIEW_PREFIX) and not self.ended:
+            self.ended = True
+            add_run(self.inner, FP, RUN2, self.parts, earlier=DoneIndex())
+        return iter(listed)
+
+
+def test_the_owed_marks_are_listed_before_the_view_files(tmp_path):
+    """Listed the other way round, the run's file would be missed and then its mark: its
+    results would count as not done."""
+    out = _out(tmp_path / "out")
+    add_run(out, FP, RUN1, [write_shard(out, FP, RUN1, 0, [_record(0)])], earlier=DoneIndex())
+    parts = [write_shard(out, FP, RUN2, 0, [_record(1)])]
+    racing = RunEndsBetweenListings(out, parts)
+    done = load_done_index.fn(racing, FP)
+    assert racing.ended and not out.exists(view_owed_key(FP, RUN2)) and out.exists(run_parquet_key(RUN2))
+    assert _done(done, 0, 1)
+
+
+def test_a_view_file_without_the_hash_columns_gives_the_same_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = _out(tmp_path / "out")
+    group = ResultRecord(**{**_record(7).model_dump(), "sha256": None, "members": [
+        {"key": "g/a.jpg", "size": 3, "etag": "ea"}, {"key": "g/b.jpg", "size": 4, "etag": "eb"}]})
+    records = [_record(0), _record(1, question=None), _record(2, error={"kind": "decode", "message": "bad"}), group]
+    add_run(out, FP, RUN1, [write_shard(out, FP, RUN1, 0, records)], earlier=DoneIndex())
+    hashed = load_rows(out, FP).sources
+
+    table = pq.read_table(tmp_path / "out" / run_parquet_key(RUN1))
+    older = table.drop_columns(list(VIEW_HASHES))
+    assert not set(VIEW_HASHES) & set(older.column_names)
+    out.write(run_parquet_key(RUN1), _parquet_bytes(pa, pq, older))
+    computed = load_rows(out, FP).sources
+    assert [s.key for s in computed] == [s.key for s in hashed] == [run_parquet_key(RUN1)]
+    assert len(computed[0].rows) == 4 and computed[0].rows.tobytes() == hashed[0].rows.tobytes()
+
+
+def _parquet_bytes(pa, pq, table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def test_a_part_whose_read_fails_for_a_moment_is_read_again_never_skipped(tmp_path, monkeypatch):
+    """A part of a run the view owes a file is parsed; a read of it that fails transiently (a
+    body cut short, a timeout) is tried again, and one that keeps failing fails the load (retried
+    as a task) instead of leaving the part's results out, which a run would compute and write twice."""
+    import vlm_caption.tasks.sources.transient as transient
+    from vlm_caption.tasks.sources.storage import ShortBodyError
+
+    monkeypatch.setattr(transient, "PAUSE_S", 0.01)
+    out = _out(tmp_path / "out")
+    write_shard(out, FP, RUN1, 0, [_record(0), _record(1)])
+    read, failures = out.read, [0]
+
+    def flaky(key: str) -> bytes:
+        if key.endswith(".jsonl") and failures[0] > 0:
+            failures[0] -= 1
+            raise ShortBodyError(f"{key}: 10 of 900 bytes")
+        return read(key)
+
+    monkeypatch.setattr(out, "read", flaky)
+    failures[0] = 2  # fails twice, then answers
+    assert _done(load_done_index.fn(out, FP), 0, 1) and failures[0] == 0
+    failures[0] = 99  # keeps failing: the load fails rather than forget the part
+    with pytest.raises(ShortBodyError):
+        load_done_index.fn(out, FP)
+
+
+def test_an_earlier_answer_is_read_back_from_a_view_row(tmp_path):
+    """The row a copy's answer comes from is found among a file's rows of other fingerprints, in
+    a row group past the first, and in a file of this fingerprint's rows only."""
+    out, other = _out(tmp_path / "out"), "e" * 16
+    mine = [_record(i) for i in range(6)]
+    mixed = [r for i, record in enumerate(mine[:5]) for r in (_record(50 + i, fingerprint=other), record)]
+    write_rows(out, run_parquet_key(RUN1), [_view_rows(mixed)], row_group_rows=3)
+    add_run(out, FP, RUN2, [write_shard(out, FP, RUN2, 0, mine[5:])], earlier=DoneIndex())
+    done, watched = _load(out)
+    assert len(done) == 6
+    for original in mine:
+        found = done.earlier_answer("q", sha256=original.sha256)
+        assert (found.key, found.text, found.finish_reason, found.question) == (
+            original.key, original.text, original.finish_reason, original.question)
+    assert done.earlier_answer("other question", sha256=mine[0].sha256) is None
+    assert not _parts_read(watched) and set(watched.reads) == {run_parquet_key(RUN1), run_parquet_key(RUN2)}
+
+
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_a_listing_under_a_prefix_that_ends_inside_a_name(tmp_path, where, request):
+    """What a load lists an owed run's parts with (`part_prefix`): its parts and its partitions',
+    not another run's whose id begins with it; the same on a folder and on S3."""
+    if where == "s3":
+        request.getfixturevalue("s3_client").create_bucket(Bucket="prefix")
+        store = open_storage("s3://prefix/out/")
+    else:
+        store = _out(tmp_path / "out")
+    for key in ["r/view-owed/x", "r/part-x-00000.jsonl", "r/part-x-p0-00000.jsonl", "r/part-xy-00000.jsonl"]:
+        store.write(key, b"1")
+    keys = lambda prefix: [ref.key for ref in store.iter_objects(prefix=prefix)]  # noqa: E731
+    assert keys("r/part-x-") == ["r/part-x-00000.jsonl", "r/part-x-p0-00000.jsonl"]
+    assert keys("r/view-owed/") == ["r/view-owed/x"] and keys("r/nothing-") == []
 
 
 def test_an_empty_index_has_everything_pending():
@@ -82,90 +242,46 @@ def test_an_empty_index_has_everything_pending():
     assert done.pending_by_content("x", "abc", ("q",)) == ("q",)
 
 
-class CountingStorage:
-    """The output storage, counting the objects read (on an object store, one GET each)."""
-
-    def __init__(self, inner):
-        self.inner, self.reads = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def read(self, key: str) -> bytes:
-        self.reads.append(key)
-        return self.inner.read(key)
+def _view_rows(records: list[ResultRecord]) -> list[dict]:
+    """The records' view rows, as `add_run` writes them."""
+    extra = [name for name in ResultRecord.model_fields if name not in _OWN]
+    return [view_row(record, None, extra) for record in records]
 
 
-def _load_counting(out) -> tuple[DoneIndex, list[str]]:
-    storage = CountingStorage(_out(out))
-    return load_done_index.fn(storage, FP), storage.reads
+def write_view_file(out: Storage, run_id: str, total: int) -> None:
+    """A run's view file of `_record(0)` ... `_record(total - 1)`: `_view_rows`'s rows, made
+    column by column (a record and a dict per row would take most of the test's time)."""
+    import pyarrow as pa
+
+    from vlm_caption.tasks.results.done_rows import content_hash, result_key, signature_hash
+    from vlm_caption.tasks.results.parquet import results_schema
+
+    schema, numbers = results_schema(), range(total)
+    keys, etags = [f"img/{i:07d}.jpg" for i in numbers], [f"e{i}" for i in numbers]
+    shas = [f"{i:064x}" for i in numbers]
+    varying = {"key": keys, "etag": etags, "sha256": shas, "size": [100 + i for i in numbers],
+               "caption": [f"caption {i}" for i in numbers], "done_key": [result_key(k, "q") for k in keys],
+               "listed_hash": [signature_hash(((e, 100 + i),)) for i, e in enumerate(etags)],
+               "content_hash": [content_hash(sha) for sha in shas]}
+    same = _view_rows([_record(0)])[0]
+    table = pa.table({field.name: pa.array(varying.get(field.name) or [same[field.name]] * total, field.type)
+                      for field in schema}, schema=schema)
+    for i in (0, total - 1):  # the rows `view_row` makes
+        assert table.slice(i, 1).to_pylist() == pa.Table.from_pylist(_view_rows([_record(i)]), schema).to_pylist()
+    write_rows(out, run_parquet_key(run_id), [table])
 
 
-def test_a_long_history_is_compacted_into_one_object_and_stays_exact(tmp_path, prefect_api):
-    from vlm_caption.tasks.results.done_index import COMPACT_AFTER
-
-    out = tmp_path / "out"
-    for shard in range(COMPACT_AFTER + 6):
-        write_shard(_out(out), FP, "old", shard, [_record(2 * shard), _record(2 * shard + 1)])
-    total = 2 * (COMPACT_AFTER + 6)
-    broken = out / part_key(FP, "broken", 0)
-    broken.write_bytes(b"\xff\xfe not text")  # unreadable, and no sidecar
-    done, reads = _load_counting(out)  # every sidecar read, then compacted
-    assert len(done) == total and len(reads) == COMPACT_AFTER + 6 + 1
-    compacted = sorted((out / "results" / FP).glob("*.vidx"))
-    assert len(compacted) == 1
-
-    # One object for the whole history; the part that could not be read is tried again.
-    done, reads = _load_counting(out)
-    assert len(done) == total and reads == [f"results/{FP}/{compacted[0].name}", part_key(FP, "broken", 0)]
-    broken.unlink()
-
-    # Parts written since are read beside it; a part cut short is parsed, and one deleted no
-    # longer counts, though the compacted index still lists their rows.
-    write_shard(_out(out), FP, "new", 0, [_record(total)])
-    part0 = out / part_key(FP, "old", 0)
-    part0.write_bytes(part0.read_bytes().split(b"\n", 1)[0] + b"\n")  # keeps record 0, loses 1
-    (out / part_key(FP, "old", 1)).unlink()  # records 2 and 3
-    done, reads = _load_counting(out)
-    assert len(reads) == 4  # the compacted index, the new part's sidecar, part 0's (stale) and part 0
-    assert len(done) == total + 1 - 3
-    assert [done.pending_by_listing(_item(i), ("q",)) for i in (0, 1, 2, 4, total)] == [(), ("q",), ("q",), (), ()]
-
-    # A damaged compacted index is passed over (the sidecars answer), then replaced.
-    compacted[0].write_bytes(b"garbage")
-    done, reads = _load_counting(out)
-    assert len(done) == total + 1 - 3 and len(reads) > COMPACT_AFTER
-    assert [p.name for p in (out / "results" / FP).glob("*.vidx")] != [compacted[0].name]
-    assert len(list((out / "results" / FP).glob("*.vidx"))) == 1
-    done, reads = _load_counting(out)
-    assert len(done) == total + 1 - 3 and len(reads) == 1
-
-
-def test_a_part_whose_read_fails_for_a_moment_is_read_again_never_skipped(tmp_path, prefect_api, monkeypatch):
-    """A part without a usable sidecar is parsed; a read of it that fails transiently (a body cut
-    short, a timeout) is tried again, and one that keeps failing fails the load (retried as a
-    task) instead of leaving the part's results out, which a run would compute and write twice."""
-    import pytest
-
-    import vlm_caption.tasks.sources.transient as transient
-    from vlm_caption.tasks.sources.storage import ShortBodyError
-
-    monkeypatch.setattr(transient, "PAUSE_S", 0.01)
-    out = _out(tmp_path / "out")
-    write_shard(out, FP, "run1", 0, [_record(0), _record(1)])
-    out.delete(sidecar_key(part_key(FP, "run1", 0)))  # so the part itself is read
-    read, failures = out.read, []
-
-    def flaky(key: str) -> bytes:
-        if key.endswith(".jsonl") and failures and failures[0] > 0:
-            failures[0] -= 1
-            raise ShortBodyError(f"{key}: 10 of 900 bytes")
-        return read(key)
-
-    monkeypatch.setattr(out, "read", flaky)
-    failures[:] = [2]  # fails twice, then answers
+def test_100k_earlier_results_load_fast_in_bounded_memory(tmp_path):
+    out, total = _out(tmp_path / "out"), 100_000
+    write_view_file(out, RUN1, total)
+    tracemalloc.start()
+    began = time.perf_counter()
     done = load_done_index.fn(out, FP)
-    assert not done.pending_by_listing(_item(0), ("q",)) and not done.pending_by_listing(_item(1), ("q",))
-    failures[:] = [99]  # keeps failing: the load fails rather than forget the part
-    with pytest.raises(ShortBodyError):
-        load_done_index.fn(out, FP)
+    seconds = time.perf_counter() - began
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    print(f"DONE-INDEX 100k results in a view file: {seconds:.2f} s, peak {peak / 2**20:.1f} MiB, "
+          f"index {done.nbytes / 2**20:.1f} MiB")
+    assert len(done) == total and done.nbytes == total * (ROW.itemsize + 4)  # + which source and row
+    assert seconds < 5 and peak < 32 * 2**20  # a parsed record per result would take ~10x this
+    assert _done(done, 0, total - 1) and not _done(done, total)

@@ -141,7 +141,7 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
         assert sum(int(line.split(" items=")[1].split()[0]) for line in batch_lines) == 20
 
     # One S3 client for the whole run (source and output share it): the listing, 4 shards'
-    # fetches, parts and sidecars, the done-index, two manifest writes, the export, the gallery.
+    # fetches, the view-owed mark and parts, the done-index, two manifest writes, the export, the gallery.
     assert len(clients) == 1
 
     # Same parameters again: everything is already done; nothing recomputed or duplicated.
@@ -162,17 +162,23 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
     assert third["processed"] == 1 and third["succeeded"] == 1 and third["skipped_already_done"] == 20
     assert len(_records(s3_client, "captions/results/")) == 21
 
-    # A damaged results part (cut mid-line), a foreign file and a binary file under the results
-    # prefix: each is skipped with a warning naming it, and only the lost items are computed again.
-    parts = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix="captions/results/")["Contents"]
-                   if o["Key"].endswith(".jsonl"))  # each part's .idx sidecar no longer matches its size
+    # A damaged results part (cut mid-line) of a run the Parquet view still owes a file (as a run
+    # killed before its Parquet step leaves it: its `view-owed` mark there, no view file; the
+    # done-index parses the parts of such a run only, the view's hash columns stand for the rest),
+    # and a foreign file and a binary file among that run's parts: each is skipped with a warning
+    # naming it, and only the lost items are computed again.
+    first_run, fingerprint = summary["run_id"], summary["fingerprint"]
+    s3_client.delete_object(Bucket=BUCKET, Key=f"captions/parquet/run-{first_run}.parquet")
+    s3_client.put_object(Bucket=BUCKET, Key=f"captions/results/{fingerprint}/view-owed/{first_run}", Body=b"")
+    prefix = f"captions/results/{fingerprint}/part-{first_run}-"
+    parts = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"])
+    assert len(parts) == 4, parts
     damaged = parts[0]
     body = s3_client.get_object(Bucket=BUCKET, Key=damaged)["Body"].read()
     kept = body[: len(body) // 2]
     s3_client.put_object(Bucket=BUCKET, Key=damaged, Body=kept)
-    prefix = damaged.rsplit("/", 1)[0]
-    s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}/notes.jsonl", Body=b'{"hello": "not a record"}\nplain text\n')
-    s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}/junk.jsonl", Body=b"\xff\xfe\x00binary")
+    s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}notes.jsonl", Body=b'{"hello": "not a record"}\nplain text\n')
+    s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}junk.jsonl", Body=b"\xff\xfe\x00binary")
     whole_lines = kept.count(b"\n")
     lost = body.count(b"\n") - whole_lines
     fourth = vlm_caption(job)
@@ -181,8 +187,9 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
     for record in _records_lenient(s3_client, "captions/results/"):
         valid.append(record["key"])
     assert sorted(valid) == sorted([k.removeprefix("images/") for k in objects] + ["new.png"])  # each once
-    # The Parquet view, its files read as one: every result once, the cut part's lost records
-    # (computed again by the fourth run) out of the first run's file.
+    # The Parquet view, its files read as one: every result once, the first run's file added again
+    # (by the fourth run, from its parts: without the cut part's lost records, which the fourth
+    # run computed again and holds), and the view owes no run a file.
     import io
 
     import pyarrow as pa
@@ -192,6 +199,11 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
     view = pa.concat_tables(pq.read_table(io.BytesIO(s3_client.get_object(Bucket=BUCKET, Key=key)["Body"].read()))
                             for key in views)
     assert len(views) == 3 and sorted(view.column("key").to_pylist()) == sorted(valid)  # runs 1, 3 and 4 added some
+    assert f"captions/parquet/run-{first_run}.parquet" in views
+    assert not s3_client.list_objects_v2(Bucket=BUCKET, Prefix=f"captions/results/{fingerprint}/view-owed/").get("Contents")
+    ended = json.loads(s3_client.get_object(Bucket=BUCKET, Key=f"captions/manifests/{fourth['run_id']}.json")["Body"].read())
+    repaired = ended["parquet"]["repaired"][first_run]  # the cut part named; its whole lines are in the view
+    assert [part.rsplit("/", 1)[1] for part in repaired["damaged_parts"]] == [damaged.rsplit("/", 1)[1]], repaired
     assert len(clients) == 1  # four runs in this process, still the one client
 
 

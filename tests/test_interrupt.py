@@ -7,11 +7,11 @@ One run per moment, on the embedded Prefect server and vLLM's engine process (th
 on any host), each recognised from what the terminal or the output shows: right after the log's line
 (vLLM importing), the phase line `building the engine` (the engine's share in this process, before
 Prefect), the phase line `starting Prefect` with Prefect's "Starting temporary server" in the log
-(its embedded server starting, the engine building beside it), the first part (or `writing/` stamp) of the run appearing in the
-output (parts being written), and, on the next run (earlier results: Prefect started early, the
-engine at the first item with work), captions coming in (the engine generating); then a run to the
-end. And, without an engine, a main thread that does not let go of the Ctrl-C: the watchdog ends the
-run, or a second Ctrl-C at once.
+(its embedded server starting, the engine building beside it), the first part of the run (or the
+`view-owed` mark its writer leaves before it) appearing in the output (parts being written), and, on
+the next run (earlier results: Prefect started early, the engine at the first item with work),
+captions coming in (the engine generating); then a run to the end. And, without an engine, a main
+thread that does not let go of the Ctrl-C: the watchdog ends the run, or a second Ctrl-C at once.
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ def _captioning(terminal: Terminal, out: Path, before: set[Path]) -> bool:
 
 
 def _files(out: Path) -> set[Path]:
-    """Every file under the output's results/: parts, their sidecars, `writing/` stamps, staged files."""
+    """Every file under the output's results/: parts, `view-owed` marks, staged files."""
     return {path for path in (out / "results").rglob("*") if path.is_file()} if (out / "results").exists() else set()
 
 
 def _writing(terminal: Terminal, out: Path, before: set[Path]) -> bool:
-    """The run's first part, or the `writing/` stamp its writer leaves before it, is in the output
+    """The run's first part, or the `view-owed` mark its writer leaves before it, is in the output
     (or being staged there): parts are being written."""
-    return any(".jsonl" in path.name or path.parent.name == "writing" for path in _files(out) - before)
+    return any(".jsonl" in path.name or path.parent.name == "view-owed" for path in _files(out) - before)
 
 
 # In the order of a first run's start, then a rerun (earlier results) for the generating. Each gets

@@ -18,10 +18,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pyarrow.dataset as pads
 
-from vlm_caption.tasks.results.done_rows import load_part_rows, result_key
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.done_rows import load_rows, read_part_rows
 from vlm_caption.tasks.sources.storage import open_storage
 from tests.images import image_bytes
 
@@ -114,12 +114,21 @@ def test_a_run_killed_at_any_point_is_made_whole_by_the_next(tiny_llava, tmp_pat
     assert keys == Counter(f"{i:02d}.png" for i in range(added)), keys  # none lost, none twice
     assert all(r["error"] is None for r in records)
 
-    # The Parquet view, read as one dataset, is exactly the done-index's results.
+    # The Parquet view, read as one dataset, is exactly the parts' results, each once, down to its
+    # hash columns; it owes no run a file, so the done-index a next run loads is the view's alone.
     fingerprint = records[0]["fingerprint"]
     rows = pads.dataset(str(output / "parquet"), format="parquet").to_table().to_pylist()
     assert sorted(r["key"] for r in rows) == sorted(keys)
-    done = np.concatenate(list(load_part_rows(open_storage(str(output)), fingerprint).rows.values()))
-    assert {result_key(r["key"], r["question"]) for r in rows} == set(done["key"].tolist())
+    out = open_storage(str(output))
+    parts = [ref for ref in out.iter_objects(prefix=f"results/{fingerprint}/") if ref.key.endswith(".jsonl")]
+    by_part, unreadable = read_part_rows(out, parts, get_logger())
+    done = sorted(tuple(row) for part in by_part.values() for row in part.tolist())
+    assert not unreadable and len(done) == added
+    assert sorted((r["done_key"], r["listed_hash"], r["content_hash"]) for r in rows) == done
+    assert not list(out.iter_objects(prefix=f"results/{fingerprint}/view-owed/"))
+    loaded = load_rows(out, fingerprint)
+    assert not loaded.unreadable and all(source.key.startswith("parquet/") for source in loaded.sources)
+    assert sorted(tuple(row) for source in loaded.sources for row in source.rows.tolist()) == done
     manifests = sorted((json.loads(p.read_text()) for p in output.glob("manifests/*.json")),
                        key=lambda m: m["run_id"].split("-", 1)[1])
     assert manifests[-1]["parquet"]["complete"], manifests[-1]["parquet"]

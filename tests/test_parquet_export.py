@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
 from vlm_caption.flows.cli import main
 from vlm_caption.tasks.results import parquet, parquet_view
-from vlm_caption.tasks.results.done_rows import sidecar_key
-from vlm_caption.tasks.results.layout import part_key, run_parquet_key
+from vlm_caption.tasks.results.done_rows import record_row
+from vlm_caption.tasks.results.layout import VIEW_HASHES, part_key, run_parquet_key
 from vlm_caption.tasks.results.parquet import export_parquet
 from vlm_caption.tasks.results.parquet_view import export_after_run
 from vlm_caption.tasks.records import ResultRecord
@@ -68,6 +69,9 @@ def check_rows(rows: list[dict]) -> None:
     assert rows["a.jpg"]["source"] is None  # run 2 wrote no manifest
     assert rows["d.jpg"]["timings"]["generate_s"] == pytest.approx(0.3)
     assert {"model", "recipe", "fingerprint", "prompt_tokens", "output_tokens"} <= set(rows["a.jpg"])
+    # the done-index's row of the record, which the done-index reads from the view
+    assert tuple(rows["d.jpg"][name] for name in VIEW_HASHES) == record_row(
+        record("d.jpg", RUN1, "a dog", question="What animal?"))
 
 
 def test_folder_export_reads_back_with_datasets_pyarrow_and_pandas(tmp_path):
@@ -126,6 +130,8 @@ def test_extra_record_fields_become_string_columns(tmp_path, monkeypatch):
 
 
 def test_part_cut_short_or_unreadable_is_not_exported_as_complete(tmp_path):
+    """A part cut mid-line gives the records it still holds and is named under damaged_parts; a
+    part that is not UTF-8 gives none and is named under skipped_parts; neither export is complete."""
     output = tmp_path / "out"
     write_shard(out(output), FP, RUN1, 0, [record("a.jpg", RUN1), record("b.jpg", RUN1)])
     write_shard(out(output), FP, RUN1, 1, [record("z.jpg", RUN1)])
@@ -134,13 +140,13 @@ def test_part_cut_short_or_unreadable_is_not_exported_as_complete(tmp_path):
     cut.write_bytes(body[: len(body.splitlines(keepends=True)[0]) + 20])  # a.jpg whole, b.jpg cut mid-line
     broken = output / part_key(FP, RUN1, 1)
     broken.write_bytes(b"\xff\xfe not utf-8")
-    (output / sidecar_key(part_key(FP, RUN1, 1))).unlink()
 
     report = export_parquet(out(output), out(output), ONE_FILE)
     assert report["complete"] is False
     assert str(cut) in report["damaged_parts"] and str(broken) in report["skipped_parts"]
     assert [row["key"] for row in pq.read_table(report["path"]).to_pylist()] == ["a.jpg"]
     assert main(["export", str(output)]) == 1  # the CLI's rebuild of the view says so too
+    assert [row["key"] for row in pads.dataset(str(output / "parquet")).to_table().to_pylist()] == ["a.jpg"]
 
 
 def test_s3_export(s3_client, tmp_path):

@@ -1,7 +1,9 @@
 """The Parquet view (tasks/results/parquet_view.py): parts written as the writers write them
-(part, then its done-index sidecar), the view under <out>/parquet/ read as ONE dataset by
+(the run's view-owed mark, then the part), the view under <out>/parquet/ read as ONE dataset by
 pyarrow.dataset, pandas, `datasets` (and DuckDB where installed). After every step it holds
-exactly the done-index's results, each once, the latest. No engine starts."""
+exactly the results the parts hold, each once, the latest, with the done-index's row of each in
+its hash columns, and the done-index (which reads those columns) counts exactly them. No engine
+starts."""
 
 from __future__ import annotations
 
@@ -16,12 +18,16 @@ import pytest
 
 from vlm_caption.flows.cli import main
 from vlm_caption.tasks.results import parquet_view
-from vlm_caption.tasks.results.done_rows import load_part_rows, result_key
-from vlm_caption.tasks.results.layout import part_key, part_prefix, partition_parts_id, run_parquet_key
+from vlm_caption.tasks.observability import get_logger
+from vlm_caption.tasks.results.done_index import read_done_index
+from vlm_caption.tasks.results.done_rows import load_rows, read_part_rows, record_row, result_key
+from vlm_caption.tasks.results.layout import VIEW_HASHES, part_key, part_prefix, partition_parts_id, run_parquet_key
+from vlm_caption.tasks.results.parquet import record_from_row, results_schema, view_row
 from vlm_caption.tasks.results.parquet_compact import compact_view
 from vlm_caption.tasks.results.parquet_view import add_run
-from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.records import Member, ResultRecord
 from vlm_caption.tasks.results.writers import write_manifest, write_shard
+from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from tests.test_parquet_export import FP, RUN1, RUN2, out, record
 from tests.recording_storage import RecordingStorage
 
@@ -61,14 +67,23 @@ def latest_results(output) -> dict[tuple[str, str, str], tuple[str, str | None]]
     return latest
 
 
+def done_keys(output) -> set[int]:
+    """The result keys the done-index counts now (the view's hash columns, the owed runs' parts)."""
+    return {key for source in load_rows(out(output), FP).sources for key in source.rows["key"].tolist()}
+
+
 def assert_view_is_the_done_index(output) -> list[dict]:
-    """The view read as one (pyarrow.dataset, pandas, DuckDB where installed) holds every result
-    the done-index counts, once, and it is the latest."""
+    """The view read as one (pyarrow.dataset, pandas, DuckDB where installed) holds every final
+    result of the parts, once, and it is the latest; each row's hash columns are its record's
+    done-index row, and the done-index counts exactly the view's results."""
     rows = view_rows(output)
     found = [(r["fingerprint"], r["key"], r["question"] or "") for r in rows]
     assert len(found) == len(set(found)), f"a result appears twice: {sorted(found)}"
-    done = load_part_rows(out(output), FP).rows.values()
-    assert {result_key(key, question) for _, key, question in found} == set(np.concatenate(list(done))["key"].tolist())
+    o = out(output)
+    parsed, _ = read_part_rows(o, list(o.iter_objects(prefix=f"results/{FP}/part-")), get_logger())
+    keys = {result_key(key, question) for _, key, question in found}
+    assert keys == set(np.concatenate(list(parsed.values()))["key"].tolist()) == done_keys(output)
+    assert [tuple(r[name] for name in VIEW_HASHES) for r in rows] == [record_row(record_from_row(r)) for r in rows]
     assert {ident: (r["run_id"], r["caption"]) for ident, r in zip(found, rows)} == latest_results(output)
     pandas = pytest.importorskip("pandas")
     frame = pandas.read_parquet(Path(output) / "parquet")
@@ -198,27 +213,56 @@ def test_a_fanned_out_run_adds_every_partitions_parts_each_result_once(tmp_path)
     assert sorted(r["key"] for r in assert_view_is_the_done_index(output)) == ["w.jpg", "x.jpg", "y.jpg"]
 
 
-def test_a_part_cut_short_since_has_its_records_replaced_and_the_cli_rebuilds_the_view(tmp_path, capsys):
-    """A part cut short by hand loses records; the next run computes them again. The view does
-    not hold them twice (the cut part's run file is checked against the new results), and
-    `vlm-caption export OUT` makes the view again from every part, as one file."""
+def test_a_part_cut_short_after_its_runs_view_file_changes_nothing_and_the_cli_rebuilds_the_view(tmp_path, capsys):
+    """A part cut short by hand after its run's view file was written: the done-index reads the
+    view, which still holds the cut records, so nothing is computed again. `vlm-caption export
+    OUT` makes the view again from every part, as one file, and names the cut part as damaged."""
     output = tmp_path / "out"
-    o = out(output)
     first_run(output)
-    cut = next((output / "results" / FP).glob(f"part-{RUN1}-00000.jsonl"))
-    cut.write_bytes(cut.read_bytes().splitlines(keepends=True)[0])  # a.jpg stays; b.jpg and c.jpg are lost
-    part = write_shard(o, FP, RUN4, 0, [
-        record("b.jpg", RUN4, None, {"kind": "decode", "message": "not an image", "retryable": False})])
-    report = add_run(o, FP, RUN4, [part])
-    assert report["rewritten"] == {str(output / run_parquet_key(RUN1)): 1}
-    assert_view_is_the_done_index(output)
+    o = out(output)
+    before = done_keys(output)
+    cut = output / part_key(FP, RUN1, 0)
+    lines = cut.read_bytes().splitlines(keepends=True)
+    cut.write_bytes(lines[0] + lines[1][:30])  # a.jpg stays; b.jpg cut mid-line, c.jpg lost
+    assert done_keys(output) == before
+    index = read_done_index(o, FP)
+    assert set(index.holding(np.array([result_key("b.jpg", None)], np.uint64))) == {run_parquet_key(RUN1)}
+    b = WorkItem("b.jpg", (ObjectRef("b.jpg", 10, "e-b.jpg"),))
+    assert index.pending_by_listing(b, ("",)) == ()  # b.jpg is not computed again
 
     assert main(["export", str(output)]) == 1  # the cut part is named: the view holds what it still has
     printed = json.loads(capsys.readouterr().out)
     assert list(printed["damaged_parts"]) == [str(cut)] and printed["complete"] is False
-    assert len(printed["replaced"]) == 2 and printed["rows"] == 3
+    assert printed["replaced"] == [str(output / run_parquet_key(RUN1))] and printed["rows"] == 2
     assert len(files(output)) == 1
     assert_view_is_the_done_index(output)
+
+
+def test_compaction_of_a_file_without_hash_columns_and_a_new_one_gives_the_records_rows(tmp_path):
+    """A view file written before the hash columns existed (written here with pyarrow) is read by
+    the done-index as it is; compacted with a run's new file, the one file has every row's hash
+    columns, equal to its record's done-index row (`record_row`), a group's members included."""
+    import pyarrow as pa
+
+    output = tmp_path / "out"
+    o = out(output)
+    group = record("g/", RUN1, "two cats").model_copy(update={"members": [
+        Member(key="g/1.jpg", size=4, etag="e1"), Member(key="g/2.jpg", size=6, etag="e2")]})
+    old = [record("a.jpg", RUN1, "first caption"), group]
+    schema = pa.schema([field for field in results_schema() if field.name not in VIEW_HASHES])
+    (output / "parquet").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([view_row(r, None, []) for r in old], schema=schema),
+                   output / run_parquet_key(RUN1))
+    assert done_keys(output) == {result_key(r.key, None) for r in old}
+    new = [record("e.jpg", RUN2, "an egg")]
+    add_run(o, FP, RUN2, [write_shard(o, FP, RUN2, 0, new)])
+
+    assert len(compact_view(o)["merged"]) == 2
+    (merged,) = files(output)
+    table = pq.read_table(output / "parquet" / merged)
+    assert table.schema.equals(results_schema())
+    rows = {r["key"]: tuple(r[name] for name in VIEW_HASHES) for r in table.to_pylist()}
+    assert rows == {r.key: record_row(r) for r in old + new}
 
 
 def test_s3_view(s3_client):
@@ -244,8 +288,8 @@ def test_s3_view(s3_client):
 
 def test_a_runs_step_reads_only_its_own_parts_and_takes_the_earlier_ones_from_its_done_index(tmp_path):
     """At a run's end the step asks the done-index the run loaded at its start which earlier
-    results it computed again and in which parts they stand: it lists only the run's own parts
-    and reads no part or sidecar of the history, and the latest result still wins."""
+    results it computed again and in which view files they stand: it lists and reads only the
+    run's own parts under results/ (no part of the history), and the latest result still wins."""
     from vlm_caption.tasks.results.done_index import load_done_index, loaded_index
 
     output = tmp_path / "out"
@@ -257,8 +301,7 @@ def test_a_runs_step_reads_only_its_own_parts_and_takes_the_earlier_ones_from_it
     report = add_run(watched, FP, RUN2, [part])
     assert report["rows"] == 2 and report["rewritten"] == {str(output / run_parquet_key(RUN1)): 1}
     assert [p for p in watched.listed if p.startswith("results/")] == [part_prefix(FP, RUN2)]
-    assert {k for k in watched.reads if k.startswith("results/")} == {
-        part_key(FP, RUN2, 0), part_key(FP, RUN2, 0).replace(".jsonl", ".idx")}
+    assert {k for k in watched.reads if k.startswith("results/")} == {part_key(FP, RUN2, 0)}
     assert loaded_index(o, FP) is None  # handed over once
     rows = {r["key"]: r for r in assert_view_is_the_done_index(output)}
     assert (rows["a.jpg"]["run_id"], rows["a.jpg"]["caption"]) == (RUN2, "second caption")

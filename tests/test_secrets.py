@@ -52,7 +52,7 @@ def test_credentials_appear_nowhere(prefect_api, s3_endpoint, tiny_llava, monkey
         seen += [json.dumps(a.data) for a in prefect.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))]
     for obj in client.list_objects_v2(Bucket="secret-test", Prefix="out/")["Contents"]:
-        seen.append(client.get_object(Bucket="secret-test", Key=obj["Key"])["Body"].read().decode("latin-1"))  # the .idx sidecars too
+        seen.append(client.get_object(Bucket="secret-test", Key=obj["Key"])["Body"].read().decode("latin-1"))  # the Parquet view's files too
     assert any("botocore" in text for text in seen)  # DEBUG logging was really on
     everything = "\n".join(seen)
     for key, value in SECRETS.items():

@@ -1,12 +1,13 @@
 """Write faults: the fault proxy in front of moto fails ~10% of PUTs (and always the first write
 of each kind of object) with 500 InternalError, 503 SlowDown, connection resets, stalls past the
 read timeout and `partial` uploads (half the body stored, then the connection reset). Every kind
-of object the flow writes is hit: results parts, their sidecars, the compacted done-index, the
-manifest and the Parquet export.
+of object the flow writes is hit: results parts, the run's `view-owed` mark (left before its
+first part), the manifest and the Parquet view's file.
 
-One run captions everything, a rerun of the same job (which compacts the done-index) skips it
-all. Expected: 0 lost, 0 duplicated (by content hash), every part whole with a sidecar made from
-that very body, the compacted index and the Parquet file complete."""
+One run captions everything, a rerun of the same job (whose done-index reads the Parquet view's
+hash columns, not the parts) skips it all. Expected: 0 lost, 0 duplicated (by content hash), every
+part whole and nothing else under results/ (no mark left: the view owes no run a file), the
+Parquet view complete and what the done-index loads."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 
 from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
+from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results import done_index, done_rows
 from vlm_caption.tasks.sources.storage import open_storage
 from tests.fault_proxy import WRITE_KINDS, FaultProxy
@@ -29,8 +31,7 @@ from tests.test_storage_faults import _through
 BUCKET = "write-faults"
 COUNT = 40
 # Key fragments of every kind of object the flow writes; the first write of each always fails.
-WRITTEN = {"part": ".jsonl", "sidecar": ".idx", "compacted index": ".vidx", "manifest": "/manifests/",
-           "parquet": ".parquet"}
+WRITTEN = {"part": ".jsonl", "view-owed mark": "/view-owed/", "manifest": "/manifests/", "parquet": ".parquet"}
 
 
 def _kind(path: str) -> str:
@@ -47,17 +48,15 @@ def _keys(client, prefix: str) -> list[str]:
 
 
 def _whole_parts(client) -> list[dict]:
-    """Every part's records; each part must parse whole and its sidecar must index that body."""
+    """Every part's records; each part must parse whole, and nothing but parts is left under
+    results/ (no sidecar, no index, no `view-owed` mark: both runs' view files are written)."""
     records = []
-    for key in [k for k in _keys(client, "out/results/") if k.endswith(".jsonl")]:
+    keys = _keys(client, "out/results/")
+    assert keys and all(k.endswith(".jsonl") for k in keys), [k for k in keys if not k.endswith(".jsonl")]
+    for key in keys:
         body = _read(client, key)
         assert body.endswith(b"\n"), f"{key} is half-written"
-        lines = [json.loads(line) for line in body.decode().splitlines()]
-        sidecar = _read(client, key.removesuffix(".jsonl") + ".idx")
-        magic, size = done_rows.SIDECAR_HEADER.unpack_from(sidecar)
-        rows = (len(sidecar) - done_rows.SIDECAR_HEADER.size) // done_rows.ROW.itemsize
-        assert (magic, size, rows) == (done_rows.SIDECAR_MAGIC, len(body), len(lines)), f"{key}: stale sidecar"
-        records += lines
+        records += [json.loads(line) for line in body.decode().splitlines()]
     return records
 
 
@@ -82,7 +81,6 @@ def test_write_faults_lose_duplicate_and_half_write_nothing(prefect_api, bucket,
     client, hashes = bucket
     proxy = FaultProxy(s3_endpoint, rate=0.10, stall_s=2.0, seed=29, kinds=WRITE_KINDS, methods={"PUT"},
                        force_first=tuple(WRITTEN.values()))
-    monkeypatch.setattr(done_index, "COMPACT_AFTER", 10)  # the rerun's load compacts the 20 parts
     job = CaptionJob(source=f"s3://{BUCKET}/in/", output=f"s3://{BUCKET}/out/", model=str(tiny_llava),
                      shard_size=2, sampling={"max_tokens": 2})
     try:
@@ -107,13 +105,17 @@ def test_write_faults_lose_duplicate_and_half_write_nothing(prefect_api, bucket,
     assert (first["succeeded"], first["failed"]) == (COUNT, 0), first
     assert (rerun["skipped_already_done"], rerun["processed"]) == (COUNT, 0), rerun
 
-    # The compacted index the rerun wrote covers every part; a load from it finds every result.
-    (compacted,) = [k for k in _keys(client, "out/results/") if k.endswith(".vidx")]
-    data = _read(client, compacted)
-    _, length = done_rows.COMPACT_HEADER.unpack_from(data)
-    covered = json.loads(data[done_rows.COMPACT_HEADER.size:done_rows.COMPACT_HEADER.size + length])
-    assert len(covered) == COUNT // 2
-    assert len(done_index.load_done_index.fn(open_storage(job.output, create=True), rerun["fingerprint"])) == COUNT
+    # A load reads the Parquet view's hash columns alone (no run is owed a file: no part is parsed),
+    # and finds every result, each once, as the parts hold it.
+    out = open_storage(job.output, create=True)
+    loaded = done_rows.load_rows(out, rerun["fingerprint"])
+    assert not loaded.unreadable and loaded.sources, loaded
+    assert all(source.key.startswith("parquet/") for source in loaded.sources), [s.key for s in loaded.sources]
+    rows = sorted(tuple(row) for source in loaded.sources for row in source.rows.tolist())
+    parts = [ref for ref in out.iter_objects(prefix=f"results/{rerun['fingerprint']}/")]
+    by_part, unreadable = done_rows.read_part_rows(out, parts, get_logger())
+    assert not unreadable and rows == sorted(tuple(row) for part in by_part.values() for row in part.tolist())
+    assert len(rows) == COUNT and len(done_index.load_done_index.fn(out, rerun["fingerprint"])) == COUNT
 
     manifests = [json.loads(_read(client, k)) for k in _keys(client, "out/manifests/") if k.endswith(".json")]
     assert len(manifests) == 2 and all(m["parquet"].get("complete") for m in manifests), manifests

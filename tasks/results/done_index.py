@@ -8,49 +8,34 @@ same bytes as a done result's (its listed ETags are MD5s and equal, or its fetch
 equal) takes that result's answer (`earlier_answer`; tasks/same_media.py).
 
 The index is compact so that a bucket's whole history loads fast: 24 bytes per finished result
-(its row: tasks/results/done_rows.py) held in one sorted numpy array, plus 4 bytes per result
-saying which part and line it came from. The first lookup by content or by listed ETags sorts
-that column once: 12 bytes more per result for each (its values and rows), so a run with copies
-holds at most 52 bytes per earlier result; a run without any holds 28.
-
-Each results part has a small sidecar (`part-....idx`, written just after the part) holding its
-rows, so loading reads a few bytes per part instead of parsing JSON; a part without a sidecar, or
-whose size no longer matches the one its sidecar was made from, is parsed.
-
-A long history has many parts, and on an object store each sidecar is a request of its own
-(1M results in parts of 64: 15,625 GETs). So once a load reads COMPACT_AFTER or more parts one
-by one, it writes what it loaded as one compacted index (`index-<stamp>.vidx`), and the next
-load reads that one object plus the parts written since. Nor does it list the history: it lists
-the parts of the writers whose `writing/` stamps are newer than its index, so a night with
-nothing new lists a page or two (tasks/results/writing_log.py: why no part is missed, concurrent
-writers and compactions included, and when a part changed by hand is seen).
+(its row: tasks/results/done_rows.py, which also says where a load reads them: the Parquet
+view's hash columns, and the parts of runs the view does not hold yet) held in one sorted numpy
+array, plus 4 bytes per result saying which source and row it came from. The first lookup by
+content or by listed ETags sorts that column once: 12 bytes more per result for each (its
+values and rows), so a run with copies holds at most 52 bytes per earlier result; a run without
+any holds 28.
 
 The run's own load is kept for the Parquet step at its end (`loaded_index`): which earlier
-results it replaces, and in which parts they stand, without reading the history again.
+results it replaces, and in which view file or part they stand, without reading the history again.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable
 
 import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from vlm_caption.tasks.observability import get_logger, phase
-from vlm_caption.tasks.results.done_rows import (ROW, PartRows, Signature, _hash64, compacted_bytes, content_hash,
-                                                listing_signature, load_part_rows, record_signature, result_key,
-                                                signature_hash)
-from vlm_caption.tasks.results.earlier import EarlierRecords
-from vlm_caption.tasks.results.layout import compacted_index_key
+from vlm_caption.tasks.observability import phase
 from vlm_caption.tasks.records import ResultRecord
-from vlm_caption.tasks.results.writing_log import kept_lineage, remove_stamps
+from vlm_caption.tasks.results.done_rows import (ROW, Signature, Source, _hash64, content_hash, listing_signature,
+                                                load_rows, record_signature, result_key, signature_hash)
+from vlm_caption.tasks.results.earlier import EarlierRecords
 from vlm_caption.tasks.sources.items import WorkItem
 from vlm_caption.tasks.sources.storage import Storage
 
-COMPACT_AFTER = 64  # parts read one by one that make a load write a new compacted index
 MAX_CANDIDATES = 64  # earlier results with the same bytes looked at for one (item, question)
 
 
@@ -67,24 +52,24 @@ def listed_signature_hash(item: WorkItem) -> int | None:
 
 
 class DoneIndex:
-    """Finished results as one sorted array; lookups are binary searches. Built from each part's
-    rows in order (`parts` names them, in the order of `tables`), it can read an earlier result's
-    record back from `out`; without them it answers only whether a result is done."""
+    """Finished results as one sorted array; lookups are binary searches. Built from the rows of
+    each source a load read (`sources`, tasks/results/done_rows.py), it can read an earlier
+    result's record back from `out`; from bare row arrays it answers only whether a result is done."""
 
-    def __init__(self, tables: Iterable[np.ndarray] = (), parts: Iterable[str] = (), out: Storage | None = None):
-        tables, parts = [*tables], [*parts]
+    def __init__(self, sources: Iterable[Source | np.ndarray] = (), out: Storage | None = None):
+        sources = [s if isinstance(s, Source) else Source("", s) for s in sources]
+        tables = [source.rows for source in sources]
         table = np.concatenate(tables) if tables else np.empty(0, ROW)
         order = np.argsort(table["key"], kind="stable")
         self._table = table[order]
         self._earlier: EarlierRecords | None = None
         self._ordinal = np.empty(0, np.uint32)
         if out is not None:
-            self._ordinal = order.astype(np.uint32)  # which loaded row (part, final record) each sorted row is
+            self._ordinal = order.astype(np.uint32)  # which loaded row (source, its row) each sorted row is
             starts = np.cumsum([0] + [len(t) for t in tables[:-1]]) if tables else np.empty(0, np.int64)
-            self._earlier = EarlierRecords(out, parts, starts)
+            self._earlier = EarlierRecords(out, [s._replace(rows=np.empty(0, ROW)) for s in sources], starts)
         self._by: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # column -> (sorted values, their ordinals)
         self._lock = threading.Lock()
-        self.resized: set[str] = set()  # parts whose sidecar no longer fitted their body (cut short since)
 
     def __len__(self) -> int:
         return len(self._table)
@@ -102,9 +87,9 @@ class DoneIndex:
         wanted = np.uint64(value)  # the questions without a result of `item_id` whose `column` is `value`
         return tuple(q for q in questions if not (self._rows(item_id, q)[column] == wanted).any())
 
-    def parts_holding(self, keys: np.ndarray) -> dict[str, np.ndarray]:
-        """For result keys (`result_key`), the parts holding a row of any of them, and which
-        of the keys each holds. Empty for an index that cannot name its parts."""
+    def holding(self, keys: np.ndarray) -> dict[str, np.ndarray]:
+        """For result keys (`result_key`), the sources (view files, parts) holding a row of any
+        of them, and which of the keys each holds. Empty for an index that cannot name them."""
         if self._earlier is None or not len(keys) or not len(self._table):
             return {}
         keys = np.unique(np.asarray(keys, np.uint64))
@@ -117,7 +102,7 @@ class DoneIndex:
         part = np.searchsorted(self._earlier.starts, self._ordinal[rows], "right") - 1
         held: dict[str, np.ndarray] = {}
         for p in np.unique(part):
-            held[self._earlier.parts[int(p)]] = np.unique(table_keys[rows[part == p]])
+            held[self._earlier.sources[int(p)].key] = np.unique(table_keys[rows[part == p]])
         return held
 
     def pending_by_listing(self, item: WorkItem, questions: tuple[str, ...]) -> tuple[str, ...]:
@@ -220,13 +205,7 @@ def load_done_index(out: Storage, fingerprint: str) -> DoneIndex:
 def read_done_index(out: Storage, fingerprint: str) -> DoneIndex:
     """`load_done_index`'s body, outside a task and keeping nothing."""
     phase("loading what earlier runs did", output=out.uri)
-    loaded = load_part_rows(out, fingerprint)
-    if loaded.read_one_by_one >= COMPACT_AFTER or loaded.renew:
-        _compact(out, fingerprint, {key: (loaded.parts[key].size, rows) for key, rows in loaded.rows.items()},
-                 loaded, get_logger(fingerprint=fingerprint))
-    done = DoneIndex(loaded.rows.values(), loaded.rows.keys(), out)
-    done.resized = set(loaded.resized)
-    return done
+    return DoneIndex(load_rows(out, fingerprint).sources, out)
 
 
 def loaded_index(out: Storage, fingerprint: str) -> DoneIndex | None:
@@ -234,34 +213,3 @@ def loaded_index(out: Storage, fingerprint: str) -> DoneIndex | None:
     start), handed over once: the next call answers None until the next load."""
     with _loaded_lock:
         return _loaded.pop((out.uri, fingerprint), None)
-
-
-def _compact(out: Storage, fingerprint: str, parts: dict[str, tuple[int, np.ndarray]], loaded: PartRows,
-             log) -> None:
-    """Write the compacted index, then remove the ones it replaces and the `writing/` stamps no
-    load needs any more (tasks/results/writing_log.py, Removal). Best effort: the parts and their
-    sidecars stay the truth, so a failure here costs the next load time, never results."""
-    key, older = compacted_index_key(fingerprint), loaded.compacted
-    lineage, through = kept_lineage(loaded.lineage, time.time())
-    try:
-        out.write(key, compacted_bytes(parts, loaded.after, loaded.unreadable, lineage))
-    except Exception as exc:  # noqa: BLE001 - an optimisation: a failed write must not fail the run
-        log.warning("could not write the compacted done-index", index=out.describe(key), error=str(exc))
-        return
-    for stale in older:  # a load running beside this one may have removed it already
-        try:
-            out.delete(stale)
-        except Exception as exc:  # noqa: BLE001 - left behind, it is read once more by the next load
-            log.warning("could not remove a replaced done-index", index=out.describe(stale), error=str(exc))
-    log.info("done-index compacted", index=out.describe(key), parts=len(parts), replaced=len(older))
-    if through is None:
-        return
-    try:
-        removed, failed = remove_stamps(out, fingerprint, through)
-    except Exception as exc:  # noqa: BLE001 - the listing failed: best effort, as the compaction; tried at the next
-        log.warning("could not list the writing stamps to remove", through=through, error=str(exc))
-        return
-    if failed:  # each is tried again at the next compaction
-        log.warning("some writing stamps could not be removed", through=through, removed=removed, failed=failed)
-    elif removed:
-        log.info("writing stamps removed", through=through, removed=removed)

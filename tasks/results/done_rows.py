@@ -1,20 +1,29 @@
-"""The done-index's rows as they are stored: how a final record becomes a row, the formats of a
-part's sidecar (`part-....idx`) and of a compacted index (`index-<stamp>.vidx`), and reading each
-part's rows (the done-index, tasks/results/done_index.py, and the Parquet view read them).
+"""The done-index's rows: how a final record becomes a row, and where a load reads them from.
 
 A row is 24 bytes: 8-byte hashes of the result's key (item and question), of its members'
 listed (etag, size) and of its content (sha256; 0 where it is unknown, the media not read: such
-rows take part in no lookup by content). A part's rows are its final records' in the order they
-stand in the part, so row i of a part is its i-th final record (what tasks/results/earlier.py
-reads back to copy an answer).
+rows take part in no lookup by content).
+
+The JSON Lines parts are the truth; the Parquet view (tasks/results/parquet_view.py) is made
+from them and holds each result's rows as three columns (`done_key`, `listed_hash`,
+`content_hash`). So a load (`load_rows`) reads those columns of the view's files, and parses
+only the parts the view does not hold yet: those of the runs it still owes a file
+(`results/<fp>/view-owed/<run_id>`, left before a run's first part and removed once its file is
+written: a run killed or still running). It lists the owed runs before the view's files: a run
+writes its file before it removes its mark, so a load sees one or the other, never neither.
+Where the view holds nothing of a fingerprint (its first run, or a view deleted by hand) the
+load parses every part of it. A night with nothing new reads a page of marks, a page of files
+and their three columns; it neither lists nor reads the parts.
+
+A part's rows are its final records' in the order they stand in it, and a view file's are its
+rows of the fingerprint; each source keeps which of its rows (record or file row) each is, what
+tasks/results/earlier.py reads back to copy an answer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
-import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -23,20 +32,16 @@ import numpy as np
 from pydantic import ValidationError
 
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.layout import compacted_index_prefix, compacted_index_written, part_prefix, results_prefix
 from vlm_caption.tasks.records import ResultRecord
-from vlm_caption.tasks.results.writing_log import grace_stamp, writers_since
+from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, VIEW_HASHES, part_prefix, results_prefix,
+                                              view_owed_prefix)
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
+from vlm_caption.tasks.sources.ranged import open_seekable
 from vlm_caption.tasks.sources.storage import Storage
 from vlm_caption.tasks.sources.transient import is_transient, retry_transient
 
 ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])
-SIDECAR_MAGIC = b"VLMIDX1\0"
-SIDECAR_HEADER = struct.Struct("<8sQ")  # magic, byte size of the part it indexes
-READERS = 16  # parallel sidecar reads (object stores answer many small GETs at once well)
-COMPACT_MAGIC = b"VLMCIDX2"
-COMPACT_HEADER = struct.Struct("<8sQ")  # magic, byte length of the JSON list of parts that follows
-_EXTRA = struct.Struct("<Q")  # then the byte length of the JSON of `after`, `retry`, `lineage`; then the rows
+READERS = 16  # parallel reads (object stores answer many small GETs at once well)
 
 Signature = tuple[tuple[str, int], ...]  # (etag, size) of each member, in order
 
@@ -70,81 +75,14 @@ def record_signature(record: ResultRecord) -> Signature:
     return tuple((m.etag, m.size) for m in members)
 
 
+def record_row(record: ResultRecord) -> tuple[int, int, int]:
+    return (result_key(record.key, record.question), signature_hash(record_signature(record)),
+            content_hash(record.sha256))
+
+
 def index_rows(records: Iterable[ResultRecord]) -> np.ndarray:
     """The index rows of the records that are final (a retryable failure is computed again)."""
-    return np.array([(result_key(r.key, r.question), signature_hash(record_signature(r)), content_hash(r.sha256))
-                     for r in records if r.is_final], dtype=ROW)
-
-
-def sidecar_bytes(rows: np.ndarray, part_size: int) -> bytes:
-    return SIDECAR_HEADER.pack(SIDECAR_MAGIC, part_size) + rows.astype(ROW).tobytes()
-
-
-def sidecar_key(part_key: str) -> str:
-    return part_key.removesuffix(".jsonl") + ".idx"
-
-
-class Compacted(NamedTuple):
-    """A compacted index as read: `parts` (key, size, rows), and what `compacted_bytes` says of the rest."""
-
-    parts: list[tuple[str, int, np.ndarray]]
-    after: str
-    retry: list[str]
-    lineage: list[str]
-
-
-def _read_compacted(out: Storage, key: str, log) -> Compacted | None:
-    """The compacted index; None when it is gone (a concurrent load replaced it) or damaged."""
-    try:
-        data = out.read(key)
-        magic, length = COMPACT_HEADER.unpack_from(data)
-        if magic != COMPACT_MAGIC:
-            raise ValueError("not a compacted done-index")
-        start = COMPACT_HEADER.size + length
-        covered = json.loads(data[COMPACT_HEADER.size:start])
-        (extra_length,) = _EXTRA.unpack_from(data, start)
-        extra = json.loads(data[start + _EXTRA.size:start + _EXTRA.size + extra_length])
-        start += _EXTRA.size + extra_length
-        table = np.frombuffer(data, ROW, offset=start)
-        if sum(count for _, _, count in covered) != len(table):
-            raise ValueError("rows do not match the parts listed")
-    except Exception as exc:  # noqa: BLE001 - any failure (gone, damaged, denied): the sidecars stand in
-        log.warning("compacted done-index unreadable; reading the parts' sidecars", index=out.describe(key),
-                    error=str(exc))
-        return None
-    parts, at = [], 0
-    for part, size, count in covered:
-        parts.append((part, size, table[at:at + count]))
-        at += count
-    return Compacted(parts, extra["after"], extra["retry"], extra["lineage"])
-
-
-def compacted_bytes(parts: dict[str, tuple[int, np.ndarray]], after: str | None = None,
-                    retry: Iterable[str] = (), lineage: Iterable[str] = ()) -> bytes:
-    """One object holding every part's rows: (part key, its size, row count) as JSON, then where
-    a load goes on from (`after`, a `writing/` stamp, and the parts to `retry`) and the earlier
-    indexes' write stamps (`lineage`), then the rows. `after` defaults to now less the grace: only
-    for a writer that wrote every part itself."""
-    covered = json.dumps([[key, size, len(rows)] for key, (size, rows) in parts.items()]).encode()
-    extra = json.dumps({"after": after or grace_stamp(time.time()), "retry": sorted(retry),
-                        "lineage": sorted(lineage)}).encode()
-    rows = np.concatenate([rows.astype(ROW) for _, rows in parts.values()]) if parts else np.empty(0, ROW)
-    return (COMPACT_HEADER.pack(COMPACT_MAGIC, len(covered)) + covered + _EXTRA.pack(len(extra)) + extra
-            + rows.tobytes())
-
-
-def _read_sidecar(out: Storage, key: str, part_size: int) -> np.ndarray | None:
-    """The sidecar's rows, or None when it is damaged or was made from a different part body."""
-    try:
-        data = out.read(key)
-    except OSError:
-        return None
-    if len(data) < SIDECAR_HEADER.size or (len(data) - SIDECAR_HEADER.size) % ROW.itemsize:
-        return None
-    magic, size = SIDECAR_HEADER.unpack_from(data)
-    if magic != SIDECAR_MAGIC or size != part_size:
-        return None
-    return np.frombuffer(data, ROW, offset=SIDECAR_HEADER.size).copy()
+    return np.array([record_row(r) for r in records if r.is_final], dtype=ROW)
 
 
 def parse_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
@@ -161,8 +99,8 @@ def parse_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
 
 
 def final_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
-    """The final records among a part's lines, in order (the i-th is its done-index row i), and
-    how many non-empty lines are not records."""
+    """The final records among a part's lines, in order (the i-th is its row i), and how many
+    non-empty lines are not records."""
     records, bad = parse_records(lines)
     return [r for r in records if r.is_final], bad
 
@@ -189,23 +127,12 @@ def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
     return index_rows(records)
 
 
-class PartRows:
-    """Each part's rows, as a load reads them (the done-index, the Parquet view): `parts` every
-    part known (key: ObjectRef; a part the load did not list has the size its index recorded);
-    `rows` each readable part's rows, in its final records' order; `resized` the parts whose
-    sidecar was made from another body (cut short or rewritten by hand since); `compacted` the
-    compacted indexes listed; `read_one_by_one` the parts none covered; `unreadable` those of
-    them that could not be read; `after` where a compacted index of this load goes on from;
-    `renew` whether the latest compacted index is to be replaced (damaged);
-    `lineage` the write stamps of the index read and of those before it."""
-
-    def __init__(self, parts: dict[str, ObjectRef], rows: dict[str, np.ndarray], resized: set[str],
-                 compacted: list[str], read_one_by_one: int, unreadable: list[str] | None = None,
-                 after: str = "", renew: bool = False, lineage: list[str] | None = None):
-        self.parts, self.rows, self.resized = parts, rows, resized
-        self.compacted, self.read_one_by_one = compacted, read_one_by_one
-        self.unreadable, self.after, self.renew = unreadable or [], after, renew
-        self.lineage = lineage or []
+def read_part_rows(out: Storage, parts: list[ObjectRef], log) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The rows of `parts`, parsed side by side, and the parts that could not be read."""
+    with ThreadPoolExecutor(READERS) as pool:
+        read = list(pool.map(lambda part: _parse_part(out, part, log), parts))
+    return ({part.key: rows for part, rows in zip(parts, read) if rows is not None},
+            [part.key for part, rows in zip(parts, read) if rows is None])
 
 
 def listed_under(out: Storage, prefixes: Iterable[str]) -> dict[str, ObjectRef]:
@@ -215,56 +142,88 @@ def listed_under(out: Storage, prefixes: Iterable[str]) -> dict[str, ObjectRef]:
     return objects
 
 
-def read_part_rows(out: Storage, parts: list[ObjectRef], listed: Iterable[str],
-                   log) -> tuple[dict[str, np.ndarray], set[str], list[str]]:
-    """The rows of `parts` (from the sidecar where `listed` names one that fits, else parsed), the
-    parts whose sidecar did not fit their body, and those that could not be read."""
-    listed = set(listed)
-    resized: set[str] = set()
-
-    def rows_of(part: ObjectRef) -> np.ndarray | None:
-        if sidecar_key(part.key) in listed:
-            rows = _read_sidecar(out, sidecar_key(part.key), part.size)
-            if rows is not None:
-                return rows
-            resized.add(part.key)
-        return _parse_part(out, part, log)
-
-    with ThreadPoolExecutor(READERS) as pool:
-        read = list(pool.map(rows_of, parts))
-    return ({part.key: rows for part, rows in zip(parts, read) if rows is not None}, resized,
-            [part.key for part, rows in zip(parts, read) if rows is None])
+def view_files(out: Storage) -> list[ObjectRef]:
+    """The view's files (the .parquet files directly under parquet/): compacted ones, then the
+    runs', each by name (its stamp)."""
+    files = [ref for ref in out.iter_objects(prefix=PARQUET_VIEW_PREFIX)
+             if ref.key.endswith(".parquet") and "/" not in ref.key.removeprefix(PARQUET_VIEW_PREFIX)]
+    return sorted(files, key=lambda ref: (not ref.key.removeprefix(PARQUET_VIEW_PREFIX).startswith("compacted-"),
+                                          ref.key))
 
 
-def load_part_rows(out: Storage, fingerprint: str) -> PartRows:
-    """The latest compacted index, then the sidecars (or, where none fits, the records) of the
-    parts it does not hold, kept per part; it writes no compacted index. From an index it lists
-    only the parts of the writers stamped in `writing/` since, and the parts it could not read
-    (tasks/results/writing_log.py says why nothing is missed); without one (none, or damaged),
-    everything."""
-    started = time.time()  # before any listing: what lands after it has a later stamp
+def view_file_rows(out: Storage, ref: ObjectRef, fingerprint: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """A view file's rows of `fingerprint`, and which rows of the file they are (None: all). Reads the
+    footer, then the fingerprint and hash columns of the row groups whose statistics may hold
+    the fingerprint (ranged reads on S3)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    with open_seekable(out, ref.key, ref.size) as raw:
+        source = pq.ParquetFile(raw)
+        position = source.schema_arrow.get_field_index("fingerprint")
+        rows, ordinals, start = [], [], 0
+        for group in range(source.num_row_groups):
+            count = source.metadata.row_group(group).num_rows
+            stats = source.metadata.row_group(group).column(position).statistics
+            if stats is None or not stats.has_min_max or stats.min <= fingerprint <= stats.max:
+                hashed = set(VIEW_HASHES) <= set(source.schema_arrow.names)
+                table = source.read_row_group(group, columns=None if not hashed else ["fingerprint", *VIEW_HASHES])
+                mine = np.flatnonzero(pc.equal(table["fingerprint"], fingerprint).fill_null(False).to_numpy(
+                    zero_copy_only=False))
+                rows.append(table_rows(table)[mine])
+                ordinals.append((mine + start).astype(np.uint32))
+            start += count
+    at = np.concatenate(ordinals) if ordinals else np.empty(0, np.uint32)
+    return (np.concatenate(rows) if rows else np.empty(0, ROW),
+            None if len(at) == source.metadata.num_rows else at)
+
+
+def table_rows(table) -> np.ndarray:
+    """A view table's done-index rows: its hash columns, or, in a file written before it had
+    them, the same made from its key, question, members, etag, size and sha256 columns."""
+    rows = np.empty(len(table), ROW)
+    if set(VIEW_HASHES) <= set(table.column_names):
+        for field, column in zip(ROW.names, VIEW_HASHES):
+            rows[field] = table[column].to_numpy(zero_copy_only=False)
+        return rows
+    columns = [table[name].to_pylist() for name in ("key", "question", "members", "etag", "size", "sha256")]
+    for i, (key, question, members, etag, size, sha256) in enumerate(zip(*columns)):
+        signature = tuple((m["etag"], m["size"]) for m in json.loads(members)) if members else ((etag, size),)
+        rows[i] = (result_key(key, question), signature_hash(signature), content_hash(sha256))
+    return rows
+
+
+class Source(NamedTuple):
+    """Rows read from one object: a part (`view` false: row i is its i-th final record) or a
+    view file (row i is the file's row `at[i]`, or row i where `at` is None: every row of the
+    file was of the fingerprint)."""
+
+    key: str
+    rows: np.ndarray
+    at: np.ndarray | None = None
+    view: bool = False
+
+
+class LoadedRows(NamedTuple):
+    """What a load read: its sources, and the parts it could not read (their items are computed again)."""
+
+    sources: list[Source]
+    unreadable: list[str]
+
+
+def load_rows(out: Storage, fingerprint: str) -> LoadedRows:
+    """The rows of `fingerprint`'s final results: the view's, and the parts of the runs it still
+    owes a file; or, where the view holds none, every part's (the module's docstring says why)."""
     log = get_logger(fingerprint=fingerprint)
-    compacted = sorted(ref.key for ref in out.iter_objects(prefix=compacted_index_prefix(fingerprint))
-                       if ref.key.endswith(".vidx"))
-    index = _read_compacted(out, compacted[-1], log) if compacted else None
-    by_part: dict[str, np.ndarray] = {}
-    if index is None:  # no index to go on from: the whole history, listed
-        objects = listed_under(out, [results_prefix(fingerprint)])
-    else:
-        prefixes = [part_prefix(fingerprint, writer) for writer in writers_since(out, fingerprint, index.after)]
-        objects = listed_under(out, prefixes + [key.removesuffix(".jsonl") for key in index.retry])
-        for key, size, rows in index.parts:
-            listed = objects.get(key)
-            if listed is None and not any(key.startswith(prefix) for prefix in prefixes):
-                objects[key] = ObjectRef(key, size, "")  # its writer wrote nothing since: as the index has it
-                by_part[key] = rows
-            elif listed is not None and listed.size == size:
-                by_part[key] = rows
-            # else: gone, or another size: read again below
-    parts = {key: ref for key, ref in objects.items() if key.endswith(".jsonl")}
-    rest = [part for key, part in parts.items() if key not in by_part]
-    read, resized, unreadable = read_part_rows(out, rest, objects.keys(), log)
-    by_part.update(read)  # a part that could not be read stays out: the next load tries it again
-    lineage = [*index.lineage, compacted_index_written(fingerprint, compacted[-1])] if index is not None else []
-    return PartRows(parts, by_part, resized, compacted, len(rest), unreadable, grace_stamp(started),
-                    renew=bool(compacted) and index is None, lineage=lineage)
+    owed_prefix = view_owed_prefix(fingerprint)
+    owed = [ref.key[len(owed_prefix):] for ref in out.iter_objects(prefix=owed_prefix)]  # before the files
+    files = view_files(out)
+    with ThreadPoolExecutor(READERS) as pool:
+        read = list(pool.map(lambda ref: view_file_rows(out, ref, fingerprint), files))
+    sources = [Source(ref.key, rows, at, view=True) for ref, (rows, at) in zip(files, read) if len(rows)]
+    prefixes = [part_prefix(fingerprint, run) for run in owed] if sources else [results_prefix(fingerprint)]
+    parts = [ref for key, ref in listed_under(out, prefixes).items()
+             if key.endswith(".jsonl") and key.count("/") == 2]
+    by_part, unreadable = read_part_rows(out, parts, log)
+    sources += [Source(key, rows) for key, rows in by_part.items()]
+    return LoadedRows(sources, unreadable)

@@ -1,5 +1,5 @@
-"""The records behind done-index rows, read back from their parts: where an item whose media are
-the same bytes as a done result's takes its answer from (tasks/same_media.py)."""
+"""The records behind done-index rows, read back from a part or a view file: where an item whose
+media are the same bytes as a done result's takes its answer from (tasks/same_media.py)."""
 
 from __future__ import annotations
 
@@ -8,43 +8,53 @@ from collections import OrderedDict
 
 import numpy as np
 
-from vlm_caption.tasks.results.done_rows import final_records, read_part_lines
 from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.done_rows import Source, final_records, read_part_lines
+from vlm_caption.tasks.results.parquet import view_group_records, view_group_starts
 from vlm_caption.tasks.sources.storage import Storage
 
-PART_CACHE = 32  # parts whose final records are kept (a part is at most a shard's records)
+CACHED = 32  # parts or view row groups whose records are kept (each at most a shard's or ROW_GROUP_ROWS)
 
 
 class EarlierRecords:
-    """The records behind done-index rows: row `ordinal` of the rows loaded part after part is
-    final record `ordinal - starts[p]` of part `p`. A part is read once while among the
-    PART_CACHE parts read last, so a rerun with many copies of one earlier shard reads it once."""
+    """The records behind done-index rows: row `ordinal` of the rows loaded source after source
+    is row `ordinal - starts[s]` of source `s` (tasks/results/done_rows.py `Source`). A part, or
+    a view file's row group, is read once while among the CACHED read last, so a rerun with many
+    copies of one earlier shard reads it once."""
 
-    def __init__(self, out: Storage, parts: list[str], starts: np.ndarray):
-        self.out, self.parts, self.starts = out, parts, starts
-        self._cache: OrderedDict[str, list[ResultRecord]] = OrderedDict()
+    def __init__(self, out: Storage, sources: list[Source], starts: np.ndarray):
+        self.out, self.sources, self.starts = out, sources, starts
+        self._cache: OrderedDict[tuple[str, int], list] = OrderedDict()  # (key, -1 part | -2 groups | group)
         self._lock = threading.Lock()
         self.reads = 0
 
     def record(self, ordinal: int) -> ResultRecord | None:
-        p = int(np.searchsorted(self.starts, ordinal, "right")) - 1
-        if p < 0 or p >= len(self.parts):
+        s = int(np.searchsorted(self.starts, ordinal, "right")) - 1
+        if s < 0 or s >= len(self.sources):
             return None
-        records = self._final_records(self.parts[p])
-        row = ordinal - int(self.starts[p])
-        return records[row] if row < len(records) else None
+        source, row = self.sources[s], ordinal - int(self.starts[s])
+        if not source.view:
+            records = self._cached((source.key, -1), lambda: final_records(read_part_lines(self.out, source.key))[0])
+            return records[row] if row < len(records) else None
+        at = row if source.at is None else int(source.at[row])  # the file's row, in the group starting before it
+        starts = self._cached((source.key, -2), lambda: view_group_starts(self.out, source.key))
+        group = int(np.searchsorted(starts, at, "right")) - 1
+        if group < 0:
+            return None
+        records = self._cached((source.key, group), lambda: view_group_records(self.out, source.key, group))
+        return records[at - int(starts[group])] if at - int(starts[group]) < len(records) else None
 
-    def _final_records(self, part: str) -> list[ResultRecord]:
-        with self._lock:  # one read of a part however many fetch threads ask for it at once
-            records = self._cache.get(part)
+    def _cached(self, name: tuple[str, int], read):
+        with self._lock:  # one read of a source however many fetch threads ask for it at once
+            records = self._cache.get(name)
             if records is None:
                 try:
-                    records = final_records(read_part_lines(self.out, part))[0]
+                    records = read()
                 except Exception:  # noqa: BLE001 - gone or unreadable since the load: no copy from it
                     records = []
                 self.reads += 1
-                self._cache[part] = records
-                while len(self._cache) > PART_CACHE:
+                self._cache[name] = records
+                while len(self._cache) > CACHED:
                     self._cache.popitem(last=False)
-            self._cache.move_to_end(part)
+            self._cache.move_to_end(name)
             return records

@@ -3,16 +3,13 @@
     results/<fingerprint>/part-<parts_id>-<shard>.jsonl one record per (item, question); parts_id
                                                         is the run's id, or <run_id>-p<N> for
                                                         partition N of a fanned-out run
-    results/<fingerprint>/part-<parts_id>-<shard>.idx   its done-index rows (tasks/results/done_index.py)
-    results/<fingerprint>/index-<stamp>.vidx           many parts' rows in one object (the same)
-    results/<fingerprint>/writing/<stamp>-<parts_id>    empty: parts_id was writing parts at UTC <stamp>
-                                                        (tasks/results/writing_log.py)
     results/<fingerprint>/view-owed/<run_id>            empty: the run wrote parts, and the Parquet
                                                         view has no file of its results yet
     manifests/<run_id>.json                             written when the run ends
     partitions/<run_id>/pNNN.json                       a fanned-out child's report
     parquet/run-<run_id>.parquet                        the final results a run added (the Parquet
-                                                        view, tasks/results/parquet_view.py)
+                                                        view, tasks/results/parquet_view.py), which
+                                                        the done-index reads (done_rows.py)
     parquet/compacted-<stamp>-<tag>.parquet             many runs' rows, merged by compaction or a rebuild
     listed/<fingerprint>-<scope>.json                   where the job's last complete listing ended
                                                         (tasks/sources/listing_end.py)
@@ -23,10 +20,10 @@ import time
 import uuid
 
 STAMP = "%Y%m%dT%H%M%S"  # UTC: names that begin with one sort by when they were written
-STAMP_LEN = 15  # len("20261128T010203")
 _PARTITION_SUFFIX = re.compile(r"-p\d+$")
 _PART_NAME = re.compile(r"^part-(.+)-\d{5}\.jsonl$")
 PARQUET_VIEW_PREFIX = "parquet/"
+VIEW_HASHES = ("done_key", "listed_hash", "content_hash")  # a view row's done-index row (done_rows.py)
 
 
 def stamp(seconds: float) -> str:
@@ -37,24 +34,6 @@ def results_prefix(fingerprint: str) -> str:
     return f"results/{fingerprint}/"
 
 
-def compacted_index_key(fingerprint: str) -> str:
-    """Sorts by when it was written (UTC, then a random tag for loads in the same second)."""
-    return f"{compacted_index_prefix(fingerprint)}{stamp(time.time())}-{uuid.uuid4().hex[:8]}.vidx"
-
-
-def compacted_index_written(fingerprint: str, key: str) -> str:
-    """When the compacted index `key` was written: the UTC stamp its name begins with."""
-    return key[len(compacted_index_prefix(fingerprint)):][:STAMP_LEN]
-
-
-def compacted_index_prefix(fingerprint: str) -> str:
-    return f"{results_prefix(fingerprint)}index-"
-
-
-def writing_prefix(fingerprint: str) -> str:
-    return f"{results_prefix(fingerprint)}writing/"
-
-
 def view_owed_prefix(fingerprint: str) -> str:
     return f"{results_prefix(fingerprint)}view-owed/"
 
@@ -63,13 +42,8 @@ def view_owed_key(fingerprint: str, run_id: str) -> str:
     return f"{view_owed_prefix(fingerprint)}{run_id}"
 
 
-def writing_key(fingerprint: str, stamp: str, parts_id: str) -> str:
-    """Sorts by `stamp` (`%Y%m%dT%H%M%S`, UTC), then by the writer."""
-    return f"{writing_prefix(fingerprint)}{stamp}-{parts_id}"
-
-
 def part_prefix(fingerprint: str, parts_id: str) -> str:
-    """The keys of `parts_id`'s parts and sidecars (and, for a run's id, its partitions')."""
+    """The keys of `parts_id`'s parts (and, for a run's id, its partitions')."""
     return f"{results_prefix(fingerprint)}part-{parts_id}-"
 
 

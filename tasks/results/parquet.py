@@ -10,9 +10,11 @@ The JSON Lines parts stay the truth and the unit of atomic, resumable writes; Pa
 - a result computed again by a later run (same fingerprint, item key and question, the
   done-index's key) appears once: the latest run's (the UTC stamp in the run id), then the
   later part name;
-- a part cut short (lines that are not records, or a body that no longer matches the size its
-  sidecar was made from) contributes the records it still holds, which the done-index counts as
-  done too, and is named in the report under `damaged_parts` with `complete: false`;
+- each row carries its done-index row (`done_key`, `listed_hash`, `content_hash`: the done-index
+  reads these columns, tasks/results/done_rows.py);
+- a part cut short (lines that are not records) contributes the records it still holds, which
+  the done-index counts as done too, and is named in the report under `damaged_parts` with
+  `complete: false`;
 - a file is written in row groups of ROW_GROUP_ROWS (memory: one part and one row group, plus
   16 bytes per result for the de-duplication), into a local temporary file, then put in place
   with one atomic write through the storage interface (a folder or s3://).
@@ -20,6 +22,7 @@ The JSON Lines parts stay the truth and the unit of atomic, resumable writes; Pa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import tempfile
@@ -30,16 +33,16 @@ from typing import Any
 
 import numpy as np
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_rows import final_records, read_part_rows
-from vlm_caption.tasks.results.layout import manifest_key, run_of
+from vlm_caption.tasks.results.done_rows import final_records, read_part_rows, record_row
+from vlm_caption.tasks.results.layout import VIEW_HASHES, manifest_key, run_of
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.sources.items import ObjectRef
+from vlm_caption.tasks.sources.ranged import open_seekable
 from vlm_caption.tasks.sources.storage import Storage
 
 ROW_GROUP_ROWS = 8192
 TIMING_KEYS = ("fetch_s", "decode_s", "generate_s")
 STAMP_IN_NAME = re.compile(r"(?P<stamp>\d{8}T\d{6})")  # a run id's UTC stamp
-RESIZED = "its done-index sidecar was made from another body (cut short or rewritten)"
 
 # Record fields with a column of their own; every other field of ResultRecord (e.g. `structured`)
 # becomes a string column: the value as it is when a string, else as JSON.
@@ -60,6 +63,7 @@ def results_schema():
         ("prompt", pa.string()), ("size", pa.int64()), ("etag", pa.string()), ("sha256", pa.string()),
         ("members", pa.string()), ("video", pa.string()),  # JSON
         *[(name, pa.string()) for name in extra],
+        *[(name, pa.uint64()) for name in VIEW_HASHES],
     ])
 
 
@@ -67,7 +71,7 @@ def _json(value: Any) -> str | None:
     return None if value is None else json.dumps(value, ensure_ascii=False, default=str)
 
 
-def _row(record: ResultRecord, source: str | None, extra: list[str]) -> dict[str, Any]:
+def view_row(record: ResultRecord, source: str | None, extra: list[str]) -> dict[str, Any]:
     error = record.error or {}
     row = {
         "key": record.key, "source": source, "question": record.question, "caption": record.text,
@@ -83,7 +87,46 @@ def _row(record: ResultRecord, source: str | None, extra: list[str]) -> dict[str
     for name in extra:
         value = getattr(record, name, None)
         row[name] = value if value is None or isinstance(value, str) else _json(value)
+    row.update(zip(VIEW_HASHES, record_row(record)))
     return row
+
+
+def record_from_row(row: dict[str, Any]) -> ResultRecord:
+    """The record a view row was made from (`view_row`), as far as a copy of its answer needs it:
+    every field but a string-valued `structured` that reads as JSON."""
+    fields = {name: row.get(name) for name in ResultRecord.model_fields if name not in _OWN}
+    for name, value in fields.items():
+        if isinstance(value, str) and ResultRecord.model_fields[name].annotation != (str | None):
+            with contextlib.suppress(ValueError):
+                fields[name] = json.loads(value)
+    error = {"kind": row["error_kind"], "message": row["error_message"]} if row.get("error_kind") else None
+    return ResultRecord(
+        key=row["key"], question=row["question"], text=row["caption"], error=error, model=row["model"],
+        recipe=row["recipe"], run_id=row["run_id"], fingerprint=row["fingerprint"],
+        finish_reason=row["finish_reason"], prompt_tokens=row["prompt_tokens"] or 0,
+        output_tokens=row["output_tokens"] or 0, prompt=row["prompt"], size=row["size"], etag=row["etag"],
+        sha256=row["sha256"], members=json.loads(row["members"]) if row.get("members") else None,
+        video=json.loads(row["video"]) if row.get("video") else None,
+        timings={k: v for k, v in (row.get("timings") or {}).items() if v is not None}, **fields)
+
+
+def view_group_starts(out: Storage, key: str) -> np.ndarray:
+    """The first row of each row group of view file `key` (its footer: ranged reads on S3)."""
+    import pyarrow.parquet as pq
+
+    ref = next(iter(out.iter_objects(prefix=key)))
+    with open_seekable(out, key, ref.size) as raw:
+        meta = pq.ParquetFile(raw).metadata
+        return np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])[:-1]
+
+
+def view_group_records(out: Storage, key: str, group: int) -> list[ResultRecord]:
+    """The records of row group `group` of view file `key` (`record_from_row`)."""
+    import pyarrow.parquet as pq
+
+    ref = next(iter(out.iter_objects(prefix=key)))
+    with open_seekable(out, key, ref.size) as raw:
+        return [record_from_row(row) for row in pq.ParquetFile(raw).read_row_group(group).to_pylist()]
 
 
 def part_order(part: ObjectRef) -> tuple[str, str]:
@@ -92,15 +135,14 @@ def part_order(part: ObjectRef) -> tuple[str, str]:
     return (found.group(1) if found else "", part.key)
 
 
-def _list_parts(out: Storage) -> tuple[dict[str, list[ObjectRef]], set[str]]:
-    """The parts of each fingerprint, oldest first, and every key under results/."""
-    keys, by_fingerprint = set(), {}
+def _list_parts(out: Storage) -> dict[str, list[ObjectRef]]:
+    """The parts of each fingerprint, oldest first."""
+    by_fingerprint: dict[str, list[ObjectRef]] = {}
     for ref in out.iter_objects(prefix="results/"):
-        keys.add(ref.key)
         segments = ref.key.split("/")
         if len(segments) == 3 and segments[2].endswith(".jsonl"):
             by_fingerprint.setdefault(segments[1], []).append(ref)
-    return {fp: sorted(parts, key=part_order) for fp, parts in sorted(by_fingerprint.items())}, keys
+    return {fp: sorted(parts, key=part_order) for fp, parts in sorted(by_fingerprint.items())}
 
 
 class _Sources:
@@ -145,20 +187,14 @@ def latest_ordinals(keyed: list[np.ndarray], stamps: list[np.ndarray] | None = N
     return [np.sort(ordinal[rank == i]) for i in range(len(keyed))]
 
 
-def latest_in_parts(out: Storage, parts: list[ObjectRef], listed: Iterable[str], log,
+def latest_in_parts(out: Storage, parts: list[ObjectRef], log,
                     report: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """For each part (oldest first), its result keys in its final records' order and the
-    ordinals among them of the results that are the latest (`latest_ordinals`). The keys come
-    from the done-index sidecars (a few bytes a part) where `listed` names one that fits, else
-    from parsing the part; a part whose sidecar does not fit is named in `report` as damaged,
-    one that cannot be read as skipped (it has no keys)."""
-    rows_of, resized, unreadable = read_part_rows(out, parts, listed, log)
-    skipped = set(unreadable)
-    for part in parts:
-        if part.key in resized:
-            report["damaged_parts"][out.describe(part.key)] = RESIZED
-        if part.key in skipped:
-            report["skipped_parts"][out.describe(part.key)] = "unreadable"
+    ordinals among them of the results that are the latest (`latest_ordinals`). A part that
+    cannot be read is named in `report` as skipped (it has no keys)."""
+    rows_of, unreadable = read_part_rows(out, parts, log)
+    for key in unreadable:
+        report["skipped_parts"][out.describe(key)] = "unreadable"
     keyed = [rows_of[part.key]["key"] if part.key in rows_of else np.empty(0, np.uint64) for part in parts]
     return keyed, latest_ordinals(keyed)
 
@@ -183,11 +219,12 @@ def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], lo
             continue
         if bad or not data.endswith(b"\n"):
             report["damaged_parts"][out.describe(part.key)] = f"{bad} line(s) are not records (cut short?)"
-        # Rows keyed in pass one come from the same body: each wanted ordinal names a record.
+        # Rows keyed in pass one come from the same body (a part is written once, whole): each
+        # wanted ordinal names a record.
         for ordinal in wanted:
             if ordinal < len(records):
                 record = records[ordinal]
-                batch.append(_row(record, sources(record.run_id), extra))
+                batch.append(view_row(record, sources(record.run_id), extra))
             if len(batch) >= rows_per_batch:
                 yield batch
                 batch = []
@@ -238,9 +275,9 @@ def export_parquet(out: Storage, target: Storage, target_key: str, *,
     started = time.perf_counter()
     log = get_logger()
     report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
-    by_fingerprint, keys = _list_parts(out)  # each fingerprint's latest final results, part by part
+    by_fingerprint = _list_parts(out)  # each fingerprint's latest final results, part by part
     chosen = ((part, wanted) for parts in by_fingerprint.values()
-              for part, wanted in zip(parts, latest_in_parts(out, parts, keys, log, report)[1]))
+              for part, wanted in zip(parts, latest_in_parts(out, parts, log, report)[1]))
     rows, groups = write_rows(target, target_key, select_rows(out, chosen, log, report, row_group_rows),
                               row_group_rows=row_group_rows)
     complete = not report["damaged_parts"] and not report["skipped_parts"]

@@ -11,24 +11,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_rows import result_key
-from vlm_caption.tasks.results.layout import PARQUET_VIEW_PREFIX, compacted_parquet_key
-from vlm_caption.tasks.results.parquet import STAMP_IN_NAME, export_parquet, latest_ordinals, write_rows
+from vlm_caption.tasks.results.done_rows import ROW, result_key, table_rows, view_files
+from vlm_caption.tasks.results.layout import VIEW_HASHES, compacted_parquet_key
+from vlm_caption.tasks.results.parquet import STAMP_IN_NAME, export_parquet, latest_ordinals, results_schema, write_rows
 from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.storage import Storage
-
-
-def _member_order(ref: ObjectRef) -> tuple[bool, str]:
-    """Compacted files, then run files, each by name (its stamp)."""
-    name = ref.key.removeprefix(PARQUET_VIEW_PREFIX)
-    return (not name.startswith("compacted-"), name)
-
-
-def view_files(out: Storage) -> list[ObjectRef]:
-    """The view's files (the .parquet files directly under parquet/), oldest kind first."""
-    return sorted((ref for ref in out.iter_objects(prefix=PARQUET_VIEW_PREFIX)
-                   if ref.key.endswith(".parquet") and "/" not in ref.key.removeprefix(PARQUET_VIEW_PREFIX)),
-                  key=_member_order)
 
 
 def kept_rows(source, keep: np.ndarray) -> Iterator:
@@ -42,8 +29,21 @@ def kept_rows(source, keep: np.ndarray) -> Iterator:
         wanted = keep[np.searchsorted(keep, start):np.searchsorted(keep, start + count)] - start
         start += count
         if len(wanted):
-            table = source.read_row_group(index)
+            table = _conformed(source.read_row_group(index))
             yield table if len(wanted) == count else table.take(pa.array(wanted))
+
+
+def _conformed(table):
+    """`table` in the view's schema: a file written before a column existed (the done-index's
+    hash columns among them) gets it, made from its other columns or empty."""
+    import pyarrow as pa
+
+    schema = results_schema()
+    if table.schema.equals(schema):
+        return table
+    made = dict(zip(VIEW_HASHES, (pa.array(column) for column in (table_rows(table)[name] for name in ROW.names))))
+    return pa.table([table[field.name] if field.name in table.column_names else
+                     made.get(field.name, pa.nulls(len(table), field.type)) for field in schema], schema=schema)
 
 
 def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray], int]:

@@ -7,17 +7,19 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
 `read_parquet('OUT/parquet/*.parquet')`.
 
 - A run that wrote no part reads and writes nothing here.
-- A run that wrote parts lists and reads only its own parts (their prefix, their sidecars and
-  records) and writes its file; it neither lists nor reads the history. Which earlier results
-  it computed again (an object re-uploaded since), and in which parts they stand, the done-index
-  it loaded at its start tells (kept by `load_done_index` for this step; one is loaded here
-  where the process has none, as when `add_run` is called on its own). Each such result is then
-  removed from the older file that holds it, which is rewritten: the file of the run whose part
-  held the earlier record, or, where that run has no file of its own (compaction or a rebuild
-  merged it), the compacted files. The run that wrote a part cut short since has its file
-  checked against every result this run added (the cut records are the ones computed again).
-  The new file is written before an older one is rewritten: a reader in between, or a crash,
-  sees a result twice, never not at all; compaction settles that.
+- A run that wrote parts lists and reads only its own parts and writes its file; it neither
+  lists nor reads the history. Which earlier results it computed again (an object re-uploaded
+  since, a retryable failure), and in which view file or part they stand, the done-index it
+  loaded at its start tells (kept by `load_done_index` for this step; one is loaded here where
+  the process has none, as when `add_run` is called on its own). Each such result is then
+  removed from the older file that holds it, which is rewritten: the view file the done-index
+  read it from, or, for a part, the file of the run that wrote it; where that file is gone since
+  (compaction or a rebuild merged it), the compacted files. The new file is written before an
+  older one is rewritten: a reader in between, or a crash, sees a result twice, never not at
+  all; compaction settles that.
+- The view is also what the done-index reads (its hash columns, tasks/results/done_rows.py): a
+  view file deleted by hand makes its results be computed again; `vlm-caption export OUTPUT`
+  rebuilds the view from the parts.
 - A run owes the view its file from its first part on: before that part it leaves an empty
   `results/<fp>/view-owed/<run_id>` (`owe_view`), removed once its file is written. A run killed
   at any moment before then (or whose export failed) leaves it, and the next run of the job, with
@@ -42,11 +44,11 @@ from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.done_index import DoneIndex, loaded_index, read_done_index
-from vlm_caption.tasks.results.done_rows import listed_under, result_key
-from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key, view_owed_key,
-                                   view_owed_prefix)
+from vlm_caption.tasks.results.done_rows import listed_under, result_key, view_files
+from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key,
+                                              view_owed_key, view_owed_prefix)
 from vlm_caption.tasks.results.parquet import latest_in_parts, part_order, select_rows, write_rows
-from vlm_caption.tasks.results.parquet_compact import kept_rows, view_files
+from vlm_caption.tasks.results.parquet_compact import kept_rows
 from vlm_caption.tasks.sources.storage import Storage, key_within
 
 _owed: set[tuple[str, str, str]] = set()  # (output, fingerprint, run) this process has marked owed
@@ -105,7 +107,7 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
                    if key.endswith(".jsonl") and (key in named or part_run(key) == run_id)), key=part_order)
     for key in sorted(named - {part.key for part in mine}):
         report["skipped_parts"][out.describe(key)] = "not found"
-    keyed, wanted = latest_in_parts(out, mine, listed.keys(), log, report)
+    keyed, wanted = latest_in_parts(out, mine, log, report)
     added = np.unique(np.concatenate([k[w] for k, w in zip(keyed, wanted)] or [np.empty(0, np.uint64)]))
     key = run_parquet_key(run_id)
     if earlier is None:
@@ -150,23 +152,16 @@ def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray
              own: str) -> tuple[list[str], set[int]]:
     """The view's files that may hold an earlier record of a result this run added (which: the
     module's docstring), and those results' keys, as the done-index says."""
-    cut = {part_run(key) for key in earlier.resized if key not in mine}
-    runs: set[str | None] = set(cut)
-    replaced = set(added.tolist()) if cut else set()
-    for part, keys in earlier.parts_holding(added).items():
-        if part not in mine:
-            runs.add(part_run(part))
-            replaced |= set(keys.tolist())
-    if not runs:
-        return [], set()
     files = {ref.key for ref in view_files(out)} - {own}
     merged = sorted(key for key in files if not key.removeprefix(PARQUET_VIEW_PREFIX).startswith("run-"))
     holders: set[str] = set()
-    for run in runs:
-        if run is not None and run_parquet_key(run) in files:
-            holders.add(run_parquet_key(run))
-        else:
-            holders.update(merged)
+    replaced: set[int] = set()
+    for source, keys in earlier.holding(added).items():
+        if source in mine:
+            continue
+        replaced |= set(keys.tolist())
+        file = source if source.startswith(PARQUET_VIEW_PREFIX) else run_parquet_key(part_run(source) or "")
+        holders.update([file] if file in files else merged)
     return sorted(holders), replaced
 
 

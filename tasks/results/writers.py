@@ -8,7 +8,6 @@ whole and a rerun, once there is space, skips them."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import shutil
@@ -19,13 +18,12 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.errors import OutOfSpaceError, retry_unless_permanent
-from vlm_caption.tasks.results.done_rows import index_rows, parse_records, read_part_lines, sidecar_bytes, sidecar_key
+from vlm_caption.tasks.results.done_rows import parse_records, read_part_lines
 from vlm_caption.tasks.results.layout import (manifest_key, part_key, part_prefix, partition_parts_id,
                                               partition_report_key, run_of)
 from vlm_caption.tasks.results.parquet_view import owe_view
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.results.report import PartitionReport, RunStats
-from vlm_caption.tasks.results.writing_log import after_part, before_part
 from vlm_caption.tasks.sources.storage import Storage
 
 
@@ -63,8 +61,9 @@ def write_object(out: Storage, key: str, data: bytes) -> None:
 
 def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
                 records: list[ResultRecord], done_key: str | None = None) -> str | None:
-    """One JSON Lines file per shard, written atomically, then its done-index sidecar (a part
-    whose sidecar is missing is parsed instead). Nothing to write, no file. Then `done_key`, the
+    """One JSON Lines file per shard, written atomically; nothing to write, no file. Before the
+    run's first part, its mark that the Parquet view owes it a file (which also makes the next
+    done-index load read its parts: tasks/results/done_rows.py). Then `done_key`, the
     shard's claim marked done for the other partitions of a fan-out (tasks/claims.py): only
     after its part, so a partition that dies between the two has the shard redone, never lost.
     `out` is the run's output (`RunPlan.output`). A failure is raised: the shard's batch tries it
@@ -74,15 +73,7 @@ def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
         key = part_key(fingerprint, parts_id, shard_index)
         body = "".join(record.model_dump_json() + "\n" for record in records).encode()
         owe_view(out, fingerprint, run_of(parts_id))  # a run killed from here on has its view file added later
-        before_part(out, fingerprint, parts_id)  # stamps: what a load lists new parts by (writing_log.py)
-        try:
-            write_object(out, key, body)
-            write_object(out, sidecar_key(key), sidecar_bytes(index_rows(records), len(body)))
-        except BaseException:  # the part may have landed all the same: stamped too
-            with contextlib.suppress(Exception):
-                after_part(out, fingerprint, parts_id)
-            raise
-        after_part(out, fingerprint, parts_id)
+        write_object(out, key, body)
         written = out.describe(key)
     if done_key is not None:
         write_object(out, done_key, b"")
