@@ -99,3 +99,30 @@ def test_a_full_disk_stops_the_run_and_a_rerun_completes(prefect_api, tiny_llava
     assert sorted(view) == sorted(hashes), view
     parquet = json.loads((out / "manifests" / f"{summary['run_id']}.json").read_text())["parquet"]
     assert parquet["complete"] and set(parquet["repaired"]) == {stopped_run}, parquet
+
+
+def test_a_full_disk_at_the_runs_first_mark_is_the_same_clear_error(tmp_path):
+    """Before its first part a run leaves its mark that the Parquet view owes it a file; a disk
+    with no room for even that (no inode left, a quota) stops the run with the same DiskFullError,
+    naming the mark, and nothing of the shard is written."""
+    import errno
+
+    from vlm_caption.tasks.records import ResultRecord
+    from vlm_caption.tasks.results.writers import write_shard
+    from vlm_caption.tasks.sources.storage import open_storage
+
+    out = open_storage(str(tmp_path / "out"), create=True)
+    real_write = out.write
+
+    def write(key: str, data: bytes) -> None:
+        if "/view-owed/" in key:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(key, data)
+
+    out.write = write
+    record = ResultRecord(key="a.jpg", size=1, etag="e", sha256=None, recipe="r", model="m", prompt=None,
+                          text="a cat", finish_reason="stop", timings={}, fingerprint="f" * 16, run_id="run-full")
+    with pytest.raises(DiskFullError) as stopped:
+        write_shard(out, "f" * 16, "run-full", 0, [record])
+    assert "view-owed/run-full" in str(stopped.value) and "run the same job again" in str(stopped.value)
+    assert not [path for path in (tmp_path / "out").rglob("*") if path.is_file()]

@@ -21,7 +21,7 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
   view file deleted by hand makes its results be computed again; `vlm-caption export OUTPUT`
   rebuilds the view from the parts.
 - A run owes the view its file from its first part on: before that part it leaves an empty
-  `results/<fp>/view-owed/<run_id>` (`owe_view`), removed once its file is written. A run killed
+  `results/<fp>/view-owed/<run_id>` (tasks/results/writers.py `owe_view`), removed once its file is written. A run killed
   at any moment before then (or whose export failed) leaves it, and the next run of the job, with
   or without new items, adds that run's file from all of its parts before its own
   (`add_owed_runs`, one listing of a folder that is empty on a normal night): a rerun makes the
@@ -34,7 +34,6 @@ Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parq
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -50,21 +49,6 @@ from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, part_prefix, 
 from vlm_caption.tasks.results.parquet import latest_in_parts, part_order, select_rows, write_rows
 from vlm_caption.tasks.results.parquet_compact import kept_rows
 from vlm_caption.tasks.sources.storage import Storage, key_within
-
-_owed: set[tuple[str, str, str]] = set()  # (output, fingerprint, run) this process has marked owed
-_owed_lock = threading.Lock()
-
-
-def owe_view(out: Storage, fingerprint: str, run_id: str) -> None:
-    """Before run `run_id`'s first part (once per process and run; the pipeline's writer threads
-    call it before each part): the view owes the run its file until `add_run` writes it."""
-    token = (out.uri, fingerprint, run_id)
-    with _owed_lock:
-        if token in _owed:
-            return
-        out.write(view_owed_key(fingerprint, run_id), b"")
-        _owed.add(token)
-
 
 def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log, earlier: DoneIndex | None) -> dict[str, dict]:
     """The view's file of each earlier run of this job that wrote parts and never had its file

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,8 +21,7 @@ from prefect.cache_policies import NONE
 from vlm_caption.tasks.errors import OutOfSpaceError, retry_unless_permanent
 from vlm_caption.tasks.results.done_rows import parse_records, read_part_lines
 from vlm_caption.tasks.results.layout import (manifest_key, part_key, part_prefix, partition_parts_id,
-                                              partition_report_key, run_of)
-from vlm_caption.tasks.results.parquet_view import owe_view
+                                              partition_report_key, run_of, view_owed_key)
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.results.report import PartitionReport, RunStats
 from vlm_caption.tasks.sources.storage import Storage
@@ -57,6 +57,22 @@ def write_object(out: Storage, key: str, data: bytes) -> None:
             "already written are kept and skipped.")
         error.errno = errno.ENOSPC
         raise error from None
+
+
+_owed: set[tuple[str, str, str]] = set()  # (output, fingerprint, run) this process has marked owed
+_owed_lock = threading.Lock()
+
+
+def owe_view(out: Storage, fingerprint: str, run_id: str) -> None:
+    """Before run `run_id`'s first part (once per process and run; the batches' shard threads
+    call it before each part): the Parquet view owes the run its file until `add_run` writes it
+    (tasks/results/parquet_view.py)."""
+    token = (out.uri, fingerprint, run_id)
+    with _owed_lock:
+        if token in _owed:
+            return
+        write_object(out, view_owed_key(fingerprint, run_id), b"")
+        _owed.add(token)
 
 
 def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
