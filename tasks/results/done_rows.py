@@ -195,13 +195,14 @@ def table_rows(table) -> np.ndarray:
 
 class Source(NamedTuple):
     """Rows read from one object: a part (`view` false: row i is its i-th final record) or a
-    view file (row i is the file's row `at[i]`, or row i where `at` is None: every row of the
-    file was of the fingerprint)."""
+    view file of `size` bytes (row i is the file's row `at[i]`, or row i where `at` is None:
+    every row of the file was of the fingerprint)."""
 
     key: str
     rows: np.ndarray
     at: np.ndarray | None = None
     view: bool = False
+    size: int = 0
 
 
 class LoadedRows(NamedTuple):
@@ -220,7 +221,7 @@ def load_rows(out: Storage, fingerprint: str) -> LoadedRows:
     files = view_files(out)
     with ThreadPoolExecutor(READERS) as pool:
         read = list(pool.map(lambda ref: view_file_rows(out, ref, fingerprint), files))
-    sources = [Source(ref.key, rows, at, view=True) for ref, (rows, at) in zip(files, read) if len(rows)]
+    sources = [Source(ref.key, rows, at, view=True, size=ref.size) for ref, (rows, at) in zip(files, read) if len(rows)]
     prefixes = [part_prefix(fingerprint, run) for run in owed] if sources else [results_prefix(fingerprint)]
     parts = [ref for key, ref in listed_under(out, prefixes).items()
              if key.endswith(".jsonl") and key.count("/") == 2]

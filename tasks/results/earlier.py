@@ -37,12 +37,14 @@ class EarlierRecords:
             records = self._cached((source.key, -1), lambda: final_records(read_part_lines(self.out, source.key))[0])
             return records[row] if row < len(records) else None
         at = row if source.at is None else int(source.at[row])  # the file's row, in the group starting before it
-        starts = self._cached((source.key, -2), lambda: view_group_starts(self.out, source.key))
+        starts = self._cached((source.key, -2), lambda: view_group_starts(self.out, source.key, source.size))
         group = int(np.searchsorted(starts, at, "right")) - 1
         if group < 0:
             return None
-        records = self._cached((source.key, group), lambda: view_group_records(self.out, source.key, group))
-        return records[at - int(starts[group])] if at - int(starts[group]) < len(records) else None
+        records = self._cached((source.key, group),
+                               lambda: view_group_records(self.out, source.key, source.size, group))
+        at -= int(starts[group])  # its row within the group
+        return records[at] if at < len(records) else None
 
     def _cached(self, name: tuple[str, int], read):
         with self._lock:  # one read of a source however many fetch threads ask for it at once

@@ -110,22 +110,20 @@ def record_from_row(row: dict[str, Any]) -> ResultRecord:
         timings={k: v for k, v in (row.get("timings") or {}).items() if v is not None}, **fields)
 
 
-def view_group_starts(out: Storage, key: str) -> np.ndarray:
-    """The first row of each row group of view file `key` (its footer: ranged reads on S3)."""
+def view_group_starts(out: Storage, key: str, size: int) -> np.ndarray:
+    """The first row of each row group of view file `key` of `size` bytes (its footer: ranged reads on S3)."""
     import pyarrow.parquet as pq
 
-    ref = next(iter(out.iter_objects(prefix=key)))
-    with open_seekable(out, key, ref.size) as raw:
+    with open_seekable(out, key, size) as raw:
         meta = pq.ParquetFile(raw).metadata
         return np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])[:-1]
 
 
-def view_group_records(out: Storage, key: str, group: int) -> list[ResultRecord]:
-    """The records of row group `group` of view file `key` (`record_from_row`)."""
+def view_group_records(out: Storage, key: str, size: int, group: int) -> list[ResultRecord]:
+    """The records of row group `group` of view file `key` of `size` bytes (`record_from_row`)."""
     import pyarrow.parquet as pq
 
-    ref = next(iter(out.iter_objects(prefix=key)))
-    with open_seekable(out, key, ref.size) as raw:
+    with open_seekable(out, key, size) as raw:
         return [record_from_row(row) for row in pq.ParquetFile(raw).read_row_group(group).to_pylist()]
 
 
