@@ -1,16 +1,9 @@
 """A partition's shards done in Prefect task runs, one per batch of consecutive shards
-(`caption-batch`): a batch's task run prepares, generates and writes its shards, so its state is
-theirs, and a shard that fails is tried again by Prefect's task retries (the batch's shards not yet
-written; an engine that died is replaced). Past the retries its items are written as error
-records, retryable (the next run computes them again), and the batch ends Failed with that
-shard's error; a permanent failure (a full disk) stops the run.
-
-Batches grow from 1 shard, doubling up to BATCH_ITEMS' worth, so a run of N items makes about
-N / BATCH_ITEMS task runs (3,060 at 100M items in shards of 64): a graph the UI can draw, at a
-pace Prefect's server records (docs/operations.md, "How many task runs a run makes"). The listing
-hands each shard to the open batch as it comes; the shards of every batch run side by side on
-this process's threads, the feed's schedule (flows/feed_schedule.py) bounding how many are being
-prepared and how many are in the engine, so the engine never drains between batches."""
+(`caption-batch`), growing from 1 shard up to BATCH_ITEMS' worth: a batch's task run prepares,
+generates and writes its shards, each on a thread of its own, so its state is theirs and a shard
+that fails is tried again by Prefect's task retries (docs/operations.md, "How many task runs a run
+makes"). The feed's schedule (flows/feed_schedule.py) bounds how many shards are being prepared and
+how many are in the engine, across batches, so the engine never drains between them."""
 
 from __future__ import annotations
 
@@ -25,9 +18,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 from prefect.utilities.annotations import quote
 
-from vlm_caption.flows.feed_schedule import FeedSchedule, RunStopped
+from vlm_caption.flows.feed_schedule import FeedSchedule, RunStopped, ShardReport
 from vlm_caption.flows.partition_run import PartitionRun
-from vlm_caption.flows.shard_report import ShardReport
 from vlm_caption.tasks.claims import ShardClaims
 from vlm_caption.tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
 from vlm_caption.tasks.engine.steps import GenerateOptions, failed_shard_records, generate_shard
@@ -38,8 +30,7 @@ from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.results.done_index import DoneIndex
 from vlm_caption.tasks.results.report import RunStats
 from vlm_caption.tasks.results.writers import write_shard
-from vlm_caption.tasks.sources.extras import annotate_records
-from vlm_caption.tasks.sources.items import Shard
+from vlm_caption.tasks.sources.items import Shard, annotate_records
 from vlm_caption.tasks.sources.listing import Listed
 
 BATCH_ITEMS = 32_768  # the most items a batch's shards hold (at least one shard)
@@ -76,10 +67,6 @@ class Batch:
     settled: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)  # index: records, failed, part
     tries: int = 0
 
-    @property
-    def full(self) -> bool:
-        return self.handed >= self.size
-
     def put(self, shard: Shard | None) -> None:
         self.handed += shard is not None
         self.incoming.put(shard)
@@ -94,10 +81,9 @@ def caption_batch(pipeline: ShardPipeline, batch: Batch, number: int) -> dict[st
 
 
 class ShardPipeline:
-    """A partition's shards, done by batches (see the module's docstring): the listing's thread
-    takes each shard once the feed's schedule has room to prepare it (flows/feed_schedule.py) and
-    hands it to the open batch; the batch's task run gives each of its shards a thread, which
-    prepares it, asks the engine, and writes its part. The counts and progress are `ShardReport`'s."""
+    """A partition's shards, done by batches: the listing's thread takes each shard once the feed's
+    schedule has room to prepare it and hands it to the open batch, whose task run gives each of its
+    shards a thread, which prepares it, asks the engine, and writes its part."""
 
     def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec, claims: ShardClaims | None = None):
         work = self.work = run.work
@@ -121,7 +107,7 @@ class ShardPipeline:
         listed = iter(shards)
         try:
             while (shard := self.schedule.take(listed)) is not None:
-                if self.batch is None or self.batch.full:
+                if self.batch is None or self.batch.handed >= self.batch.size:
                     self.end_batch()
                     number = len(self.batches) + 1
                     self.batch = Batch(number, batch_size(number, self.work.shard_size))

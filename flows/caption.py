@@ -1,16 +1,9 @@
 """The `vlm-caption` flow: images, videos or image groups in a folder or bucket (or the lines
-of a job manifest) in, one result record per (item, question) out.
-
-    preflight ──> one run per job ──> list source (streamed) ──> shards
-        prepare (fetch + decode, the next shard) ─┐
-        start engine (background, once) ──────────┼─> generate (continuous feed) ─> write part
-        several shards in the engine at once ─────┘
-    ... all shards ──> manifest ──> summary artifacts
-
-The run's plan (`flows/plan.py`: pre-flight, then the job resolved once) is handed down; a
-partition's shards go through `flows/pipeline.py`. With `fan_out=N` the run starts N-1 child
-runs and captions as partition 0, the partitions claiming the shards they take (tasks/fanout.py,
-tasks/claims.py); the parent waits for the children and merges their reports into the one manifest.
+of a job manifest) in, one result record per (item, question) out (docs/architecture.md, "The
+flow"). The run's plan (flows/plan.py) is handed down; a partition's shards go through
+flows/pipeline.py. With `fan_out=N` the run starts N-1 child runs and captions as partition 0, the
+partitions claiming the shards they take (tasks/fanout.py, tasks/claims.py); the parent waits for
+the children and merges their reports into the one manifest.
 """
 
 from __future__ import annotations
@@ -79,34 +72,28 @@ def _where() -> dict:
 def vlm_caption(job: CaptionJob) -> dict:
     """Caption every item under `job.source` (or of `job.manifest`) and write JSON Lines
     results to `job.output`: one record per (item, question)."""
-    try:
-        return run_job(job)
-    except UserError as exc:
-        if not exc.permanent:
-            raise  # an engine that died, a busy job: Prefect's retry, when the run has one
-        return fail_run(exc)  # Failed at once, one line in the UI (raised to an in-process caller)
-
-
-def run_job(job: CaptionJob) -> dict:
-    """The flow's body: the plan, the job's slot, the run."""
     configure_logging()
-    plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
-    run_id = job.partition.run_id if job.partition else _run_id()
-    log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
-    # vLLM imported here, then the engine built beside the slot, the done-index and the listing; a
-    # fan-out's parent asks for its children first (caption_job), their start beside its import.
-    early = start_engine_first(plan)
-    if early:
-        log.info("engine starting first", why="the output holds no result of this job yet, or objects came after "
-                 "where its last listing ended")
-    # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
-    lease = one_run_per_job(plan.fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
     try:
+        plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
+        run_id = job.partition.run_id if job.partition else _run_id()
+        log = get_logger(run_id=run_id, recipe=plan.recipe.name, fingerprint=plan.fingerprint)
+        # vLLM imported here, then the engine built beside the slot, the done-index and the listing; a
+        # fan-out's parent asks for its children first (caption_job), their start beside its import.
+        early = start_engine_first(plan)
+        if early:
+            log.info("engine starting first", why="the output holds no result of this job yet, or objects came "
+                     "after where its last listing ended")
+        # A child of a fan-out runs under its parent's slot; anything else takes the job's own first.
+        lease = one_run_per_job(plan.fingerprint, job.output) if job.partition is None else contextlib.nullcontext()
         asked = time.monotonic()
         with lease:
             # `vlm-caption run` began a nightly run's done-index and listing already; kept if still true.
             settle_head_start(plan, slot_wait_s=time.monotonic() - asked)
             return caption_job(plan, run_id, log, engine_first=early)
+    except UserError as exc:
+        if not exc.permanent:
+            raise  # an engine that died, a busy job: Prefect's retry, when the run has one
+        return fail_run(exc)  # Failed at once, one line in the UI (raised to an in-process caller)
     finally:
         discard_early_engine()  # not taken: the run had nothing to do, or failed before its first item
 

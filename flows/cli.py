@@ -204,7 +204,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from vlm_caption.tasks.results.parquet import export_parquet
-    from vlm_caption.tasks.results.parquet_compact import compact_view, rebuild_view
+    from vlm_caption.tasks.results.parquet_view import compact_view, rebuild_view
     from vlm_caption.tasks.sources.storage import open_storage, split_parent
 
     out = open_storage(args.output)  # an output that is not there is an error, not made
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     with stoppable(runs), embedded_server_defaults(runs or argv[:1] == ["bench"]):
         args = build_parser().parse_args(argv)
         handlers = {"run": cmd_run, "demo": cmd_demo, "bench": BENCH_HANDLER, "export": cmd_export,
-                    "server": "vlm_caption.flows.server_background:server_command"}
+                    "server": "vlm_caption.flows.server:server_command"}
         if args.command == "recipes":
             handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
         else:

@@ -1,21 +1,10 @@
-"""A nightly run's head start: its done-index loaded and its listing begun as soon as its plan
-is made, on a thread of their own, while Prefect's server starts and the flow run is made.
-
-A run whose output holds results of its job starts no engine at once (flows/plan.py
-`start_engine_first`, unless objects came after where its last listing ended); what it has to do
-first is load the done-index and judge every listed item against it, which with a large history
-is most of the flow run, and which needs no Prefect. So
-`vlm-caption run` begins both (`begin_head_start`) right after the plan, before the embedded
-Prefect server is up. The flow, in the same process and with the same resolved job, takes them
-(`take_head_start`, flows/pipeline.py) instead of loading and listing again: its `load-done-index` task run waits for
-the load, its `list-source` task run for the listing (tasks/sources/listing.py `ShardStream.begin`),
-so the run shows the same task runs, counts and log lines.
-
-The load ran before the flow took the job's slot (tasks/concurrency.py), so another run of the
-job may have added results since. The flow checks once it holds the slot (`settle_head_start`): a
-slot that was not free at once, a manifest written meanwhile (a run ended), or a job the flow
-resolved otherwise, and the head start is dropped: the flow loads and lists as it would have.
-Only a run of its own (no fan-out, no partition) takes one; a fanned-out run lists into a shard plan.
+"""A nightly run's head start (docs/architecture.md, "The engine starts first"): `vlm-caption run`
+begins its done-index's load and its listing (`begin_head_start`) on a thread as soon as its plan
+is made, while Prefect's server starts; the flow, in the same process, takes them (`take_head_start`)
+in its `load-done-index` and `list-source` task runs, so the run shows the same task runs, counts
+and log lines. The load ran before the flow took the job's slot, so the flow drops it once it holds
+the slot (`settle_head_start`) where the slot was not free at once, a manifest was written meanwhile
+(a run ended) or it resolved the job otherwise, and loads and lists as it would have.
 """
 
 from __future__ import annotations
@@ -26,7 +15,7 @@ import threading
 from prefect import task
 from prefect.cache_policies import NONE
 
-from vlm_caption.flows.partition_run import PartitionRun, ShardWork
+from vlm_caption.flows.partition_run import PartitionRun
 from vlm_caption.flows.plan import RunPlan
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
@@ -43,7 +32,6 @@ class HeadStart:
     """The done-index's load, then the listing judged against it, on a thread begun before the flow."""
 
     def __init__(self, plan: RunPlan):
-        self.key = plan_key(plan)
         self.plan = plan
         self.done: DoneIndex | None = None
         self.error: BaseException | None = None
@@ -86,14 +74,15 @@ class HeadStart:
             self.stream.close()  # begun after the first close, if the load ended in between
 
 
-Key = tuple[str, str, str, ShardWork]
-_started: dict[Key, HeadStart] = {}
+_started: HeadStart | None = None  # begun by `vlm-caption run`, not taken or dropped yet
 _lock = threading.Lock()
 
 
-def plan_key(plan: RunPlan) -> Key:
-    """Which partition's listing this is: the plan's, as the flow's PartitionRun takes it (`take_head_start`)."""
-    return plan.fingerprint, plan.output.uri, plan.source.uri, ShardWork.of(plan.job)
+def _pop() -> HeadStart | None:
+    global _started
+    with _lock:
+        head, _started = _started, None
+    return head
 
 
 def manifests_of(plan: RunPlan) -> frozenset[str]:
@@ -104,13 +93,13 @@ def begin_head_start(plan: RunPlan) -> bool:
     """`vlm-caption run`, for a job whose output holds results of it (the caller knows it starts no
     engine first): the load and the listing begun now, for a run of its own (no fan-out, not a
     partition). True if begun."""
+    global _started
     if plan.job.fan_out > 1 or plan.job.partition is not None:
         return False
-    head = HeadStart(plan)
     with _lock:
-        if head.key in _started:
+        if _started is not None:
             return False
-        _started[head.key] = head
+        _started = head = HeadStart(plan)
     head.thread.start()
     return True
 
@@ -119,40 +108,33 @@ def settle_head_start(plan: RunPlan, slot_wait_s: float) -> None:
     """Once the flow holds the job's slot: drop a head start another run's results may have
     outdated (the slot was held by another run, or a run ended and wrote its manifest), or one
     begun for another job than the flow resolved (a newer inventory report since)."""
-    with _lock:
-        heads = list(_started.values())
-    job = plan.job.model_dump_json()
-    for head in heads:
-        why = None
-        if head.plan.job.model_dump_json() != job:
-            why = "the flow's job is not the one begun"
-        elif slot_wait_s > SLOT_FREE_S:
-            why = f"the job's slot took {slot_wait_s:.1f} s (another run held it)"
-        else:
-            why = head.outdated()
-        if why is not None:
-            with _lock:
-                _started.pop(head.key, None)
-            head.drop()
-            get_logger(fingerprint=head.plan.fingerprint).info("done-index loaded again", why=why)
+    head = _started
+    if head is None:
+        return
+    if head.plan.job.model_dump_json() != plan.job.model_dump_json():
+        why = "the flow's job is not the one begun"
+    elif slot_wait_s > SLOT_FREE_S:
+        why = f"the job's slot took {slot_wait_s:.1f} s (another run held it)"
+    else:
+        why = head.outdated()
+    if why is not None and _pop() is head:
+        head.drop()
+        get_logger(fingerprint=head.plan.fingerprint).info("done-index loaded again", why=why)
 
 
 def discard_head_start() -> None:
-    """Drop every head start left as `vlm-caption run`'s flow has ended (it failed before its
+    """Drop a head start left as `vlm-caption run`'s flow has ended (it failed before its
     listing): nothing loads after it, so nothing is waited for."""
-    with _lock:
-        heads = list(_started.values())
-        _started.clear()
-    for head in heads:
+    if (head := _pop()) is not None:
         head.drop(wait=False)
 
 
 def take_head_start(run: PartitionRun) -> tuple[DoneIndex, ShardStream] | None:
-    """The plan's done-index and begun listing, once (flows/pipeline.py asks for a run not fanned out
-    only); None where there is none (or its load failed: the caller loads and lists as usual). Its
-    `load-done-index` and `list-source` task runs are made here, each waiting for its part."""
-    with _lock:
-        head = _started.pop((run.fingerprint, run.output.uri, run.source.uri, run.work), None)
+    """The done-index and begun listing of a run not fanned out (flows/pipeline.py), once, where
+    the flow kept it (`settle_head_start`: the job the flow resolved); None where there is none (or
+    its load failed: the caller loads and lists as usual). Its `load-done-index` and `list-source`
+    task runs are made here, each waiting for its part."""
+    head = _pop()
     if head is None:
         return None
     done = wait_for_done_index(head)

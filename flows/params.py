@@ -60,9 +60,6 @@ class SamplingSettings(BaseModel):
     seed: int | None = Field(0, description="Per-request sampling seed; fixed by default so reruns agree.")
     ignore_eos: bool = Field(False, description="Always generate max_tokens (benchmarks).")
 
-    def fingerprint_dict(self) -> dict[str, Any]:
-        return self.model_dump()
-
 
 class Partition(BaseModel):
     """Which slice of the listing a child run of a fanned-out job captions (set by the parent)."""
@@ -223,6 +220,9 @@ class CaptionJob(BaseModel):
                              "use method 'generate' for video")
         if self.partition is not None and self.fan_out > 1:
             raise ValueError("a partition run cannot fan out again: set fan_out=1 or leave partition empty")
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and choice (got {', '.join(given)})")
         return self
 
     @property
@@ -262,13 +262,6 @@ class CaptionJob(BaseModel):
             if not value or any(not c for c in value):
                 raise ValueError("choice needs at least one non-empty string")
         return value
-
-    @model_validator(mode="after")
-    def _one_structured_output(self) -> CaptionJob:
-        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
-        if len(given) > 1:
-            raise ValueError(f"give at most one of json_schema, regex and choice (got {', '.join(given)})")
-        return self
 
     @property
     def structured_output(self) -> dict[str, Any] | None:

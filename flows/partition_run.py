@@ -1,9 +1,6 @@
 """One partition of a run as this process captions it (the whole run when not fanned out): what
 its shards need of the run's plan (flows/plan.py), taken from it once, at the partition's start.
-
-The pipeline (flows/pipeline.py) and what it drives (the steps, the report, the claims, the
-partition's end) are handed these values, never the job: the locations opened, the engine's
-arguments built, the few fields of the job a shard's steps read.
+The pipeline and what it drives are handed these values, never the job.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ shards' work is flows/batches.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterable
@@ -29,31 +30,25 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | Non
     fanned-out run takes the shards it claims (tasks/claims.py), then waits for the run's other
     claimed shards, retaking those of a partition that is gone. Returns the counts, the engine,
     and the claims' figures."""
-    if run.partition is None:
-        stats, engine = _caption(run, None)
-        return stats, engine, None
-    with ShardClaims(run.output, run.run_id, run.partition.index, partitions=run.partition.count) as claims:
-        stats, engine = _caption(run, claims)
-        return stats, engine, {"shards": claims.taken, "retaken": claims.retaken}
-
-
-def _caption(run: PartitionRun, claims: ShardClaims | None) -> tuple[RunStats, dict | None]:
-    work = run.work
-    started = take_head_start(run) if claims is None else None  # a nightly run's, begun before its flow
-    done = started[0] if started else load_done_index(run.output, run.fingerprint)
-    stream = started[1] if started else listing(run, done, claims)
-    try:
-        # The engine is the plan's: a multi-image job's per-prompt image limit is its group limit
-        # (--max-images), so its engine, like the others', starts before the listing has ended.
-        pipeline = ShardPipeline(run, done, run.engine, claims)
-        run.log.info("run started", source=run.source.uri, output=run.output.uri, modality=work.modality,
-                     questions=len(work.questions), already_done=len(done), partition=run.parts_id)
-        pipeline.run(claims.claimed(stream) if claims else stream)
-    finally:
-        stream.close()
-    if claims is not None:  # the others' claimed shards, a gone partition's, then the plan's copies
-        finish_partition(pipeline, run, claims, stream)
-    return pipeline.close()
+    work, part = run.work, run.partition
+    claims = ShardClaims(run.output, run.run_id, part.index, partitions=part.count) if part else None
+    with claims or contextlib.nullcontext():
+        started = take_head_start(run) if claims is None else None  # a nightly run's, begun before its flow
+        done = started[0] if started else load_done_index(run.output, run.fingerprint)
+        stream = started[1] if started else listing(run, done, claims)
+        try:
+            # The engine is the plan's: a multi-image job's per-prompt image limit is its group limit
+            # (--max-images), so its engine, like the others', starts before the listing has ended.
+            pipeline = ShardPipeline(run, done, run.engine, claims)
+            run.log.info("run started", source=run.source.uri, output=run.output.uri, modality=work.modality,
+                         questions=len(work.questions), already_done=len(done), partition=run.parts_id)
+            pipeline.run(claims.claimed(stream) if claims else stream)
+        finally:
+            stream.close()
+        if claims is None:
+            return (*pipeline.close(), None)
+        finish_partition(pipeline, run, claims, stream)  # the others' claimed shards, a gone one's, the copies
+        return (*pipeline.close(), {"shards": claims.taken, "retaken": claims.retaken})
 
 
 def finish_partition(pipeline: ShardPipeline, run: PartitionRun, claims: ShardClaims, plan: SharedListing) -> None:

@@ -1,21 +1,12 @@
 """A run's plan: the job resolved once, at the run's start, and handed down.
 
-`make_plan(job)` is the pre-flight. It checks everything that needs no engine (remote code, the
-engine arguments, the source, the output and that a fan-out's partitions all reach both, the model)
-and fails with every problem at once, one line each (`PreflightError`); otherwise it returns a
-`RunPlan`: the job with its source format and Parquet column resolved, the recipe object (the job
-found it by name when it was made), the engine to build (`EngineSpec`: the recipe's engine
-arguments with the job's overrides), the model, the fingerprint, where the items come from and
-the output store. Nothing below the plan looks a recipe up by name or builds engine arguments
-again. `vlm-caption run` makes it before Prefect starts (a mistake costs seconds); the flow makes
-it again in its own process (a deployment run has had no CLI), and a child partition from the job
-it is given. Storage objects are shared per location per process (`tasks/sources/storage.py`), so
-making the plan twice opens nothing twice.
+`make_plan(job)` is the pre-flight: it checks everything that needs no engine and fails with every
+problem at once, one line each (`PreflightError`), or returns the `RunPlan` nothing below looks a
+recipe up by name or builds engine arguments again from (docs/architecture.md, "The plan").
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +18,7 @@ from vlm_caption.tasks.results.layout import results_prefix
 from vlm_caption.tasks.records import job_fingerprint
 from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.listing_end import object_after_listing_end
-from vlm_caption.tasks.sources.registry import READERS, reader_class
+from vlm_caption.tasks.sources.registry import READERS
 from vlm_caption.tasks.sources.storage import Storage, StorageError
 from vlm_caption.tasks.sources.watermark import with_changed_since
 
@@ -111,34 +102,19 @@ def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str, source: SourceSp
         media["column"] = job.column
     return job_fingerprint(
         source=location, recipe=recipe.name, model=model, modality=job.modality, method=job.method,
-        media=media, sampling=job.sampling.fingerprint_dict(), structured=job.structured_output,
+        media=media, sampling=job.sampling.model_dump(), structured=job.structured_output,
         retry_looping=job.retry_looping, dedup=job.dedup)
 
 
-def source_spec(job: CaptionJob) -> SourceSpec:
-    """Where a resolved job's items come from (the plan's is `resolve_source`'s, storage opened)."""
-    fmt = "manifest" if job.manifest is not None else job.source_format
-    spec = reader_class(fmt).spec_for(job.location, modality=job.modality, glob=job.glob, column=job.column)
-    return dataclasses.replace(spec, follow_links=job.follow_links)
-
-
 def start_engine_first(plan: RunPlan) -> bool:
-    """Whether the run builds its engine before anything else, and if so its start:
-    vLLM imported here, by the calling thread (never on a thread beside other work:
-    tasks/engine/vllm_import.py says why), then the engine built on a thread of its own
-    (`tasks/engine/vllm_engine.py`). `vlm-caption run` and the bench call it before they import
-    Prefect, whose import beside vLLM's slows both. A fan-out's parent builds nothing here, on
-    every path: it asks for its children first, whose start (a worker's poll, Prefect's, their own
-    vLLM import) is the longer, then calls `build_engine_first`.
-
-    A job whose output holds no result of its fingerprint yet has every item still to do, so its
-    engine is started at once, beside Prefect's start, the job's slot and the listing (the engine's
-    start is most of a short run). So is a job with earlier results whose folder or bucket holds an
-    object after the greatest key its last complete listing read (tasks/sources/listing_end.py: a
-    night's objects that sort after the history). Any other job with earlier results (a nightly
-    rerun) imports nothing here and starts its engine at the first item the listing shows is not
-    done, so a night with nothing new needs no vLLM. The partitions of a fan-out follow their
-    parent's finding."""
+    """Whether the run builds its engine before anything else, and if so its start: vLLM imported
+    here, by the calling thread (tasks/engine/vllm_import.py says why), then the engine built on a
+    thread of its own. First: an output with no result of the job yet, or with objects after where
+    its last complete listing ended (tasks/sources/listing_end.py); a nightly rerun otherwise starts
+    its engine at its first shard with work left. A fan-out's parent builds nothing here (it asks
+    for its children first, then calls `build_engine_first`); its partitions follow its finding.
+    `vlm-caption run` and the bench call it before they import Prefect, whose import beside vLLM's
+    slows both (docs/architecture.md, "The engine starts first")."""
     if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
         first = plan.job.partition.engine_first
     else:

@@ -1,14 +1,9 @@
 """How a run looks in Prefect's UI: its name (`<recipe> · <source>`, whatever its parameters),
-and how a user error ends it (one line, and at once when a retry would only repeat it).
-
-A deployment's runs carry `PREFECT_FLOWS_DEFAULT_RETRIES` (deployments/prefect.yaml), so a
-crashed host, an engine that died or a lost API is run again. Prefect 3.8 retries every failed
-flow run alike (the server's RetryFailedFlows rule reads the run's `empirical_policy.retries`,
-not the state), so a permanent error (tasks/errors.py: a missing model, a pre-flight problem)
-sets the run's retries to none first, through the client's public `update_flow_run`, then
-ends the run with a Failed state whose message is the error's line: no AwaitingRetry holding
-the worker's slot, no traceback in the run's logs. A transient user error (tasks/errors.py:
-`permanent = False`) is raised as any exception is, to Prefect's retry.
+and how a user error ends it (docs/operations.md, "Retries and permanent errors"). Prefect 3.8
+retries every failed flow run alike (the server's RetryFailedFlows rule reads the run's
+`empirical_policy.retries`, not the state), so a permanent error (tasks/errors.py) sets the run's
+retries to none first, through the client's public `update_flow_run`, then ends the run Failed
+with the error's line; a transient one (`permanent = False`) is raised, to Prefect's retry.
 """
 
 from __future__ import annotations
@@ -83,31 +78,24 @@ VALIDATION_FAILED = "Validation of flow parameters failed"  # Prefect's state me
 def on_run_failed(flow, flow_run, state) -> None:
     """on_failure: a run whose parameters failed validation was neither named (Prefect names a
     run after validating them) nor given a readable message (Prefect's is pydantic's, over
-    several lines): both from the parameters as given."""
+    several lines): both from the parameters as given, its message what is wrong with its job."""
     from prefect.client.orchestration import get_client
+    from prefect.states import Failed
+    from pydantic import ValidationError
+
+    from vlm_caption.flows.params import CaptionJob
 
     wanted = run_name_from(flow_run.parameters)
     with get_client(sync_client=True) as client:
         if not flow_run.name.startswith(wanted.split(" [")[0]):
             client.set_flow_run_name(flow_run.id, wanted)
-        if (state.message or "").startswith(VALIDATION_FAILED):
-            message = _invalid_job(flow_run.parameters)
-            if message:
-                from prefect.states import Failed
-
-                client.set_flow_run_state(flow_run.id, Failed(message=message), force=True)
-
-
-def _invalid_job(parameters: dict) -> str | None:
-    """What is wrong with a run's `job` parameter, on one line; None if it validates."""
-    from pydantic import ValidationError
-
-    from vlm_caption.flows.params import CaptionJob
-
-    try:
-        CaptionJob.model_validate((parameters or {}).get("job"))
-    except ValidationError as exc:
-        return "invalid job: " + "; ".join(validation_lines(exc))
-    except UserError as exc:
-        return "invalid job: " + one_line(exc)
-    return None
+        if not (state.message or "").startswith(VALIDATION_FAILED):
+            return
+        try:
+            CaptionJob.model_validate((flow_run.parameters or {}).get("job"))
+            return
+        except ValidationError as exc:
+            message = "; ".join(validation_lines(exc))
+        except UserError as exc:
+            message = one_line(exc)
+        client.set_flow_run_state(flow_run.id, Failed(message=f"invalid job: {message}"), force=True)

@@ -6,12 +6,15 @@ FastAPI below 0.137, where Prefect's UI app cannot be built (`'FastAPI' object h
 'frontend'`), and the newest FastAPI (0.155 on) removed arguments Prefect 3.8 still passes
 (`Body() got an unexpected keyword argument 'min_items'`). Prefect is pinned to the project's
 exact version, so the server and the project's workers and flow runs speak the same API.
-`--background` and `--stop`: flows/server_background.py.
+`--background` starts it in a session of its own, its output in a log file, and returns once the
+API answers; its pid is kept in PREFECT_HOME (`vlm-caption-server-<port>.pid`) for `--stop`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import http.client
 import os
 import shutil
 import signal
@@ -19,11 +22,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
 from vlm_caption.tasks.errors import PrefectUnavailable, UsageError
+from vlm_caption.tasks.prefect_api import show_prefect_notice_now
 
 # One FastAPI, checked with Prefect 3.8.8 on the operator's whole path (`prefect deploy --all`,
 # `prefect deployment ls`, workers polling, runs and a fan-out; tests/test_deployments.py) and the
@@ -32,7 +38,6 @@ from vlm_caption.tasks.errors import PrefectUnavailable, UsageError
 # /work_pools/.../workers/filter), so `prefect deploy --all` stops after the first deployment;
 # 0.155 and later fail at start; the UI needs `FastAPI.frontend`, new in 0.139.
 SERVER_FASTAPI = "fastapi==0.150.0"
-DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 4200
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -65,22 +70,19 @@ def check_port_free(host: str, port: int) -> None:
             raise ServerError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def server_command(host: str, port: int) -> list[str]:
-    """Prefect at the project's exact version, with a FastAPI its server and UI work with, and the
-    project's SQLAlchemy (2.1 breaks Prefect 3.8's scheduler), run by `uv tool run` (or `uvx`)."""
-    uv, uvx = shutil.which("uv"), shutil.which("uvx")
-    if not (uv or uvx):
-        raise ServerError("`vlm-caption server` starts Prefect's server in its own environment with uv, "
-                          "which is not on PATH: install it (`pip install uv`, or see "
-                          "https://docs.astral.sh/uv/getting-started/installation/) and run it again")
-    base_python = getattr(sys, "_base_executable", None) or sys.executable
-    return [*([uv, "tool", "run"] if uv else [uvx]), "--python", base_python,
-            "--from", f"prefect=={version('prefect')}",
-            "--with", SERVER_FASTAPI, "--with", f"sqlalchemy=={version('sqlalchemy')}",
-            "prefect", "server", "start", "--host", host, "--port", str(port)]
-
-
 LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
+STOP_HINT = "`vlm-caption server --stop` stops it"
+
+
+def server_command(args) -> int:
+    """`vlm-caption server`: in the foreground (Ctrl-C stops it), `--background` or `--stop`."""
+    if args.background and args.stop:
+        raise ServerError("--background starts a server, --stop stops one: give one of them")
+    if args.stop:
+        return stop_background(args.port)
+    if args.background:
+        return serve_in_background(args.host, args.port, args.log)
+    return serve(args.host, args.port)
 
 
 def database_note(env: dict[str, str]) -> str:
@@ -99,7 +101,17 @@ def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subproc
     """Check the port, say where the UI and API are, then run the server until it ends or Ctrl-C
     (SIGINT, or SIGTERM) stops it."""
     check_port_free(host, port)
-    command = server_command(host, port)
+    uv, uvx = shutil.which("uv"), shutil.which("uvx")
+    if not (uv or uvx):
+        raise ServerError("`vlm-caption server` starts Prefect's server in its own environment with uv, "
+                          "which is not on PATH: install it (`pip install uv`, or see "
+                          "https://docs.astral.sh/uv/getting-started/installation/) and run it again")
+    # Prefect at the project's exact version, with a FastAPI its server and UI work with, and the
+    # project's SQLAlchemy (2.1 breaks Prefect 3.8's scheduler), run by `uv tool run` (or `uvx`).
+    command = [*([uv, "tool", "run"] if uv else [uvx]), "--python",
+               getattr(sys, "_base_executable", None) or sys.executable, "--from", f"prefect=={version('prefect')}",
+               "--with", SERVER_FASTAPI, "--with", f"sqlalchemy=={version('sqlalchemy')}",
+               "prefect", "server", "start", "--host", host, "--port", str(port)]
     url = f"http://{browser_host(host)}:{port}"
     # This shell's environment (PREFECT_HOME, the database URL, ...), less a PREFECT_API_URL that
     # may point elsewhere: the UI's browser side talks to this server's own API.
@@ -116,8 +128,6 @@ def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subproc
           f"  In each shell that deploys, starts workers or runs flows:\n"
           f"    export PREFECT_API_URL={url}/api\n"
           f"  (The first start downloads Prefect's wheels. {stopped_by}.)", flush=True)
-    from vlm_caption.tasks.prefect_api import show_prefect_notice_now
-
     show_prefect_notice_now(sys.stdout, import_now=True)
     sys.stderr.flush()
     # The server's output passes through here: once a stop is asked for, its shutdown's lines
@@ -198,3 +208,87 @@ def check_api_reachable(timeout_s: float = 10.0) -> None:
             f"cannot reach the Prefect API at {url} (PREFECT_API_URL; {reason}): start the server with "
             f"`vlm-caption server` (or point PREFECT_API_URL at yours), or unset PREFECT_API_URL to run "
             f"on Prefect's embedded server")
+
+
+def pid_file(port: int) -> Path:
+    return prefect_home(dict(os.environ)) / f"vlm-caption-server-{port}.pid"
+
+
+def background_pid(port: int) -> int | None:
+    """The pid of the server `--background` started on this port, while it runs."""
+    try:
+        pid = int(pid_file(port).read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):  # no file, not a number, no such process
+        return None
+    cmdline = Path(f"/proc/{pid}/cmdline")  # empty for a process that has ended, else whose the pid is now
+    return pid if not cmdline.exists() or b"flows.server" in cmdline.read_bytes() else None
+
+
+def answers(url: str) -> bool:
+    """Prefect's API at `url` answers its health check (no proxy: it is this host's)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"{url}/api/health", timeout=2) as response:
+            return response.status == 200
+    except (OSError, ValueError, http.client.HTTPException):
+        return False
+
+
+def serve_in_background(host: str, port: int, log: str, timeout_s: float = 600) -> int:
+    """Start the server in a session of its own, its output in `log`; return once its API answers
+    (or it is already running), with one line saying where it is."""
+    url = f"http://{browser_host(host)}:{port}"
+    running = background_pid(port)
+    if running and answers(url):
+        print(f"vlm-caption server: already running at {url} (pid {running}); {STOP_HINT}")
+        return 0
+    check_port_free(host, port)
+    log_path = Path(log).resolve()
+    show_prefect_notice_now(sys.stdout, import_now=True)  # Prefect's first-run notice: here, at the terminal
+    print(f"vlm-caption server: starting in the background, its output in {log_path} (the first start "
+          "downloads Prefect's wheels) ...", flush=True)
+    with open(log_path, "ab") as out:
+        child = subprocess.Popen([sys.executable, "-m", "vlm_caption.flows.server", host, str(port)],
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    pid_file(port).parent.mkdir(parents=True, exist_ok=True)
+    pid_file(port).write_text(f"{child.pid}\n")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not answers(url):
+            if child.poll() is not None:
+                raise ServerError(f"the server stopped as it started (exit {child.returncode}): see {log_path}")
+            if time.monotonic() > deadline:
+                raise ServerError(f"the server did not answer at {url} within {timeout_s:.0f} s: see {log_path}")
+            time.sleep(0.5)
+    except BaseException:  # its error, or a Ctrl-C while it starts: nothing is left running
+        stop_background(port, quiet=True)
+        raise
+    print(f"vlm-caption server: up at {url} (its UI; the API: {url}/api), pid {child.pid}; {STOP_HINT}", flush=True)
+    return 0
+
+
+def stop_background(port: int, quiet: bool = False) -> int:
+    """End the server `--background` started on this port: SIGTERM (it stops as at a Ctrl-C), and
+    after 45 s, or once it has ended, SIGKILL to whatever is left of its session's process group."""
+    pid = background_pid(port)
+    if pid is None:
+        pid_file(port).unlink(missing_ok=True)
+        if quiet:
+            return 0
+        raise ServerError(f"no server started by `vlm-caption server --background` runs on port {port}")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 45
+    while background_pid(port) == pid and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):  # nothing was left
+        os.killpg(pid, signal.SIGKILL)
+    pid_file(port).unlink(missing_ok=True)
+    if not quiet:
+        print(f"vlm-caption server: stopped (pid {pid})")
+    return 0
+
+
+if __name__ == "__main__":  # the server process `serve_in_background` starts
+    sys.exit(serve(sys.argv[1], int(sys.argv[2]), stopped_by=STOP_HINT))

@@ -1,29 +1,19 @@
-"""How the partitions of a fanned-out run share its shards: claims in the output store.
+"""How the partitions of a fanned-out run share its shards: claims in the output store (the whole
+story: docs/operations.md, "Fan-out over several GPUs").
 
-The run's source is listed once, into a shard plan every partition reads (tasks/shard_plan.py),
-and before it fetches a shard a partition *claims* it: it creates `claims/<run_id>/<shard>` with
-a conditional write (`If-None-Match: *` on S3, a hard link on a folder), which one partition
-wins. A partition takes a new shard only when its pipeline has room for one, so one whose engine
-is ready late, or whose GPU is slower, takes fewer, and all run out of unclaimed shards together.
-Partition i of N walks each chunk of the plan from its own share on (shard i·len/N, wrapping
-round: `own_share_first`), so partitions meet only where one has run through its share into
-another's (48 shards on 16 partitions: 78 lost claims, 251 when all tried the plan's first free
-shard; bench/scaling.py).
-
-When its part is written a shard is marked done (`<shard>.done`, by the same write task). Each
-partition beats a heartbeat (`alive-p<N>.json`) every BEAT_S seconds and, however its pipeline
-ends, says `finished` (in the beat and as `finished-p<N>`). After its own shards, a partition
-waits for the run's claimed shards to be done; a shard whose holder finished without marking it
-done, or whose heartbeat stood still for STALE_S seconds (a killed worker, a lost host), is
-claimed again (`<shard>.r1`, `.r2`, ..., by a conditional write, so one partition retakes it) and
-captioned here. So the partitions finish together, and a partition that dies loses nothing.
+Before it fetches a shard of the run's plan (tasks/shard_plan.py) a partition claims it: it creates
+`claims/<run_id>/<shard>` with a conditional write (`If-None-Match: *` on S3, a hard link on a
+folder), which one partition wins, and only when its pipeline has room for one, so a partition
+that is late or slower takes fewer. Partition i of N walks each chunk of the plan from its own
+share on (`own_share_first`), so partitions meet only where one has run through its share into
+another's. A written part marks its shard done (`<shard>.done`); each partition beats a heartbeat
+every BEAT_S seconds and says `finished` however it ends; after its own shards it waits for the
+run's claimed shards to be done, and one whose holder finished without marking it done, or whose
+heartbeat stood still for STALE_S seconds, is claimed again (`<shard>.r1`, ...) and captioned here.
 
 A claim names the shard's first and last item: two partitions that see other items in a shard
 (a lister replaced, over a source that changed) is logged; no item is lost, one may be captioned
 twice.
-
-When the run has finished (the parent, after its children), `remove_claims` deletes the run's
-claims/ objects, so a nightly job leaves none behind.
 """
 
 from __future__ import annotations
@@ -33,7 +23,6 @@ import json
 import re
 import threading
 import time
-from dataclasses import dataclass, field
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.sources.items import Shard
@@ -48,36 +37,42 @@ def claims_prefix(run_id: str) -> str:
     return f"claims/{run_id}/"
 
 
-@dataclass
-class _Seen:
-    """A partition's heartbeat as this process last saw it, and when it last changed."""
+class ShardClaims:
+    """This partition's side of the run's claims (one per partition process): the ledger of who
+    holds which shard, and, inside `with`, this partition's heartbeat."""
 
-    beat: object = None
-    changed_at: float = field(default_factory=time.monotonic)
+    def __init__(self, out: Storage, run_id: str, partition: int, owner: str | None = None,
+                 beat_s: float = BEAT_S, stale_s: float = STALE_S, partitions: int = 1):
+        self.out, self.run_id, self.partition, self.partitions = out, run_id, partition, partitions
+        self.owner = owner or f"p{partition}"
+        self.prefix = claims_prefix(run_id)
+        self.stale_s = stale_s
+        self.taken = 0  # shards this partition claimed (first claims and retakes)
+        self.retaken = 0
+        # A partition's heartbeat as this process last saw it, and when it last changed: (beat, when)
+        self._seen: dict[str, tuple] = {}  # heartbeats read (`gone`)
+        self._listed: dict[str, tuple] = {}  # heartbeats' ETags as the claims' listings showed them (`retake`)
+        self._finished: set[str] = set()  # owners whose `finished-<owner>` a listing showed
+        self._holders: dict[tuple[int, int], str] = {}  # (shard, generation) -> owner: a claim never changes
+        self._mine: set[tuple[int, int]] = set()  # the claims this partition won
+        self._waiting_since: float | None = None
+        self.log = get_logger(run_id=run_id, partition=partition)
+        self.beat_s, self._beats, self._stop = beat_s, 0, threading.Event()
 
-
-class Heartbeat:
-    """A partition's heartbeat: `alive-<owner>.json` rewritten every `beat_s` seconds while the
-    partition runs, and `finished` once, however it ends: the others retake its shards at once."""
-
-    def __init__(self, out: Storage, key: str, partition: int, beat_s: float, log):
-        self.out, self.key, self.partition, self.beat_s, self.log = out, key, partition, beat_s, log
-        self._beats = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
+    # ---- the heartbeat: `alive-<owner>.json` rewritten every `beat_s` seconds while the partition runs,
+    # and `finished` once, however it ends: the others retake its shards at once -----------------------
+    def __enter__(self) -> ShardClaims:
         self.beat("running")
         self._thread = threading.Thread(target=self._beating, name="claims-heartbeat", daemon=True)
         self._thread.start()
+        return self
 
-    def stop(self) -> None:
+    def __exit__(self, *exc) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.beat_s + 5)
+        self._thread.join(timeout=self.beat_s + 5)
         try:
             self.beat("finished")
-            self.out.write(self.key.replace("alive-", "finished-").removesuffix(".json"), b"")  # seen in a listing
+            self.out.write(f"{self.prefix}finished-{self.owner}", b"")  # seen in a listing
         except Exception as error:  # noqa: BLE001 - they retake it once the heartbeat is stale
             self.log.warning("could not say this partition finished; others wait for its heartbeat to go stale",
                              error=str(error))
@@ -92,36 +87,7 @@ class Heartbeat:
     def beat(self, state: str) -> None:
         self._beats += 1
         body = {"beat": self._beats, "state": state, "partition": self.partition}
-        self.out.write(self.key, json.dumps(body).encode())
-
-
-class ShardClaims:
-    """This partition's side of the run's claims (one per partition process): the ledger of who
-    holds which shard, and, inside `with`, this partition's heartbeat."""
-
-    def __init__(self, out: Storage, run_id: str, partition: int, owner: str | None = None,
-                 beat_s: float = BEAT_S, stale_s: float = STALE_S, partitions: int = 1):
-        self.out, self.run_id, self.partition, self.partitions = out, run_id, partition, partitions
-        self.owner = owner or f"p{partition}"
-        self.prefix = claims_prefix(run_id)
-        self.stale_s = stale_s
-        self.taken = 0  # shards this partition claimed (first claims and retakes)
-        self.retaken = 0
-        self._seen: dict[str, _Seen] = {}  # heartbeats read (`gone`)
-        self._listed: dict[str, _Seen] = {}  # heartbeats' ETags as the claims' listings showed them (`retake`)
-        self._finished: set[str] = set()  # owners whose `finished-<owner>` a listing showed
-        self._holders: dict[tuple[int, int], str] = {}  # (shard, generation) -> owner: a claim never changes
-        self._mine: set[tuple[int, int]] = set()  # the claims this partition won
-        self._waiting_since: float | None = None
-        self.log = get_logger(run_id=run_id, partition=partition)
-        self.heartbeat = Heartbeat(out, self._alive_key(self.owner), partition, beat_s, self.log)
-
-    def __enter__(self) -> ShardClaims:
-        self.heartbeat.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.heartbeat.stop()
+        self.out.write(self._alive_key(self.owner), json.dumps(body).encode())
 
     def _alive_key(self, owner: str) -> str:
         return f"{self.prefix}alive-{owner}.json"
@@ -155,20 +121,16 @@ class ShardClaims:
                 continue
             if self.claim(shard, compare=not compared):
                 yield shard
-            else:
+            else:  # every shard claimed so far (by anyone), from one listing of the claims
                 compared = True
-                taken = self.claimed_indices()
+                taken = {int(match[1]) for ref in self.out.iter_objects(prefix=self.prefix)
+                         if (match := CLAIM.match(ref.key[len(self.prefix):]))}
 
     def own_share_first(self, chunk: list[Shard]) -> list[Shard]:
         """A chunk of the plan in the order this partition tries its shards: from its own share
         on (partition i of N at shard i·len/N), then round to the chunk's start."""
         start = self.partition * len(chunk) // max(1, self.partitions)
         return chunk[start:] + chunk[:start]
-
-    def claimed_indices(self) -> set[int]:
-        """Every shard claimed so far (by anyone), from one listing of the claims."""
-        return {int(match[1]) for ref in self.out.iter_objects(prefix=self.prefix)
-                if (match := CLAIM.match(ref.key[len(self.prefix):]))}
 
     def done_key(self, index: int) -> str:
         """Written (by the write of the shard's part, tasks/results/writers.py) once it is done."""
@@ -203,9 +165,7 @@ class ShardClaims:
             elif name.startswith("finished-"):
                 self._finished.add(name[len("finished-"):])
             elif name.startswith("alive-") and name.endswith(".json"):
-                seen = self._listed.setdefault(name[len("alive-"):-len(".json")], _Seen(ref.etag))
-                if seen.beat != ref.etag:
-                    seen.beat, seen.changed_at = ref.etag, time.monotonic()
+                _changed_at(self._listed, name[len("alive-"):-len(".json")], ref.etag)
             elif (match := CLAIM.match(name)):
                 index, generation = int(match[1]), int(match[2] or 0)
                 latest[index] = max(latest.get(index, 0), generation)
@@ -215,8 +175,7 @@ class ShardClaims:
         """`gone` from the listings: a `finished` mark, or no new heartbeat ETag for `stale_s`."""
         if owner == self.owner:
             return False
-        seen = self._listed.get(owner)
-        since = seen.changed_at if seen is not None else self._waiting_since or time.monotonic()
+        since = self._listed[owner][1] if owner in self._listed else self._waiting_since or time.monotonic()
         return owner in self._finished or time.monotonic() - since >= self.stale_s
 
     def _holder(self, index: int, generation: int) -> str | None:
@@ -238,10 +197,7 @@ class ShardClaims:
             beat = None  # it claimed before its first beat landed, or the beat is unreadable: wait
         if beat is not None and beat.get("state") == "finished":
             return True
-        seen = self._seen.setdefault(owner, _Seen(beat))
-        if beat != seen.beat:
-            seen.beat, seen.changed_at = beat, time.monotonic()
-        return time.monotonic() - seen.changed_at >= self.stale_s
+        return time.monotonic() - _changed_at(self._seen, owner, beat) >= self.stale_s
 
     def retake(self) -> list[int] | None:
         """The shards of gone partitions this partition now holds (retaken); an empty list while
@@ -270,6 +226,13 @@ class ShardClaims:
         self.taken += len(retaken)
         self.retaken += len(retaken)
         return retaken
+
+
+def _changed_at(seen: dict[str, tuple], owner: str, beat) -> float:
+    """When `owner`'s heartbeat last changed (by this process's clock), `beat` the one seen now."""
+    if owner not in seen or seen[owner][0] != beat:
+        seen[owner] = (beat, time.monotonic())
+    return seen[owner][1]
 
 
 def claim_key(run_id: str, index: int, generation: int) -> str:

@@ -1,4 +1,4 @@
-"""One run of a job at a time, whatever started it.
+"""One run of a job at a time, whatever started it (docs/operations.md, "Concurrency limits").
 
 The prod deployment's own concurrency limit covers only runs of that deployment; `vlm-caption
 run`, the dev deployment or the Python flow with the same job could overlap it and caption the
@@ -6,14 +6,12 @@ same objects twice. A Prefect global concurrency limit named after the job's fin
 slot, created when missing, taken with `strict` so a missing limit is an error and not a free
 pass) makes a second run wait for the first, then skip what the first did.
 
-A run that dies holding the slot (killed, out of memory, its host lost) frees it when its 60 s
-lease expires, which a Prefect server does in its repossessor service. The embedded server that
-`vlm-caption run` starts without `PREFECT_API_URL` runs no such service and keeps its leases in
-the memory of the process that died, so there the slot is also guarded by an OS file lock beside
-the Prefect home, taken before the slot and let go after it. The kernel lets go of the lock of a
-process that ends in any way (SIGKILL at any instruction included), so a run that holds the lock
-knows no live run holds the slot: a slot still taken then belongs to a dead run and is freed.
-No order of steps can leave a slot without an owner that a later run cannot recognise.
+The embedded server that `vlm-caption run` starts without `PREFECT_API_URL` runs no repossessor
+(which frees the slot of a run that died once its lease expires) and keeps its leases in the memory
+of the process that died, so there the slot is also guarded by an OS file lock, taken before the slot
+and let go after it. The kernel lets go of the lock of a process that ends in any way (SIGKILL at any
+instruction included), so a run that holds the lock knows no live run holds the slot: a slot still
+taken then belongs to a dead run and is freed.
 """
 
 from __future__ import annotations
@@ -38,30 +36,6 @@ def lease_name(fingerprint: str) -> str:
     return f"vlm-caption-job-{fingerprint}"
 
 
-def ensure_limit(name: str) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            with contextlib.suppress(ObjectAlreadyExists):  # another run created it just now
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-
-
-def lock_file(name: str) -> Path | None:
-    """The file a run on the embedded server holds locked (its process id inside, for messages)
-    while it may hold the job's slot; None with a Prefect server, whose repossessor frees a dead
-    run's slot."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
-
-    if PREFECT_API_URL.value():
-        return None
-    return Path(PREFECT_HOME.value()) / "vlm-caption-slots" / f"{name}.lock"
-
-
 def _holder(fd: int) -> str:
     """Who holds the lock, as its file says: `pid 123 since 02:14:05`."""
     try:
@@ -72,30 +46,19 @@ def _holder(fd: int) -> str:
         return "a run starting"
 
 
-def free_slot_of_a_dead_run(name: str, log) -> bool:
-    """Free the job's slot if it is taken: called while holding the job's lock file, when no
-    live run can hold the slot."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
-
-    with get_client(sync_client=True) as client:
-        if not client.read_global_concurrency_limit_by_name(name).active_slots:
-            return False
-        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
-    log.warning("freed the job's slot: the run that held it is gone", limit=name)
-    return True
-
-
 _held: dict[str, int] = {}  # the job lock files this process holds, by limit name: their descriptors
 
 
 def take_job_lock(name: str, wait_s: float, output: str, log, say=None) -> int | None:
-    """Take the job's lock file (embedded server only; None with a Prefect server), waiting up to
-    `wait_s` while another run holds it; `say(line)` is told once whom it waits for. Taken once
-    per process: a second call finds it held."""
-    path = lock_file(name)
-    if path is None or name in _held:
+    """Take the job's lock file (embedded server only; None with a Prefect server, whose repossessor
+    frees a dead run's slot), waiting up to `wait_s` while another run holds it; `say(line)` is told
+    once whom it waits for. Taken once per process: a second call finds it held. The file, beside the
+    Prefect home, holds the process id of its holder, for messages."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+    if PREFECT_API_URL.value() or name in _held:
         return _held.get(name)
+    path = Path(PREFECT_HOME.value()) / "vlm-caption-slots" / f"{name}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
     try:
@@ -130,24 +93,6 @@ def hold_job_lock(fingerprint: str, output: str, say) -> None:
                   say)
 
 
-@contextlib.contextmanager
-def _host_lock(name: str, wait_s: float, output: str, log) -> Iterator[None]:
-    """The job's lock file held around the slot: taken here and let go after (the process's own
-    lock, taken by `hold_job_lock`, stays held); a slot still taken then belongs to a dead run."""
-    mine = name not in _held
-    fd = take_job_lock(name, wait_s, output, log)
-    if fd is None:
-        yield
-        return
-    try:
-        free_slot_of_a_dead_run(name, log)
-        yield
-    finally:
-        if mine:
-            del _held[name]
-            os.close(fd)  # lets go of the lock; the file stays (removing it would race a waiting run)
-
-
 def _busy(name: str, wait_s: float, output: str, holder: str = "") -> JobBusyError:
     return JobBusyError(
         f"another run of this job (same source, recipe, model and sampling; output {output}"
@@ -158,13 +103,27 @@ def _busy(name: str, wait_s: float, output: str, holder: str = "") -> JobBusyErr
 
 @contextlib.contextmanager
 def one_run_per_job(fingerprint: str, output: str) -> Iterator[None]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
     from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     name = lease_name(fingerprint)
     wait_s = get_settings().job_wait_s
     log = get_logger(fingerprint=fingerprint)
-    ensure_limit(name)
-    with _host_lock(name, wait_s, output, log):
+    mine = name not in _held  # else the process's own lock, taken by `hold_job_lock`, stays held after
+    fd = take_job_lock(name, wait_s, output, log)
+    try:
+        with get_client(sync_client=True) as client:
+            try:
+                limit = client.read_global_concurrency_limit_by_name(name)
+            except ObjectNotFound:
+                with contextlib.suppress(ObjectAlreadyExists):  # another run created it just now
+                    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            else:
+                if fd is not None and limit.active_slots:  # the lock held: no live run can hold the slot
+                    client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+                    log.warning("freed the job's slot: the run that held it is gone", limit=name)
         log.info("taking the job's slot", limit=name, wait_s=wait_s)
         taken = False
         try:
@@ -176,3 +135,7 @@ def one_run_per_job(fingerprint: str, output: str) -> Iterator[None]:
             if taken:  # the run's own time-out, not the wait for the slot
                 raise
             raise _busy(name, wait_s, output) from exc
+    finally:
+        if fd is not None and mine:
+            del _held[name]
+            os.close(fd)  # lets go of the lock; the file stays (removing it would race a waiting run)

@@ -1,17 +1,8 @@
-"""The kinds of error a user can cause or fix, each with its exit code. They are `UserError`s
-(recipes/errors.py: the one base, in the lowest layer, so that the recipes' `RecipeError` is one
-too): the CLI prints the message without a traceback and exits with the kind's `exit_code`; a
-flow run that raises one fails with that message (at once when `permanent`).
-
-Exit codes (docs/operations.md, "Exit codes"):
-  1  an unexpected error (a bug: the traceback is printed), or `export` found a part cut short
-  2  what was asked cannot be done as given: an option, a job field, a recipe, a model, a source
-     or output location, the server's address (fix the command)
-  3  Prefect's API cannot be reached, or its embedded server did not start
-  4  another run of the same job holds its slot (wait for it, then run again)
-  5  the output's disk is full (make room, then run again: finished items are skipped)
-  6  the vLLM engine died mid-run (run again: finished items are skipped)
-  7  a fanned-out run cannot start its partitions (deploy `vlm-caption/partition`, or fan_out=1)
+"""The kinds of error a user can cause or fix, each with its exit code (docs/operations.md, "Exit
+codes"). They are `UserError`s (recipes/errors.py: the one base, in the lowest layer, so that the
+recipes' `RecipeError` is one too): the CLI prints the message without a traceback and exits with the
+kind's `exit_code` (2 for a `UserError` itself; 1 is an unexpected error); a flow run that raises one
+fails with that message (at once when `permanent`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""Fan-out over GPU workers: child runs of the partition deployment, started and awaited.
+"""Fan-out over GPU workers: child runs of the partition deployment, started and awaited
+(docs/operations.md, "Fan-out over several GPUs").
 
 A parent run with `fan_out=N` starts partitions 1..N-1 as child flow runs (`run_deployment`,
-linked to the parent in the UI) on the partition deployment's work pool, where one worker per
-GPU picks each up, and captions partition 0 itself. The partitions share the shards by claiming
-them in the output store (tasks/claims.py), so the runs never overlap; each child writes a
-report, and the parent writes the one manifest of the run.
-
-A run whose output holds earlier results of the job asks for its children only once its shard
-plan (tasks/shard_plan.py) shows a shard to caption (`ChildrenOnWork`): a night with nothing new
-starts no child flow run, no worker process, no engine. A run with no earlier results has work
-for sure and asks for them at once, while its own engine builds.
-
-A child that no worker has picked up by the time the parent has finished is claimed by the
-parent (so no worker starts it later) and run there, where it finds every shard taken: a run
-completes with fewer live workers than partitions, or none besides the parent's.
+linked to the parent in the UI) on the partition deployment's work pool, and captions partition 0
+itself; the partitions share the shards by claims (tasks/claims.py). A run with earlier results
+asks for its children only once its shard plan shows a shard to caption (`ChildrenOnWork`), so a
+night with nothing new starts no child; one with none asks at once, while its own engine builds.
+A child that no worker has picked up by the time the parent has finished is claimed by the parent
+(so no worker starts it later) and run there, where it finds every shard taken.
 """
 
 from __future__ import annotations
@@ -68,17 +62,13 @@ def wait_for_orphans(deployment: str, output: str, fingerprint: str, poll_s: flo
         live = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
                              state=FlowRunFilterState(type={"any_": ["SCHEDULED", "PENDING", "RUNNING"]}))
         while True:
-            orphans = [run for run in client.read_flow_runs(flow_run_filter=live)
-                       if _same_job(run.parameters.get("job") or {}, output, fingerprint)]
+            orphans = [str(run.id) for run in client.read_flow_runs(flow_run_filter=live)
+                       if (job := run.parameters.get("job") or {}).get("output") == output
+                       and (job.get("partition") or {}).get("fingerprint") == fingerprint]
             if not orphans:
                 return
-            log.info("waiting for partitions of an earlier run of this job",
-                     flow_runs=[str(run.id) for run in orphans])
+            log.info("waiting for partitions of an earlier run of this job", flow_runs=orphans)
             time.sleep(poll_s)
-
-
-def _same_job(job: dict[str, Any], output: str, fingerprint: str) -> bool:
-    return job.get("output") == output and (job.get("partition") or {}).get("fingerprint") == fingerprint
 
 
 def start_children(deployment: str, child_jobs: dict[int, dict[str, Any]], label: Callable[[dict], str],

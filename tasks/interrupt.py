@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Iterator
 
@@ -57,7 +56,10 @@ def stoppable(active: bool = True) -> Iterator[None]:
     except BaseException:
         if not _asked:
             raise
-        _to_log(traceback.format_exc())  # where the main thread was, and what it met on its way out
+        # Where the main thread was, and what it met on its way out: in a quiet run's log, where its
+        # stderr goes; not on the terminal (with -v, stderr is it).
+        if not os.path.samestat(os.fstat(2), os.fstat(_tty)):
+            os.write(2, traceback.format_exc().encode(errors="replace"))
     finally:
         if _asked:
             _end()  # however the command came out of the Ctrl-C (it may even have ended as usual): stopped
@@ -72,7 +74,9 @@ def _on_ctrl_c(signum, frame) -> None:
     _asked = True
     stop_for_interrupt()  # the progress bar stops where it is; the shutdown's lines go to the run's log
     _say("vlm-caption: interrupted: stopping ... (Ctrl-C again to end at once)")
-    threading.Thread(target=_watchdog, name="vlm-caption-interrupt", daemon=True).start()
+    watchdog = threading.Timer(GRACE_S, _end)
+    watchdog.name, watchdog.daemon = "vlm-caption-interrupt", True
+    watchdog.start()
     raise KeyboardInterrupt
 
 
@@ -83,11 +87,6 @@ def part_written(items: int) -> None:
     global _kept
     with _counting:
         _kept += items
-
-
-def _watchdog() -> None:
-    time.sleep(GRACE_S)
-    _end()
 
 
 def _end(at_once: bool = False) -> None:
@@ -133,9 +132,3 @@ def _say(line: str) -> None:
     """A line on the terminal, written at once (a handler may interrupt a buffered write). On a
     terminal it replaces the `^C` the terminal echoed."""
     os.write(_tty, (("\r\x1b[K" if os.isatty(_tty) else "") + line + "\n").encode())
-
-
-def _to_log(text: str) -> None:
-    """`text` where a quiet run's stderr goes, its log; not on the terminal (with -v, stderr is it)."""
-    if not os.path.samestat(os.fstat(2), os.fstat(_tty)):
-        os.write(2, text.encode(errors="replace"))

@@ -10,8 +10,10 @@ whose two handlers each render the event their way:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any
 import structlog
 
 from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.terminal import TerminalProgress, say_phase
 
 LOGGER_NAME = "vlm_caption"
 EVENT_PREFIX = "vlm-caption"
@@ -37,7 +40,6 @@ _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"
 _SCRUBBED_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "prefect", "httpx", "httpcore",
                      "aiobotocore", LOGGER_NAME)
 _secrets: set[str] = set()
-_factory_installed = False
 REDACTED = "***"
 
 
@@ -47,17 +49,10 @@ def register_secret(*values: str | None) -> None:
     _install_redaction()
 
 
-def _known_secrets() -> set[str]:
-    import os
-
-    found = {os.environ.get(name) for name in _SECRET_ENV}
-    return _secrets | {v for v in found if v and len(v) >= 8}
-
-
 def redact(text: str) -> str:
-    for secret in _known_secrets():
-        if secret in text:
-            text = text.replace(secret, REDACTED)
+    found = {os.environ.get(name) for name in _SECRET_ENV}
+    for secret in _secrets | {v for v in found if v and len(v) >= 8}:
+        text = text.replace(secret, REDACTED)
     return text
 
 
@@ -71,10 +66,8 @@ def _redact_values(value: Any) -> Any:
     return value
 
 
+@functools.cache  # installed once
 def _install_redaction() -> None:
-    global _factory_installed
-    if _factory_installed:
-        return
     original = logging.getLogRecordFactory()
 
     def scrubbing_factory(*args, **kwargs):
@@ -92,13 +85,6 @@ def _install_redaction() -> None:
         return record
 
     logging.setLogRecordFactory(scrubbing_factory)
-    _factory_installed = True
-
-
-def _in_prefect_run() -> bool:
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
 # Context every line of a run carries; shown after the line's own fields, which say what happened.
@@ -136,13 +122,6 @@ class _Formatter(structlog.stdlib.ProcessorFormatter):
         return redact(super().format(record))
 
 
-def stream_renderer() -> Any:
-    """stderr's renderer: JSON lines for machines, a plain console on a terminal."""
-    fmt = get_settings().log_format
-    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
-    return structlog.dev.ConsoleRenderer(colors=False) if console else structlog.processors.JSONRenderer()
-
-
 def configure_logging() -> None:
     """Idempotent: safe to call from every flow and task. The handler that sends the lines to
     Prefect's UI is added once Prefect is imported in this process: the engine's thread logs
@@ -170,16 +149,22 @@ def configure_logging() -> None:
             stdlib = logging.getLogger(LOGGER_NAME)
             stdlib.setLevel(logging.INFO)
             stdlib.propagate = False
+            # stderr: JSON lines for machines, a plain console on a terminal
+            fmt = get_settings().log_format
+            console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
             stream = logging.StreamHandler(sys.stderr)
-            stream.setFormatter(_Formatter(stream_renderer()))
+            stream.setFormatter(_Formatter(structlog.dev.ConsoleRenderer(colors=False) if console
+                                           else structlog.processors.JSONRenderer()))
             stdlib.addHandler(stream)
             _configured = True
         if not _api_handler_added and "prefect" in sys.modules:
+            from prefect.context import FlowRunContext, TaskRunContext
             from prefect.logging.handlers import APILogHandler
 
             api = APILogHandler()
             api.setFormatter(_Formatter(render_for_people))
-            api.addFilter(lambda record: _in_prefect_run())  # outside a run there is nowhere to send it
+            # outside a run there is nowhere to send it
+            api.addFilter(lambda record: FlowRunContext.get() is not None or TaskRunContext.get() is not None)
             logging.getLogger(LOGGER_NAME).addHandler(api)
             _api_handler_added = True
 
@@ -193,11 +178,8 @@ def phase(what: str, **fields: Any) -> None:
     """A step of a run beginning (starting Prefect, loading vLLM, building the engine, loading what
     is done, listing): a log line (the UI's too, inside a flow run), and a line at the terminal of
     `vlm-caption run`, so slow can be told from hung from the first second."""
-    from vlm_caption.tasks.terminal import PHASE_LISTENERS
-
     get_logger().info(what, phase=True, **fields)
-    for listener in list(PHASE_LISTENERS):
-        listener(what)
+    say_phase(what)
 
 
 def emit(event: str, run_id: str, **payload: Any) -> None:
@@ -212,58 +194,48 @@ def emit(event: str, run_id: str, **payload: Any) -> None:
     )
 
 
-class Progress:
-    """A Prefect progress artifact and the terminal's progress, counted in items. The total
+class Progress(TerminalProgress):
+    """A Prefect progress artifact beside the terminal's progress, counted in items. The total
     grows as the streamed listing hands over shards."""
 
     # The artifact is updated at most this often (each update is a request to the API, made
     # by the pipeline's loop between shards), and always at the end.
     ARTIFACT_INTERVAL_S = 1.0
+    # After a failed update (the API away: a server restart) the next try waits this long, so
+    # the pipeline's loop does not sit in the client's retries after every shard.
+    API_AWAY_BACKOFF_S = 30.0
 
     def __init__(self, description: str):
         from prefect.artifacts import create_progress_artifact
 
-        self.listed = 0
-        self.done = 0
         self.artifact_id = create_progress_artifact(
             progress=0.0, key="vlm-caption-progress", description=description
         )
         self.published_percent, self.published_at = 0.0, time.monotonic()
-        from vlm_caption.tasks.terminal import TerminalProgress
-
-        self.terminal = TerminalProgress(0, description)
-
-    def grow(self, items: int) -> None:
-        self.listed += items
-        self.terminal.grow(items)
+        self.skipped = 0
+        super().__init__(0, description)
 
     def skip(self, items: int) -> None:
         """Items the listing found already done: listed and done for the artifact, published
         with the next shard's progress (or at the end), not before: while the listing goes on,
         new items may follow. The terminal counts this run's work only (its items/s and ETA
         are about what is new)."""
-        self.listed += items
-        self.done += items
+        self.skipped += items
 
     @property
     def percent(self) -> float:
-        return round(100.0 * self.done / max(self.listed, 1), 1)
+        return round(100.0 * (self.done + self.skipped) / max(self.total + self.skipped, 1), 1)
 
     def advance(self, items: int = 0, errors: int = 0) -> float:
-        self.done += items
+        super().advance(items, errors)
         if time.monotonic() - self.published_at >= self.ARTIFACT_INTERVAL_S:
             self._publish()
-        self.terminal.advance(items, errors)
         return self.percent
 
     def close(self) -> None:
         if self.percent != self.published_percent:
             self._publish()
-        self.terminal.close()
-
-    # After a failed update (the API away: a server restart) the next try waits this long, so
-    # the pipeline's loop does not sit in the client's retries after every shard.
-    API_AWAY_BACKOFF_S = 30.0
+        super().close()
 
     def _publish(self) -> None:
         """Best effort: a progress bar the API cannot take must not stop the captioning."""

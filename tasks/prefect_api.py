@@ -108,25 +108,22 @@ def embedded_server_defaults(active: bool = True) -> Iterator[None]:
     server's process and any child the run starts. Not `active`: nothing changes."""
     added = {name: value for name, value in EMBEDDED_SERVER_DEFAULTS.items() if active and name not in os.environ}
     os.environ.update(added)
+    # Prefect reads its settings from the environment when it is first imported: where a caller imported
+    # it before the command began (a script that imports the flow, then calls `main`), the values are set
+    # in Prefect's settings too, with Prefect's own `temporary_settings`.
+    loaded = contextlib.nullcontext()
+    if added and "prefect.settings" in sys.modules:
+        import prefect.settings
+
+        loaded = prefect.settings.temporary_settings(updates={getattr(prefect.settings, name): value
+                                                              for name, value in added.items()})
     try:
-        with _in_loaded_settings(added):
+        with loaded:
             yield
     finally:
         for name, value in added.items():
             if os.environ.get(name) == value:
                 del os.environ[name]
-
-
-def _in_loaded_settings(values: dict[str, str]):
-    """Prefect reads its settings from the environment when it is first imported: where a caller
-    imported it before the command began (a script that imports the flow, then calls `main`), the
-    values are set in Prefect's settings too, with Prefect's own `temporary_settings`."""
-    if not values or "prefect.settings" not in sys.modules:
-        return contextlib.nullcontext()
-    import prefect.settings
-
-    return prefect.settings.temporary_settings(updates={getattr(prefect.settings, name): value
-                                                        for name, value in values.items()})
 
 
 def start_embedded_server_early() -> Callable[[], None]:

@@ -3,7 +3,6 @@ is already done, and decode it for its modality. Every item comes out with media
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,10 +17,9 @@ from vlm_caption.tasks.results.done_index import DoneIndex
 from vlm_caption.tasks.records import ItemError, Member, group_sha256, sha256_hex
 from vlm_caption.tasks.same_media import take_copies
 from vlm_caption.tasks.settings import get_settings
-from vlm_caption.tasks.sources.fetch import TooLargeError
 from vlm_caption.tasks.sources.items import Shard, WorkItem
 from vlm_caption.tasks.sources.formats import SourceSpec
-from vlm_caption.tasks.sources.reader import BAD_INPUT, BadInput, SourceReader
+from vlm_caption.tasks.sources.reader import BAD_INPUT, BadInput, SourceReader, TooLargeError
 from vlm_caption.tasks.sources.registry import open_reader
 from vlm_caption.tasks.sources.storage import ShortBodyError
 
@@ -63,7 +61,8 @@ class PreparedItem:
     def media_bytes(self) -> int:
         """Bytes of decoded media this item holds (RGB pixels, video frames)."""
         media = self.media if isinstance(self.media, list) else [self.media]
-        return sum(_decoded_bytes(m) for m in media if m is not None)
+        return sum(int(m.frames.nbytes) if isinstance(m, DecodedVideo) else m.size[0] * m.size[1] * len(m.getbands())
+                   for m in media if m is not None)  # a video's frames, or a PIL image's pixels
 
     @property
     def video_info(self) -> dict[str, Any] | None:
@@ -82,13 +81,6 @@ class PreparedShard:
     @property
     def media_bytes(self) -> int:
         return sum(item.media_bytes for item in self.items)
-
-
-def _decoded_bytes(media: Any) -> int:
-    if isinstance(media, DecodedVideo):
-        return int(media.frames.nbytes)
-    width, height = media.size  # a PIL image
-    return width * height * len(media.getbands())
 
 
 class ByteBudget:
@@ -120,17 +112,10 @@ def _fetch_error(exc: Exception) -> ItemError:
     return ItemError("fetch", f"{type(exc).__name__}{retry}: {exc}", retryable=True)
 
 
-@functools.cache
-def shared_budget(limit: int) -> ByteBudget:
-    """One byte budget per process: several shards are prepared at once while the engine starts."""
-    return ByteBudget(limit)
-
-
-@functools.cache
-def fetch_slots(count: int) -> threading.BoundedSemaphore:
-    """Fetches in flight in this process, whichever shard they are for (an S3 client's
-    connection pool is sized for about this many)."""
-    return threading.BoundedSemaphore(count)
+# One of each per process, whichever shard they are for: several shards are prepared at once while
+# the engine starts.
+_BUDGET = ByteBudget(MAX_BYTES_IN_FLIGHT)
+_FETCH_SLOTS = threading.BoundedSemaphore(FETCH_CONCURRENCY)
 
 
 class ItemPreparer:
@@ -140,8 +125,6 @@ class ItemPreparer:
                  options: MediaOptions):
         settings = get_settings()
         self.reader, self.done, self.questions, self.options = reader, done, questions, options
-        self.budget = shared_budget(MAX_BYTES_IN_FLIGHT)
-        self.slots = fetch_slots(FETCH_CONCURRENCY)
         self.max_object_bytes = settings.max_object_bytes
         self.max_image_pixels = settings.max_image_pixels
         self.video_limits = VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels)
@@ -160,7 +143,7 @@ class ItemPreparer:
         if self.options.dedup and take_copies(self.done, prepared, fetched=False):  # by listed MD5s: not fetched
             return prepared
         held = sum(max(m.size, 0) for m in item.members)
-        self.budget.acquire(held)
+        _BUDGET.acquire(held)
         try:
             blobs = self._fetch(prepared)
             if prepared.error is not None:
@@ -173,7 +156,7 @@ class ItemPreparer:
             if not (self.options.dedup and take_copies(self.done, prepared)):  # a done result's copy: not decoded
                 self._decode(prepared, blobs)
         finally:
-            self.budget.release(held)
+            _BUDGET.release(held)
         return prepared
 
     def _fetch(self, prepared: PreparedItem) -> list[bytes]:
@@ -185,7 +168,7 @@ class ItemPreparer:
                                   f"{self.max_object_bytes} (VLM_CAPTION_MAX_OBJECT_BYTES)")
             else:
                 try:
-                    with self.slots:
+                    with _FETCH_SLOTS:
                         data = self.reader.read(prepared.item, ref)
                 except Exception as exc:  # noqa: BLE001 - recorded; retryable ones are retried next run
                     error = _fetch_error(exc)

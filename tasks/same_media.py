@@ -1,20 +1,18 @@
-"""Same media captioned once (`CaptionJob.dedup`): an (item, question) whose media are the same
-bytes as one already asked takes that answer with no engine request, its record's `duplicate_of`
-naming the key of the item captioned. Found three ways:
+"""Same media captioned once (`CaptionJob.dedup`; docs/operations.md, "Caption checks, copies and
+what a run cost"): an (item, question) whose media are the same bytes as one already asked takes
+that answer with no engine request, its record's `duplicate_of` naming the key of the item
+captioned. Found three ways:
 
 - in the run's process, by the fetched bytes' sha256 (a group's hash of its members'), the first
   still in the engine or done (`SAME_MEDIA.answers`, called by tasks/engine/steps.py): the latest
   KEEP_ANSWERS of a run, a copy of an older one is captioned again;
-- from an earlier run's (or shard's) result, found by the done-index (tasks/results/done_index.py)
-  while the item is prepared (`take_copies`, called by tasks/prepare.py): before the fetch
-  where every member's listed ETag is the object's MD5 (S3 gives a single-part upload's MD5, 32
-  hex digits; a multipart upload's has a '-', a folder's is its size and mtime, a tar member's or
-  a Parquet cell's names its file), so equal (ETag, size) lists are equal bytes; else after it, by
-  the sha256 (the copy is not decoded);
+- from an earlier run's (or shard's) result, found by the done-index while the item is prepared
+  (`take_copies`, called by tasks/prepare.py): before the fetch where every member's listed ETag
+  is the object's MD5 (a single-part S3 upload's), so equal (ETag, size) lists are equal bytes;
+  else after it, by the sha256 (the copy is not decoded);
 - across a fanned-out run's partitions, by the one that lists the source (`ListedCopies`, called
-  by tasks/shard_plan.py), which puts copies in copy shards taken once every other shard is done:
-  each copy then finds its original's answer on the done-index reloaded. By listed MD5 ETags, or
-  in a folder by the bytes of items whose sizes equal an earlier item's (each read once).
+  by tasks/shard_plan.py), into copy shards: by listed MD5 ETags, or in a folder by the bytes of
+  items whose sizes equal an earlier item's (each read once).
 """
 
 from __future__ import annotations
@@ -172,7 +170,6 @@ class ListedCopies:
         self.storage = storage if isinstance(storage, LocalStorage) else None
         self._firsts: OrderedDict[tuple, str] = OrderedDict()  # media identity -> the first item's key
         self._sizes: OrderedDict[tuple[int, ...], WorkItem | None] = OrderedDict()  # folder: first of these sizes
-        self.found = 0
 
     def is_copy(self, item: WorkItem) -> bool:
         if item.problem is not None or item.questions:  # a damaged item, a manifest line's own questions
@@ -194,7 +191,6 @@ class ListedCopies:
 
     def _seen(self, identity: tuple, key: str) -> bool:
         if identity in self._firsts:
-            self.found += 1
             return True
         self._remember(self._firsts, identity, key)
         return False

@@ -40,9 +40,8 @@ class Settings(BaseSettings):
     feed_media_bytes: int = Field(
         2 * 1024**3, description="Decoded images the shards in the engine's feed may hold; bounds the feed's "
         "depth for images (never under 2 shards).")
-    # Shards fetched and decoded at once ahead of the engine once it is running (while it starts,
-    # as many as its feed will hold). One shard at a time is a shard's latency (its task run, its
-    # fetches) per shard, which a small model outruns.
+    # One shard ahead at a time is a shard's latency (its task run, its fetches) per shard, which a
+    # small model outruns.
     prepare_ahead: int = Field(
         2, description="Shards fetched and decoded ahead of the engine once it runs (while it starts, as many as "
         "its feed will hold).")
@@ -61,10 +60,8 @@ class Settings(BaseSettings):
         "auto", description="Decode videos in the decode pool's processes, several at once (each pool process "
         "then imports vLLM's video loader); false: one at a time per process, in the fetch threads; auto: in "
         "the pool where this process sees a CUDA GPU.")
-    # How much lower the decode workers' CPU priority is than the flow's (Unix `nice`): with one
-    # worker per core they would otherwise take cores from vLLM's engine-core scheduler and from
-    # the feed, and the GPU waits on a busy CPU (docs/benchmarks.md, "Settings compared in one
-    # run"). 0: the same priority.
+    # With one worker per core, the GPU would wait on a busy CPU (docs/benchmarks.md, "Settings compared
+    # in one run").
     decode_niceness: int = Field(
         10, description="How much lower the decode workers' CPU priority is than the flow's (Unix `nice`), so "
         "they never take a core from vLLM's scheduler or the feed; 0: the same.")
@@ -87,8 +84,6 @@ class Settings(BaseSettings):
     gallery_fetch_s: float = Field(
         20.0, description="Seconds a run spends fetching its gallery's pictures; an item whose picture is not "
         "there by then shows a placeholder.")
-    # A presigned URL carries the signing credentials' access key id, and with temporary credentials
-    # their session token, in the clear: anyone who can read the UI could then read them.
     gallery_link_s: int = Field(
         0, ge=0, le=7 * 24 * 3600, description="For an S3 output, the UI's `vlm-caption-gallery` artifact is a "
         "presigned link to the gallery page, valid this many seconds (at most 604800, S3's limit). The link holds "

@@ -1,28 +1,19 @@
-"""One listing per fanned-out run: the shard plan, shared by the partitions through the output store.
+"""One listing per fanned-out run: the shard plan, shared by the partitions through the output store
+(docs/operations.md, "Fan-out over several GPUs").
 
-The first partition to start wins `claims/<run_id>/plan/lister` (a conditional write, as a
-shard's claim) and lists the source, leaving out what is already done, into numbered chunks
+The first partition to start wins `claims/<run_id>/plan/lister` (a conditional write, as a shard's
+claim) and lists the source, leaving out what is already done, into numbered chunks
 (`plan/000000.jsonl`, ...: a header line, then one line per shard), each written as soon as it
-holds CHUNK_SHARDS shards or CHUNK_S has passed, then `plan/end.json`. Every partition, the
-lister included, reads the shards from those chunks as they appear and claims each before taking
-it, each chunk's from its own share of it on (tasks/claims.py, `own_share_first`), so the
-first shard starts while the listing goes on, a partition that starts late reads the plan
-instead of listing again, and the source is listed once per run.
+holds CHUNK_SHARDS shards or CHUNK_S has passed, then `plan/end.json` (a failed listing:
+`plan/failed.json`). Every partition reads the chunks as they appear and claims each shard before
+taking it (tasks/claims.py). A chunk's header counts the items listed through it and those already
+done, which the lister's partition reports, so the run's counts add up once. A lister gone before
+`end.json` is replaced by the winner of `plan/lister.r1`, which lists on after the last chunk.
 
-A chunk's header says how many items were listed through it and how many of them were already
-done; the lister's partition counts those (its report), so the run's counts add up once. A
-lister that is gone before `end.json` (its heartbeat stood still, or it said it finished) is
-replaced: the partition that wins `plan/lister.r1` lists again after the items the last chunk
-covers. A listing that fails writes `plan/failed.json`, and every partition stops with its message.
-
-Copies (tasks/same_media.py): an item the lister finds to be the same media as one listed
-before it goes into a *copy shard* (a chunk line `[index, items, 1]`), not beside the others. The
-partitions take the copy shards last, once every other shard of the plan is done (`shards=
-"copies"`, after `originals_done`), with the done-index loaded again: each copy then finds its
-original's answer there whichever partition captioned it, and makes no
-request; a copy whose original failed is captioned like any item. So a copy is captioned once
-however the shards were shared, and no partition waits on another's shard in the middle of its
-pipeline (a partition that is gone has its shards retaken first, as for any shard).
+Copies (tasks/same_media.py) go into *copy shards* (a chunk line `[index, items, 1]`), taken last,
+once every other shard of the plan is done (`originals_done`), with the done-index loaded again:
+each copy finds its original's answer whichever partition captioned it, and no partition waits on
+another's shard in the middle of its pipeline.
 """
 
 from __future__ import annotations

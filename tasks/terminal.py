@@ -1,12 +1,10 @@
-"""What a person at a terminal sees of `vlm-caption run` and `demo`: a progress bar, then a summary.
+"""What a person at a terminal sees of `vlm-caption run` and `demo`: a progress bar, then a summary
+(docs/operations.md, "What the UI shows"); everything else a run prints goes to the run's log file.
 
-Everything else a run prints (Prefect's log lines, the flow's structured lines, vLLM's engine
-output and its warnings: Triton on a CPU host, NUMA binding, tcmalloc) goes to the run's log file,
-whose path is printed once. `quiet_terminal` does it at the file-descriptor level, so the engine's
-processes (spawned children inherit descriptors 1 and 2) and the embedded Prefect server write
-there too; the progress bar and the summary keep the terminal through `user_stream`.
-`-v` (or `--log-format json`, for machines) leaves the terminal as it is. What the process prints
-as it exits after a quiet run (Prefect stopping its embedded server) goes to the run's log too.
+`quiet_terminal` does it at the file-descriptor level, so the engine's processes (spawned children
+inherit descriptors 1 and 2) and the embedded Prefect server write there too; the progress bar and
+the summary keep the terminal through `user_stream`. What the process prints as it exits after a
+quiet run (Prefect stopping its embedded server) goes to the run's log too.
 """
 
 from __future__ import annotations
@@ -17,13 +15,9 @@ import os
 import sys
 import time
 from pathlib import Path
-from collections.abc import Callable
 from typing import IO, Any, Iterator
 
 from vlm_caption.tasks.prefect_api import release_notice
-
-# Who hears each phase of a run as it begins (`tasks.observability.phase`): a quiet run's terminal.
-PHASE_LISTENERS: list[Callable[[str], None]] = []
 
 # The terminal's stderr while a quiet run holds descriptors 1 and 2; None otherwise.
 _terminal: IO[str] | None = None
@@ -35,18 +29,6 @@ _exit_log: list[Path] = []  # where what the process prints as it exits goes: th
 def user_stream() -> IO[str]:
     """Where the progress bar goes: the terminal, whatever a quiet run did to stderr."""
     return _terminal if _terminal is not None else sys.stderr
-
-
-def log_file_for(output: str, settings_dir: str | None) -> Path:
-    """The run's log file: VLM_CAPTION_LOG_DIR, else `logs/` in a folder output, else
-    `./vlm-caption-logs/` (an S3 output is written by many hosts; the log is this host's)."""
-    if settings_dir:
-        folder = Path(settings_dir)
-    elif "://" not in output:
-        folder = Path(output) / "logs"
-    else:
-        folder = Path("vlm-caption-logs")
-    return folder.resolve() / f"run-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}.log"
 
 
 @contextlib.contextmanager
@@ -64,12 +46,10 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
         os.dup2(log.fileno(), 2)
         _terminal = terminal
         release_notice(terminal)
-        PHASE_LISTENERS.append(say_phase)
         try:
             yield log_path
         finally:
             _terminal = None
-            PHASE_LISTENERS.remove(say_phase)
             # Stopped by a Ctrl-C, the run's end ends the engine and the server (tasks/interrupt.py), and
             # what they and the run's threads print as they end stays in the log: 1 and 2 are left on it.
             if not _interrupted:
@@ -95,7 +75,11 @@ def run_terminal(output: str, *, verbose: bool, log_format: str | None) -> Itera
         return
     from vlm_caption.tasks.settings import get_settings
 
-    with quiet_terminal(log_file_for(output, get_settings().log_dir)) as log_path:
+    # VLM_CAPTION_LOG_DIR, else `logs/` in a folder output, else `./vlm-caption-logs/` (an S3 output
+    # is written by many hosts; the log is this host's).
+    folder = Path(get_settings().log_dir or (Path(output) / "logs" if "://" not in output else "vlm-caption-logs"))
+    name = f"run-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}.log"
+    with quiet_terminal(folder.resolve() / name) as log_path:
         yield log_path
 
 
@@ -109,12 +93,12 @@ def stop_for_interrupt() -> None:
 
 
 def say_phase(what: str) -> None:
-    """A step of the run beginning, on the terminal with the seconds since the command began
-    (above the progress bar once it shows)."""
-    import psutil
-
+    """A step of the run beginning (`tasks.observability.phase`), on a quiet run's terminal with the
+    seconds since the command began (above the progress bar once it shows)."""
     if _terminal is None or _interrupted:
         return
+    import psutil
+
     line = f"vlm-caption: {time.time() - psutil.Process().create_time():5.1f} s  {what}"
     if _progress is not None and _progress.bar is not None and not _progress.stopped:
         _progress.console.print(line, highlight=False, soft_wrap=True)
@@ -215,8 +199,10 @@ class TerminalProgress:
         if self.bar is not None:
             self.bar.update(self.task, advance=items, rate=shown, errors=self.errors)
             return
-        self.console.print(f"vlm-caption: {self.done}/{self.total} items · {shown} items/s · "
-                           f"ETA {self._eta(rate)} · {self.errors} errors", highlight=False, soft_wrap=True)
+        left = self.total - self.done
+        eta = "0:00" if left == 0 else "-" if not rate else f"{int(left / rate) // 60}:{int(left / rate) % 60:02d}"
+        self.console.print(f"vlm-caption: {self.done}/{self.total} items · {shown} items/s · ETA {eta} · "
+                           f"{self.errors} errors", highlight=False, soft_wrap=True)
 
     def rate(self, now: float) -> float | None:
         """Items/s since the first result; None until that spans RATE_WINDOW_S."""
@@ -229,15 +215,6 @@ class TerminalProgress:
         """Items/s since the progress began (the engine's start included), for a run whose
         results all came within RATE_WINDOW_S of the first."""
         return self.done / (now - self.started) if self.done and now > self.started else None
-
-    def _eta(self, rate: float | None) -> str:
-        left = self.total - self.done
-        if left == 0:
-            return "0:00"
-        if not rate:
-            return "-"
-        seconds = int(left / rate)
-        return f"{seconds // 60}:{seconds % 60:02d}"
 
     def close(self) -> None:
         if self.bar is not None and not self.stopped:
@@ -252,9 +229,10 @@ class TerminalProgress:
             self.bar.stop()
 
 
-def summary_rows(summary: dict[str, Any], output: str, log_path: Path | None,
-                 source: str | None = None) -> list[tuple[str, str]]:
-    """The end of a run in a few lines: what was captioned, how fast, where it all is."""
+def print_summary(summary: dict[str, Any], output: str, log_path: Path | None, file: IO[str] | None = None,
+                  source: str | None = None) -> None:
+    """The end of a run in a few lines: what was captioned, how fast, where it all is. Plain aligned
+    lines (no table folding): paths stay whole for copy and paste, and for grep."""
     by_kind = summary.get("failed_by_kind") or {}
     failed = f"{summary['failed']} failed" + (
         " (" + ", ".join(f"{kind} {count}" for kind, count in sorted(by_kind.items())) + ")" if by_kind else "")
@@ -271,16 +249,9 @@ def summary_rows(summary: dict[str, Any], output: str, log_path: Path | None,
              if summary.get(name)]
     if log_path is not None:
         rows.append(("log", str(log_path)))
-    return rows
-
-
-def print_summary(summary: dict[str, Any], output: str, log_path: Path | None, file: IO[str] | None = None,
-                  source: str | None = None) -> None:
-    """Plain aligned lines (no table folding): paths stay whole for copy and paste, and for grep."""
-    out = file or sys.stdout
-    print("vlm-caption: run finished", file=out)
-    for name, value in summary_rows(summary, output, log_path, source):
-        print(f"  {name:<9}{value}", file=out)
+    print("vlm-caption: run finished", file=file or sys.stdout)
+    for name, value in rows:
+        print(f"  {name:<9}{value}", file=file or sys.stdout)
 
 
 def print_run_end(summary: dict[str, Any], output: str, log_path: Path | None, log_format: str | None,

@@ -52,8 +52,7 @@ def write_parts(store, run: str, items: range, etag: str = "e") -> list[str]:
 
 
 def step(name: str, out: str, run: str = "", parts: list[str] | None = None) -> None:
-    from vlm_caption.tasks.results.parquet_compact import compact_view, rebuild_view
-    from vlm_caption.tasks.results.parquet_view import add_run
+    from vlm_caption.tasks.results.parquet_view import add_run, compact_view, rebuild_view
     from vlm_caption.tasks.sources.storage import open_storage
 
     store = open_storage(out)

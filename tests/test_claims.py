@@ -93,7 +93,7 @@ def test_a_slow_partition_takes_fewer_shards_and_every_shard_is_done_once(store)
 def test_the_shards_of_a_partition_that_is_gone_are_retaken_once(store):
     listing = shards(6)
     dead = ShardClaims(store, "run2", 1, beat_s=0.1, stale_s=0.5)
-    dead.heartbeat.beat("running")  # it beat once, claimed two shards, finished one and died (no `finished`)
+    dead.beat("running")  # it beat once, claimed two shards, finished one and died (no `finished`)
     assert dead.claim(listing[0]) and dead.claim(listing[1])
     dead.mark_done(0)
 

@@ -84,7 +84,7 @@ def test_a_done_result_is_found_by_content_and_by_md5_etags_and_its_part_read_on
     by_etag = done.earlier_answer("q", signature=((_md5(cat), len(cat)),))
     assert by_etag.key == "cat.jpg"
     assert done.earlier_answer("q", signature=((_md5(cat), len(cat) + 1),)) is None
-    assert done._earlier.reads == 1  # one read of the part for every lookup
+    assert done.reads == 1  # one read of the part for every lookup
     assert done.earlier_answer("q", sha256=sha256_hex(b"old")).key == "old.jpg"
 
     # A group is a copy when all its members are, in order.

@@ -180,7 +180,7 @@ def test_a_part_whose_read_fails_for_a_moment_is_read_again_never_skipped(tmp_pa
     """A part of a run the view owes a file is parsed; a read of it that fails transiently (a
     body cut short, a timeout) is tried again, and one that keeps failing fails the load (retried
     as a task) instead of leaving the part's results out, which a run would compute and write twice."""
-    import vlm_caption.tasks.sources.transient as transient
+    import vlm_caption.tasks.sources.s3_client as transient
     from vlm_caption.tasks.sources.storage import ShortBodyError
 
     monkeypatch.setattr(transient, "PAUSE_S", 0.01)

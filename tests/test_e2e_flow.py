@@ -127,7 +127,7 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
         ordered = [log.message for log in sorted(logs, key=lambda log: log.timestamp) if log.name == "vlm_caption"]
         first = next(i for i, message in enumerate(ordered) if message.startswith("engine starting first"))
         assert first < next(i for i, message in enumerate(ordered) if message.startswith("run started"))
-        # Prefect sees the shards a batch at a time (flows/shard_report.py), not three task runs
+        # Prefect sees the shards a batch at a time (flows/batches.py), not three task runs
         # per shard: 1 shard, then 2, then the last one; each batch's task run Completed, its log
         # line its counts. (The schedule of the steps is tests/test_pipeline_schedule.py's.)
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))

@@ -278,7 +278,7 @@ def test_the_uis_gallery_artifact_opens_from_the_ui(prefect_api, s3_client, tmp_
     from prefect import flow
     from prefect.artifacts import Artifact
 
-    from vlm_caption.tasks.results.gallery_artifact import publish_gallery
+    from vlm_caption.tasks.results.gallery_page import publish_gallery
     from vlm_caption.tasks.sources.storage import open_storage
 
     items = sample_items([record("a.jpg", text="a long caption " * 60),

@@ -95,7 +95,7 @@ def test_a_head_start_outdated_by_a_run_that_ended_meanwhile_is_dropped(prefect_
     loads = _loads(monkeypatch)
     plan = make_plan(job)
     assert head_start.begin_head_start(plan)
-    head = head_start._started[head_start.plan_key(plan)]
+    head = head_start._started
     head.loaded.wait(30)
     (where.base / "out" / "manifests" / "another-run.json").write_text(json.dumps({}))  # it ended just now
     summary = vlm_caption(plan.job)

@@ -170,13 +170,14 @@ def test_two_questions_one_fetch_and_decode_each_then_resume_by_question(prefect
                                                                          monkeypatch):
     import vlm_caption.tasks.media.pool as pool
     from vlm_caption.tasks.settings import get_settings
-    from vlm_caption.tasks.sources.fetch import MediaFetcher
+    from vlm_caption.tasks.sources.reader import SourceReader
 
     monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "0")  # decode in this process, to count it
     get_settings.cache_clear()
     fetched, decoded = Counter(), Counter()
-    real_read, real_decode = MediaFetcher.read, pool.decode_job
-    monkeypatch.setattr(MediaFetcher, "read", lambda self, ref: fetched.update([ref.key]) or real_read(self, ref))
+    real_read, real_decode = SourceReader.read_member, pool.decode_job
+    monkeypatch.setattr(SourceReader, "read_member",
+                        lambda self, ref: fetched.update([ref.key]) or real_read(self, ref))
     monkeypatch.setattr(pool, "decode_job", lambda data, *a: decoded.update([len(data)]) or real_decode(data, *a))
 
     # The run's gallery fetches a thumbnail's source once more after the run (bounded by

@@ -86,14 +86,14 @@ def _records(out: Path) -> list[dict]:
 def test_auto_lists_what_is_new_and_what_failed_retryably(prefect_api, tiny_llava, tmp_path: Path, monkeypatch):
     from vlm_caption.flows.caption import vlm_caption
     from vlm_caption.flows.params import CaptionJob
-    from vlm_caption.tasks.sources.fetch import MediaFetcher
+    from vlm_caption.tasks.sources.reader import SourceReader
 
     src, out = tmp_path / "src", tmp_path / "out"
     for i, name in enumerate(("a.jpg", "b.jpg", "c.jpg", "flaky.jpg")):
         _image(src / name, 3 * DAY, color=(i * 60, 10, 10))
     job = CaptionJob(source=str(src), output=str(out), model=str(tiny_llava), shard_size=2,
                      sampling={"max_tokens": 6}, gallery_items=0, modified_since="auto")
-    real_read = MediaFetcher.read
+    real_read = SourceReader.read_member
 
     def flaky(self, ref):
         if ref.key == "flaky.jpg":
@@ -101,7 +101,7 @@ def test_auto_lists_what_is_new_and_what_failed_retryably(prefect_api, tiny_llav
         return real_read(self, ref)
 
     with monkeypatch.context() as patch:
-        patch.setattr(MediaFetcher, "read", flaky)
+        patch.setattr(SourceReader, "read_member", flaky)
         first = vlm_caption(job)
     assert (first["listed"], first["succeeded"], first["failed"]) == (4, 3, 1)  # no watermark yet: everything
     watermark = json.loads(next((out / "watermarks").glob(f"{first['fingerprint']}-*.json")).read_text())

@@ -199,15 +199,17 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
     the manifest and the summary, and the run still returns."""
     import vlm_caption.flows.caption as caption
     from vlm_caption.flows.params import CaptionJob
-    from vlm_caption.flows.plan import RunPlan, source_spec
+    from vlm_caption.flows.plan import RunPlan
     from vlm_caption.recipes import get_recipe
     from vlm_caption.tasks.observability import get_logger
     from vlm_caption.tasks.results.report import RunStats
+    from vlm_caption.tasks.sources.formats import SourceSpec
 
     output = str(tmp_path / "out")
     (tmp_path / "src").mkdir()
     job = CaptionJob(source=str(tmp_path / "src"), output=output, recipe="llava", source_format="files")
-    plan = RunPlan(job=job, recipe=get_recipe("llava"), model="tiny-llava", fingerprint=FP, source=source_spec(job),
+    plan = RunPlan(job=job, recipe=get_recipe("llava"), model="tiny-llava", fingerprint=FP,
+                   source=SourceSpec(job.source, "image", format="files"),
                    output=out(output))
     records = [record("a.jpg", RUN1), record("b.jpg", RUN1, None, {"kind": "decode", "message": "bad"})]
 

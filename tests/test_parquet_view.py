@@ -23,8 +23,7 @@ from vlm_caption.tasks.results.done_index import read_done_index
 from vlm_caption.tasks.results.done_rows import load_rows, read_part_rows, record_row, result_key
 from vlm_caption.tasks.results.layout import VIEW_HASHES, part_key, part_prefix, partition_parts_id, run_parquet_key
 from vlm_caption.tasks.results.parquet import record_from_row, results_schema, view_row
-from vlm_caption.tasks.results.parquet_compact import compact_view
-from vlm_caption.tasks.results.parquet_view import add_run
+from vlm_caption.tasks.results.parquet_view import add_run, compact_view
 from vlm_caption.tasks.records import Member, ResultRecord
 from vlm_caption.tasks.results.writers import write_manifest, write_shard
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem

@@ -13,16 +13,16 @@ from PIL import Image
 
 import vlm_caption.flows.batches as batches
 import vlm_caption.flows.feed_schedule as feed_schedule
-import vlm_caption.flows.shard_report as shard_report
 from vlm_caption.flows.batches import ShardPipeline
 from vlm_caption.flows.params import CaptionJob
 from vlm_caption.flows.partition_run import PartitionRun
-from vlm_caption.flows.plan import RunPlan, engine_spec, source_spec
+from vlm_caption.flows.plan import RunPlan, engine_spec
 from vlm_caption.recipes import get_recipe
 from vlm_caption.tasks.engine.feed import FEED_REQUESTS
 from vlm_caption.tasks.prepare import PreparedItem, PreparedShard
 from vlm_caption.tasks.results.done_index import DoneIndex
 from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.items import ObjectRef, Shard, WorkItem
 
 SHARD_SIZE = 64
@@ -115,10 +115,10 @@ def stand_ins(monkeypatch):
         monkeypatch.setattr(batches, "write_shard", lambda *args: None)
         monkeypatch.setattr(batches, "caption_batch", StandInTask(pool, batches.caption_batch.fn))
         monkeypatch.setattr(batches, "get_logger", lambda: SilentLog())
-        monkeypatch.setattr(shard_report, "emit", lambda *args, **kwargs: None)
+        monkeypatch.setattr(feed_schedule, "emit", lambda *args, **kwargs: None)
         monkeypatch.setattr(feed_schedule, "ensure_vllm_imported", lambda: None)
         monkeypatch.setattr(feed_schedule, "start_decode_pool", lambda modality: None)
-        monkeypatch.setattr(shard_report, "Progress", SilentProgress)
+        monkeypatch.setattr(feed_schedule, "Progress", SilentProgress)
         monkeypatch.setattr(batches, "image_resize_target", lambda spec: None)
         return schedule
 
@@ -132,7 +132,7 @@ def _run(shards: int) -> None:
     job = CaptionJob(source="/nowhere", output="/nowhere-out", recipe="llava", shard_size=SHARD_SIZE,
                      source_format="files")  # as the plan resolves it
     plan = RunPlan(job=job, recipe=get_recipe("llava"), model="llava", fingerprint="fingerprint",
-                   source=source_spec(job), output=None)
+                   source=SourceSpec(job.source, "image", format="files"), output=None)
     run = PartitionRun.of(plan, "run", None, SilentLog())
     listing = [Shard(i, tuple(WorkItem(f"{i}/{n}.jpg", (ObjectRef(f"{i}/{n}.jpg", 1, ""),))
                               for n in range(SHARD_SIZE))) for i in range(shards)]

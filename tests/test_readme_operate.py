@@ -194,7 +194,7 @@ def test_stop_finds_only_the_server_background_started(tmp_path, monkeypatch):
     again), is no server: `--stop` says so in one line and nothing is signalled."""
     import argparse
 
-    from vlm_caption.flows.server_background import background_pid, pid_file, server_command
+    from vlm_caption.flows.server import background_pid, pid_file, server_command
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
     assert pid_file(4311) == tmp_path / "vlm-caption-server-4311.pid"

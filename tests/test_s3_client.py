@@ -16,11 +16,11 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
 from vlm_caption.tasks.settings import get_settings
-from vlm_caption.tasks.sources import transient
+from vlm_caption.tasks.sources import s3_client as transient
 from vlm_caption.tasks.sources.items import ObjectRef
-from vlm_caption.tasks.sources.s3_client import describe_client, make_s3_client, merged_config, settings_config
+from vlm_caption.tasks.sources.s3_client import (describe_client, is_transient, make_s3_client, merged_config,
+                                                  settings_config)
 from vlm_caption.tasks.sources.storage import ShortBodyError, StorageError
-from vlm_caption.tasks.sources.transient import is_transient
 
 BLOCK_ENDPOINT = "http://127.0.0.1:9"  # never called: the clients are only looked at
 

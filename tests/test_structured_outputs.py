@@ -51,7 +51,7 @@ def test_the_constraint_is_part_of_the_fingerprint_and_plain_jobs_keep_theirs():
     assert len({plain, tags, choice}) == 3
     from vlm_caption.tasks.records import job_fingerprint
     assert plain == job_fingerprint(source="/media", recipe="llava", model="m", modality="image",
-                                    method="generate", media={}, sampling=_job().sampling.fingerprint_dict())
+                                    method="generate", media={}, sampling=_job().sampling.model_dump())
 
 
 def test_structured_answer_parses_validates_and_names_a_cut():

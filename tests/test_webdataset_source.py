@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_caption.tasks.sources.braces import BraceError, expand_braces, expansion_count
+from vlm_caption.tasks.sources.formats import BraceError, expand_braces, expansion_count
 from vlm_caption.tasks.sources.formats import split_location
 from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.registry import detect_format

@@ -4,23 +4,16 @@ copies of what they finished take its answer.
 A result is identified by (item key, question). Before fetching, an item whose every question
 is done for the same members (etag and size) is skipped; after fetching, one whose content hash
 matches (re-uploaded, same bytes) is skipped too. An item under another key whose media are the
-same bytes as a done result's (its listed ETags are MD5s and equal, or its fetched sha256 is
-equal) takes that result's answer (`earlier_answer`; tasks/same_media.py).
-
-The index is compact so that a bucket's whole history loads fast: 24 bytes per finished result
-(its row: tasks/results/done_rows.py, which also says where a load reads them: the Parquet
-view's hash columns, and the parts of runs the view does not hold yet) held in one sorted numpy
-array, plus 4 bytes per result saying which source and row it came from. The first lookup by
-content or by listed ETags sorts that column once: 12 bytes more per result for each (its
-values and rows), so a run with copies holds at most 52 bytes per earlier result; a run without
-any holds 28.
-
-The run's own load is kept for the Parquet step at its end (`loaded_index`): which earlier
-results it replaces, and in which view file or part they stand, without reading the history again.
+same bytes as a done result's takes that result's answer (`earlier_answer`; tasks/same_media.py).
+The index is compact so that a bucket's whole history loads fast: 24 bytes a result (its row:
+tasks/results/done_rows.py) in one sorted array, 4 more saying which source and row it came
+from, and 12 more for each column (content, listed ETags) first looked up by. The run's own load
+is kept for the Parquet step at its end (`loaded_index`), which need not read the history again.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable
 
@@ -30,13 +23,16 @@ from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.observability import phase
 from vlm_caption.tasks.records import ResultRecord
-from vlm_caption.tasks.results.done_rows import (ROW, Signature, Source, _hash64, content_hash, listing_signature,
-                                                load_rows, record_signature, result_key, signature_hash)
-from vlm_caption.tasks.results.earlier import EarlierRecords
+from vlm_caption.tasks.results.done_rows import (ROW, Signature, Source, _hash64, content_hash, final_records,
+                                                listing_signature, load_rows, read_part_lines, record_signature,
+                                                result_key, signature_hash)
+from vlm_caption.tasks.results.parquet import record_from_row
 from vlm_caption.tasks.sources.items import WorkItem
+from vlm_caption.tasks.sources.ranged import open_seekable
 from vlm_caption.tasks.sources.storage import Storage
 
 MAX_CANDIDATES = 64  # earlier results with the same bytes looked at for one (item, question)
+CACHED = 32  # parts or view row groups whose records are kept (each at most a shard's or ROW_GROUP_ROWS)
 
 
 def listed_signature_hash(item: WorkItem) -> int | None:
@@ -54,22 +50,25 @@ def listed_signature_hash(item: WorkItem) -> int | None:
 class DoneIndex:
     """Finished results as one sorted array; lookups are binary searches. Built from the rows of
     each source a load read (`sources`, tasks/results/done_rows.py), it can read an earlier
-    result's record back from `out`; from bare row arrays it answers only whether a result is done."""
+    result's record back from `out` (row `ordinal` of the rows loaded source after source is row
+    `ordinal - starts[s]` of source `s`); from bare row arrays it answers only whether a result is done."""
 
     def __init__(self, sources: Iterable[Source | np.ndarray] = (), out: Storage | None = None):
         sources = [s if isinstance(s, Source) else Source("", s) for s in sources]
         tables = [source.rows for source in sources]
         table = np.concatenate(tables) if tables else np.empty(0, ROW)
         order = np.argsort(table["key"], kind="stable")
-        self._table = table[order]
-        self._earlier: EarlierRecords | None = None
-        self._ordinal = np.empty(0, np.uint32)
-        if out is not None:
-            self._ordinal = order.astype(np.uint32)  # which loaded row (source, its row) each sorted row is
-            starts = np.cumsum([0] + [len(t) for t in tables[:-1]]) if tables else np.empty(0, np.int64)
-            self._earlier = EarlierRecords(out, [s._replace(rows=np.empty(0, ROW)) for s in sources], starts)
+        self._table, self._out = table[order], out
+        # Which loaded row (source, its row) each sorted row is, where records can be read back.
+        self._ordinal = order.astype(np.uint32) if out is not None else np.empty(0, np.uint32)
+        self._sources = [s._replace(rows=np.empty(0, ROW)) for s in sources]
+        self._starts = np.cumsum([0] + [len(t) for t in tables[:-1]]) if tables else np.empty(0, np.int64)
         self._by: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # column -> (sorted values, their ordinals)
-        self._lock = threading.Lock()
+        self._lock, self._reading = threading.Lock(), threading.Lock()
+        # A part, or a view file's row group, is read once while among the CACHED read last, so a
+        # rerun with many copies of one earlier shard reads it once.
+        self._records = functools.lru_cache(CACHED)(self._read_records)
+        self.reads = 0
 
     def __len__(self) -> int:
         return len(self._table)
@@ -90,7 +89,7 @@ class DoneIndex:
     def holding(self, keys: np.ndarray) -> dict[str, np.ndarray]:
         """For result keys (`result_key`), the sources (view files, parts) holding a row of any
         of them, and which of the keys each holds. Empty for an index that cannot name them."""
-        if self._earlier is None or not len(keys) or not len(self._table):
+        if self._out is None or not len(keys) or not len(self._table):
             return {}
         keys = np.unique(np.asarray(keys, np.uint64))
         table_keys = self._table["key"]
@@ -99,11 +98,8 @@ class DoneIndex:
         if not len(found):
             return {}
         rows = np.concatenate([np.arange(lo[i], hi[i]) for i in found])
-        part = np.searchsorted(self._earlier.starts, self._ordinal[rows], "right") - 1
-        held: dict[str, np.ndarray] = {}
-        for p in np.unique(part):
-            held[self._earlier.sources[int(p)].key] = np.unique(table_keys[rows[part == p]])
-        return held
+        part = np.searchsorted(self._starts, self._ordinal[rows], "right") - 1
+        return {self._sources[int(p)].key: np.unique(table_keys[rows[part == p]]) for p in np.unique(part)}
 
     def pending_by_listing(self, item: WorkItem, questions: tuple[str, ...]) -> tuple[str, ...]:
         """The questions still to compute, judged from the listing alone (no fetch)."""
@@ -114,19 +110,17 @@ class DoneIndex:
         """For each item, whether a question of it is still to compute judged from the listing
         alone: `pending_by_listing` over a batch at once (the lookups vectorised), so that a
         listing of millions of done items is filtered in seconds (flows/pipeline.py)."""
-        asked = [item.questions or questions for item in items]
         owners, keys, signatures = [], [], []
-        unlisted = np.zeros(len(items), bool)  # a member's etag or size unknown: always pending
-        for i, (item, wanted) in enumerate(zip(items, asked)):
+        pending = np.zeros(len(items), bool)
+        for i, item in enumerate(items):
             signed = listed_signature_hash(item)
-            if signed is None:
-                unlisted[i] = True
+            if signed is None:  # a member's etag or size unknown: always pending
+                pending[i] = True
                 continue
-            for question in wanted:
+            for question in item.questions or questions:
                 owners.append(i)
                 keys.append(result_key(item.id, question))
                 signatures.append(signed)
-        pending = unlisted
         if not keys:
             return pending
         wanted_keys = np.array(keys, np.uint64)
@@ -167,7 +161,7 @@ class DoneIndex:
         before any fetch by a `signature` of listed ETags that are MD5s (tasks/same_media.py `content_signature`).
         The record of an item that was itself captioned is preferred to a copy's. None where there
         is none, or where this index cannot read records back."""
-        if self._earlier is None or not (sha256 or signature):
+        if self._out is None or not (sha256 or signature):
             return None
         if sha256:
             found = self._matching("sha", content_hash(sha256))
@@ -177,13 +171,40 @@ class DoneIndex:
             same = lambda record: record_signature(record) == tuple(signature)  # noqa: E731
         copy = None
         for ordinal in found[:MAX_CANDIDATES]:
-            record = self._earlier.record(int(ordinal))
+            record = self._record(int(ordinal))
             if record is None or record.error is not None or record.question != question or not same(record):
                 continue
             if record.duplicate_of is None:
                 return record
             copy = copy or record
         return copy
+
+    def _record(self, ordinal: int) -> ResultRecord | None:
+        """The record behind loaded row `ordinal`, read back from its part or its view file's row group."""
+        s = int(np.searchsorted(self._starts, ordinal, "right")) - 1
+        source, row, group = self._sources[s], ordinal - int(self._starts[s]), -1
+        if source.starts is not None:  # a view file: the file's row, in the row group starting before it
+            row = row if source.at is None else int(source.at[row])
+            group = int(np.searchsorted(source.starts, row, "right")) - 1
+            row -= int(source.starts[group])
+        with self._reading:  # one read of a source however many fetch threads ask for it at once
+            records = self._records(s, group)
+        return records[row] if row < len(records) else None
+
+    def _read_records(self, s: int, group: int) -> list[ResultRecord]:
+        """Source `s`'s final records (a part, `group` -1) or its row group `group`'s (a view file,
+        ranged reads on S3)."""
+        import pyarrow.parquet as pq
+
+        self.reads += 1
+        source = self._sources[s]
+        try:
+            if group < 0:
+                return final_records(read_part_lines(self._out, source.key))[0]
+            with open_seekable(self._out, source.key, source.size) as raw:
+                return [record_from_row(row) for row in pq.ParquetFile(raw).read_row_group(group).to_pylist()]
+        except Exception:  # noqa: BLE001 - gone or unreadable since the load: no copy from it
+            return []
 
 
 _loaded_lock = threading.Lock()

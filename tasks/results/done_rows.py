@@ -2,22 +2,12 @@
 
 A row is 24 bytes: 8-byte hashes of the result's key (item and question), of its members'
 listed (etag, size) and of its content (sha256; 0 where it is unknown, the media not read: such
-rows take part in no lookup by content).
-
-The JSON Lines parts are the truth; the Parquet view (tasks/results/parquet_view.py) is made
-from them and holds each result's rows as three columns (`done_key`, `listed_hash`,
-`content_hash`). So a load (`load_rows`) reads those columns of the view's files, and parses
-only the parts the view does not hold yet: those of the runs it still owes a file
-(`results/<fp>/view-owed/<run_id>`, left before a run's first part and removed once its file is
-written: a run killed or still running). It lists the owed runs before the view's files: a run
-writes its file before it removes its mark, so a load sees one or the other, never neither.
-Where the view holds nothing of a fingerprint (its first run, or a view deleted by hand) the
-load parses every part of it. A night with nothing new reads a page of marks, a page of files
-and their three columns; it neither lists nor reads the parts.
-
-A part's rows are its final records' in the order they stand in it, and a view file's are its
-rows of the fingerprint; each source keeps which of its rows (record or file row) each is, what
-tasks/results/earlier.py reads back to copy an answer.
+rows take part in no lookup by content). A load (`load_rows`) reads them from the Parquet view's
+hash columns, and parses only the parts of the runs the view still owes a file, or every part of
+a fingerprint the view holds nothing of (docs/architecture.md, "Resume state stays small", says
+why it lists the owed runs first). A part's rows are its final records' in order, a view file's
+its rows of the fingerprint; each source keeps which of its rows each is, what the done-index
+reads back to copy an answer.
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, VIEW_HASHES, 
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from vlm_caption.tasks.sources.ranged import open_seekable
 from vlm_caption.tasks.sources.storage import Storage
-from vlm_caption.tasks.sources.transient import is_transient, retry_transient
+from vlm_caption.tasks.sources.s3_client import is_transient, retry_transient
 
 ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])
 READERS = 16  # parallel reads (object stores answer many small GETs at once well)
@@ -151,31 +141,30 @@ def view_files(out: Storage) -> list[ObjectRef]:
                                           ref.key))
 
 
-def view_file_rows(out: Storage, ref: ObjectRef, fingerprint: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """A view file's rows of `fingerprint`, and which rows of the file they are (None: all). Reads the
-    footer, then the fingerprint and hash columns of the row groups whose statistics may hold
-    the fingerprint (ranged reads on S3)."""
+def view_file_rows(out: Storage, ref: ObjectRef, fingerprint: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """A view file's rows of `fingerprint`, which rows of the file they are (None: all), and the
+    first row of each of its row groups. Reads the footer, then the fingerprint and hash columns
+    of the row groups whose statistics may hold the fingerprint (ranged reads on S3)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     with open_seekable(out, ref.key, ref.size) as raw:
         source = pq.ParquetFile(raw)
-        position = source.schema_arrow.get_field_index("fingerprint")
-        rows, ordinals, start = [], [], 0
-        for group in range(source.num_row_groups):
-            count = source.metadata.row_group(group).num_rows
-            stats = source.metadata.row_group(group).column(position).statistics
+        meta, position = source.metadata, source.schema_arrow.get_field_index("fingerprint")
+        columns = ["fingerprint", *VIEW_HASHES] if set(VIEW_HASHES) <= set(source.schema_arrow.names) else None
+        starts = np.cumsum([0] + [meta.row_group(group).num_rows for group in range(meta.num_row_groups)])
+        rows, ordinals = [], []
+        for group in range(meta.num_row_groups):
+            stats = meta.row_group(group).column(position).statistics
             if stats is None or not stats.has_min_max or stats.min <= fingerprint <= stats.max:
-                hashed = set(VIEW_HASHES) <= set(source.schema_arrow.names)
-                table = source.read_row_group(group, columns=None if not hashed else ["fingerprint", *VIEW_HASHES])
+                table = source.read_row_group(group, columns=columns)
                 mine = np.flatnonzero(pc.equal(table["fingerprint"], fingerprint).fill_null(False).to_numpy(
                     zero_copy_only=False))
                 rows.append(table_rows(table)[mine])
-                ordinals.append((mine + start).astype(np.uint32))
-            start += count
+                ordinals.append((mine + starts[group]).astype(np.uint32))
     at = np.concatenate(ordinals) if ordinals else np.empty(0, np.uint32)
-    return (np.concatenate(rows) if rows else np.empty(0, ROW),
-            None if len(at) == source.metadata.num_rows else at)
+    return (np.concatenate(rows) if rows else np.empty(0, ROW), None if len(at) == meta.num_rows else at,
+            starts[:-1])
 
 
 def table_rows(table) -> np.ndarray:
@@ -194,14 +183,14 @@ def table_rows(table) -> np.ndarray:
 
 
 class Source(NamedTuple):
-    """Rows read from one object: a part (`view` false: row i is its i-th final record) or a
-    view file of `size` bytes (row i is the file's row `at[i]`, or row i where `at` is None:
-    every row of the file was of the fingerprint)."""
+    """Rows read from one object: a part (row i is its i-th final record) or a view file of
+    `size` bytes whose row groups begin at rows `starts` (row i is the file's row `at[i]`, or row
+    i where `at` is None: every row of the file was of the fingerprint)."""
 
     key: str
     rows: np.ndarray
     at: np.ndarray | None = None
-    view: bool = False
+    starts: np.ndarray | None = None  # None: a part
     size: int = 0
 
 
@@ -217,11 +206,13 @@ def load_rows(out: Storage, fingerprint: str) -> LoadedRows:
     owes a file; or, where the view holds none, every part's (the module's docstring says why)."""
     log = get_logger(fingerprint=fingerprint)
     owed_prefix = view_owed_prefix(fingerprint)
-    owed = [ref.key[len(owed_prefix):] for ref in out.iter_objects(prefix=owed_prefix)]  # before the files
+    # The marks before the files: a run writes its file before it removes its mark, so a load
+    # sees one or the other, never neither.
+    owed = [ref.key[len(owed_prefix):] for ref in out.iter_objects(prefix=owed_prefix)]
     files = view_files(out)
     with ThreadPoolExecutor(READERS) as pool:
         read = list(pool.map(lambda ref: view_file_rows(out, ref, fingerprint), files))
-    sources = [Source(ref.key, rows, at, view=True, size=ref.size) for ref, (rows, at) in zip(files, read) if len(rows)]
+    sources = [Source(ref.key, rows, at, starts, ref.size) for ref, (rows, at, starts) in zip(files, read) if len(rows)]
     prefixes = [part_prefix(fingerprint, run) for run in owed] if sources else [results_prefix(fingerprint)]
     parts = [ref for key, ref in listed_under(out, prefixes).items()
              if key.endswith(".jsonl") and key.count("/") == 2]

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.done_rows import parse_records
-from vlm_caption.tasks.results.gallery_artifact import publish_gallery
-from vlm_caption.tasks.results.gallery_page import GalleryItem, render_gallery
+from vlm_caption.tasks.results.gallery_page import GalleryItem, publish_gallery, render_gallery
 from vlm_caption.tasks.results.layout import manifest_key
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.settings import get_settings
@@ -44,17 +43,6 @@ THUMB_SOURCE_BYTES = 64 << 20  # an item larger than this is not fetched again f
 FETCHERS = 16
 STRIP_FRAMES = 4  # frames in a video item's strip, evenly spaced over the video
 STRIP_PIXELS = 96  # a strip frame's long side
-
-
-def video_slots() -> int:
-    """Videos fetched and decoded at once: half the cores this process may use, at least 2 and
-    at most FETCHERS. Each slot holds one whole video (up to THUMB_SOURCE_BYTES), so not one per
-    fetcher. Where the run decodes its clips in the decode pool's processes (a GPU host, by
-    default), the strips are decoded there side by side; else one at a time in this process
-    (tasks/media/video.py), the slots' fetches beside it. The run ends once its page is written."""
-    from vlm_caption.tasks.media.pool import usable_cores
-
-    return max(2, min(FETCHERS, usable_cores() // 2))
 
 
 def gallery_key(run_id: str) -> str:
@@ -121,14 +109,9 @@ def frame_strip(data: bytes) -> list[str]:
     try:
         video = decode_video_pooled(data, num_frames=STRIP_FRAMES, resize=FrameThumbnails(STRIP_PIXELS),
                                     limits=VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels))
-        uris = []
-        for frame in video.frames:  # shrunk where it was decoded
-            image = Image.fromarray(frame).convert("RGB")
-            uri = _jpeg(image, limit=THUMB_BYTES // max(1, len(video.frames)))
-            if uri is None:
-                return []
-            uris.append(uri)
-        return uris
+        limit = THUMB_BYTES // max(1, len(video.frames))  # the frames were shrunk where they were decoded
+        uris = [_jpeg(Image.fromarray(frame).convert("RGB"), limit) for frame in video.frames]
+        return [] if None in uris else uris
     except Exception:  # noqa: BLE001 - an undecodable video shows its placeholder (its record says why)
         return []
 
@@ -138,12 +121,18 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
                   sampled: list[GalleryItem] | None = None) -> tuple[str, int]:
     """The page's HTML and the number of items on it; `fetch` gives an item's image (or video)
     bytes. Pictures not made within `fetch_s` seconds show placeholders."""
+    from vlm_caption.tasks.media.pool import usable_cores
+
     items = sample_items(records, limit)
     if sampled is not None:  # the caller's copy of the sample (the UI's artifact lists it)
         sampled.extend(items)
     if any(record.model and is_tiny_checkpoint(record.model) for item in items[:1] for record in item.records[:1]):
         summary = {**summary, "note": "random-weight test model: its captions are noise"}
-    decoding = threading.BoundedSemaphore(video_slots())
+    # Videos fetched and decoded at once: half the cores this process may use, at least 2 and at
+    # most FETCHERS. Each slot holds a whole video (up to THUMB_SOURCE_BYTES), so not one per
+    # fetcher; where the run decodes its clips in the decode pool (a GPU host), the strips are
+    # decoded there side by side. The run ends once its page is written.
+    decoding = threading.BoundedSemaphore(max(2, min(FETCHERS, usable_cores() // 2)))
     unfetched: list[str] = []  # items whose media could not be read again (each shows a placeholder)
 
     def read(record: ResultRecord) -> bytes | None:
@@ -158,7 +147,7 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
         if first.size > THUMB_SOURCE_BYTES:
             return None, []
         if first.video:
-            with decoding:  # video_slots() whole videos in memory at a time
+            with decoding:  # that many whole videos in memory at a time
                 data = read(first)
                 return None, frame_strip(data) if data else []
         data = read(first)

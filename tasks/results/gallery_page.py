@@ -2,18 +2,31 @@
 HTML, self-contained (pictures are data URIs), errors in red. Captions wrap in their card (a
 word longer than the card breaks); one longer than PREVIEW_CHARS shows its start, the whole of
 it (up to TEXT_CHARS, so the page's size stays bounded) a click away in a <details>.
-`gallery.py` samples the items and makes their pictures."""
+`gallery.py` samples the items and makes their pictures.
+
+The page is a file next to the manifest, and Prefect's UI can link to neither a `file://` path
+(a browser does not open one from an http page) nor an `s3://` URI, so the run's
+`vlm-caption-gallery` artifact is what opens from the UI (`publish_gallery`): the page's items
+as a table (key, question, caption or error), the page's location in the description; or, for
+an S3 output whose operator asked for it (VLM_CAPTION_GALLERY_LINK_S), a presigned HTTPS link to
+the page (GET only, that one object), with its expiry. Off by default, because the link holds
+the signing credentials' access key id (and session token) in the clear.
+"""
 
 from __future__ import annotations
 
 import html
 import json
+import time
 from dataclasses import dataclass, field
 
 from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.storage import S3Storage, Storage
 
 PREVIEW_CHARS = 280
 TEXT_CHARS = 4000
+CELL_CHARS = 500  # an artifact table cell's text; the page has the whole
 
 
 @dataclass
@@ -113,3 +126,39 @@ def render_gallery(items: list[GalleryItem], title: str, summary: dict) -> str:
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
             f'<div class="meta">{line} · shown: {len(items)}</div><div class="grid">\n{body}\n</div></body></html>')
+
+
+def publish_gallery(out: Storage, key: str, items: list[GalleryItem]) -> dict:
+    """The artifact for the page at `key` of `out`; what it says, for the manifest ({} outside a
+    flow run)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return {}
+    path = out.describe(key)
+    description = f"The run's gallery: a sample of {len(items)} items"
+    link_s = get_settings().gallery_link_s
+    if isinstance(out, S3Storage) and link_s > 0:
+        from vlm_caption.tasks.sources.s3_client import shared_s3_client
+
+        # A presigned GET of the page, served as HTML. Signed with temporary credentials (an
+        # instance role, SSO), it ends when they do, which may be sooner than `link_s`.
+        link = shared_s3_client().generate_presigned_url(
+            "get_object", ExpiresIn=link_s,
+            Params={"Bucket": out.bucket, "Key": out.prefix + key, "ResponseContentType": "text/html"})
+        until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(time.time() + link_s))
+        create_markdown_artifact(
+            key="vlm-caption-gallery", description=description,
+            markdown=f"**[Open the gallery]({link})** ({len(items)} items, thumbnails and captions): a "
+                     f"presigned link, valid until {until} (or until the credentials that signed it expire).\n\n"
+                     f"The page: `{path}`")
+        return {"link_expires": until}
+    # One row per (item, question): what the page shows, as text.
+    rows = [{"key": item.key, "question": record.question or "",
+             "caption": cut(f"error: {record.error.get('kind', 'error')}: {record.error.get('message', '')}"
+                            if record.error else record.text or "", CELL_CHARS, " on the page")}
+            for item in items for record in item.records]
+    create_table_artifact(key="vlm-caption-gallery", table=rows,
+                          description=f"{description}. The page with its pictures: `{path}`")
+    return {}

@@ -19,15 +19,10 @@ import re
 import time
 import uuid
 
-STAMP = "%Y%m%dT%H%M%S"  # UTC: names that begin with one sort by when they were written
 _PARTITION_SUFFIX = re.compile(r"-p\d+$")
 _PART_NAME = re.compile(r"^part-(.+)-\d{5}\.jsonl$")
 PARQUET_VIEW_PREFIX = "parquet/"
 VIEW_HASHES = ("done_key", "listed_hash", "content_hash")  # a view row's done-index row (done_rows.py)
-
-
-def stamp(seconds: float) -> str:
-    return time.strftime(STAMP, time.gmtime(seconds))
 
 
 def results_prefix(fingerprint: str) -> str:
@@ -74,7 +69,8 @@ def run_parquet_key(run_id: str) -> str:
 
 def compacted_parquet_key() -> str:
     """Sorts by when it was written (UTC, then a random tag for two in the same second)."""
-    return f"{PARQUET_VIEW_PREFIX}compacted-{stamp(time.time())}-{uuid.uuid4().hex[:8]}.parquet"
+    written = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    return f"{PARQUET_VIEW_PREFIX}compacted-{written}-{uuid.uuid4().hex[:8]}.parquet"
 
 
 def manifest_key(run_id: str) -> str:

@@ -1,40 +1,27 @@
 """The Parquet view of an output: every file under <output>/parquet/ (a run's, or compacted ones:
 tasks/results/layout.py) read as ONE dataset holds each final result once, the latest (the rules
-of tasks/results/parquet.py), and grows with what each run adds, not with the history.
+of tasks/results/parquet.py), and grows with what each run adds, not with the history. Read it
+with `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parquet")`,
+`pyarrow.dataset.dataset("OUT/parquet/")`, `pandas.read_parquet("OUT/parquet/")` or DuckDB.
 
-Read it as one: `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parquet")`,
-`pyarrow.dataset.dataset("OUT/parquet/")`, `pandas.read_parquet("OUT/parquet/")`, DuckDB's
-`read_parquet('OUT/parquet/*.parquet')`.
+A run that wrote parts adds its file from its own parts alone, and removes each result it
+computed again from the older file holding it, which the done-index loaded at the run's start
+names (docs/architecture.md, "Parquet is a view that grows with each run", has the rules). The
+new file is written before an older one is rewritten: a reader in between, or a crash, sees a
+result twice, never not at all; compaction settles that. A run owes the view its file from its
+first part on (`results/<fp>/view-owed/<run_id>`, tasks/results/writers.py `write_shard`), so the
+next run of the job adds a killed run's file before its own (`add_owed_runs`).
 
-- A run that wrote no part reads and writes nothing here.
-- A run that wrote parts lists and reads only its own parts and writes its file; it neither
-  lists nor reads the history. Which earlier results it computed again (an object re-uploaded
-  since, a retryable failure), and in which view file or part they stand, the done-index it
-  loaded at its start tells (kept by `load_done_index` for this step; one is loaded here where
-  the process has none, as when `add_run` is called on its own). Each such result is then
-  removed from the older file that holds it, which is rewritten: the view file the done-index
-  read it from, or, for a part, the file of the run that wrote it; where that file is gone since
-  (compaction or a rebuild merged it), the compacted files. The new file is written before an
-  older one is rewritten: a reader in between, or a crash, sees a result twice, never not at
-  all; compaction settles that.
-- The view is also what the done-index reads (its hash columns, tasks/results/done_rows.py): a
-  view file deleted by hand makes its results be computed again; `vlm-caption export OUTPUT`
-  rebuilds the view from the parts.
-- A run owes the view its file from its first part on: before that part it leaves an empty
-  `results/<fp>/view-owed/<run_id>` (tasks/results/writers.py `owe_view`), removed once its file is written. A run killed
-  at any moment before then (or whose export failed) leaves it, and the next run of the job, with
-  or without new items, adds that run's file from all of its parts before its own
-  (`add_owed_runs`, one listing of a folder that is empty on a normal night): a rerun makes the
-  view whole, and its manifest's `complete` says whether it did. `vlm-caption export OUTPUT`
-  rebuilds the view from every part, as one file.
-- Compaction (`vlm-caption export OUTPUT --compact`, tasks/results/parquet_compact.py says how)
-  merges the view's files into one. Run it while no run of the output is ending: a run that
-  rewrites a file compaction has just merged leaves a result twice, until the next compaction.
+Compaction (`vlm-caption export OUTPUT --compact`) merges the view's files into one, from the
+files alone; run it while no run of the output is ending: a run that rewrites a file compaction
+has just merged leaves a result twice, until the next compaction. `vlm-caption export OUTPUT`
+makes the view again from every part (`rebuild_view`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -43,11 +30,12 @@ from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.done_index import DoneIndex, loaded_index, read_done_index
-from vlm_caption.tasks.results.done_rows import listed_under, result_key, view_files
-from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, part_prefix, part_run, run_parquet_key,
-                                              view_owed_key, view_owed_prefix)
-from vlm_caption.tasks.results.parquet import latest_in_parts, part_order, select_rows, write_rows
-from vlm_caption.tasks.results.parquet_compact import kept_rows
+from vlm_caption.tasks.results.done_rows import ROW, listed_under, result_key, table_rows, view_file_rows, view_files
+from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, VIEW_HASHES, compacted_parquet_key, part_prefix,
+                                              part_run, run_parquet_key, view_owed_key, view_owed_prefix)
+from vlm_caption.tasks.results.parquet import (STAMP_IN_NAME, export_parquet, latest_in_parts, latest_ordinals,
+                                               part_order, results_schema, select_rows, write_rows)
+from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.storage import Storage, key_within
 
 def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log, earlier: DoneIndex | None) -> dict[str, dict]:
@@ -77,7 +65,7 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
     other part listed under its id; with `whole_run`, every part listed under it) to the view,
     and return what was written: the run's file and rows, the older files rewritten (rows
     removed from each), damaged parts. `earlier`: the done-index of the run's start (by default
-    as the module's docstring says)."""
+    the one `load_done_index` kept for this step, else one loaded here)."""
     started = time.perf_counter()
     if not parts and not whole_run:  # nothing new: nothing to read, nothing to write
         return {"path": None, "rows": 0, "complete": True, "seconds": 0.0}
@@ -99,13 +87,11 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
         if earlier is None:  # (not `or`: an empty index, a first run's, is falsy)
             earlier = read_done_index(out, fingerprint)
     holders, replaced = _holders(out, earlier, {part.key for part in mine}, added, key)
-    again: set[tuple[str, str]] = set()  # (item key, question) of the results replaced: few, usually none
+    again: set[int] = set()  # the results replaced that are in the run's file: few, usually none
 
     def batches():
         for batch in select_rows(out, zip(mine, wanted), log, report):
-            if replaced:
-                again.update((row["key"], row["question"] or "") for row in batch
-                             if result_key(row["key"], row["question"]) in replaced)
+            again.update(row["done_key"] for row in batch if row["done_key"] in replaced)
             yield batch
 
     rows, groups = write_rows(out, key, batches(), empty_too=False)
@@ -114,13 +100,13 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
         try:
             removed = _drop_rows(out, member, fingerprint, again)
         except Exception as exc:  # noqa: BLE001 - the run's own file is written; compaction settles it
-            report.setdefault("not_rewritten", {})[out.describe(member)] = f"{type(exc).__name__}: {exc}"
+            report.setdefault("not_rewritten", {})[out.describe(member.key)] = f"{type(exc).__name__}: {exc}"
             log.warning("Parquet view: an older file holding results this run replaced could not be "
                         "rewritten; they appear twice until `vlm-caption export OUTPUT --compact`",
-                        file=out.describe(member), error=f"{type(exc).__name__}: {exc}")
+                        file=out.describe(member.key), error=f"{type(exc).__name__}: {exc}")
             continue
         if removed:
-            rewritten[out.describe(member)] = removed
+            rewritten[out.describe(member.key)] = removed
     out.delete(view_owed_key(fingerprint, run_id))  # the run's file is written: the view owes it nothing
     complete = not report["damaged_parts"] and not report["skipped_parts"]
     result = {"path": out.describe(key) if rows else None, "rows": rows, "row_groups": groups,
@@ -133,11 +119,13 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
 
 
 def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray,
-             own: str) -> tuple[list[str], set[int]]:
-    """The view's files that may hold an earlier record of a result this run added (which: the
-    module's docstring), and those results' keys, as the done-index says."""
-    files = {ref.key for ref in view_files(out)} - {own}
-    merged = sorted(key for key in files if not key.removeprefix(PARQUET_VIEW_PREFIX).startswith("run-"))
+             own: str) -> tuple[list[ObjectRef], set[int]]:
+    """The view's files that may hold an earlier record of a result this run added, and those
+    results' keys, as the done-index says: the view file it read the record from, or, for a part,
+    the file of the run that wrote it; where that file is gone since (compaction or a rebuild
+    merged it), the compacted files."""
+    files = {ref.key: ref for ref in view_files(out) if ref.key != own}
+    merged = [key for key in files if not key.removeprefix(PARQUET_VIEW_PREFIX).startswith("run-")]
     holders: set[str] = set()
     replaced: set[int] = set()
     for source, keys in earlier.holding(added).items():
@@ -146,26 +134,23 @@ def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray
         replaced |= set(keys.tolist())
         file = source if source.startswith(PARQUET_VIEW_PREFIX) else run_parquet_key(part_run(source) or "")
         holders.update([file] if file in files else merged)
-    return sorted(holders), replaced
+    return [files[key] for key in sorted(holders)], replaced
 
 
-def _drop_rows(out: Storage, key: str, fingerprint: str, results: set[tuple[str, str]]) -> int:
-    """Rewrite view file `key` without its rows of `results` ((item key, question)) under
-    `fingerprint`; the rows removed (nothing written when none). Finding them reads three
-    columns; the rewrite goes row group by row group (`write_rows`: readers see the old file or the new one)."""
+def _drop_rows(out: Storage, ref: ObjectRef, fingerprint: str, results: set[int]) -> int:
+    """Rewrite view file `ref` without its rows of `results` (their done-index keys) under
+    `fingerprint`; the rows removed (nothing written when none). Finding them reads the hash
+    columns (`view_file_rows`); the rewrite goes row group by row group (`write_rows`)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    source = pq.ParquetFile(pa.BufferReader(out.read(key)))
-    ids = source.read(columns=["fingerprint", "key", "question"])
-    items = pa.array(sorted({item for item, _ in results}), pa.string())
-    maybe = pc.and_(pc.equal(ids["fingerprint"], fingerprint), pc.is_in(ids["key"], value_set=items))
-    drop = [i for i in np.flatnonzero(maybe.fill_null(False).to_numpy(zero_copy_only=False))
-            if (ids["key"][i].as_py(), ids["question"][i].as_py() or "") in results]
-    if not drop:
+    rows, at, _ = view_file_rows(out, ref, fingerprint)
+    drop = np.flatnonzero(np.isin(rows["key"], np.array(sorted(results), np.uint64)))
+    if not len(drop):
         return 0
-    write_rows(out, key, kept_rows(source, np.setdiff1d(np.arange(source.metadata.num_rows), drop)))
+    source = pq.ParquetFile(pa.BufferReader(out.read(ref.key)))
+    write_rows(out, ref.key, kept_rows(source, np.setdiff1d(np.arange(source.metadata.num_rows),
+                                                            drop if at is None else at[drop])))
     return len(drop)
 
 
@@ -189,3 +174,89 @@ def export_after_run(out: Storage, output_uri: str, fingerprint: str, run_id: st
         result = {**result, "repaired": repaired,
                   "complete": result["complete"] and all(r.get("complete") for r in repaired.values())}
     return result
+
+
+def kept_rows(source, keep: np.ndarray) -> Iterator:
+    """The rows of ParquetFile `source` whose indexes are in sorted `keep`, as tables, row group
+    by row group (memory: one row group)."""
+    import pyarrow as pa
+
+    start = 0
+    for index in range(source.num_row_groups):
+        count = source.metadata.row_group(index).num_rows
+        wanted = keep[np.searchsorted(keep, start):np.searchsorted(keep, start + count)] - start
+        start += count
+        if len(wanted):
+            table = _conformed(source.read_row_group(index))
+            yield table if len(wanted) == count else table.take(pa.array(wanted))
+
+
+def _conformed(table):
+    """`table` in the view's schema: a file written before a column existed (the done-index's
+    hash columns among them) gets it, made from its other columns or empty."""
+    import pyarrow as pa
+
+    schema = results_schema()
+    if table.schema.equals(schema):
+        return table
+    made = dict(zip(VIEW_HASHES, (pa.array(column) for column in (table_rows(table)[name] for name in ROW.names))))
+    return pa.table([table[field.name] if field.name in table.column_names else
+                     made.get(field.name, pa.nulls(len(table), field.type)) for field in schema], schema=schema)
+
+
+def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray], int]:
+    """For each file, the indexes of its rows that are the latest of their result (fingerprint,
+    item key, question, as 64 bits like the done-index's keys): the latest run's stamp, then the
+    later file, then the later row (`latest_ordinals`); and the rows of all the files. Memory:
+    24 bytes a row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    hashes, stamps = [], []
+    for ref in files:
+        table = pq.read_table(pa.BufferReader(out.read(ref.key)), columns=["fingerprint", "key", "question", "run_id"])
+        hashes.append(np.fromiter((result_key(f"{fp}\x1f{key}", question) for fp, key, question in zip(
+            table["fingerprint"].to_pylist(), table["key"].to_pylist(), table["question"].to_pylist())),
+            np.uint64, len(table)))
+        stamp = pc.struct_field(pc.extract_regex(pc.fill_null(table["run_id"], ""), STAMP_IN_NAME.pattern), [0])
+        stamps.append(pc.fill_null(pc.cast(pc.replace_substring(stamp, "T", ""), pa.int64()), 0).to_numpy())
+    return latest_ordinals(hashes, stamps), sum(len(h) for h in hashes)
+
+
+def compact_view(out: Storage) -> dict:
+    """Merge the view's files into one (`parquet/compacted-<stamp>-<tag>.parquet`), a result
+    held twice kept once (the latest), then remove the files merged. Reads the view, no part;
+    memory: the de-duplication's 24 bytes a row, one row group and the file written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    started = time.perf_counter()
+    files = view_files(out)
+    if len(files) < 2:
+        return {"path": out.describe(files[0].key) if files else None, "merged": [], "rows": None,
+                "seconds": round(time.perf_counter() - started, 3)}
+    keep, total = _latest_rows(out, files)
+    key = compacted_parquet_key()
+    tables = (table for ref, wanted in zip(files, keep) if len(wanted)
+              for table in kept_rows(pq.ParquetFile(pa.BufferReader(out.read(ref.key))), wanted))
+    rows, _ = write_rows(out, key, tables)  # runs' small files gathered into row groups
+    for ref in files:  # after the merged file is in place: a reader sees a result twice, never not at all
+        out.delete(ref.key)
+    result = {"path": out.describe(key), "rows": rows, "merged": [out.describe(ref.key) for ref in files],
+              "duplicates_dropped": total - rows, "seconds": round(time.perf_counter() - started, 3)}
+    get_logger().info("Parquet view compacted", path=result["path"], rows=rows, merged=len(files))
+    return result
+
+
+def rebuild_view(out: Storage) -> dict:
+    """The view made again from every part (`vlm-caption export OUTPUT`): one compacted file,
+    then the files it replaces removed. Reads the whole history: for repairs (a run killed
+    before its end, parts changed by hand), not for each run. The runs the view owed a file
+    (killed before it) are in the new file: they are owed nothing more."""
+    files = view_files(out)
+    owed = [ref.key for ref in out.iter_objects(prefix="results/") if "/view-owed/" in ref.key]
+    report = export_parquet(out, out, compacted_parquet_key())
+    for key in [ref.key for ref in files] + owed:
+        out.delete(key)
+    return {**report, "replaced": [out.describe(ref.key) for ref in files]}

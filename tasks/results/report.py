@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from importlib import metadata
 from typing import Any
@@ -73,7 +74,9 @@ class Tally(BaseModel):
             return
         held_from = engine["ready_at"] - (engine.get("startup_s") or 0.0)
         held_to = engine["ready_at"] if self.generate_to is None else max(self.generate_to, engine["ready_at"])
-        self.device_s = round(engine_devices(engine) * (held_to - held_from), 3)
+        args = engine.get("engine_args") or {}  # the devices it spans: tensor times pipeline parallel size
+        devices = math.prod(max(1, int(args.get(f"{kind}_parallel_size") or 1)) for kind in ("tensor", "pipeline"))
+        self.device_s = round(devices * (held_to - held_from), 3)
         self.device = (engine.get("sizing") or {}).get("device") or self.device
 
 
@@ -125,8 +128,16 @@ class RunStats(Tally):
         for record in records:
             self.prompt_tokens += record.prompt_tokens
             self.output_tokens += record.output_tokens
-            self.count_quality(record)
             self.duplicates += record.duplicate_of is not None
+            if record.retried_for:  # caption checks (tasks/results/quality.py)
+                self.quality_retried += 1
+                self.quality_fixed += not wants_retry(record.quality or [])
+            if record.quality:
+                self.quality_flagged += 1
+                for flag in record.quality:
+                    self.quality_by_flag[flag] = self.quality_by_flag.get(flag, 0) + 1
+                if len(self.flagged) < MAX_FAILURES_LISTED:
+                    self.flagged.append({"key": record.key, "question": record.question, "quality": record.quality})
             if record.error is None:
                 self.succeeded += 1
                 if len(self.samples) < SAMPLE_CAPTIONS and record.text:
@@ -137,18 +148,6 @@ class RunStats(Tally):
             self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
             if len(self.failures) < MAX_FAILURES_LISTED:
                 self.failures.append({"key": record.key, "question": record.question, **record.error})
-
-    def count_quality(self, record: ResultRecord) -> None:
-        if record.retried_for:
-            self.quality_retried += 1
-            self.quality_fixed += not wants_retry(record.quality or [])
-        if not record.quality:
-            return
-        self.quality_flagged += 1
-        for flag in record.quality:
-            self.quality_by_flag[flag] = self.quality_by_flag.get(flag, 0) + 1
-        if len(self.flagged) < MAX_FAILURES_LISTED:
-            self.flagged.append({"key": record.key, "question": record.question, "quality": record.quality})
 
     def report(self, index: int, engine: dict[str, Any] | None, **where: Any) -> PartitionReport:
         return PartitionReport(**self.model_dump(include=set(Tally.model_fields)), index=index,
@@ -173,6 +172,16 @@ class RunStats(Tally):
 
     def summary(self) -> dict[str, Any]:
         wall = max(time.time() - self.started, 1e-9)
+        # The caption checks in one line: `2 flagged (looping 2, truncated 1); 2 asked again, 1 fixed`.
+        quality = "no caption flagged"
+        if self.quality_flagged or self.quality_retried:
+            by_flag = ", ".join(f"{k} {v}" for k, v in sorted(self.quality_by_flag.items()))
+            again = f"; {self.quality_retried} asked again, {self.quality_fixed} fixed" if self.quality_retried else ""
+            quality = f"{self.quality_flagged} flagged" + (f" ({by_flag})" if by_flag else "") + again
+        # The first flagged records: `a.jpg (looping), b.jpg (empty), … 3 more (the manifest's flagged)`.
+        flagged = ", ".join(f"{f['key']} ({', '.join(f['quality'])})" for f in self.flagged[:SAMPLE_FLAGGED])
+        if self.quality_flagged > SAMPLE_FLAGGED:
+            flagged += f", … {self.quality_flagged - SAMPLE_FLAGGED} more (the manifest's flagged)"
         return {
             "listed": self.listed,
             "skipped_already_done": self.skipped,
@@ -185,9 +194,9 @@ class RunStats(Tally):
             "output_tokens_per_s": round(self.output_tokens / self.generate_s, 1) if self.generate_s > 0 else 0.0,
             "generate_items_per_s": self.generate_items_per_s(),
             "first_result_s": self.first_result_s,
-            "quality": quality_line(self.quality_flagged, self.quality_by_flag, self.quality_retried, self.quality_fixed),
+            "quality": quality,
             "cost": cost_line(self.cost()),
-            **({"flagged_items": flagged_line(self.flagged, self.quality_flagged)} if self.flagged else {}),
+            **({"flagged_items": flagged} if self.flagged else {}),
         }
 
     def cost(self) -> dict[str, Any]:
@@ -226,12 +235,6 @@ class RunStats(Tally):
         }
 
 
-def engine_devices(engine: dict[str, Any]) -> int:
-    """Devices one engine spans: its tensor parallel size times its pipeline parallel size."""
-    args = engine.get("engine_args") or {}
-    return max(1, int(args.get("tensor_parallel_size") or 1)) * max(1, int(args.get("pipeline_parallel_size") or 1))
-
-
 def run_cost(device_s: float, device: str | None, items: int, output_tokens: int,
              hour_price: float | None, copies: int = 0) -> dict[str, Any]:
     """What the device time bought (`items` records, `copies` of them answered from the same bytes
@@ -257,21 +260,6 @@ def cost_line(cost: dict[str, Any]) -> str:
     if cost.get("copies"):
         line += f"; {cost['copies']} of {cost['items']} items were copies of others (no request)"
     return line
-
-
-def quality_line(flagged: int, by_flag: dict[str, int], retried: int, fixed: int) -> str:
-    """The caption checks in one line: `2 flagged (looping 2, truncated 1); 2 asked again, 1 fixed`."""
-    if not flagged and not retried:
-        return "no caption flagged"
-    line = f"{flagged} flagged" + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(by_flag.items())) + ")"
-                                 if by_flag else "")
-    return line + (f"; {retried} asked again, {fixed} fixed" if retried else "")
-
-
-def flagged_line(flagged: list[dict[str, Any]], count: int) -> str:
-    """The first flagged records, for the summary artifact: `a.jpg (looping), b.jpg (empty), … 3 more`."""
-    line = ", ".join(f"{f['key']} ({', '.join(f['quality'])})" for f in flagged[:SAMPLE_FLAGGED])
-    return line + (f", … {count - SAMPLE_FLAGGED} more (the manifest's flagged)" if count > SAMPLE_FLAGGED else "")
 
 
 def versions() -> dict[str, str | None]:

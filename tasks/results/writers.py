@@ -31,17 +31,6 @@ class DiskFullError(OutOfSpaceError, OSError):
     """The output's disk is full; the message names the file, the bytes needed and what to do."""
 
 
-def _free_bytes(path: str) -> int | None:
-    """Free bytes on the file system holding `path` (its nearest existing folder)."""
-    folder = Path(path).parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        return shutil.disk_usage(folder).free
-    except OSError:
-        return None
-
-
 def write_object(out: Storage, key: str, data: bytes) -> None:
     """`out.write`, with a full disk turned into one clear DiskFullError."""
     try:
@@ -49,7 +38,14 @@ def write_object(out: Storage, key: str, data: bytes) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        path, free = out.describe(key), _free_bytes(out.describe(key))
+        path = out.describe(key)
+        folder = Path(path).parent  # free bytes on its file system: its nearest existing folder's
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
         error = DiskFullError(
             f"no space left on the output's disk: {path} needs {len(data)} bytes"
             + (f" and {free} are free there" if free is not None else "")
@@ -61,18 +57,6 @@ def write_object(out: Storage, key: str, data: bytes) -> None:
 
 _owed: set[tuple[str, str, str]] = set()  # (output, fingerprint, run) this process has marked owed
 _owed_lock = threading.Lock()
-
-
-def owe_view(out: Storage, fingerprint: str, run_id: str) -> None:
-    """Before run `run_id`'s first part (once per process and run; the batches' shard threads
-    call it before each part): the Parquet view owes the run its file until `add_run` writes it
-    (tasks/results/parquet_view.py)."""
-    token = (out.uri, fingerprint, run_id)
-    with _owed_lock:
-        if token in _owed:
-            return
-        write_object(out, view_owed_key(fingerprint, run_id), b"")
-        _owed.add(token)
 
 
 def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
@@ -88,7 +72,13 @@ def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
     if records:
         key = part_key(fingerprint, parts_id, shard_index)
         body = "".join(record.model_dump_json() + "\n" for record in records).encode()
-        owe_view(out, fingerprint, run_of(parts_id))  # a run killed from here on has its view file added later
+        # Once per process and run: the Parquet view owes the run its file until `add_run` writes
+        # it (tasks/results/parquet_view.py); a run killed from here on has its view file added later.
+        run = run_of(parts_id)
+        with _owed_lock:
+            if (out.uri, fingerprint, run) not in _owed:
+                write_object(out, view_owed_key(fingerprint, run), b"")
+                _owed.add((out.uri, fingerprint, run))
         write_object(out, key, body)
         written = out.describe(key)
     if done_key is not None:

@@ -1,5 +1,5 @@
 """A folder or bucket prefix of media objects: one item per object (image, video), or with
-`--modality multi-image` one per folder (`tasks/sources/groups.py`)."""
+`--modality multi-image` one per folder: the objects directly under it, in key order."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from vlm_caption.tasks.sources.reader import SourceReader
 
 
 MODALITY_PAGE = 1000  # objects the check reads for what the source holds (one S3 page)
+ROOT_GROUP = "."  # a group's name for the objects at the source root, beside the folders
 
 
 def _kind(key: str) -> str | None:
@@ -49,5 +50,16 @@ class FilesReader(SourceReader):
         return self.storage.iter_objects(self.spec.glob)
 
     def items(self) -> Iterator[WorkItem]:
-        for ref in self.objects():  # a link the storage refuses is its item's `bad_input` record
-            yield WorkItem(ref.key, (ref,), problem=ref.problem if isinstance(ref, RefusedRef) else None)
+        """One item per object (a link the storage refuses is its item's `bad_input` record), or for
+        multi-image one per folder. A folder's objects need not be contiguous in a listing (S3 sorts
+        `a/b/x.jpg` between `a/a.jpg` and `a/c.jpg`), so the whole listing is grouped first."""
+        if self.spec.modality != "multi-image":
+            for ref in self.objects():
+                yield WorkItem(ref.key, (ref,), problem=ref.problem if isinstance(ref, RefusedRef) else None)
+            return
+        groups: dict[str, list[ObjectRef]] = {}
+        for ref in self.objects():
+            groups.setdefault(ref.key.rsplit("/", 1)[0] if "/" in ref.key else ROOT_GROUP, []).append(ref)
+        for folder, members in sorted(groups.items()):  # a group with a refused link is refused whole
+            yield WorkItem(folder, tuple(sorted(members, key=lambda m: m.key)),
+                           problem=next((m.problem for m in members if isinstance(m, RefusedRef)), None))

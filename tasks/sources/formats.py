@@ -1,5 +1,7 @@
 """Where a job's items come from, resolved: `SourceSpec` (the location, its format and what the
-format needs).
+format needs), and the brace patterns img2dataset and webdataset users write shard lists with:
+`shards/{00000..00099}.tar`, `{train,val}/{000..009}.tar` (ranges keep their zero padding, as bash
+and `braceexpand` do; `{0..10..2}` steps).
 
 A spec's storage is opened once, at the plan (`flows/plan.py`), and travels with it: the
 listing, every prepare step and the gallery read through that one object. `source_storage` is
@@ -8,10 +10,77 @@ the one place a source's location is opened.
 
 from __future__ import annotations
 
+import itertools
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from vlm_caption.tasks.sources.braces import has_braces
 from vlm_caption.tasks.sources.storage import Storage, StorageError, open_storage
+
+MAX_EXPANSION = 2_000_000  # names held as a set while listing; more is a mistake in the pattern
+
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
+
+
+class BraceError(StorageError):
+    """A brace pattern that cannot be expanded; the message says why."""
+
+
+def has_braces(pattern: str) -> bool:
+    return "{" in pattern and "}" in pattern
+
+
+def _split(pattern: str) -> list[str | list[str]]:
+    """Literal text and brace groups (each a list of alternatives, themselves patterns)."""
+    parts: list[str | list[str]] = [""]
+    depth = start = opened = 0
+    for i, char in enumerate(pattern):
+        if char == "{" and (depth := depth + 1) == 1:
+            opened, start, alternatives = i, i + 1, []
+        elif char == "," and depth == 1:
+            alternatives.append(pattern[start:i])
+            start = i + 1
+        elif char == "}" and depth and (depth := depth - 1) == 0:
+            alternatives.append(pattern[start:i])
+            parts += [alternatives if len(alternatives) > 1 else _range(pattern, alternatives[0]), ""]
+        elif depth == 0:
+            parts[-1] += char
+    if depth:
+        raise BraceError(f"{pattern!r}: unbalanced '{{' at character {opened + 1}")
+    return parts
+
+
+def _range(pattern: str, body: str) -> list[str]:
+    match = _RANGE.match(body)
+    if not match:
+        raise BraceError(f"{pattern!r}: {{{body}}} is neither a list {{a,b}} nor a range {{000..099}}")
+    first, last, step = match.group(1), match.group(2), abs(int(match.group(3) or 1)) or 1
+    width = len(first) if first.lstrip("-").startswith("0") and len(first) > 1 else 0
+    lo, hi = int(first), int(last)
+    count = abs(hi - lo) // step + 1
+    if count > MAX_EXPANSION:
+        raise BraceError(f"{pattern!r}: {{{body}}} names {count:,} shards, over {MAX_EXPANSION:,}")
+    values = range(lo, hi + 1, step) if lo <= hi else range(lo, hi - 1, -step)
+    return [str(v).zfill(width) for v in values]
+
+
+def expansion_count(pattern: str) -> int:
+    """How many names the pattern stands for; BraceError for a broken or huge one."""
+    total = 1
+    for part in _split(pattern):
+        if isinstance(part, list):
+            total *= sum(expansion_count(alt) for alt in part)
+    if total > MAX_EXPANSION:
+        raise BraceError(f"{pattern!r} names {total:,} shards, over {MAX_EXPANSION:,}")
+    return total
+
+
+def expand_braces(pattern: str) -> Iterator[str]:
+    """Every name the pattern stands for, in order (lazily)."""
+    pieces = [[p] if isinstance(p, str) else list(itertools.chain.from_iterable(expand_braces(a) for a in p))
+              for p in _split(pattern)]
+    for combination in itertools.product(*pieces):
+        yield "".join(combination)
 
 
 @dataclass(frozen=True)

@@ -1,32 +1,237 @@
 """An S3 Inventory report as a source: a bucket's objects as S3 lists them daily, read from the
-report instead of listing the bucket (what AWS recommends past millions of objects: no List
-requests, and the bucket's request rate untouched).
-
-The report is named by its `manifest.json` (`s3://<destination>/<prefix>/<source-bucket>/
-<config-id>/<YYYY-MM-DDTHH-MMZ>/manifest.json`, or a local copy), or by a folder above it: then
-the manifest in that folder, or else the newest `<date>/manifest.json` under it (a nightly
-deployment names the configuration's folder), chosen once at the run's start (pre-flight).
-
-The manifest names the source bucket, the data files' format (CSV or Parquet; ORC is refused)
-and schema; each data file (gzip CSV without a header row, keys form-URL-encoded; or Parquet,
-columns named in lower case) is streamed, one at a time, never whole. Its rows are the source
-bucket's objects as a listing gives them (key, size, etag, last modified), filtered by the job's
-glob; delete markers and versions that are not the latest are skipped. The items are fetched
-from `s3://<sourceBucket>/` like a listed bucket's, and the run's fingerprint names that bucket,
-not the report: results are interchangeable with a listing of the bucket and with every later
-report's (the report's own path changes daily).
-"""
+report instead of listing the bucket. Its manifest.json is read and checked, and its data files'
+rows (gzip CSV or Parquet) streamed, one file at a time, never whole; the items are fetched from
+the source bucket, which the run's fingerprint names (docs/sources.md, "S3 Inventory reports")."""
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import dataclasses
+import datetime
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import unquote
 
 from vlm_caption.tasks.sources.files import FilesReader
 from vlm_caption.tasks.sources.formats import SourceSpec, source_storage
-from vlm_caption.tasks.sources.inventory_report import MANIFEST, csv_rows, find_report, parquet_rows, read_report
 from vlm_caption.tasks.sources.items import ObjectRef
-from vlm_caption.tasks.sources.storage import StorageError, matches_glob
+from vlm_caption.tasks.sources.ranged import open_seekable
+from vlm_caption.tasks.sources.storage import Storage, StorageError, matches_glob, split_parent
+
+MANIFEST = "manifest.json"
+REPORT_FOLDER = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}-\d{2}Z")  # when S3 began scanning for that report
+FORMATS = ("CSV", "Parquet")
+# A field of the report: its name in a CSV report's fileSchema, and its column in a Parquet report.
+FIELDS = {"key": ("Key", "key"), "size": ("Size", "size"), "etag": ("ETag", "e_tag"),
+          "last_modified": ("LastModifiedDate", "last_modified_date"), "is_latest": ("IsLatest", "is_latest"),
+          "is_delete_marker": ("IsDeleteMarker", "is_delete_marker")}
+# Size and ETag are what a rerun skips a done object by, from the report alone (no fetch).
+NEEDED = ("key", "size", "etag")
+PARQUET_BATCH = 4096
+_PARQUET_NAME = re.compile(r"\b(?:binary|boolean|int32|int64|int96|float|double)\s+(\w+)")
+_EPOCH_UNITS = {"s": 1, "ms": 1e3, "us": 1e6, "ns": 1e9}
+
+
+@dataclass(frozen=True)
+class DataFile:
+    key: str  # in the destination bucket
+    size: int
+    md5: str  # of the file's bytes ("" when the manifest gives none)
+
+
+@dataclass(frozen=True)
+class InventoryReport:
+    """What a manifest.json says, and where its data files are."""
+
+    source_bucket: str
+    file_format: str  # CSV or Parquet
+    fields: tuple[str, ...]  # the report's columns, named as its format names them
+    files: tuple[DataFile, ...]
+    created_at: float  # epoch seconds: when S3 began scanning the bucket for this report
+    data_root: str  # the location the files' keys are under
+
+    @property
+    def bucket_uri(self) -> str:
+        """Where the listed objects are: the source bucket."""
+        return f"s3://{self.source_bucket}/"
+
+
+def find_report(uri: str) -> str:
+    """The manifest.json a location names: itself, the one in that folder, or the newest
+    `<YYYY-MM-DDTHH-MMZ>/manifest.json` under it."""
+    if uri.rstrip("/").endswith(MANIFEST):
+        return uri.rstrip("/")
+    storage = source_storage(uri)
+    if storage.exists(MANIFEST):
+        return storage.describe(MANIFEST)
+    dated = [ref.key for ref in storage.iter_objects(MANIFEST)
+             if ref.key.count("/") == 1 and REPORT_FOLDER.fullmatch(ref.key.split("/")[0])]
+    if not dated:
+        raise StorageError(f"{uri}: no S3 Inventory report there (no manifest.json, nor a "
+                           "<YYYY-MM-DDTHH-MMZ>/manifest.json under it); give the report's manifest.json "
+                           "or its configuration's folder")
+    return storage.describe(max(dated))
+
+
+def report_series(manifest_uri: str) -> str:
+    """The folder of a configuration's reports (the dated folder's parent), which every day's
+    report of that configuration shares; a manifest elsewhere stands for itself."""
+    folder = split_parent(manifest_uri)[0]
+    parent, name = split_parent(folder)
+    return parent if REPORT_FOLDER.fullmatch(name) else folder
+
+
+def read_report(manifest_uri: str) -> InventoryReport:
+    """The manifest, checked: the message says what to change where it cannot be read."""
+    folder, name = split_parent(manifest_uri)
+    try:
+        doc = json.loads(source_storage(folder).read(name))
+    except FileNotFoundError as exc:
+        raise StorageError(f"{manifest_uri}: no such inventory manifest") from exc
+    except ValueError as exc:
+        raise StorageError(f"{manifest_uri}: not an S3 Inventory manifest (not JSON: {exc})") from exc
+    missing = [k for k in ("sourceBucket", "fileFormat", "fileSchema", "files") if k not in doc]
+    if missing:
+        raise StorageError(f"{manifest_uri}: not an S3 Inventory manifest (no {', '.join(missing)})")
+    fmt = next((f for f in FORMATS if f.lower() == str(doc["fileFormat"]).lower()), None)
+    if fmt is None:
+        raise StorageError(f"{manifest_uri}: a {doc['fileFormat']} report; vlm-caption reads CSV and Parquet "
+                           "inventory reports: set the inventory configuration's output format to CSV or "
+                           "Apache Parquet")
+    schema = str(doc["fileSchema"])
+    fields = tuple(_PARQUET_NAME.findall(schema)) if fmt == "Parquet" else tuple(s.strip() for s in schema.split(","))
+    files = tuple(DataFile(f["key"], int(f.get("size", -1)), f.get("MD5checksum", "")) for f in doc["files"])
+    lacking = [FIELDS[f][0] for f in NEEDED if FIELDS[f][fmt == "Parquet"] not in fields]
+    if lacking:
+        raise StorageError(f"{manifest_uri}: the report has no {', '.join(lacking)} field; add Size and ETag to "
+                           "the inventory configuration's additional fields (a rerun skips done objects by them)")
+    return InventoryReport(doc["sourceBucket"], fmt, fields, files, int(doc.get("creationTimestamp", 0)) / 1000,
+                           _data_root(folder, files, str(doc.get("destinationBucket", ""))))
+
+
+def _data_root(folder: str, files: tuple[DataFile, ...], destination: str) -> str:
+    """Where the files' keys start. They are keys in the destination bucket (`<prefix>/<source
+    bucket>/<config-id>/data/...`) and the manifest is under the same prefix, so the manifest's
+    folders matched against the start of a key give the root: the destination bucket itself, or
+    wherever a copy of the report went (another bucket, a local folder)."""
+    scheme, sep, rest = folder.partition("://")
+    if sep:
+        bucket, _, path = rest.partition("/")
+        head = f"{scheme}://{bucket}/"
+    else:
+        head, path = ("/" if folder.startswith("/") else ""), folder
+    folders = [p for p in path.split("/") if p]
+    key_folders = files[0].key.split("/")[:-1] if files else []
+    shared = [len(os.path.commonprefix([folders[start:], key_folders])) for start in range(len(folders))]
+    if any(shared):  # the first start that shares the most folders
+        return head + "".join(f"{p}/" for p in folders[:shared.index(max(shared))])
+    bucket = destination.rpartition(":")[2]
+    return f"s3://{bucket}/" if bucket else folder
+
+
+Row = tuple[str, int, str, float | None, bool | None, bool]  # key, size, etag, modified, latest, deleted
+
+
+def csv_rows(storage: Storage, file: DataFile, report: InventoryReport) -> Iterator[Row]:
+    """A gzip CSV data file's rows (no header: the columns are the manifest's fileSchema), its
+    bytes checked against the manifest's MD5 once read through."""
+    where = {name: i for i, name in enumerate(report.fields)}
+    key, size, etag, modified, latest, deleted = (where.get(FIELDS[f][0]) for f in FIELDS)
+    with contextlib.closing(open_seekable(storage, file.key, file.size)) as raw:
+        checked = _Checked(raw)
+        text = io.TextIOWrapper(gzip.GzipFile(fileobj=checked), encoding="utf-8", newline="")
+        for line, row in enumerate(csv.reader(text), start=1):
+            if not row:
+                continue
+            try:
+                parsed = (_decode_key(row[key]), int(row[size]) if row[size] else -1, row[etag],
+                          iso_seconds(row[modified]) if modified is not None and row[modified] else None,
+                          row[latest].lower() == "true" if latest is not None else None,
+                          deleted is not None and row[deleted].lower() == "true")
+            except (IndexError, ValueError) as exc:  # the same row again would fail the same way
+                raise StorageError(f"{storage.describe(file.key)} line {line}: not a row of the manifest's "
+                                   f"fileSchema ({', '.join(report.fields)}): {exc}") from None
+            yield parsed
+        checked.verify(file, storage)
+
+
+def parquet_rows(storage: Storage, file: DataFile) -> Iterator[Row]:
+    """A Parquet data file's rows, a batch of the needed columns at a time."""
+    import pyarrow.parquet as pq
+
+    with contextlib.closing(open_seekable(storage, file.key, file.size)) as handle:
+        parquet = pq.ParquetFile(handle)
+        names = set(parquet.schema_arrow.names)
+        columns = {f: FIELDS[f][1] for f in FIELDS if FIELDS[f][1] in names}
+        lacking = [FIELDS[f][1] for f in NEEDED if f not in columns]
+        if lacking:
+            raise StorageError(f"{storage.describe(file.key)}: no {', '.join(lacking)} column in this inventory file")
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH, columns=list(columns.values())):
+            values = {f: batch.column(name) for f, name in columns.items()}
+            n = batch.num_rows
+            modified = _epoch_seconds(values["last_modified"]) if "last_modified" in values else [None] * n
+            latest = values["is_latest"].to_pylist() if "is_latest" in values else [None] * n
+            deleted = values["is_delete_marker"].to_pylist() if "is_delete_marker" in values else [False] * n
+            yield from zip(values["key"].to_pylist(), (-1 if s is None else s for s in values["size"].to_pylist()),
+                           (e or "" for e in values["etag"].to_pylist()), modified, latest, (bool(d) for d in deleted))
+
+
+def _decode_key(text: str) -> str:
+    """A CSV report's key, form-URL-decoded (`+` a space, `%2B` a plus). The folders' `%2F` first,
+    by hand: urllib's decoder is half the listing's time, and most keys need nothing more."""
+    if "+" in text:
+        text = text.replace("+", " ")
+    if "%" in text:
+        text = text.replace("%2F", "/")
+        if "%" in text:
+            text = unquote(text)
+    return text
+
+
+def iso_seconds(text: str) -> float:
+    """`2016-11-06T21:32:00.000Z` (a CSV report's LastModifiedDate, a --modified-since) as epoch seconds."""
+    moment = datetime.datetime.fromisoformat(text.strip())
+    return (moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
+def _epoch_seconds(array) -> list[float | None]:
+    """A Parquet report's last_modified_date (TIMESTAMP_MILLIS) as epoch seconds."""
+    import pyarrow as pa
+
+    if pa.types.is_timestamp(array.type):
+        scale = _EPOCH_UNITS[array.type.unit]
+        return [None if v is None else v / scale for v in array.cast(pa.int64()).to_pylist()]
+    if pa.types.is_integer(array.type):  # the raw int64 of a TIMESTAMP_MILLIS column
+        return [None if v is None else v / 1e3 for v in array.to_pylist()]
+    return [None if v is None else iso_seconds(v) for v in array.to_pylist()]
+
+
+class _Checked:
+    """A data file's bytes as gzip reads them, their MD5 compared with the manifest's at the end
+    (a file cut short or replaced stops the listing; the run then fails, naming it)."""
+
+    def __init__(self, raw):
+        self.raw, self.md5 = raw, hashlib.md5(usedforsecurity=False)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.md5.update(data)
+        return data
+
+    def verify(self, file: DataFile, storage: Storage) -> None:
+        while self.read(1 << 20):  # whatever gzip left unread
+            pass
+        if file.md5 and self.md5.hexdigest() != file.md5.lower():
+            raise StorageError(f"{storage.describe(file.key)}: its MD5 is {self.md5.hexdigest()}, the inventory "
+                               f"manifest says {file.md5}; the report is damaged or was replaced: run again once "
+                               "it is whole")
 
 
 class InventoryReader(FilesReader):

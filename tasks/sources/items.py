@@ -4,6 +4,8 @@ from them: one object (image, video), one folder of images (a group), or one man
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -64,13 +66,10 @@ class Shard:
 
 
 def _is_text(key: str) -> bool:
-    if key.isascii():  # most keys, at no cost (a flag of the string)
-        return True
     try:
-        key.encode("utf-8")
+        return key.isascii() or bool(key.encode("utf-8"))  # most keys ascii, at no cost (a flag of the string)
     except UnicodeEncodeError:
         return False
-    return True
 
 
 def text_key(key: str) -> str:
@@ -98,3 +97,13 @@ def as_text(item: WorkItem) -> WorkItem:
     problem = (f"{text_key(item.id)}: the name is not valid UTF-8 (its bytes that are not are shown as \\xNN, "
                "a backslash as \\\\); rename it to caption it")
     return dataclasses.replace(item, id=text_key(item.id), members=members, problem=problem)
+
+
+def annotate_records(items: Iterable[WorkItem], records: list) -> list:
+    """`records` (ResultRecord) with their items' metadata: a WebDataset sample's `.json`/`.txt` or
+    a Parquet row's other columns. (Damage the listing found is the reader's `read` to raise.)"""
+    by_id = {item.id: item for item in items if item.metadata}
+    if not by_id:
+        return records
+    return [record.model_copy(update={"metadata": json.loads(by_id[record.key].metadata)})
+            if record.key in by_id else record for record in records]

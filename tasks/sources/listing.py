@@ -12,7 +12,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -31,14 +31,8 @@ def iter_items(source: SourceSpec, read: Callable[[WorkItem], None] | None = Non
     `read` sees every item the source gives, changed or not."""
     items = map(as_text, open_reader(source).items())  # a name that is not text: a bad_input item, not a crash
     if read is not None:
-        items = _seen(items, read)
+        items = (read(item) or item for item in items)
     return changed_items(items, source.changed) if source.changed is not None else items
-
-
-def _seen(items: Iterable[WorkItem], read: Callable[[WorkItem], None]) -> Iterator[WorkItem]:
-    for item in items:
-        read(item)
-        yield item
 
 
 @dataclass(frozen=True)
@@ -60,27 +54,18 @@ class StreamClosed(Exception):
 
 
 class ShardStream:
-    """The source's shards as the listing produces them.
-
-    A Prefect task (`list-source`) pages through the source in the background and hands over
-    each shard as soon as it is full, at most `ahead` shards ahead of the captioning: the first
-    shard starts while the listing goes on, and memory does not grow with the bucket.
+    """The source's shards as the listing produces them: a Prefect task (`list-source`) pages
+    through the source in the background and hands over each shard as soon as it is full, at most
+    `ahead` shards ahead of the captioning, so memory does not grow with the bucket.
 
     With `pending`, items already done are left out and counted (`AlreadyDone`, handed over
-    between the shards), and the shards are cut from the items with work left only: a nightly
-    run over a history of millions makes shards (task runs, parts, claims) for what is new, full
-    ones wherever the new items are. A fanned-out run lists once and shares the shards through a
-    plan in the output store (`tasks/shard_plan.py`: its PlanWriter is a ShardStream whose `put`
-    writes the plan's chunks instead of handing shards to a queue).
-
-    `begin()` starts the listing on a thread of its own before the flow run exists (a nightly
-    run's head start, flows/head_start.py); `start()` then makes the `list-source` task run that
-    waits for it. Counts of done items that find the queue full are added to the next one
-    handed over, so a listing of only done items never waits for the captioning.
-
-    `on_end` is called with the greatest item id read (a folder is walked, not read in key order)
-    once a listing without `limit` has read the source to its end (tasks/sources/listing_end.py
-    keeps it for the next run)."""
+    between the shards; a count that finds the queue full is added to the next one, so a listing
+    of only done items never waits for the captioning), and the shards are cut from the items with
+    work left only. A fanned-out run's PlanWriter (`tasks/shard_plan.py`) is a ShardStream whose
+    `put` writes the plan's chunks instead. `begin()` lists on a thread of its own before the flow
+    run exists (flows/head_start.py); `start()` then makes the task run that waits for it.
+    `on_end` gets the greatest item id read once a listing without `limit` read the source to its
+    end (tasks/sources/listing_end.py keeps it for the next run)."""
 
     ATTEMPTS = 3  # a listing that fails resumes after the items it already handed over
 

@@ -1,15 +1,8 @@
 """Where a job's last complete listing of a folder or bucket ended, kept in the output, so that
-its next run can tell before it lists whether objects came after it.
-
-A job with earlier results starts its engine at the first item its listing finds work in, so that
-a night with nothing new imports no vLLM and builds no engine (`flows/plan.py`, `start_engine_first`).
-Where a night's objects sort after the history (keys that begin with the day), the listing reaches
-them last: at 100,000 done on S3 the engine began 62 s later than with the new objects spread
-among the done ones (docs/benchmarks.md). The greatest key the job's last complete listing read
-(one that went to the end, without `limit`) answers that at the start: one page listed after it.
-An object there came since, so the run builds its engine first, beside Prefect's start and the
-listing; none, and it starts its engine as before. A hint only: what is done is the done-index's
-to say, and an object that came among the older keys is found by the listing as before.
+its next run can tell before it lists whether objects came after it: then the night's objects
+sort after the history (keys that begin with the day), which the listing would reach last, and
+the run builds its engine first (`flows/plan.py`, `start_engine_first`; docs/architecture.md).
+A hint only: what is done is the done-index's to say.
 
     listed/<fingerprint>-<scope>.json   {"greatest_key": ..., "written_at": ...}; the scope as a
                                         watermark's (tasks/sources/watermark.py)

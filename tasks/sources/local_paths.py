@@ -1,17 +1,8 @@
 """What a folder's storage (`LocalStorage`) may list and read: the files under its root, and
-nothing a key or a symbolic link would lead to outside it.
-
-- A key is a path below the root: an absolute key, or one with a `..` part, is refused at every
-  read and write (`RefusedKey`, an item's final `bad_input` error where an item named it).
-- A link whose target resolves outside the root is, for a source, not followed unless the job
-  says so (`follow_links`, `--follow-links`): the listing gives it as a `RefusedRef` (its item a
-  `bad_input` record, "a link to outside the source folder", carrying the link's own size and
-  time, nothing of its target), and a read of a key whose path passes through such a link is
-  refused, whether the key came from the listing, a manifest line or a gallery's second look.
-  A link into the root is read: a link to a file is that file again (a copy the run's copy
-  handling may answer from the first), a link to a folder is not walked (its files are listed
-  under their own names already, and a link to a folder above it would never end).
-- A link to nothing (its target gone, or a loop) is listed as a `RefusedRef` too, not a crash.
+nothing a key or a symbolic link would lead to outside it. A key with a `..` part or an absolute
+key is refused at every read and write (`RefusedKey`); a link leading out of the root is, unless
+the job follows links, listed as a `RefusedRef` and never read, as is a link to nothing; a link
+to a folder inside is not walked (docs/sources.md, "A local folder").
 """
 
 from __future__ import annotations

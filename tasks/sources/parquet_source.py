@@ -1,12 +1,8 @@
-"""Parquet files as items: one item per row, its media in one column (`column`): URLs,
-`s3://` URIs or paths (fetched as a manifest's media are), or the image bytes themselves. The
-row's other columns are kept as the record's metadata.
-
-Files are read through a seekable file (a local file, or ranged reads of the object) one row
-group at a time, in batches, never whole. A bytes cell is fetched later by reading its row
-group's column again (a few row groups are kept per process for the shards being prepared).
-Item ids are `<file>/<row>`; a bytes cell's etag is the file's etag and its row, so resume works
-by (file, row) from the listing and by content hash after a fetch.
+"""Parquet files as items: one item per row, its media in one column (`column`): URLs, `s3://`
+URIs or paths (fetched as a manifest's media are), or the image bytes themselves; the row's other
+columns are the record's metadata. Read a row group at a time through a seekable file, never
+whole; a bytes cell is fetched later by reading its row group's column again (docs/sources.md,
+"Parquet"). Item ids are `<file>/<row>`; a bytes cell's etag is the file's etag and its row.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ import functools
 import json
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from vlm_caption.tasks.sources.formats import SourceSpec
@@ -25,7 +22,7 @@ from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from vlm_caption.tasks.sources.ranged import open_seekable
 from vlm_caption.tasks.sources.reader import BadInput, ShardFilesReader
 from vlm_caption.tasks.sources.storage import Storage, StorageError
-from vlm_caption.tasks.sources.transient import is_transient, retry_transient
+from vlm_caption.tasks.sources.s3_client import is_transient, retry_transient
 
 DEFAULT_COLUMNS = ("image", "jpg", "png", "webp", "url", "URL", "uri", "path")  # tried when no column is given
 BATCH_ROWS = 256
@@ -181,49 +178,38 @@ def _metadata(row: dict) -> str | None:
     return text
 
 
-class _RowGroups:
-    """The media columns of the few row groups being fetched from, shared by fetch threads."""
+_LOADED: dict[tuple, Future] = {}  # the media columns of the few row groups being fetched from
+_LOADED_LOCK = threading.Lock()
+ROW_GROUPS_KEPT = 4
 
-    def __init__(self, keep: int = 4):
-        self.keep = keep
-        self._lock = threading.Lock()
-        self._loaded: dict[tuple, tuple[threading.Event, list]] = {}
 
-    def column(self, storage: Storage, ref: ParquetCellRef) -> list:
-        key = (storage.uri, ref.file, ref.etag.rsplit(":", 1)[0], ref.row_group, ref.column)
-        with self._lock:
-            entry = self._loaded.get(key)
-            owner = entry is None
-            if owner:
-                entry = self._loaded[key] = (threading.Event(), [])
-                while len(self._loaded) > self.keep:
-                    self._loaded.pop(next(iter(self._loaded)))
-        ready, holder = entry
+def _row_group_column(storage: Storage, ref: ParquetCellRef) -> list:
+    """A row group's media column, read once for every fetch thread that waits on it."""
+    key = (storage.uri, ref.file, ref.etag.rsplit(":", 1)[0], ref.row_group, ref.column)
+    with _LOADED_LOCK:
+        loaded = _LOADED.get(key)
+        owner = loaded is None
         if owner:
-            try:
-                table = _parquet_file(storage, ObjectRef(ref.file, ref.file_size)).read_row_group(
-                    ref.row_group, columns=[ref.column])
-                holder.append(table.column(0).to_pylist())
-            except Exception as exc:  # noqa: BLE001 - every waiting fetch gets it
-                holder.append(exc)
-                with self._lock:
-                    self._loaded.pop(key, None)
-            finally:
-                ready.set()
-        ready.wait()
-        if isinstance(holder[0], Exception):
-            raise holder[0]
-        return holder[0]
-
-
-_ROW_GROUPS = _RowGroups()
+            loaded = _LOADED[key] = Future()
+            while len(_LOADED) > ROW_GROUPS_KEPT:
+                _LOADED.pop(next(iter(_LOADED)))
+    if owner:
+        try:
+            table = _parquet_file(storage, ObjectRef(ref.file, ref.file_size)).read_row_group(
+                ref.row_group, columns=[ref.column])
+            loaded.set_result(table.column(0).to_pylist())
+        except Exception as exc:  # noqa: BLE001 - every waiting fetch gets it
+            loaded.set_exception(exc)
+            with _LOADED_LOCK:
+                _LOADED.pop(key, None)
+    return loaded.result()
 
 
 def read_cell(storage: Storage, ref: ParquetCellRef) -> bytes:
     """A bytes cell's value (its row group's column read once for the shards near it)."""
     if not ref.column:
         raise BadInput(f"{ref.key}: no media in this row")
-    value = _ROW_GROUPS.column(storage, ref)[ref.row]
+    value = _row_group_column(storage, ref)[ref.row]
     if not value:
         raise BadInput(f"{ref.key}: the cell is empty")
     return bytes(value)

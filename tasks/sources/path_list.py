@@ -1,14 +1,6 @@
-"""A path list (`--source-format paths`): a text file naming one medium per line, as `find`,
-`aws s3 ls` piped through `awk`, or a dataset's file list give them.
-
-    s3://media/a.jpg
-    https://example.org/b.jpg
-    clips/c.mp4          # a key relative to the list's own folder
-    /data/d.png
-
-Each line is one item (image or video), its id the line itself. Blank lines, lines starting
-with `#` and lines the job's glob leaves out are skipped, as is a line naming what an earlier line named (ids name results). A line
-that names nothing the run can fetch (another scheme) is a final `bad_input` record naming it.
+"""A path list (`--source-format paths`): a text file naming one medium per line (s3:// URIs,
+http(s) URLs, paths, keys relative to its folder), each line one item (docs/sources.md, "Path
+lists").
 
 This module is also the example of what a new source format takes: a `SourceReader` here (this
 one a manifest's, which finds and reads its file) and its entry in `tasks/sources/registry.py`.
@@ -23,7 +15,7 @@ from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from vlm_caption.tasks.sources.manifest import ManifestReader
 from vlm_caption.tasks.sources.storage import StorageError, matches_glob
 
-FETCHED_SCHEMES = ("", "s3", "s3a", "http", "https", "file")  # what MediaFetcher reads
+FETCHED_SCHEMES = ("", "s3", "s3a", "http", "https", "file")  # what SourceReader.read_member reads
 UNFETCHABLE = "unfetchable"
 
 

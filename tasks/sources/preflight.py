@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from vlm_caption.tasks.sources.formats import SourceSpec
-from vlm_caption.tasks.sources.storage import LocalStorage, Storage, StorageError, error_code, open_storage
-from vlm_caption.tasks.sources.transient import is_transient
+from vlm_caption.tasks.sources.s3_client import error_code, is_transient
+from vlm_caption.tasks.sources.storage import LocalStorage, Storage, StorageError, open_storage
 
 PROBE_PREFIX = ".vlm-caption-probe-"
 

@@ -1,35 +1,50 @@
 """What every source format is to the rest of the pipeline: one `SourceReader` class per format
-(`tasks/sources/registry.py` names them), in the spirit of datatrove's readers.
-
-A reader is built from a resolved `SourceSpec` (whose storage the plan opened) and does three
-things:
-
-- `check()`: the pre-flight. Lists one page (or finds the file), resolves what the job left open
-  (a Parquet column, an inventory's newest report) and returns the spec resolved; a problem is a
-  `StorageError` that says what to change.
-- `items()`: the streamed listing into work items, never loading media bytes. Each item's members
-  carry their size and etag (and last-modified time where the store gives one): what the listing
-  judges done items by, and what a content-identity hook (duplicates) may key on.
-- `read(item, member)`: a member's bytes. Damage the listing found (`WorkItem.problem`: a tar cut
-  short, a row without media) or the read finds is the reader's item error, `BadInput`, recorded
-  as a final `bad_input` error; a store's failure is raised as it is (recorded retryable).
-
-A new format is one module with its reader and one entry in the registry.
+(`tasks/sources/registry.py` names them), in the spirit of datatrove's readers: `check()` (the
+pre-flight; a problem is a `StorageError` saying what to change), `items()` (the streamed
+listing, never loading media bytes) and `read(item, member)` (a member's bytes; damage is
+`BadInput`, a final `bad_input` record; a store's failure is raised as it is, recorded
+retryable). docs/sources.md, "One interface: readers", says more.
 """
 
 from __future__ import annotations
 
-import functools
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from pathlib import Path
 from typing import ClassVar
+from urllib.parse import urlparse
 
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.sources.braces import check_pattern, expand_braces, literal_prefix
-from vlm_caption.tasks.sources.fetch import MediaFetcher
-from vlm_caption.tasks.sources.formats import SourceSpec, split_location
+from vlm_caption.tasks.settings import get_settings
+from vlm_caption.tasks.sources.formats import SourceSpec, expand_braces, expansion_count, split_location
 from vlm_caption.tasks.sources.items import BadInput, ObjectRef, WorkItem
-from vlm_caption.tasks.sources.storage import Storage
+from vlm_caption.tasks.sources.storage import Storage, shared_s3_storage
+
+
+class TooLargeError(ValueError):
+    """An object is over the configured byte limit; it is not read into memory."""
+
+
+def _http_get(url: str, max_bytes: int) -> bytes:
+    import httpx
+
+    with httpx.stream("GET", url, follow_redirects=True, timeout=30.0) as response:
+        response.raise_for_status()
+        declared = int(response.headers.get("content-length") or 0)
+        if declared > max_bytes:
+            raise TooLargeError(f"{url}: {declared} bytes, over the limit of {max_bytes}")
+        chunks, total = [], 0
+        for chunk in response.iter_bytes():
+            total += len(chunk)
+            if total > max_bytes:
+                raise TooLargeError(f"{url}: over the limit of {max_bytes} bytes")
+            chunks.append(chunk)
+    body = b"".join(chunks)
+    if declared and len(body) != declared:
+        raise OSError(f"{url}: got {len(body)} of {declared} bytes")
+    return body
+
 
 BAD_INPUT = "bad_input"  # the error kind of a `BadInput` (tasks/sources/items.py: storage raises it too)
 
@@ -40,20 +55,13 @@ class SourceReader(ABC):
 
     name: ClassVar[str]
     about: ClassVar[str] = ""  # what the source holds, for `--source-format`'s help
-    # A location whose name ends so is this format (`--source-format auto`).
-    suffixes: ClassVar[tuple[str, ...]] = ()
-    # Items may be groups of images, one per folder (`--modality multi-image`).
-    groups: ClassVar[bool] = False
-    # Listed objects carry their modification time (`--modified-since`).
-    timed: ClassVar[bool] = False
-    # Reads `--column`.
-    takes_column: ClassVar[bool] = False
-    # Named by `--source-format` (a manifest is named by `--manifest` instead).
-    selectable: ClassVar[bool] = True
-    # What the pre-flight is doing, in its error messages.
-    checking: ClassVar[str] = "listing the source"
-    # Members are keys listed under the source, never locations (`tasks/sources/fetch.py`).
-    keys_only: ClassVar[bool] = False
+    suffixes: ClassVar[tuple[str, ...]] = ()  # a location whose name ends so is this format (`auto`)
+    groups: ClassVar[bool] = False  # items may be groups of images, one per folder (multi-image)
+    timed: ClassVar[bool] = False  # listed objects carry their modification time (--modified-since)
+    takes_column: ClassVar[bool] = False  # reads --column
+    selectable: ClassVar[bool] = True  # named by --source-format (a manifest by --manifest instead)
+    checking: ClassVar[str] = "listing the source"  # what the pre-flight is doing, in its messages
+    keys_only: ClassVar[bool] = False  # members are keys listed under the source, never locations
 
     def __init__(self, spec: SourceSpec):
         self.spec = spec
@@ -99,14 +107,26 @@ class SourceReader(ABC):
             raise BadInput(item.problem)
         return self.read_member(member)
 
-    @functools.cached_property
-    def fetcher(self) -> MediaFetcher:
-        return MediaFetcher(self.storage, keys_only=self.keys_only)
-
     def read_member(self, member: ObjectRef) -> bytes:
         """A member's bytes (`BadInput` for damage found now; a store's failure as it is): by
-        default fetched where it lives, a key under the source or a location."""
-        return self.fetcher.read(member)
+        default fetched where it lives: a key under the source, or an s3:// URI (one storage per
+        bucket per process), an http(s) URL or a local path. With `keys_only` (a listing's objects)
+        every key is one under the source, whatever it looks like: a bucket's key `in//etc/passwd`
+        or `in/s3://other/x` is that object, never a path on this host or elsewhere."""
+        key = member.key
+        if self.keys_only:
+            return self.storage.read(key)
+        scheme = urlparse(key).scheme
+        if scheme in ("http", "https"):
+            return _http_get(key, get_settings().max_object_bytes)
+        if scheme in ("s3", "s3a"):
+            bucket, _, path = key.split("://", 1)[1].partition("/")
+            return shared_s3_storage(bucket, "").read(path)
+        if scheme == "file":
+            return Path(urlparse(key).path).read_bytes()
+        if os.path.isabs(key):
+            return Path(key).read_bytes()
+        return self.storage.read(key)
 
     def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
         """The member a result record names (`key`, `size`, `etag`), located again to read it
@@ -132,8 +152,8 @@ class ShardFilesReader(SourceReader):
         if pattern is None:
             yield from (ref for ref in self.storage.iter_objects(self.spec.glob) if ref.key.endswith(suffix))
             return
-        check_pattern(pattern)  # a broken or huge pattern: BraceError, saying why
-        folder = literal_prefix(pattern).rpartition("/")[0]
+        expansion_count(pattern)  # a broken or huge pattern: BraceError, saying why
+        folder = pattern.split("{", 1)[0].rpartition("/")[0]  # the listing need only look under it
         wanted = set(expand_braces(pattern))
         found: set[str] = set()
         for ref in self.storage.iter_objects(self.spec.glob, prefix=f"{folder}/" if folder else ""):

@@ -9,14 +9,13 @@ import itertools
 from vlm_caption.tasks.sources import formats
 from vlm_caption.tasks.sources.files import FilesReader
 from vlm_caption.tasks.sources.formats import SourceSpec
-from vlm_caption.tasks.sources.groups import GroupsReader
 from vlm_caption.tasks.sources.inventory import InventoryReader
 from vlm_caption.tasks.sources.manifest import ManifestReader
 from vlm_caption.tasks.sources.parquet_source import ParquetReader
 from vlm_caption.tasks.sources.path_list import PathListReader
 from vlm_caption.tasks.sources.reader import SourceReader
 from vlm_caption.tasks.sources.storage import StorageError
-from vlm_caption.tasks.sources.transient import retry_transient
+from vlm_caption.tasks.sources.s3_client import retry_transient
 from vlm_caption.tasks.sources.webdataset import WebDatasetReader
 
 # `auto` asks each in turn (a prefix holding tars is WebDataset even with Parquet beside them);
@@ -42,11 +41,8 @@ def reader_class(name: str) -> type[SourceReader]:
 
 
 def open_reader(spec: SourceSpec) -> SourceReader:
-    """The reader of a resolved spec; a listing of objects read as groups for multi-image."""
-    reader = reader_class(spec.format)(spec)
-    if spec.modality == "multi-image" and isinstance(reader, FilesReader):
-        return GroupsReader(reader)
-    return reader
+    """The reader of a resolved spec."""
+    return reader_class(spec.format)(spec)
 
 
 def detect_format(uri: str, requested: str, is_manifest: bool) -> str:

@@ -1,14 +1,12 @@
-"""The S3 client of a process: one way to make it, whatever gives the credentials.
+"""The S3 client of a process, made one way whatever gives the credentials (docs/operations.md,
+"Credentials"; `describe_shared_client`: the manifest's `s3`), and which storage failures may pass
+when tried again.
 
-Credentials come from a prefect-aws block when one is named (`VLM_CAPTION_AWS_CREDENTIALS_BLOCK`:
-`AwsCredentials`, `VLM_CAPTION_MINIO_CREDENTIALS_BLOCK`: `MinIOCredentials`), otherwise from the
-standard AWS chain (environment, profile, instance role). Either way the client is made from a
-boto3 session with the same botocore `Config`: adaptive retries (`VLM_CAPTION_S3_MAX_ATTEMPTS`
-attempts per call), the read timeout, and a connection pool for every fetch thread and
-done-index reader. A block's own client parameters are kept: its endpoint (the
-`VLM_CAPTION_S3_ENDPOINT_URL` setting, where set, wins), `verify`, `use_ssl`, and the values its
-`config` sets, which take precedence over ours. `describe_shared_client` says what a run's client
-did (the manifest's `s3`). The credentials are registered for scrubbing from every log line.
+Which storage failures may pass when tried again, the one rule every reader of a source uses: a
+transient failure (a timeout, a cut or refused connection, throttling, a 5xx, a body cut short)
+is retried, or recorded as retryable so that a rerun tries again; it never becomes a final record.
+Anything else (no such object or bucket, access denied, bytes that do not parse) is what a rerun
+would only repeat. The S3 client retries each call itself first.
 """
 
 from __future__ import annotations
@@ -16,7 +14,9 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from vlm_caption.tasks.settings import get_settings
 
@@ -25,9 +25,8 @@ RETRY_MODE = "adaptive"  # backs off on throttling for every thread sharing the 
 
 
 def settings_config():
-    """The botocore `Config` our settings give: retries, timeouts, the connection pool. Every
-    fetch thread and each of the done-index's readers holds a connection while it reads; with
-    fewer, threads wait for one (botocore's default is 10)."""
+    """The botocore `Config` our settings give: retries, timeouts, the connection pool (botocore's
+    default of 10 would keep fetch threads waiting for a connection)."""
     from botocore.config import Config
 
     settings = get_settings()
@@ -72,30 +71,21 @@ def named_block() -> tuple[str, str] | None:
     return None
 
 
-def session_and_parameters(block=None) -> tuple[Any, dict[str, Any]]:
-    """The boto3 session that holds the credentials and the `client("s3", ...)` arguments: the
-    block's client parameters (endpoint, verify, use_ssl, api_version) and the merged `Config`."""
+def make_s3_client():
+    """A boto3 S3 client from the credentials block the settings name (a prefect-aws
+    `AwsCredentials` or `MinIOCredentials`; its client parameters: endpoint, verify, use_ssl,
+    api_version, and its `Config` merged over ours), or from the AWS chain. The credentials it
+    signs with are registered for scrubbing from every log line."""
     import boto3
 
-    settings = get_settings()
-    if block is None:
+    if (named := named_block()) is None:
         session, parameters = boto3.session.Session(), {}
     else:
-        session = block.get_boto3_session()
-        parameters = block.aws_client_parameters.get_params_override()
-    parameters["config"] = merged_config(settings_config(), parameters.get("config"))
-    if settings.s3_endpoint_url:
-        parameters["endpoint_url"] = settings.s3_endpoint_url
-    return session, parameters
-
-
-def make_s3_client(block=None):
-    """A boto3 S3 client from `block` (a prefect-aws `AwsCredentials` or `MinIOCredentials`), or
-    the block the settings name, or the AWS chain. The credentials it signs with are registered
-    for scrubbing from every log line."""
-    if block is None and (named := named_block()) is not None:
         block = credentials_block(*named)
-    session, parameters = session_and_parameters(block)
+        session, parameters = block.get_boto3_session(), block.aws_client_parameters.get_params_override()
+    parameters["config"] = merged_config(settings_config(), parameters.get("config"))
+    if get_settings().s3_endpoint_url:
+        parameters["endpoint_url"] = get_settings().s3_endpoint_url
     credentials = session.get_credentials()  # resolved once; the client signs with the same
     if credentials is not None:
         from vlm_caption.tasks.observability import register_secret
@@ -144,3 +134,51 @@ def describe_shared_client() -> dict[str, Any] | None:
     """The shared client's `describe_client`, or None where this process made none (folders only)."""
     client = _shared_clients.get(_client_key())
     return describe_client(client) if client is not None else None
+
+
+class ShortBodyError(OSError):
+    """An object arrived shorter than the store said it is (retried; never decoded)."""
+
+
+def error_code(exc: BaseException) -> str:
+    """The store's error code of a botocore `ClientError` (`NoSuchKey`, `SlowDown`), else ''."""
+    return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code", "")
+
+
+T = TypeVar("T")
+
+# What S3-compatible stores answer while overloaded or briefly failing (besides any 5xx and 429).
+TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+                             "ServiceUnavailable", "TooManyRequestsException", "RequestLimitExceeded"})
+ATTEMPTS = 3
+PAUSE_S = 1.0  # before the second attempt; twice that before the third
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether the failure of a storage call may pass when the call is made again."""
+    from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError, HTTPClientError
+
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return status >= 500 or status == 429 or error_code(exc) in TRANSIENT_CODES
+    # botocore's timeouts and cut connections (HTTPClientError, ConnectionError), and the builtins
+    # a local or HTTP read raises for the same.
+    return isinstance(exc, (ShortBodyError, BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError))
+
+
+def retry_transient(call: Callable[[], T], what: str) -> T:
+    """`call()`, made again while it fails transiently past the client's own retries (a page or
+    a footer is cheap to ask for again; a run refused or stopped for it is not), each failure
+    logged; the last failure, or any other, is raised. `what` names the read in the log."""
+    from vlm_caption.tasks.observability import get_logger
+
+    for attempt in range(1, ATTEMPTS):
+        try:
+            return call()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            get_logger().warning("storage read failed; trying again", read=what, attempt=attempt,
+                                 error=f"{type(exc).__name__}: {exc}")
+            time.sleep(PAUSE_S * attempt)
+    return call()  # the last attempt: its failure is raised

@@ -9,8 +9,8 @@ with `read_range` (a ranged GET, or a seek), with the same retries as `read`. A 
 source and output once, in pre-flight (`flows/plan.py`), and hands the storages down.
 
 One S3Storage per location and one boto3 client per process serve every read and write
-(`shared_s3_storage`; the client: `tasks/sources/s3_client.py`). Which failures may pass when
-tried again: `tasks/sources/transient.py`.
+(`shared_s3_storage`; the client, and which failures may pass when tried again:
+`tasks/sources/s3_client.py`).
 """
 
 from __future__ import annotations
@@ -28,23 +28,14 @@ from urllib.parse import urlparse
 from vlm_caption.tasks.errors import UserError
 from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.local_paths import key_path, walk_files
-from vlm_caption.tasks.sources.s3_client import shared_s3_client
+from vlm_caption.tasks.sources.s3_client import ShortBodyError, error_code, shared_s3_client
 
 
 class StorageError(UserError, ValueError):
     """A storage location cannot be used; the message says how to fix it."""
 
 
-class ShortBodyError(OSError):
-    """An object arrived shorter than the store said it is (retried; never decoded)."""
-
-
 SHORT_BODY_ATTEMPTS = 5
-
-
-def error_code(exc: BaseException) -> str:
-    """The store's error code of a botocore `ClientError` (`NoSuchKey`, `SlowDown`), else ''."""
-    return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code", "")
 
 
 class Storage(Protocol):
@@ -61,9 +52,7 @@ class Storage(Protocol):
 
 
 def matches_glob(relative: str, glob: str | None) -> bool:
-    return glob is None or fnmatch.fnmatch(relative, glob) or fnmatch.fnmatch(
-        relative.rsplit("/", 1)[-1], glob
-    )
+    return glob is None or fnmatch.fnmatch(relative, glob) or fnmatch.fnmatch(relative.rsplit("/", 1)[-1], glob)
 
 
 class LocalStorage:
@@ -93,8 +82,7 @@ class LocalStorage:
         return key_path(self.uri, key, self.follow_links)
 
     def read(self, key: str) -> bytes:
-        with open(self.path(key), "rb") as handle:
-            return handle.read()
+        return Path(self.path(key)).read_bytes()
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """`length` bytes from `start`; fewer only where the file ends first."""

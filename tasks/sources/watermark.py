@@ -1,22 +1,7 @@
-"""`--modified-since`: only the objects modified after a time are listed, so a nightly run over a
-bucket that only grows looks at what is new (a bucket listing still pages through every key; an
-inventory report's rows are filtered as they are read).
-
-`modified_since` is a time (ISO 8601, UTC when it names no zone), a duration back from the run's
-start (`26h`, `90m`, `2d`, `1w`; made a time once, in pre-flight, so every partition of a
-fan-out lists the same items) or `auto`: the time kept in the output, in the watermark file
-`watermarks/<fingerprint>-<scope>.json` (the scope: the source's location, or an inventory
-configuration's folder, and the glob). A first `auto` run lists everything.
-
-At the end of an `auto` run that completed, with every partition's report and without `limit`,
-the watermark moves to what the listing saw (its start, or the inventory report's scan) less
-MARGIN_S, never back; and the keys of the items that failed retryably are kept in it and listed
-again by the next run whatever their time, until they succeed or fail for good. A run that
-failed, was cut by `limit`, or had more failures than its manifest lists moves nothing: the next
-run lists from the same time. Nothing listed before is lost either way; an item done twice is
-skipped by the done-index. modified_since is not part of the fingerprint: results stay
-interchangeable with a full listing's.
-"""
+"""`--modified-since`: only the objects modified after a time are listed (a time, a duration made
+a time once in pre-flight, or `auto`: the time kept in the output's watermark file
+`watermarks/<fingerprint>-<scope>.json`, with the keys to list again). When the watermark moves
+and why nothing listed before is lost: docs/sources.md, "Only what changed"."""
 
 from __future__ import annotations
 
@@ -27,12 +12,11 @@ import json
 import re
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.sources.formats import ChangedSince, SourceSpec
-from vlm_caption.tasks.sources.inventory_report import iso_seconds, read_report, report_series
+from vlm_caption.tasks.sources.inventory import iso_seconds, read_report, report_series
 from vlm_caption.tasks.sources.items import WorkItem
 from vlm_caption.tasks.sources.storage import Storage, StorageError, key_within, open_storage, split_parent
 
@@ -91,10 +75,7 @@ def with_changed_since(source: SourceSpec, modified_since: str | None, output: S
         raise StorageError(f"{source.uri}: --modified-since is for a folder or bucket of media files and for "
                            "S3 Inventory reports, not a "
                            f"{'job manifest' if source.format == 'manifest' else source.format} source")
-    if source.format == "inventory":
-        as_of = read_report(source.uri).created_at
-    else:
-        as_of = time.time()
+    as_of = read_report(source.uri).created_at if source.format == "inventory" else time.time()
     if modified_since != "auto":
         return dataclasses.replace(source, changed=ChangedSince(iso_seconds(modified_since), None, as_of))
     key = scoped_key(WATERMARKS, source, fingerprint)
@@ -106,12 +87,12 @@ def with_changed_since(source: SourceSpec, modified_since: str | None, output: S
 def _read(uri: str) -> dict[str, Any]:
     """A watermark file ({} when there is none yet)."""
     folder, name = split_parent(uri)
-    if not folder.startswith(("s3://", "s3a://")) and not Path(folder.removeprefix("file://")).is_dir():
-        return {}  # a local output's watermarks/ folder is made by the first watermark written
     try:
-        return json.loads(open_storage(folder).read(name))
-    except FileNotFoundError:
+        body = open_storage(folder).read(name)
+    except (FileNotFoundError, StorageError):  # none yet (a local output's watermarks/ folder is made with it)
         return {}
+    try:
+        return json.loads(body)
     except ValueError as exc:
         raise StorageError(f"{uri}: not a watermark ({exc}); delete it to list every object once more") from exc
 

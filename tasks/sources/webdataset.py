@@ -1,27 +1,22 @@
 """WebDataset tar shards as items: one item per sample (the members sharing a key), its image
-or video member the media, its `.json`/`.txt` members kept as the record's metadata.
-
-The listing reads each tar's headers through a seekable file (a local file, or ranged reads of
-the object: large members are skipped, not read), and each item's media is fetched later by one
-ranged read of its member. Nothing is unpacked to disk. Item ids are `<tar>/<sample key>`; the
-member's etag is the tar's etag and its offset, so resume works as for objects: by (tar, key)
-from the listing, by content hash after a fetch.
+or video member the media, its `.json`/`.txt` members kept as the record's metadata; headers read
+through ranged reads, a member by one ranged read of it (docs/sources.md, "WebDataset").
 
 A tar cut short, a member past its end or a header that does not parse stops that tar there:
-the samples before it are items as usual, and the damage is one item with a `problem` (a final
-`bad_input` record, `BadInput` when read), never a silent gap. A read of the store that fails (past the client's retries) is
-no damage: it is raised, and the listing resumes after the items it handed over (`ShardStream`).
+the damage is one item with a `problem` (a final `bad_input` record), never a silent gap. A read
+of the store that fails (past the client's retries) is no damage: it is raised, and the listing
+resumes after the items it handed over (`ShardStream`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from vlm_caption.tasks.sources.braces import has_braces
-from vlm_caption.tasks.sources.formats import SourceSpec
+from vlm_caption.tasks.sources.formats import SourceSpec, has_braces
 from vlm_caption.tasks.sources.items import ObjectRef, RefusedRef, WorkItem
 from vlm_caption.tasks.sources.ranged import open_seekable
 from vlm_caption.tasks.sources.reader import BadInput, ShardFilesReader
@@ -167,10 +162,8 @@ def _text(handle, info: tarfile.TarInfo):
     if info.size > METADATA_BYTES:
         return text + f"… (cut at {METADATA_BYTES} of {info.size} bytes)"
     if info.name.endswith(".json"):
-        try:
+        with contextlib.suppress(ValueError):
             return json.loads(text)
-        except ValueError:
-            return text
     return text
 
 
