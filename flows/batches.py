@@ -24,6 +24,7 @@ from vlm_caption.tasks.claims import ShardClaims
 from vlm_caption.tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
 from vlm_caption.tasks.engine.steps import GenerateOptions, failed_shard_records, generate_shard
 from vlm_caption.tasks.errors import failure_of, is_permanent, retry_unless_permanent
+from vlm_caption.tasks.interrupt import part_landing
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.prepare import MediaOptions, PreparedShard, prepare_shard, unprepared_shard
 from vlm_caption.tasks.records import ResultRecord
@@ -185,7 +186,8 @@ class ShardPipeline:
                 return RunStopped("the run stopped")
             done_key = self.claims.done_key(shard.index) if self.claims is not None else None
             try:
-                part = write_shard(run.output, run.fingerprint, run.parts_id, shard.index, records, done_key)
+                with part_landing(len({record.key for record in records})):  # what a Ctrl-C's end says it kept
+                    part = write_shard(run.output, run.fingerprint, run.parts_id, shard.index, records, done_key)
             except Exception as exc:
                 if is_permanent(exc) or not last:
                     raise

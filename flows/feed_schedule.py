@@ -19,7 +19,6 @@ from vlm_caption.tasks.engine.arguments import EngineSpec
 from vlm_caption.tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from vlm_caption.tasks.engine.steps import start_engine
 from vlm_caption.tasks.engine.vllm_import import ensure_vllm_imported
-from vlm_caption.tasks.interrupt import part_written
 from vlm_caption.tasks.media.pool import start_decode_pool
 from vlm_caption.tasks.observability import Progress, emit
 from vlm_caption.tasks.prepare import PreparedShard
@@ -62,8 +61,6 @@ class ShardReport:
             if part is not None:
                 self.stats.parts.append(part)
             self.progress.advance(len(shard.items), failed)
-        if part is not None:  # what a run stopped by Ctrl-C says it kept (tasks/interrupt.py)
-            part_written(len({record.key for record in records}))
         if failed:  # the event an automation reacts to; a shard that went well is in the progress artifact
             emit("shard.failed", self.run.run_id, shard=shard.index, partition=self.run.index,
                  objects=len(shard.items), skipped=skipped, failed=failed)

@@ -38,18 +38,20 @@ _asked = False  # the first Ctrl-C came
 _tty = -1  # descriptor 2 as the command began: the terminal (a quiet run's 2 becomes its log)
 _ending = threading.Lock()  # held by whichever ends the run: the main thread or the watchdog
 _kept = 0  # items whose parts this command has written: what a stopped run says it kept
-_counting = threading.Lock()
+_landing = threading.Condition()  # guards _kept, _writing and _closed
+_writing = 0  # parts being written now
+_closed = False  # the run is ending: no part lands after what it said it kept
 
 
 @contextlib.contextmanager
 def stoppable(active: bool = True) -> Iterator[None]:
     """Ctrl-C as above while the command runs, the previous handler back after it (tests call the
     CLI in-process). Not `active`, or off the main thread (only it may set a handler): nothing changes."""
-    global _tty, _kept
+    global _tty, _kept, _writing, _closed
     if not active or threading.current_thread() is not threading.main_thread():
         yield
         return
-    _tty, _kept = os.dup(2), 0
+    _tty, _kept, _writing, _closed = os.dup(2), 0, 0, False
     previous = signal.signal(signal.SIGINT, _on_ctrl_c)
     try:
         yield
@@ -80,20 +82,48 @@ def _on_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def part_written(items: int) -> None:
-    """A part of `items` items is on the output (called as its write ends, on the writer's thread):
-    what a stopped run says it kept is what the output holds, not what the progress had shown (a
-    part may land before the progress counts it, the Ctrl-C between the two)."""
-    global _kept
-    with _counting:
-        _kept += items
+class RunEnding(RuntimeError):
+    """A part about to be written after a Ctrl-C's end said what was kept: not written."""
+
+
+@contextlib.contextmanager
+def part_landing(items: int) -> Iterator[None]:
+    """Around a part's write of `items` items, on the writer's thread: counted in what a stopped run
+    says it kept once it is on the output. The end waits for the parts being written before it says
+    so, and a part not begun by then is not written (RunEnding): the line matches what the output
+    holds, whichever thread's write ends in the gap between a part landing and the progress counting it."""
+    global _writing, _kept
+    with _landing:
+        if _closed:
+            raise RunEnding("the run is ending (Ctrl-C)")
+        _writing += 1
+    landed = False
+    try:
+        yield
+        landed = True
+    finally:
+        with _landing:
+            _writing -= 1
+            _kept += items if landed else 0
+            _landing.notify_all()
+
+
+def _kept_at_end(wait_s: float) -> str:
+    """What the output holds: no part begins after this, and the parts being written are waited
+    for (`wait_s`, at most); one still being written then is named."""
+    global _closed
+    with _landing:
+        _closed = True
+        _landing.wait_for(lambda: _writing == 0, timeout=wait_s)
+        late = f" ({_writing} part{'s' * (_writing > 1)} still being written)" if _writing else ""
+        return f"{_kept} captioned kept{late}"
 
 
 def _end(at_once: bool = False) -> None:
     """The end of a stopped run, from the main thread, the watchdog or a second Ctrl-C (which waits
     neither for the other two nor for the children). Never returns."""
     if _ending.acquire(blocking=not at_once):  # not acquired: the other is ending it, and has said so
-        _say(f"vlm-caption: stopped; {_kept} captioned kept, run again to resume")
+        _say(f"vlm-caption: stopped; {_kept_at_end(0 if at_once else LINGER_S * 4)}, run again to resume")
     _end_children(0 if at_once else LINGER_S)
     os._exit(EXIT_CODE)
 
