@@ -1,9 +1,7 @@
-"""A partition's shards done in Prefect task runs, one per batch of consecutive shards
-(`caption-batch`), growing from 1 shard up to BATCH_ITEMS' worth: a batch's task run prepares,
-generates and writes its shards, each on a thread of its own, so its state is theirs and a shard
-that fails is tried again by Prefect's task retries (docs/operations.md, "How many task runs a run
-makes"). The feed's schedule (flows/feed_schedule.py) bounds how many shards are being prepared and
-how many are in the engine, across batches, so the engine never drains between them."""
+"""A partition's shards done in `caption-batch` task runs, one per batch of consecutive shards
+growing from 1 shard up to BATCH_ITEMS' worth, each shard on a thread of its own, so a shard that
+fails is tried again by Prefect's task retries (docs/operations.md, "How many task runs a run
+makes"); the feed's schedule (flows/feed_schedule.py) bounds them across batches."""
 
 from __future__ import annotations
 
@@ -76,15 +74,14 @@ class Batch:
 @task(name="caption-batch", task_run_name="caption-batch-{number}", cache_policy=NONE, persist_result=False,
       retries=BATCH_RETRIES, retry_delay_seconds=2, retry_condition_fn=_retry_batch)
 def caption_batch(pipeline: ShardPipeline, batch: Batch, number: int) -> dict[str, int]:
-    """Prepare, generate and write a batch of the run's shards; its counts (items, records, failed
-    records, parts written); Failed with the first failed shard's error (see the module's docstring)."""
+    """Prepare, generate and write a batch of the run's shards; its counts; Failed with the first
+    failed shard's error."""
     return pipeline.caption(batch)
 
 
 class ShardPipeline:
     """A partition's shards, done by batches: the listing's thread takes each shard once the feed's
-    schedule has room to prepare it and hands it to the open batch, whose task run gives each of its
-    shards a thread, which prepares it, asks the engine, and writes its part."""
+    schedule has room and hands it to the open batch, whose task run gives each shard a thread."""
 
     def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec, claims: ShardClaims | None = None):
         work = self.work = run.work
@@ -239,6 +236,6 @@ class ShardPipeline:
             schedule.engine = schedule.starting.result()  # started for items that turned out done by content
         if self.generate_started is not None:
             stats.mark_generating(self.generate_started, time.time())  # first request to last result
-        self.report.close()
+        self.report.progress.close()
         self.threads.shutdown(wait=False)
         return stats, schedule.engine

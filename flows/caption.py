@@ -1,10 +1,6 @@
-"""The `vlm-caption` flow: images, videos or image groups in a folder or bucket (or the lines
-of a job manifest) in, one result record per (item, question) out (docs/architecture.md, "The
-flow"). The run's plan (flows/plan.py) is handed down; a partition's shards go through
-flows/pipeline.py. With `fan_out=N` the run starts N-1 child runs and captions as partition 0, the
-partitions claiming the shards they take (tasks/fanout.py, tasks/claims.py); the parent waits for
-the children and merges their reports into the one manifest.
-"""
+"""The `vlm-caption` flow (docs/architecture.md, "The flow"): the plan made, this run's partition
+captioned (flows/pipeline.py), with `fan_out=N` N-1 child runs started, waited for and merged into
+the one manifest (tasks/fanout.py, tasks/claims.py)."""
 
 from __future__ import annotations
 
@@ -46,10 +42,6 @@ from vlm_caption.tasks.sources.watermark import advance_watermark
 Event.model_rebuild()
 
 
-def _run_name() -> str:
-    return run_name_from(flow_run.parameters)
-
-
 def _run_id() -> str:
     return str(flow_run.id or uuid.uuid4())[:8] + time.strftime("-%Y%m%dT%H%M%S", time.gmtime())
 
@@ -68,7 +60,8 @@ def _where() -> dict:
             "process_started_at": psutil.Process().create_time()}
 
 
-@flow(name="vlm-caption", flow_run_name=_run_name, persist_result=False, on_failure=[on_run_failed])
+@flow(name="vlm-caption", flow_run_name=lambda: run_name_from(flow_run.parameters), persist_result=False,
+      on_failure=[on_run_failed])
 def vlm_caption(job: CaptionJob) -> dict:
     """Caption every item under `job.source` (or of `job.manifest`) and write JSON Lines
     results to `job.output`: one record per (item, question)."""
@@ -192,11 +185,9 @@ def _stopped(on_work: ChildrenOnWork | None, log) -> list:
 
 
 def merge_children(run: PartitionRun, children, stats: RunStats) -> list[PartitionReport]:
-    """Wait for the child runs, then add each partition's report to this run's counts. This run's
-    own partition has ended only once every claimed shard was done (the partitions share the
-    shards, tasks/claims.py): a child that died meanwhile had its shards retaken, so it does not
-    fail the run. A child no worker has started by now is claimed and run here, where it finds
-    nothing left to claim. `run` is this run's own partition (0)."""
+    """Wait for the child runs, then add each partition's report to this run's counts. A child that
+    died had its shards retaken (tasks/claims.py), so it does not fail the run; one no worker has
+    started by now is claimed and run here, where it finds nothing left. `run` is partition 0."""
     taken_over: dict[int, PartitionReport] = {}
 
     def run_here(child) -> str:

@@ -1,6 +1,5 @@
-"""The job's command-line options (`vlm-caption run` and `demo`): the arguments, and the
-CaptionJob fields they give; `Subcommand`, the parser that adds them once its subcommand is used.
-`flows/cli.py` builds the parser with them."""
+"""The job's command-line options (`vlm-caption run` and `demo`) and the CaptionJob fields they give;
+`Subcommand`, the parser that adds them once its subcommand is used (flows/cli.py)."""
 
 from __future__ import annotations
 

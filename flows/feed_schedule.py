@@ -1,12 +1,8 @@
 """The feed's schedule over one partition's shards (flows/batches.py does them): how many are
-taken and being prepared ahead of the engine, and how many are in it, on this process's threads;
-and what the run shows of its shards as they end (`ShardReport`).
-
-While the engine starts (or after it ran dry) the feed's whole depth of shards is fetched and
-decoded, so the engine is full the moment it is up; once it runs, `prepare_ahead` shards are
-(VLM_CAPTION_PREPARE_AHEAD). Filling, at most FEED_ITEMS items are being prepared at once (each
-shard being prepared has its own fetch threads). The depth is the engine's batch (how vLLM sized
-it, once it is up) and the mean decoded bytes of the shards prepared so far (tasks/engine/feed.py)."""
+taken and being prepared ahead of the engine, and how many are in it; and what the run shows of
+its shards as they end (`ShardReport`). While the engine starts (or after it ran dry) the feed's
+whole depth of shards is prepared, at most FEED_ITEMS items at once; once it runs, `prepare_ahead`
+shards are (docs/architecture.md, "How the GPU is kept busy"; the depth: tasks/engine/feed.py)."""
 
 from __future__ import annotations
 
@@ -40,16 +36,15 @@ class ShardReport:
         self.progress = Progress(run.title)
         self.lock = threading.Lock()
 
-    def take(self, shard: Shard) -> None:
-        """A shard enters the pipeline: its items join the progress's total."""
+    def listed(self, item: Listed) -> None:
+        """Items the listing found already done (counted here, in no batch), or a shard entering
+        the pipeline (its items join the progress's total)."""
         with self.lock:
-            self.progress.grow(len(shard.items))
-
-    def skip(self, items: int) -> None:
-        """Items the listing found already done: counted here, in no batch."""
-        with self.lock:
-            self.stats.add(items, items, [])
-            self.progress.skip(items)
+            if isinstance(item, AlreadyDone):
+                self.stats.add(item.items, item.items, [])
+                self.progress.skip(item.items)
+            else:
+                self.progress.grow(len(item.items))
 
     def shard_done(self, shard: Shard, skipped: int, records: list[ResultRecord], part: str | None,
                    failed: int | None = None) -> int:
@@ -82,9 +77,6 @@ class ShardReport:
         self.run.log.warning("a shard's part was not written; the next run computes its items again",
                              shard=shard.index, records=len(records), error=error)
 
-    def close(self) -> None:
-        self.progress.close()
-
 
 class RunStopped(RuntimeError):
     """The run stopped (Ctrl-C, a permanent failure): no shard goes further."""
@@ -116,10 +108,9 @@ class FeedSchedule:
         if self.stopping is not None:
             return None
         for item in listed:
+            self.report.listed(item)
             if isinstance(item, AlreadyDone):
-                self.report.skip(item.items)
                 continue
-            self.report.take(item)
             self.start_engine()
             self.retake()
             return item

@@ -1,11 +1,7 @@
 """A nightly run's head start (docs/architecture.md, "The engine starts first"): `vlm-caption run`
-begins its done-index's load and its listing (`begin_head_start`) on a thread as soon as its plan
-is made, while Prefect's server starts; the flow, in the same process, takes them (`take_head_start`)
-in its `load-done-index` and `list-source` task runs, so the run shows the same task runs, counts
-and log lines. The load ran before the flow took the job's slot, so the flow drops it once it holds
-the slot (`settle_head_start`) where the slot was not free at once, a manifest was written meanwhile
-(a run ended) or it resolved the job otherwise, and loads and lists as it would have.
-"""
+begins the done-index's load and the listing on a thread as soon as its plan is made; the flow, in
+the same process, takes them in its `load-done-index` and `list-source` task runs, or drops them
+where another run may have outdated the load (`settle_head_start`)."""
 
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ import threading
 from prefect import task
 from prefect.cache_policies import NONE
 
-from vlm_caption.flows.partition_run import PartitionRun
 from vlm_caption.flows.plan import RunPlan
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
@@ -129,11 +124,9 @@ def discard_head_start() -> None:
         head.drop(wait=False)
 
 
-def take_head_start(run: PartitionRun) -> tuple[DoneIndex, ShardStream] | None:
-    """The done-index and begun listing of a run not fanned out (flows/pipeline.py), once, where
-    the flow kept it (`settle_head_start`: the job the flow resolved); None where there is none (or
-    its load failed: the caller loads and lists as usual). Its `load-done-index` and `list-source`
-    task runs are made here, each waiting for its part."""
+def take_head_start() -> tuple[DoneIndex, ShardStream] | None:
+    """The done-index and begun listing of a run not fanned out, once, where the flow kept them;
+    None where there is none or its load failed (the caller loads and lists as usual)."""
     head = _pop()
     if head is None:
         return None

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from vlm_caption.recipes import Recipe, RecipeError, get_recipe
 from vlm_caption.tasks.sources.registry import SOURCE_FORMATS, formats_help, reader_class
+from vlm_caption.tasks.sources.storage import StorageError
+from vlm_caption.tasks.sources.watermark import check_modified_since
 
-DEFAULT_QUESTION = "Describe the content of this image in detail."
 DEFAULT_QUESTIONS = {
-    "image": DEFAULT_QUESTION,
+    "image": "Describe the content of this image in detail.",
     "video": "Describe what happens in this video in detail.",
     "multi-image": "Describe the content of these images in detail.",
 }
@@ -112,7 +113,7 @@ class CaptionJob(BaseModel):
     glob: str | None = Field(None, description="Only keys matching this glob, e.g. '*.jpg'.")
     source_format: Literal[SOURCE_FORMATS] = Field(  # tasks/sources/registry.py
         "auto", description=f"What `source` holds: {formats_help()}")
-    modified_since: str | None = Field(
+    modified_since: Annotated[str | None, AfterValidator(check_modified_since)] = Field(
         None, description="Only objects modified after this: a time (2026-11-20T03:00:00Z; UTC without a "
         "zone), a duration back from the run's start (26h, 2d), or `auto`: after the watermark the last "
         "completed run of this job left in the output (items that failed retryably are listed again). "
@@ -143,7 +144,7 @@ class CaptionJob(BaseModel):
                                       "partitions of a fan-out.")
     partition: Partition | None = Field(None, description="Set by a fanned-out parent run; leave empty when "
                                         "starting a job.")
-    json_schema: dict[str, Any] | str | None = Field(
+    json_schema: Annotated[dict[str, Any] | str | None, AfterValidator(resolve_json_schema)] = Field(
         None, description="Structured output: every answer is JSON matching this JSON Schema (or `tags`: "
         "a built-in {tags: [...], caption} schema); the record's `structured` holds it parsed.")
     regex: str | None = Field(None, description="Structured output: every answer matches this regular expression.")
@@ -172,8 +173,6 @@ class CaptionJob(BaseModel):
     @field_validator("source", "manifest", "output")
     @classmethod
     def _uri(cls, value: str | None) -> str | None:
-        from vlm_caption.tasks.sources.storage import StorageError
-
         if value is None:
             return None
         value = value.strip()
@@ -185,13 +184,6 @@ class CaptionJob(BaseModel):
         if scheme in ("s3", "s3a") and not value.split("://", 1)[1].split("/", 1)[0]:
             raise StorageError(f"{value}: missing bucket name; use s3://BUCKET/PREFIX/")
         return value
-
-    @field_validator("modified_since")
-    @classmethod
-    def _modified_since(cls, value: str | None) -> str | None:
-        from vlm_caption.tasks.sources.watermark import check_modified_since
-
-        return check_modified_since(value)
 
     @field_validator("questions")
     @classmethod
@@ -238,11 +230,6 @@ class CaptionJob(BaseModel):
     @property
     def questions_to_ask(self) -> tuple[str, ...]:
         return tuple(self.questions) or (DEFAULT_QUESTIONS[self.modality],)
-
-    @field_validator("json_schema")
-    @classmethod
-    def _json_schema(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
-        return resolve_json_schema(value)
 
     @field_validator("regex")
     @classmethod

@@ -1,8 +1,5 @@
-"""The pipeline over one partition's shards, in this process: listed (streamed) into shards of
-the items with work left, each fetched and decoded ahead, its requests fed to the engine while
-other shards' are still in it, its part written as soon as its last request finishes.
-`flows/caption.py` runs it for its own partition and for any child partition it takes over; the
-shards' work is flows/batches.py's."""
+"""One partition's shards, in this process: the done-index loaded and the source listed (streamed)
+into shards of the items with work left, which flows/batches.py captions."""
 
 from __future__ import annotations
 
@@ -26,14 +23,13 @@ RETAKE_POLL_S = 2.0  # how often a partition that has run out of shards looks at
 
 
 def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | None]:
-    """Caption this run's items shard by shard as the listing streams them in. A partition of a
-    fanned-out run takes the shards it claims (tasks/claims.py), then waits for the run's other
-    claimed shards, retaking those of a partition that is gone. Returns the counts, the engine,
+    """Caption this run's items shard by shard as the listing streams them in (a partition of a
+    fanned-out run: those it claims, then `finish_partition`). Returns the counts, the engine,
     and the claims' figures."""
     work, part = run.work, run.partition
     claims = ShardClaims(run.output, run.run_id, part.index, partitions=part.count) if part else None
     with claims or contextlib.nullcontext():
-        started = take_head_start(run) if claims is None else None  # a nightly run's, begun before its flow
+        started = take_head_start() if claims is None else None  # a nightly run's, begun before its flow
         done = started[0] if started else load_done_index(run.output, run.fingerprint)
         stream = started[1] if started else listing(run, done, claims)
         try:
@@ -52,11 +48,9 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | Non
 
 
 def finish_partition(pipeline: ShardPipeline, run: PartitionRun, claims: ShardClaims, plan: SharedListing) -> None:
-    """After the shards it claimed from `plan` (each written, and marked done, by the time
-    `pipeline.run` returns), a partition waits for the run's other claimed shards, captioning
-    here those of a partition that is gone (tasks/claims.py), then takes the plan's copy shards
-    once every other shard is done, with the done-index loaded again so that each copy finds its
-    original's answer (tasks/shard_plan.py)."""
+    """After the shards it claimed from `plan`, a partition waits for the run's other claimed shards,
+    captioning here those of a partition that is gone (tasks/claims.py), then takes the plan's copy
+    shards once every other shard is done, the done-index loaded again (tasks/shard_plan.py)."""
     def again(shards: str, pick: Callable[[Iterable[Listed]], Iterable[Listed]]) -> None:
         pipeline.done = load_done_index(run.output, run.fingerprint)  # with what was written since
         plan_again = listing(run, pipeline.done, claims, shards)  # the run's plan, read again

@@ -1,9 +1,5 @@
-"""A run's plan: the job resolved once, at the run's start, and handed down.
-
-`make_plan(job)` is the pre-flight: it checks everything that needs no engine and fails with every
-problem at once, one line each (`PreflightError`), or returns the `RunPlan` nothing below looks a
-recipe up by name or builds engine arguments again from (docs/architecture.md, "The plan").
-"""
+"""A run's plan: the job resolved once, at the run's start, and handed down. `make_plan(job)` is
+the pre-flight: every problem at once, one line each (docs/architecture.md, "The plan")."""
 
 from __future__ import annotations
 
@@ -107,22 +103,14 @@ def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str, source: SourceSp
 
 
 def start_engine_first(plan: RunPlan) -> bool:
-    """Whether the run builds its engine before anything else, and if so its start: vLLM imported
-    here, by the calling thread (tasks/engine/vllm_import.py says why), then the engine built on a
-    thread of its own. First: an output with no result of the job yet, or with objects after where
-    its last complete listing ended (tasks/sources/listing_end.py); a nightly rerun otherwise starts
-    its engine at its first shard with work left. A fan-out's parent builds nothing here (it asks
-    for its children first, then calls `build_engine_first`); its partitions follow its finding.
-    `vlm-caption run` and the bench call it before they import Prefect, whose import beside vLLM's
-    slows both (docs/architecture.md, "The engine starts first")."""
+    """Whether the run builds its engine before anything else (an output with no result of the job
+    yet, or with objects after where its last complete listing ended), and if so its start, vLLM
+    imported on the calling thread; a fan-out's parent builds nothing here (it asks for its children
+    first), its partitions follow its finding (docs/architecture.md, "The engine starts first")."""
     if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
         first = plan.job.partition.engine_first
     else:
-        history = plan.output.iter_objects(prefix=results_prefix(plan.fingerprint))
-        try:
-            first = next(iter(history), None) is None
-        finally:
-            getattr(history, "close", lambda: None)()
+        first = next(iter(plan.output.iter_objects(prefix=results_prefix(plan.fingerprint))), None) is None
         if not first and (newer := object_after_listing_end(plan.output, plan.source, plan.fingerprint)):
             get_logger().info("an object came after where the last listing ended", key=newer)
             first = True

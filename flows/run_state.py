@@ -39,8 +39,7 @@ def one_line(exc: BaseException) -> str:
 
 def fail_run(exc: UserError):
     """The Failed state a flow returns for a permanent user error, after taking the run's retries
-    away (the caller of the flow, e.g. the CLI, gets `exc` raised back). A transient one is
-    raised instead, to Prefect's own retry."""
+    away (the caller of the flow, e.g. the CLI, gets `exc` raised back)."""
     from prefect import get_run_logger
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run

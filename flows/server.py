@@ -3,18 +3,14 @@ check that a run's `PREFECT_API_URL` answers before anything heavy starts.
 
 The server runs in its own environment (`uv tool run`), not the project's: vLLM 0.26 holds
 FastAPI below 0.137, where Prefect's UI app cannot be built (`'FastAPI' object has no attribute
-'frontend'`), and the newest FastAPI (0.155 on) removed arguments Prefect 3.8 still passes
-(`Body() got an unexpected keyword argument 'min_items'`). Prefect is pinned to the project's
-exact version, so the server and the project's workers and flow runs speak the same API.
-`--background` starts it in a session of its own, its output in a log file, and returns once the
-API answers; its pid is kept in PREFECT_HOME (`vlm-caption-server-<port>.pid`) for `--stop`.
+'frontend'`). Prefect is pinned to the project's exact version, so the server and the project's
+workers and flow runs speak the same API. `--background`'s pid is kept in PREFECT_HOME for `--stop`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import http.client
 import os
 import shutil
 import signal
@@ -23,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -38,7 +33,6 @@ from vlm_caption.tasks.prefect_api import show_prefect_notice_now
 # /work_pools/.../workers/filter), so `prefect deploy --all` stops after the first deployment;
 # 0.155 and later fail at start; the UI needs `FastAPI.frontend`, new in 0.139.
 SERVER_FASTAPI = "fastapi==0.150.0"
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 class ServerError(UsageError):
@@ -50,7 +44,7 @@ class PrefectAPIUnreachable(PrefectUnavailable):
 
 
 def browser_host(host: str) -> str:
-    shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     return f"[{shown}]" if ":" in shown else shown
 
 
@@ -85,15 +79,8 @@ def server_command(args) -> int:
     return serve(args.host, args.port)
 
 
-def database_note(env: dict[str, str]) -> str:
-    for name in ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL"):
-        if env.get(name):
-            return f"the database at {name}"
-    return f"SQLite in {prefect_home(env)} (PREFECT_HOME)"
-
-
-def prefect_home(env: dict[str, str]) -> Path:
-    return Path(env.get("PREFECT_HOME") or "~/.prefect").expanduser()
+def prefect_home() -> Path:
+    return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
 
 
 def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subprocess.Popen,
@@ -122,8 +109,11 @@ def serve(host: str, port: int, start: Callable[..., subprocess.Popen] = subproc
     env.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASES_ON_DISK)
     if not (env.get("PREFECT_UI_API_URL") or env.get("PREFECT_SERVER_UI_API_URL")):
         env["PREFECT_UI_API_URL"] = f"{url}/api"
+    databases = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
+    database = next((f"the database at {name}" for name in databases if env.get(name)),
+                    f"SQLite in {prefect_home()} (PREFECT_HOME)")
     print(f"vlm-caption server: Prefect {version('prefect')} with its UI, in its own environment "
-          f"(uv tool run, {SERVER_FASTAPI}); {database_note(env)}.\n"
+          f"(uv tool run, {SERVER_FASTAPI}); {database}.\n"
           f"  UI:  {url}\n"
           f"  In each shell that deploys, starts workers or runs flows:\n"
           f"    export PREFECT_API_URL={url}/api\n"
@@ -211,7 +201,7 @@ def check_api_reachable(timeout_s: float = 10.0) -> None:
 
 
 def pid_file(port: int) -> Path:
-    return prefect_home(dict(os.environ)) / f"vlm-caption-server-{port}.pid"
+    return prefect_home() / f"vlm-caption-server-{port}.pid"
 
 
 def background_pid(port: int) -> int | None:
@@ -227,11 +217,11 @@ def background_pid(port: int) -> int | None:
 
 def answers(url: str) -> bool:
     """Prefect's API at `url` answers its health check (no proxy: it is this host's)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    import httpx
+
     try:
-        with opener.open(f"{url}/api/health", timeout=2) as response:
-            return response.status == 200
-    except (OSError, ValueError, http.client.HTTPException):
+        return httpx.get(f"{url}/api/health", timeout=2, trust_env=False).status_code == 200
+    except (httpx.HTTPError, httpx.InvalidURL):
         return False
 
 

@@ -63,11 +63,9 @@ class Prompting(Frozen):
     stop_token_ids: tuple[int, ...] | None = None
     stop_tokens: tuple[str, ...] | None = None
 
-    def media_text(self, count: int) -> str:
-        return self.joiner.join(self.media.replace("{i}", str(i)) for i in range(1, count + 1))
-
     def text(self, question: str, count: int) -> str:
-        return self.template.replace("{media}", self.media_text(count)).replace("{question}", question)
+        media = self.joiner.join(self.media.replace("{i}", str(i)) for i in range(1, count + 1))
+        return self.template.replace("{media}", media).replace("{question}", question)
 
     def messages(self, question: str, count: int, kind: str) -> list[dict[str, Any]]:
         if self.chat == "parts":
@@ -107,7 +105,6 @@ class Recipe(Frozen):
     # The model's HF processor is a fast (torch) one that takes `device`, and its GPU output was
     # checked against its CPU output (tests/gpu_processor_check.py): on a GPU it runs there.
     processor_on_gpu: bool = False
-    method: Literal["generate", "chat"] = "generate"
     notes: str = ""
     # Set when the vLLM this project pins no longer implements the model's architecture (vLLM's own
     # `_PREVIOUSLY_SUPPORTED_MODELS`): a job is refused up front with this text, not by a traceback
@@ -121,11 +118,8 @@ class Recipe(Frozen):
 
     @property
     def needs_remote_code(self) -> bool:
-        return bool(self.engine_args.get("trust_remote_code")) or any(
-            bool(p.engine_args.get("trust_remote_code"))
-            for p in (self.image, self.video, self.multi_image)
-            if p is not None
-        )
+        prompts = [p.engine_args for p in (self.image, self.video, self.multi_image) if p is not None]
+        return any(bool(args.get("trust_remote_code")) for args in (self.engine_args, *prompts))
 
     @property
     def processor_on_gpu_host(self) -> bool:

@@ -15,12 +15,19 @@ _MULTI = Prompting(chat="parts", system="You are a helpful assistant.",
                    engine_args={"max_model_len": 32768, "mm_processor_kwargs": None})
 _KEYE = ("<|im_start|>user\n<|vision_start|>{media}<|vision_end|>{question}<|im_end|>\n"
          "<|im_start|>assistant\n")
-_OMNI_SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable "
-                "of perceiving auditory and visual inputs, as well as generating text and speech.")
+_OMNI = ("<|im_start|>system\nYou are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable "
+         "of perceiving auditory and visual inputs, as well as generating text and speech.<|im_end|>\n"
+         "<|im_start|>user\n<|vision_bos|>{media}<|vision_eos|>{question}<|im_end|>\n<|im_start|>assistant\n")
 _CHATML = ("{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
            "{% endif %}{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
            "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
            "{{ '<|im_start|>assistant\n' }}{% endif %}")
+_QWEN3 = Recipe(name="qwen3_vl", family="qwen", model_types=("qwen3_vl",), model="Qwen/Qwen3-VL-4B-Instruct",
+                max_model_len=4096, engine_args={"mm_processor_kwargs": {**_PIXELS, "fps": 1}},
+                image=_IMAGE, video=_VIDEO, needs_video_metadata=True)
+_KEYE_VL = Recipe(name="keye_vl", family="qwen", model="Kwai-Keye/Keye-VL-8B-Preview", max_model_len=8192,
+                  engine_args={"trust_remote_code": True}, image=Prompting(template=_KEYE, media="<|image_pad|>"),
+                  video=Prompting(template=_KEYE, media="<|video_pad|>"))
 _QWEN_VL_ARGS = {"trust_remote_code": True,
                  "hf_overrides": {"architectures": ["QwenVLForConditionalGeneration"]}}
 # vLLM's registry (_PREVIOUSLY_SUPPORTED_MODELS): both Qwen-VL architectures went in 0.24.
@@ -48,29 +55,15 @@ RECIPES = (
     Recipe(name="qwen2_5_omni", family="qwen", model_types=("qwen2_5_omni",), model="Qwen/Qwen2.5-Omni-7B", max_model_len=4096,
            # A scalar: transformers 5 validates `fps` as int/float (vLLM's example still has `[1]`).
            engine_args={"mm_processor_kwargs": {**_PIXELS, "fps": 1}},
-           image=Prompting(template=f"<|im_start|>system\n{_OMNI_SYSTEM}<|im_end|>\n<|im_start|>user\n"
-                           "<|vision_bos|>{media}<|vision_eos|>{question}<|im_end|>\n<|im_start|>assistant\n",
-                           media="<|IMAGE|>"),
-           video=Prompting(template=f"<|im_start|>system\n{_OMNI_SYSTEM}<|im_end|>\n<|im_start|>user\n"
-                           "<|vision_bos|>{media}<|vision_eos|>{question}<|im_end|>\n<|im_start|>assistant\n",
-                           media="<|VIDEO|>")),
-    Recipe(name="qwen3_vl", family="qwen", model_types=("qwen3_vl",), model="Qwen/Qwen3-VL-4B-Instruct", max_model_len=4096,
-           engine_args={"mm_processor_kwargs": {**_PIXELS, "fps": 1}},
-           image=_IMAGE, video=_VIDEO, needs_video_metadata=True),
-    Recipe(name="qwen3_vl_moe", family="qwen", model_types=("qwen3_vl_moe",), model="Qwen/Qwen3-VL-30B-A3B-Instruct", max_model_len=4096,
-           engine_args={"mm_processor_kwargs": {**_PIXELS, "fps": 1}},
-           image=_IMAGE, video=_VIDEO, needs_video_metadata=True),
+           image=Prompting(template=_OMNI, media="<|IMAGE|>"), video=Prompting(template=_OMNI, media="<|VIDEO|>")),
+    _QWEN3,
+    _QWEN3.model_copy(update={"name": "qwen3_vl_moe", "model_types": ("qwen3_vl_moe",),
+                              "model": "Qwen/Qwen3-VL-30B-A3B-Instruct"}),
     Recipe(name="tarsier2", family="qwen", model="omni-research/Tarsier2-Recap-7b", max_model_len=4096,
            engine_args={"hf_overrides": {"architectures": ["Tarsier2ForConditionalGeneration"]}},
            image=_IMAGE, video=_VIDEO,
            removed_from_vllm="vLLM 0.26 no longer implements Tarsier2ForConditionalGeneration (supported until "
                              "v0.23.0): use vLLM <= 0.23."),
-    Recipe(name="keye_vl", family="qwen", model="Kwai-Keye/Keye-VL-8B-Preview", max_model_len=8192,
-           engine_args={"trust_remote_code": True},
-           image=Prompting(template=_KEYE, media="<|image_pad|>"),
-           video=Prompting(template=_KEYE, media="<|video_pad|>")),
-    Recipe(name="keye_vl1_5", family="qwen", model="Kwai-Keye/Keye-VL-1.5-8B", max_model_len=8192,
-           engine_args={"trust_remote_code": True},
-           image=Prompting(template=_KEYE, media="<|image_pad|>"),
-           video=Prompting(template=_KEYE, media="<|video_pad|>")),
+    _KEYE_VL,
+    _KEYE_VL.model_copy(update={"name": "keye_vl1_5", "model": "Kwai-Keye/Keye-VL-1.5-8B"}),
 )

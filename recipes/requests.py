@@ -24,34 +24,21 @@ class PromptRequest(BaseModel):
 
 
 class RecipeRequests(BaseModel):
-    """What a recipe builds for some questions: the `recipes show` contract."""
+    """What a recipe builds for some questions: the `recipes show` contract (its fields in this
+    order, those that are None left out)."""
 
     recipe: str
     model: str
     modality: str
     engine_args: dict[str, Any]
     requests: list[PromptRequest]
+    method: str = "generate"  # a recipe's prompt is for LLM.generate (a job may ask for `chat`)
     stop_token_ids: list[int] | None = None
     stop_tokens: list[str] | None = None
-    method: str
     chat_template: str | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "recipe": self.recipe,
-            "model": self.model,
-            "modality": self.modality,
-            "engine_args": self.engine_args,
-            "requests": [r.model_dump(exclude_none=True) for r in self.requests],
-            "method": self.method,
-        }
-        if self.stop_token_ids is not None:
-            data["stop_token_ids"] = self.stop_token_ids
-        if self.stop_tokens is not None:
-            data["stop_tokens"] = self.stop_tokens
-        if self.chat_template is not None:
-            data["chat_template"] = self.chat_template
-        return data
+        return self.model_dump(exclude_none=True)
 
 
 def load_local_tokenizer(model: str, trust_remote_code: bool = False):
@@ -110,24 +97,19 @@ def build_requests(
         questions = questions[:1]
     count = images if modality == "multi-image" else 1
     kind = MEDIA_KIND[modality]
+    rendered = spec.chat is None or tokenizer is not None  # a chat is rendered by the tokenizer's template
     requests = []
     for question in questions:
-        if spec.chat is None:
-            requests.append(PromptRequest(prompt=spec.text(question, count)))
-            continue
-        messages = spec.messages(question, count, kind)
-        prompt = render_chat(tokenizer, messages, spec.chat_template) if tokenizer is not None else None
+        messages = spec.messages(question, count, kind) if spec.chat else None
+        prompt = prompt_text(spec, tokenizer, question, count, kind) if rendered else None
         requests.append(PromptRequest(prompt=prompt, messages=messages))
-    ids, tokens = recipe.stops_for(modality)
-    stop_ids = resolve_stop_ids(tokenizer, recipe, modality) if tokenizer is not None else None
     return RecipeRequests(
         recipe=recipe.name,
         model=recipe.model_for(modality, model),
         modality=modality,
         engine_args=recipe.engine_args_for(modality, images=images, model=model),
         requests=requests,
-        stop_token_ids=stop_ids if tokenizer is not None else (list(ids) if ids is not None else None),
-        stop_tokens=list(tokens) if tokens is not None else None,
-        method=recipe.method,
+        stop_token_ids=resolve_stop_ids(tokenizer, recipe, modality),
+        stop_tokens=recipe.stops_for(modality)[1],
         chat_template=spec.chat_template,
     )

@@ -22,8 +22,7 @@ REMOTE_CODE = "needs the model repository's code (`--trust-remote-code`)"
 def load_checks() -> dict:
     """{"processing": [row, ...], "engine": [row, ...], "engine_run": {...}}; empty lists when absent."""
     data = json.loads(CHECKS_FILE.read_text()) if CHECKS_FILE.exists() else {}
-    return {"processing": data.get("processing", []), "engine": data.get("engine", []),
-            "engine_run": data.get("engine_run", {}), "unchecked": data.get("unchecked", {})}
+    return {"processing": [], "engine": [], "engine_run": {}, "unchecked": {}, **data}
 
 
 def check_cell(recipe, rows: list[dict], unchecked: dict[str, str], notes: list[str], other_rows: list[dict] = ()) -> str:

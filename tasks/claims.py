@@ -1,19 +1,7 @@
-"""How the partitions of a fanned-out run share its shards: claims in the output store (the whole
-story: docs/operations.md, "Fan-out over several GPUs").
-
-Before it fetches a shard of the run's plan (tasks/shard_plan.py) a partition claims it: it creates
-`claims/<run_id>/<shard>` with a conditional write (`If-None-Match: *` on S3, a hard link on a
-folder), which one partition wins, and only when its pipeline has room for one, so a partition
-that is late or slower takes fewer. Partition i of N walks each chunk of the plan from its own
-share on (`own_share_first`), so partitions meet only where one has run through its share into
-another's. A written part marks its shard done (`<shard>.done`); each partition beats a heartbeat
-every BEAT_S seconds and says `finished` however it ends; after its own shards it waits for the
-run's claimed shards to be done, and one whose holder finished without marking it done, or whose
-heartbeat stood still for STALE_S seconds, is claimed again (`<shard>.r1`, ...) and captioned here.
-
-A claim names the shard's first and last item: two partitions that see other items in a shard
-(a lister replaced, over a source that changed) is logged; no item is lost, one may be captioned
-twice.
+"""How the partitions of a fanned-out run share its shards: claims in the output store, heartbeats,
+and the retake of a gone partition's shards (the whole story: docs/operations.md, "Fan-out over
+several GPUs"). A claim names the shard's first and last item, so that two partitions that see
+other items in one shard (a lister replaced, over a source that changed) are logged.
 """
 
 from __future__ import annotations
@@ -41,12 +29,10 @@ class ShardClaims:
     """This partition's side of the run's claims (one per partition process): the ledger of who
     holds which shard, and, inside `with`, this partition's heartbeat."""
 
-    def __init__(self, out: Storage, run_id: str, partition: int, owner: str | None = None,
-                 beat_s: float = BEAT_S, stale_s: float = STALE_S, partitions: int = 1):
+    def __init__(self, out: Storage, run_id: str, partition: int, beat_s: float = BEAT_S, stale_s: float = STALE_S,
+                 partitions: int = 1):
         self.out, self.run_id, self.partition, self.partitions = out, run_id, partition, partitions
-        self.owner = owner or f"p{partition}"
-        self.prefix = claims_prefix(run_id)
-        self.stale_s = stale_s
+        self.owner, self.prefix, self.stale_s = f"p{partition}", claims_prefix(run_id), stale_s
         self.taken = 0  # shards this partition claimed (first claims and retakes)
         self.retaken = 0
         # A partition's heartbeat as this process last saw it, and when it last changed: (beat, when)

@@ -1,17 +1,8 @@
-"""One run of a job at a time, whatever started it (docs/operations.md, "Concurrency limits").
-
-The prod deployment's own concurrency limit covers only runs of that deployment; `vlm-caption
-run`, the dev deployment or the Python flow with the same job could overlap it and caption the
-same objects twice. A Prefect global concurrency limit named after the job's fingerprint (one
-slot, created when missing, taken with `strict` so a missing limit is an error and not a free
-pass) makes a second run wait for the first, then skip what the first did.
-
-The embedded server that `vlm-caption run` starts without `PREFECT_API_URL` runs no repossessor
-(which frees the slot of a run that died once its lease expires) and keeps its leases in the memory
-of the process that died, so there the slot is also guarded by an OS file lock, taken before the slot
-and let go after it. The kernel lets go of the lock of a process that ends in any way (SIGKILL at any
-instruction included), so a run that holds the lock knows no live run holds the slot: a slot still
-taken then belongs to a dead run and is freed.
+"""One run of a job at a time, whatever started it (docs/operations.md, "Concurrency limits"): a
+Prefect global concurrency limit named after the job's fingerprint (one slot, created when missing,
+taken `strict`). The embedded server runs no repossessor and keeps its leases in the memory of the
+process that died, so there the slot is also guarded by an OS file lock, which the kernel lets go
+of however its holder ends: a run that holds the lock knows a slot still taken is a dead run's.
 """
 
 from __future__ import annotations
@@ -49,13 +40,15 @@ def _holder(fd: int) -> str:
 _held: dict[str, int] = {}  # the job lock files this process holds, by limit name: their descriptors
 
 
-def take_job_lock(name: str, wait_s: float, output: str, log, say=None) -> int | None:
+def hold_job_lock(fingerprint: str, output: str, say=None) -> int | None:
     """Take the job's lock file (embedded server only; None with a Prefect server, whose repossessor
-    frees a dead run's slot), waiting up to `wait_s` while another run holds it; `say(line)` is told
-    once whom it waits for. Taken once per process: a second call finds it held. The file, beside the
-    Prefect home, holds the process id of its holder, for messages."""
+    frees a dead run's slot), waiting up to VLM_CAPTION_JOB_WAIT_S while another run holds it;
+    `say(line)` is told once whom it waits for. `vlm-caption run` takes it before anything starts and
+    holds it until the process ends; a second call finds it held. The file, beside the Prefect home,
+    holds the process id of its holder, for messages."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
+    name, wait_s = lease_name(fingerprint), get_settings().job_wait_s
     if PREFECT_API_URL.value() or name in _held:
         return _held.get(name)
     path = Path(PREFECT_HOME.value()) / "vlm-caption-slots" / f"{name}.lock"
@@ -69,7 +62,8 @@ def take_job_lock(name: str, wait_s: float, output: str, log, say=None) -> int |
                 break
             except BlockingIOError:
                 if not said:
-                    log.info("waiting for another run of this job", holder=_holder(fd), wait_s=wait_s)
+                    get_logger(fingerprint=fingerprint).info("waiting for another run of this job",
+                                                             holder=_holder(fd), wait_s=wait_s)
                     if say is not None:
                         say(f"waiting for another run of this job ({_holder(fd)}); it ends, then this one "
                             "skips what it did. Ctrl-C to stop waiting")
@@ -84,13 +78,6 @@ def take_job_lock(name: str, wait_s: float, output: str, log, say=None) -> int |
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[name] = fd
     return fd
-
-
-def hold_job_lock(fingerprint: str, output: str, say) -> None:
-    """`vlm-caption run`: the job's lock taken before anything starts (no server, no engine while
-    another run of the job holds it), held until the process ends."""
-    take_job_lock(lease_name(fingerprint), get_settings().job_wait_s, output, get_logger(fingerprint=fingerprint),
-                  say)
 
 
 def _busy(name: str, wait_s: float, output: str, holder: str = "") -> JobBusyError:
@@ -111,8 +98,8 @@ def one_run_per_job(fingerprint: str, output: str) -> Iterator[None]:
     name = lease_name(fingerprint)
     wait_s = get_settings().job_wait_s
     log = get_logger(fingerprint=fingerprint)
-    mine = name not in _held  # else the process's own lock, taken by `hold_job_lock`, stays held after
-    fd = take_job_lock(name, wait_s, output, log)
+    mine = name not in _held  # else the process's own lock, taken by `vlm-caption run`, stays held after
+    fd = hold_job_lock(fingerprint, output)
     try:
         with get_client(sync_client=True) as client:
             try:

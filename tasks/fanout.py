@@ -1,13 +1,6 @@
 """Fan-out over GPU workers: child runs of the partition deployment, started and awaited
-(docs/operations.md, "Fan-out over several GPUs").
-
-A parent run with `fan_out=N` starts partitions 1..N-1 as child flow runs (`run_deployment`,
-linked to the parent in the UI) on the partition deployment's work pool, and captions partition 0
-itself; the partitions share the shards by claims (tasks/claims.py). A run with earlier results
-asks for its children only once its shard plan shows a shard to caption (`ChildrenOnWork`), so a
-night with nothing new starts no child; one with none asks at once, while its own engine builds.
-A child that no worker has picked up by the time the parent has finished is claimed by the parent
-(so no worker starts it later) and run there, where it finds every shard taken.
+(docs/operations.md, "Fan-out over several GPUs"). A child that no worker has picked up by the time
+the parent has finished is claimed by the parent (so no worker starts it later) and run there.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ from prefect.exceptions import ObjectNotFound
 
 from vlm_caption.tasks.errors import FanOutFailure
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.shard_plan import chunk_key, plan_prefix
+from vlm_caption.tasks.shard_plan import POLL_S as PLAN_POLL_S, chunk_key, plan_prefix
 from vlm_caption.tasks.sources.storage import Storage
 
 POLL_S = 5.0
@@ -45,12 +38,9 @@ class ChildRun:
     name: str
 
 
-def wait_for_orphans(deployment: str, output: str, fingerprint: str, poll_s: float = POLL_S) -> None:
-    """Let children of an earlier run of this job finish before starting new ones.
-
-    A child whose parent died keeps captioning its slice. Starting a new child for the same
-    slice meanwhile would caption objects twice; once the orphan is done, its parts are on the
-    done-index and the new run skips them."""
+def wait_for_orphans(deployment: str, output: str, fingerprint: str) -> None:
+    """Let children of an earlier run of this job (a parent that died) finish before starting new ones,
+    which would caption their objects twice; once they are done, the new run skips what they did."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterState
 
     log = get_logger()
@@ -68,14 +58,12 @@ def wait_for_orphans(deployment: str, output: str, fingerprint: str, poll_s: flo
             if not orphans:
                 return
             log.info("waiting for partitions of an earlier run of this job", flow_runs=orphans)
-            time.sleep(poll_s)
+            time.sleep(POLL_S)
 
 
 def start_children(deployment: str, child_jobs: dict[int, dict[str, Any]], label: Callable[[dict], str],
                    attempt: int, parent_run_id: str) -> list[ChildRun]:
-    """Create one child flow run per partition and return without waiting for them.
-
-    Each is named by `label` (the flow's own run-name rule) so it reads right before it starts."""
+    """One child flow run per partition, named by `label` (the flow's run-name rule), not waited for."""
     children = []
     for index, job in child_jobs.items():
         name = label(job)
@@ -105,8 +93,8 @@ class ChildrenOnWork:
     first, starts none. `stop()` ends the watch and returns the children started (or raises what
     starting them raised)."""
 
-    def __init__(self, out: Storage, run_id: str, start: Callable[[], list[ChildRun]], poll_s: float = 0.5):
-        self.out, self.run_id, self.start_them, self.poll_s = out, run_id, start, poll_s
+    def __init__(self, out: Storage, run_id: str, start: Callable[[], list[ChildRun]]):
+        self.out, self.run_id, self.start_them = out, run_id, start
         self.children: list[ChildRun] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -144,7 +132,7 @@ class ChildrenOnWork:
                 return json.loads(self.out.read(prefix + "end.json")).get("shards", 0) > 0
             if "failed.json" in names:
                 return False  # partition 0 stops with the listing's error
-            self._stop.wait(self.poll_s)
+            self._stop.wait(PLAN_POLL_S)
         return False
 
 
@@ -153,14 +141,11 @@ CALLED_OFF = "the parent run failed before a worker started this partition; its 
 
 
 def wait_for_children(children: list[ChildRun], run_here: Callable[[ChildRun], str] | None = None,
-                      poll_s: float = CHILD_POLL_S, claim_message: str = TAKEN_OVER) -> dict[int, str]:
-    """Block until every child reaches a final state; return each one's state name.
-
-    With `run_here`, a child still waiting for a worker is claimed (marked CANCELLED with
-    `claim_message`) and handed to `run_here`, which captions it in this process, or not, and
-    returns the partition's state. A child whose worker died stays RUNNING until Prefect marks
-    it CRASHED (the zombie automation in deployments/automations.yaml does that from missed
-    heartbeats)."""
+                      claim_message: str = TAKEN_OVER) -> dict[int, str]:
+    """Each child's final state name, waited for. With `run_here`, a child still waiting for a worker is
+    claimed (`claim_unstarted`) and handed to `run_here`, which returns the partition's state. A child
+    whose worker died stays RUNNING until the zombie automation (deployments/automations.yaml) marks it
+    CRASHED."""
     log = get_logger()
     states: dict[int, str] = {}
     with get_client(sync_client=True) as client:
@@ -179,15 +164,13 @@ def wait_for_children(children: list[ChildRun], run_here: Callable[[ChildRun], s
                                 partition=child.index, flow_run_id=child.flow_run_id)
                     states[child.index] = run_here(child)
             if len(states) < len(children):
-                time.sleep(poll_s)
+                time.sleep(CHILD_POLL_S)
     return states
 
 
 def claim_unstarted(client, child: ChildRun, message: str = TAKEN_OVER) -> bool:
-    """Take over a child that no worker has started. The claim is the one a worker makes (a
-    proposed PENDING, which the server grants to one proposer only), so a worker picking the
-    run up at the same moment gets it or we do, never both. The claimed run is then marked
-    CANCELLED with a message that says who captions its partition (or why nobody does)."""
+    """Take over a child that no worker has started: the claim a worker makes (a proposed PENDING, granted
+    to one proposer only), then CANCELLED with a `message` saying who captions its partition, if anyone."""
     from prefect.client.schemas.responses import SetStateStatus
     from prefect.states import Cancelled, Pending
 

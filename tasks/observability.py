@@ -123,11 +123,8 @@ class _Formatter(structlog.stdlib.ProcessorFormatter):
 
 
 def configure_logging() -> None:
-    """Idempotent: safe to call from every flow and task. The handler that sends the lines to
-    Prefect's UI is added once Prefect is imported in this process: the engine's thread logs
-    before `vllm.LLM` starts, and importing Prefect's logging there (about a second of
-    GIL-bound imports) would delay the engine; no line can reach a flow run before Prefect is
-    imported anyway."""
+    """Idempotent. The handler to Prefect's UI is added once Prefect is imported: importing Prefect's
+    logging on the engine's thread (about a second of GIL-bound imports) would delay the engine."""
     global _configured, _api_handler_added
     _install_redaction()
     if _configured and (_api_handler_added or "prefect" not in sys.modules):
@@ -216,10 +213,8 @@ class Progress(TerminalProgress):
         super().__init__(0, description)
 
     def skip(self, items: int) -> None:
-        """Items the listing found already done: listed and done for the artifact, published
-        with the next shard's progress (or at the end), not before: while the listing goes on,
-        new items may follow. The terminal counts this run's work only (its items/s and ETA
-        are about what is new)."""
+        """Items the listing found already done: listed and done for the artifact (published with the
+        next shard's progress), not for the terminal, whose items/s and ETA are about what is new."""
         self.skipped += items
 
     @property

@@ -1,21 +1,12 @@
-"""What vlm-caption relies on of Prefect beyond flows, tasks and its client: the one module that
-knows it, so that a Prefect upgrade that changes any of it fails tests/test_prefect_api.py
-instead of opening a quiet run's terminal.
-
-It uses Prefect's public machinery only (its settings, its client), no name below them:
-- Prefect prints its first-run telemetry notice on `sys.stderr` while `import prefect` runs, and
-  only where stdout or stderr is a terminal (and this PREFECT_HOME has not shown it; DO_NOT_TRACK=1
-  or a CI variable turn it off with Prefect's usage data). `import_prefect` does that first import
-  with stderr held, so the notice is placed where a person reads it once: in a quiet run's log with
-  one line of ours on the terminal (tasks/terminal.py), at the start of `vlm-caption server`, or
-  before a command's one-line error; anything else gets it on stderr as the process ends.
-- Without PREFECT_API_URL (and PREFECT_SERVER_EPHEMERAL_ENABLED on, Prefect's default), Prefect's
-  client (`get_client()`) starts Prefect's embedded ("temporary") API server, a process of its own,
-  once per process, and waits up to PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS for it to
-  answer; the server gets this process's environment, and Prefect stops it as the process exits
-  (after its log and event workers have sent what they hold). Prefect reads its settings from the
-  environment as it is imported: `embedded_server_defaults` sets what `run` and `demo` need there,
-  as the command begins (importing a module of this package changes no environment variable).
+"""What vlm-caption relies on of Prefect beyond flows, tasks and its client, through Prefect's public
+settings and client only: the one module that knows it, so that a Prefect upgrade that changes any of
+it fails tests/test_prefect_api.py instead of opening a quiet run's terminal.
+- Prefect prints its first-run telemetry notice on `sys.stderr` while `import prefect` runs, where
+  stdout or stderr is a terminal: `import_prefect` holds it, to be placed where a person reads it
+  once (a quiet run's log, the start of `vlm-caption server`, before a command's one-line error).
+- Without PREFECT_API_URL, Prefect's client starts its embedded server, a process of its own, once
+  per process, with this process's environment, and stops it as the process exits. Prefect reads
+  its settings as it is imported: `embedded_server_defaults` sets what `run` and `demo` need there.
 """
 
 from __future__ import annotations
@@ -88,10 +79,8 @@ def release_notice(terminal: IO[str] | None) -> None:
 
 
 def show_prefect_notice_now(file: IO[str], *, import_now: bool = False) -> None:
-    """Prefect's first-run notice, where Prefect has one for this terminal, printed now: at the
-    start of `vlm-caption server` (the first command of the operator's path, so the notice is
-    not in the middle of `prefect deploy` later: Prefect shows it once per PREFECT_HOME), or
-    before a command's one-line error (not after it, as the process ends)."""
+    """Prefect's first-run notice, where Prefect has one for this terminal, printed now: at the start of
+    `vlm-caption server` (not in the middle of `prefect deploy` later), or before a command's error."""
     if import_now:
         import_prefect()
     if _held:
@@ -103,9 +92,7 @@ def show_prefect_notice_now(file: IO[str], *, import_now: bool = False) -> None:
 @contextlib.contextmanager
 def embedded_server_defaults(active: bool = True) -> Iterator[None]:
     """EMBEDDED_SERVER_DEFAULTS in this process's environment while a command runs, each where the
-    environment has none (a user's own value wins), then taken out again. Set as `run` and `demo`
-    begin, before Prefect is imported (it reads them then), they reach Prefect's client, its embedded
-    server's process and any child the run starts. Not `active`: nothing changes."""
+    environment has none (a user's own value wins), then taken out again. Not `active`: nothing changes."""
     added = {name: value for name, value in EMBEDDED_SERVER_DEFAULTS.items() if active and name not in os.environ}
     os.environ.update(added)
     # Prefect reads its settings from the environment when it is first imported: where a caller imported
@@ -127,11 +114,9 @@ def embedded_server_defaults(active: bool = True) -> Iterator[None]:
 
 
 def start_embedded_server_early() -> Callable[[], None]:
-    """Start Prefect's embedded server now, on a thread, where the run would start it (no
-    PREFECT_API_URL): Prefect's client starts it, and its process starts while this one imports the
-    flow and begins a nightly run's listing. Returns what waits for it, which the caller calls before
-    its first use of Prefect's client: a start that failed is left to that client, which starts it
-    again and raises its own error. The thread runs in this thread's context (Prefect's settings)."""
+    """Start Prefect's embedded server now, on a thread, where the run would start it (no PREFECT_API_URL).
+    Returns what waits for it, called before the first use of Prefect's client: a start that failed is
+    left to that client, which starts it again and raises its own error."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():

@@ -123,10 +123,8 @@ class ItemPreparer:
 
     def __init__(self, reader: SourceReader, done: DoneIndex, questions: tuple[str, ...],
                  options: MediaOptions):
-        settings = get_settings()
         self.reader, self.done, self.questions, self.options = reader, done, questions, options
-        self.max_object_bytes = settings.max_object_bytes
-        self.max_image_pixels = settings.max_image_pixels
+        self.settings = settings = get_settings()
         self.video_limits = VideoLimits(settings.max_video_seconds, settings.max_video_frame_pixels)
 
     def prepare(self, item: WorkItem) -> PreparedItem | None:
@@ -163,9 +161,9 @@ class ItemPreparer:
         started, blobs = time.perf_counter(), []
         for ref in prepared.item.members:
             data, error = None, None
-            if ref.size > self.max_object_bytes:
+            if ref.size > self.settings.max_object_bytes:
                 error = ItemError("too_large", f"{ref.key} is {ref.size} bytes, over the limit of "
-                                  f"{self.max_object_bytes} (VLM_CAPTION_MAX_OBJECT_BYTES)")
+                                  f"{self.settings.max_object_bytes} (VLM_CAPTION_MAX_OBJECT_BYTES)")
             else:
                 try:
                     with _FETCH_SLOTS:
@@ -190,7 +188,7 @@ class ItemPreparer:
                 prepared.media = decode_video_pooled(blobs[0], num_frames=self.options.num_frames,
                                                      limits=self.video_limits, resize=self.options.frame_resize)
             else:
-                images = decode_images(blobs, self.max_image_pixels, self.options.resize)
+                images = decode_images(blobs, self.settings.max_image_pixels, self.options.resize)
                 prepared.media = images if self.options.modality == "multi-image" else images[0]
         except MediaError as exc:
             prepared.error = exc.error
@@ -199,10 +197,8 @@ class ItemPreparer:
 
 def prepare_shard(source: SourceSpec, shard: Shard, done: DoneIndex, questions: tuple[str, ...],
                   options: MediaOptions) -> PreparedShard:
-    """Fetch (bounded concurrency and bytes), hash and decode one shard; skip what is done. Media
-    are read by the source format's reader, through the storage the plan opened.
-    A plain function, run on its batch's threads (flows/batches.py); an item's failure is
-    its error, so nothing here is tried again."""
+    """Fetch (bounded concurrency and bytes), hash and decode one shard, by the source format's reader;
+    skip what is done. An item's failure is its error, so nothing here is tried again."""
     preparer = ItemPreparer(open_reader(source), done, questions, options)
     prepared = PreparedShard(shard)
     workers = max(1, min(FETCH_CONCURRENCY, len(shard.items)))
@@ -216,9 +212,8 @@ def prepare_shard(source: SourceSpec, shard: Shard, done: DoneIndex, questions: 
 
 
 def unprepared_shard(shard: Shard, done: DoneIndex, questions: tuple[str, ...], error: BaseException) -> PreparedShard:
-    """A shard whose prepare step failed as a whole (not an item's fetch or decode): each item
-    with work left carries that failure, retryable, so its records say so and the next run tries
-    it again."""
+    """A shard whose prepare step failed as a whole (not an item's fetch or decode): each item with work
+    left carries that failure, retryable, so the next run tries it again."""
     failure = ItemError("fetch", f"the shard failed: {type(error).__name__}: {error}", retryable=True)
     prepared = PreparedShard(shard)
     for item in shard.items:

@@ -80,15 +80,11 @@ class ResultRecord(BaseModel):
 def job_fingerprint(*, source: str, recipe: str, model: str, modality: str, method: str,
                     media: dict[str, Any], sampling: dict[str, Any], structured: dict[str, Any] | None = None,
                     retry_looping: float | None = None, dedup: bool = True) -> str:
-    """What makes two results interchangeable: same source, recipe, model, modality, method,
-    media sampling (frames per video) and sampling parameters.
-
-    The question is not part of it: each record carries its question, so adding a question
-    later computes only that one. The source is, because record keys are relative to it: two
-    prefixes that both hold `a.jpg` and write to one output must not count as each other's.
-    So is whatever else changes the records: a structured-output constraint (JSON schema, regex,
-    choice), the re-ask of looping captions, copies captioned each on its own (`dedup` off); each
-    is left out at its default, so a job's fingerprint is what it was before they existed."""
+    """What makes two results interchangeable: same source (record keys are relative to it), recipe,
+    model, modality, method, media sampling and sampling parameters, and whatever else changes the
+    records (a structured-output constraint, the re-ask of looping captions, `dedup` off), each left
+    out at its default so that a job's fingerprint is what it was before it existed. Not the question:
+    each record carries its own, so a question added later computes only that one."""
     fields = {"source": source.rstrip("/"), "recipe": recipe, "model": model, "modality": modality,
               "method": method, "media": media, "sampling": sampling}
     given = {"structured": structured, "retry_looping": retry_looping, "dedup": None if dedup else False}

@@ -1,18 +1,9 @@
 """Same media captioned once (`CaptionJob.dedup`; docs/operations.md, "Caption checks, copies and
 what a run cost"): an (item, question) whose media are the same bytes as one already asked takes
 that answer with no engine request, its record's `duplicate_of` naming the key of the item
-captioned. Found three ways:
-
-- in the run's process, by the fetched bytes' sha256 (a group's hash of its members'), the first
-  still in the engine or done (`SAME_MEDIA.answers`, called by tasks/engine/steps.py): the latest
-  KEEP_ANSWERS of a run, a copy of an older one is captioned again;
-- from an earlier run's (or shard's) result, found by the done-index while the item is prepared
-  (`take_copies`, called by tasks/prepare.py): before the fetch where every member's listed ETag
-  is the object's MD5 (a single-part S3 upload's), so equal (ETag, size) lists are equal bytes;
-  else after it, by the sha256 (the copy is not decoded);
-- across a fanned-out run's partitions, by the one that lists the source (`ListedCopies`, called
-  by tasks/shard_plan.py), into copy shards: by listed MD5 ETags, or in a folder by the bytes of
-  items whose sizes equal an earlier item's (each read once).
+captioned. Found in the run's process by the fetched bytes' sha256 (`SAME_MEDIA`), from a done
+result by the done-index (`take_copies`: before the fetch by listed MD5 ETags, else after it), and
+across a fanned-out run's partitions by its lister (`ListedCopies`), into copy shards.
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vlm_caption.tasks.results.done_index import DoneIndex
@@ -77,13 +68,13 @@ class CopyWithoutAnswer(RuntimeError):
     """The shard of the item a copy waited on failed (the copy's shard is retried)."""
 
 
+@dataclass(slots=True, eq=False)
 class Claim:
     """One (media, question) of a run: the first item's key and, once the engine gave it, its answer."""
 
-    __slots__ = ("key", "answer", "error")
-
-    def __init__(self, key: str) -> None:
-        self.key, self.answer, self.error = key, None, None
+    key: str
+    answer: GenerationOutput | None = None
+    error: BaseException | None = None
 
 
 class SameMedia:

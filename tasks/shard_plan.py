@@ -1,19 +1,9 @@
 """One listing per fanned-out run: the shard plan, shared by the partitions through the output store
-(docs/operations.md, "Fan-out over several GPUs").
-
-The first partition to start wins `claims/<run_id>/plan/lister` (a conditional write, as a shard's
-claim) and lists the source, leaving out what is already done, into numbered chunks
-(`plan/000000.jsonl`, ...: a header line, then one line per shard), each written as soon as it
-holds CHUNK_SHARDS shards or CHUNK_S has passed, then `plan/end.json` (a failed listing:
-`plan/failed.json`). Every partition reads the chunks as they appear and claims each shard before
-taking it (tasks/claims.py). A chunk's header counts the items listed through it and those already
-done, which the lister's partition reports, so the run's counts add up once. A lister gone before
-`end.json` is replaced by the winner of `plan/lister.r1`, which lists on after the last chunk.
-
-Copies (tasks/same_media.py) go into *copy shards* (a chunk line `[index, items, 1]`), taken last,
-once every other shard of the plan is done (`originals_done`), with the done-index loaded again:
-each copy finds its original's answer whichever partition captioned it, and no partition waits on
-another's shard in the middle of its pipeline.
+(docs/operations.md, "Fan-out over several GPUs"). The lister writes `claims/<run_id>/plan/`: numbered
+chunks (`000000.jsonl`: a header counting the items listed and already done, then a line per shard;
+a copy shard's line `[index, items, 1]`), then `end.json` (or `failed.json`); a gone lister is
+replaced by the winner of `plan/lister.r1`. Copy shards (tasks/same_media.py) are taken last, once
+every other shard of the plan is done (`originals_done`), so each copy finds its original's answer.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import sys
 import time
@@ -53,7 +54,14 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
             # Stopped by a Ctrl-C, the run's end ends the engine and the server (tasks/interrupt.py), and
             # what they and the run's threads print as they end stays in the log: 1 and 2 are left on it.
             if not _interrupted:
-                _release_engine()  # else vLLM ends its processes at exit, a warning on the terminal
+                # The run's engine shut down now, into the log: at exit vLLM's process manager may say, on the
+                # terminal, that it force-killed an engine process slow to end (on a busy machine).
+                if (engine := sys.modules.get("vlm_caption.tasks.engine.vllm_engine")) is not None:
+                    try:
+                        engine.release_engines()
+                    except Exception as exc:  # noqa: BLE001 - the run is over: nothing here may fail it
+                        print(f"vlm-caption: the engine not shut down now ({type(exc).__name__}: {exc}); it is as "
+                              "the process ends", file=sys.stderr)  # the run's log
                 sys.stdout.flush()
                 sys.stderr.flush()
                 for fd, copy in saved.items():
@@ -104,20 +112,6 @@ def say_phase(what: str) -> None:
         _progress.console.print(line, highlight=False, soft_wrap=True)
     else:
         print(line, file=_terminal, flush=True)
-
-
-def _release_engine() -> None:
-    """The run's engine shut down now, into the log: at exit vLLM's process manager may say, on
-    the terminal, that it force-killed an engine process slow to end (on a busy machine).
-    Nothing is imported for a run that started no engine."""
-    engine = sys.modules.get("vlm_caption.tasks.engine.vllm_engine")
-    if engine is None:
-        return
-    try:
-        engine.release_engines()
-    except Exception as exc:  # noqa: BLE001 - the run is over: nothing here may fail it
-        print(f"vlm-caption: the engine not shut down now ({type(exc).__name__}: {exc}); it is as the process "
-              "ends", file=sys.stderr)  # the run's log
 
 
 def _to_exit_log() -> None:
@@ -190,8 +184,10 @@ class TerminalProgress:
         now = time.monotonic()
         if self.first is None and self.done:
             self.first = (now, self.done)
-        rate = self.rate(now)
-        if rate is None and self.done >= self.total:
+        rate = None
+        if self.first is not None and now - self.first[0] >= self.RATE_WINDOW_S:  # items/s since the first result
+            rate = (self.done - self.first[1]) / (now - self.first[0])
+        elif self.done >= self.total:
             rate = self.whole_rate(now)  # all done within the window (a small run): never "-" at the end
         shown = "-" if rate is None else f"{rate:.2f}"
         if self.stopped:
@@ -203,13 +199,6 @@ class TerminalProgress:
         eta = "0:00" if left == 0 else "-" if not rate else f"{int(left / rate) // 60}:{int(left / rate) % 60:02d}"
         self.console.print(f"vlm-caption: {self.done}/{self.total} items · {shown} items/s · ETA {eta} · "
                            f"{self.errors} errors", highlight=False, soft_wrap=True)
-
-    def rate(self, now: float) -> float | None:
-        """Items/s since the first result; None until that spans RATE_WINDOW_S."""
-        if self.first is None or now - self.first[0] < self.RATE_WINDOW_S:
-            return None
-        since, done_then = self.first
-        return (self.done - done_then) / (now - since)
 
     def whole_rate(self, now: float) -> float | None:
         """Items/s since the progress began (the engine's start included), for a run whose
@@ -229,10 +218,15 @@ class TerminalProgress:
             self.bar.stop()
 
 
-def print_summary(summary: dict[str, Any], output: str, log_path: Path | None, file: IO[str] | None = None,
-                  source: str | None = None) -> None:
-    """The end of a run in a few lines: what was captioned, how fast, where it all is. Plain aligned
-    lines (no table folding): paths stay whole for copy and paste, and for grep."""
+def print_run_end(summary: dict[str, Any], output: str, log_path: Path | None, log_format: str | None,
+                  source: str | None = None, file: IO[str] | None = None) -> None:
+    """The end of `run` and `demo`: one JSON object for a machine, or for a person what was captioned,
+    how fast and where it all is, in plain aligned lines (no table folding): paths stay whole for copy
+    and paste, and for grep."""
+    file = file or sys.stdout
+    if log_format == "json":
+        print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2), file=file)
+        return
     by_kind = summary.get("failed_by_kind") or {}
     failed = f"{summary['failed']} failed" + (
         " (" + ", ".join(f"{kind} {count}" for kind, count in sorted(by_kind.items())) + ")" if by_kind else "")
@@ -249,18 +243,6 @@ def print_summary(summary: dict[str, Any], output: str, log_path: Path | None, f
              if summary.get(name)]
     if log_path is not None:
         rows.append(("log", str(log_path)))
-    print("vlm-caption: run finished", file=file or sys.stdout)
+    print("vlm-caption: run finished", file=file)
     for name, value in rows:
-        print(f"  {name:<9}{value}", file=file or sys.stdout)
-
-
-def print_run_end(summary: dict[str, Any], output: str, log_path: Path | None, log_format: str | None,
-                  source: str | None = None) -> None:
-    """The end of `run` and `demo`: the summary for a person, or one JSON object for a machine."""
-    if log_format == "json":
-        import json
-
-        print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
-    else:
-        print_summary(summary, output, log_path, source=source)
-
+        print(f"  {name:<9}{value}", file=file)

@@ -22,7 +22,7 @@ IMAGE_SIDE = 112  # pixels; with patch 14 this gives 64 image tokens per picture
 PATCH = 14
 
 
-def train_tokenizer(special_tokens: list[str], vocab_size: int = 600):
+def train_tokenizer(special_tokens: list[str]):
     """A byte-level BPE tokenizer trained in-process; every string encodes and decodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -30,7 +30,7 @@ def train_tokenizer(special_tokens: list[str], vocab_size: int = 600):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=600,
         special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,  # the demo's terminal shows the run, not a tokenizer's training
@@ -92,12 +92,9 @@ def quiet_save() -> Iterator[None]:
 
 
 def build_tiny_llava(out: str | Path, seed: int = 0, shape: str = "tiny") -> Path:
-    """Write a random-weight LLaVA-1.5-shaped checkpoint (CLIP tower + Llama LM) to `out`.
-
-    "tiny" is chosen for vLLM's CPU backend: attention head_dim 64 (it rejects 16). "7b" is
-    built on the GPU when there is one (seconds instead of minutes on a CPU).
-    Idempotent: an existing complete checkpoint is reused.
-    """
+    """Write a random-weight LLaVA-1.5-shaped checkpoint (CLIP tower + Llama LM) to `out`, or reuse a
+    complete one there. "tiny" has attention head_dim 64, which vLLM's CPU backend needs (it rejects
+    16); "7b" is built on the GPU when there is one (seconds instead of minutes on a CPU)."""
     out = Path(out)
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out

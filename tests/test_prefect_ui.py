@@ -242,10 +242,12 @@ def test_the_server_runs_prefect_at_the_projects_version_in_its_own_environment(
 
     import vlm_caption.flows.server as _loaded  # noqa: F401 - binds no name `vlm_caption` (the flow has it)
 
+    import prefect.settings  # noqa: F401 - Prefect's settings read now, not under the environment below: imported
+    # under it (serve may import Prefect), Prefect would keep its API URL for the tests after this one
+
     from vlm_caption import flows
     monkeypatch.setenv("PREFECT_API_URL", "http://elsewhere:4200/api")
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
-    # (Prefect imported under this environment would keep its API URL for the tests after this one.)
     monkeypatch.setattr("vlm_caption.tasks.prefect_api.show_prefect_notice_now", lambda file, import_now=False: None)
     started = {}
 

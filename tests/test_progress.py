@@ -98,13 +98,13 @@ print("the summary")
 
 
 def test_the_summary_says_what_was_done_how_fast_and_where_it_all_is(capsys, tmp_path):
-    from vlm_caption.tasks.terminal import print_summary
+    from vlm_caption.tasks.terminal import print_run_end
 
     summary = {"processed": 10, "succeeded": 8, "failed": 2, "failed_by_kind": {"bad_input": 1, "engine": 1},
                "skipped_already_done": 5, "items_per_s": 0.5, "wall_s": 20.2, "generate_items_per_s": 2.0,
                "output_tokens_per_s": 128.0, "fingerprint": "abc", "manifest": "s3://b/out/manifests/r.json",
                "gallery": "s3://b/out/manifests/r.html", "parquet": None}
-    print_summary(summary, "s3://b/out/", tmp_path / "run.log")
+    print_run_end(summary, "s3://b/out/", tmp_path / "run.log", None)
     assert capsys.readouterr().out.splitlines() == [
         "vlm-caption: run finished",
         "  items    10 captioned: 8 ok, 2 failed (bad_input 1, engine 1); 5 already done",

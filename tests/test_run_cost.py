@@ -112,7 +112,7 @@ def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api
                                                                     monkeypatch, settings_env):
     from vlm_caption.flows.caption import vlm_caption
     from vlm_caption.flows.params import CaptionJob
-    from vlm_caption.tasks.terminal import print_summary
+    from vlm_caption.tasks.terminal import print_run_end
 
     media = tmp_path / "media"
     media.mkdir()
@@ -164,7 +164,7 @@ def test_a_looping_caption_is_flagged_asked_again_and_the_run_costed(prefect_api
 
     assert "loop.jpg (looping" in summary["flagged_items"]  # a row of the UI's summary artifact
     terminal = io.StringIO()
-    print_summary(summary, str(out), None, file=terminal)
+    print_run_end(summary, str(out), None, None, file=terminal)
     lines = terminal.getvalue()
     assert "  quality  " in lines and "looping" in lines and "asked again" in lines
     assert "  cost     " in lines and "cpu-s" in lines and "per 1,000 items at 2.5 per device-hour" in lines

@@ -15,6 +15,8 @@ from vlm_caption.recipes import Recipe, RecipeError
 from vlm_caption.tasks.engine import vllm_api
 from vlm_caption.tasks.engine.processor import ProcessorPlacement, apply_placement, place_processor
 
+CPU_KV_CACHE_GIB = 2
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -74,11 +76,11 @@ def image_resize_target(spec: EngineSpec):
 def frame_resize_target(spec: EngineSpec):
     """What the fetch threads may shrink video frames to: the size the model's video processor
     resizes them to anyway (None: leave them as decoded)."""
-    from vlm_caption.tasks.media.resize import frame_target
+    from vlm_caption.tasks.media.resize import processor_resize
 
     if spec.modality != "video":
         return None
-    return frame_target(spec.args["model"], spec.args.get("mm_processor_kwargs"))
+    return processor_resize(spec.args["model"], spec.args.get("mm_processor_kwargs"), "video")
 
 
 def check_engine_overrides(overrides: dict[str, Any], *, import_vllm: bool = False) -> None:
@@ -99,25 +101,30 @@ def check_engine_overrides(overrides: dict[str, Any], *, import_vllm: bool = Fal
 
 def engine_plan(spec: EngineSpec, *, on_cpu: bool) -> tuple[dict[str, Any], ProcessorPlacement]:
     """The spec's engine arguments completed for this host (sizing for a CPU, the checkpoint's
-    context limit, the recipe's logits processors as classes), and where the model's processor
-    runs, which they include. Called once, where the engine is built."""
+    context limit), and where the model's processor runs, which they include. Called once, where
+    the engine is built."""
     check_engine_overrides(spec.overrides(), import_vllm=True)  # with an unrecorded vLLM, here, not in the plan
     args = copy.deepcopy(spec.args)
     if on_cpu:
         args.setdefault("enforce_eager", True)  # compilation does not pay off for CPU-sized jobs
         # vLLM's start-up profile runs the vision encoder over its largest dummy batch to size
-        # memory. On CPU the KV cache is sized in bytes (_size_cpu_kv_cache) and nothing is
-        # compiled, so it measures nothing.
+        # memory. On CPU the KV cache is sized in bytes (below) and nothing is compiled, so it
+        # measures nothing.
         args.setdefault("skip_mm_profiling", True)
     placement = place_processor(spec.recipe, spec.processor_device, gpu=not on_cpu and _cuda_present(),
                                 user_kwargs=spec.overrides().get("mm_processor_kwargs"))
     apply_placement(args, placement)
-    if on_cpu:
-        _size_cpu_kv_cache(args)
+    # On CPU the KV cache gets a fixed size in bytes unless the caller sized it. vLLM's CPU worker
+    # reads `gpu_memory_utilization` as a fraction of RAM *minus the engine process's own RSS at
+    # start-up*: a small fraction fails at random ("Engine core initialization failed") whenever
+    # the freshly loaded model's RSS happens to exceed it, and a large one fails when another
+    # engine on the host already holds that RAM. A byte count does neither.
+    # `VLLM_CPU_KVCACHE_SPACE` (GiB, vLLM's own knob) wins when set.
+    if on_cpu and "gpu_memory_utilization" not in args and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB * 1024**3)
     limit = checkpoint_context_limit(args["model"], bool(args.get("trust_remote_code")))
     if limit and args.get("max_model_len") and args["max_model_len"] > limit:
         args["max_model_len"] = limit
-    _resolve_logits_processors(args)
     return args, placement
 
 
@@ -141,24 +148,6 @@ def _cuda_present() -> bool:
     return current_platform.is_cuda_alike()
 
 
-CPU_KV_CACHE_GIB = 2
-
-
-def _size_cpu_kv_cache(args: dict[str, Any]) -> None:
-    """On CPU, give the KV cache a fixed size in bytes unless the caller sized it.
-
-    vLLM's CPU worker reads `gpu_memory_utilization` as a fraction of RAM *minus the engine
-    process's own RSS at start-up*: a small fraction fails at random ("Engine core
-    initialization failed") whenever the freshly loaded model's RSS happens to exceed it, and a
-    large one fails when another engine on the host already holds that RAM. A byte count does
-    neither. `VLLM_CPU_KVCACHE_SPACE` (GiB, vLLM's own knob) wins when set.
-    """
-    if "gpu_memory_utilization" in args or "kv_cache_memory_bytes" in args:
-        return
-    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_GIB * 1024**3
-
-
 def checkpoint_context_limit(model: str, trust_remote_code: bool) -> int | None:
     """The checkpoint's own maximum context, if its config can be read (local or cached)."""
     try:
@@ -169,17 +158,3 @@ def checkpoint_context_limit(model: str, trust_remote_code: bool) -> int | None:
         return None
     text = getattr(config, "get_text_config", lambda: config)()
     return getattr(text, "max_position_embeddings", None)
-
-
-def _resolve_logits_processors(args: dict[str, Any]) -> None:
-    """Recipes name logits processors as 'module:Class' strings; vLLM wants the classes."""
-    from importlib import import_module
-
-    resolved = []
-    for item in args.get("logits_processors") or []:
-        if isinstance(item, str) and ":" in item:
-            module, _, name = item.partition(":")
-            item = getattr(import_module(module), name)
-        resolved.append(item)
-    if resolved:
-        args["logits_processors"] = resolved

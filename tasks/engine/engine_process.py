@@ -1,18 +1,11 @@
 """Waiting for an early engine's build to reach vLLM's engine process, before the caller takes
-the GIL.
+the GIL: the build's share in this process (the model's config and processor, vLLM's model
+modules) is Python, and Prefect's import and server start run beside it stretch the engine's whole
+start (docs/benchmarks.md), so `vlm-caption run` and the bench wait for it before importing Prefect.
 
-An engine built on a thread (`start_engine_early`) first does its share in this process (the
-model's config and processor, vLLM's model modules: Python that needs the GIL), and only then
-starts vLLM's engine process, where the long part (weights, compilation, the KV cache) happens.
-Prefect's import and its embedded server's start are Python too: run beside that first share they
-stretch it, and with it the whole start of the engine. So `vlm-caption run` and the bench wait for
-the engine process to appear (or the build to end) before they import Prefect.
-
-What is watched is the operating system's view (a new child process of this one), not vLLM's
-objects. It is called right after the build starts, before the run starts any process of its own
-(the decode pool, Prefect's embedded server), and long before the build gets to its engine process
-(vLLM's model modules come first), so a new child other than multiprocessing's resource tracker is
-the engine's.
+What is watched is the operating system's view, not vLLM's objects: called right after the build
+starts, before the run starts any process of its own (the decode pool, Prefect's embedded server),
+a new child other than multiprocessing's resource tracker is the engine's.
 """
 
 from __future__ import annotations
@@ -28,29 +21,6 @@ POLL_S = 0.05
 SPAWN_WAIT_S = 30.0
 
 
-def children_now() -> set[int]:
-    import psutil
-
-    return {child.pid for child in psutil.Process().children()}
-
-
-def engine_process_started(before: set[int]) -> bool:
-    """A child process of this one, not among `before`, other than multiprocessing's resource
-    tracker (which starts with the first spawned process, before the engine's own)."""
-    import psutil
-
-    for child in psutil.Process().children():
-        if child.pid in before:
-            continue
-        try:
-            command = " ".join(child.cmdline())
-        except psutil.Error:  # gone already, or not ours to read: not the engine process
-            continue
-        if "resource_tracker" not in command:
-            return True
-    return False
-
-
 def wait_for_engine_process(timeout_s: float = SPAWN_WAIT_S) -> float:
     """Wait until the early engine build has started vLLM's engine process, has ended, or
     `timeout_s` has passed, so that a build that never starts one (stuck before it) holds the run
@@ -59,9 +29,22 @@ def wait_for_engine_process(timeout_s: float = SPAWN_WAIT_S) -> float:
     builds = early_builds()
     if timeout_s <= 0 or not builds or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         return 0.0
-    started, before = time.perf_counter(), children_now()
+    import psutil
+
+    started, before = time.perf_counter(), {child.pid for child in psutil.Process().children()}
     while time.perf_counter() - started < timeout_s and not all(b.done() for b in builds):
-        if engine_process_started(before):
+        if any(_is_engine_process(child) for child in psutil.Process().children() if child.pid not in before):
             break
         time.sleep(POLL_S)
     return time.perf_counter() - started
+
+
+def _is_engine_process(child) -> bool:
+    """A new child other than multiprocessing's resource tracker (which starts with the first
+    spawned process, before the engine's own)."""
+    import psutil
+
+    try:
+        return "resource_tracker" not in " ".join(child.cmdline())
+    except psutil.Error:  # gone already, or not ours to read: not the engine process
+        return False

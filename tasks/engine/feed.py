@@ -46,25 +46,18 @@ def shards_holding(requests: int, shard_size: int, questions: int) -> int:
 def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | None,
                shard_media_bytes: float | None = None, shared: bool = False,
                request_tokens: float | None = None) -> int:
-    """Shards whose requests are in the engine at once (`VLM_CAPTION_FEED_DEPTH` wins). Counted
-    in shards but sized in requests and bytes: on an H100 (7B, 1920x1080) 6 shards of 64 kept
-    the batch full (1.06x raw vLLM) while 6 shards of 16 starved it (0.92x). So images get at
-    least 6 shards and twice the engine's batch (`max_num_seqs`) of requests, between FEED_ITEMS
-    and FEED_REQUESTS (one per item and question), as far as their decoded media fit in
-    `feed_media_bytes` (`shard_media_bytes`: a prepared shard's, on average; never fewer than
-    2 shards, or the engine would drain between them); videos and groups get 2 shards, their
-    frames being large. `sizing`: the engine's (None before it is up).
+    """Shards whose requests are in the engine at once (`VLM_CAPTION_FEED_DEPTH` wins), sized in
+    requests and bytes: on an H100 (7B, 1920x1080) 6 shards of 64 kept the batch full (1.06x raw
+    vLLM), 6 shards of 16 starved it (0.92x). Images: at least 6 shards and twice the engine's
+    `max_num_seqs`, between FEED_ITEMS and FEED_REQUESTS, as far as `shard_media_bytes` (a
+    prepared shard's, on average) fits `feed_media_bytes`, never fewer than 2 shards; videos and
+    groups: 2. `sizing`: the engine's (None before it is up).
 
-    `shared`: the run's shards are shared with other partitions by claims (tasks/claims.py), and
-    every shard in the feed is one the others cannot take. Such a feed aims at twice what the
-    engine runs at once, from its KV cache and `request_tokens` (a finished request's prompt and
-    output tokens on average): a 7B model on an H100 runs about 175 photos at once, not its
-    `max_num_seqs` of 1024. Once the engine is up and until a request has finished, twice its
-    batch, at most FEED_ITEMS; before it is up, the floor of 6 shards: a claim made while the
-    engine starts is one a partition that is already generating cannot take. On two H100s with
-    3,072 photos the deep feed let the first partition claim 34 of the 48 shards while its
-    engine started, and the second GPU idled for half the run; on CPU with shards of one item,
-    FEED_ITEMS let the first partition claim all 40 before the second had listed the source."""
+    `shared` (claims, tasks/claims.py): a shard in the feed is one the other partitions cannot
+    take, so the feed aims at twice what the engine runs at once (KV cache over `request_tokens`,
+    docs/operations.md); before a request has finished, twice its batch, at most FEED_ITEMS; before
+    it is up, 6 shards. A deeper feed let the first of two H100s claim 34 of 48 shards while its
+    engine started, and the second GPU idled for half the run."""
     settings = get_settings()
     if settings.feed_depth:
         return max(1, settings.feed_depth)

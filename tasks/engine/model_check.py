@@ -2,14 +2,9 @@
 folder, a hub id that is in the cache or that the hub will serve, room in the cache for its
 download) and that it is the kind of model the recipe is for. A mistake is one `ModelError`
 that says what to do, in about a second, instead of an engine start that ends in tracebacks.
-
-Hub ids go through huggingface_hub's own calls, so HF_TOKEN, HF_HUB_OFFLINE, HF_HOME (or
-HF_HUB_CACHE) and HF_ENDPOINT mean what they mean to vLLM. A model fully in the cache is
-checked without the network; otherwise the hub is asked once (`model_info`, a short timeout)
-and a good answer is remembered for the process, so the CLI's check and the flow's cost one call.
-
 The entry points are here; a checkpoint's files are read in `model_files.py`, the hub and its
-cache asked in `model_hub.py`.
+cache asked in `model_hub.py` (a model fully in the cache is checked without the network; a
+good answer of the hub is remembered for the process, so the CLI's check and the flow's cost one call).
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from vlm_caption.tasks.engine.model_hub import hub_cache_dir, hub_endpoint, hub_
 __all__ = ["ModelError", "ModelFound", "check_model", "check_fits", "resolve_model"]
 
 
-# ---- the entry points ----------------------------------------------------------------------
 def check_model(recipe: Recipe, modality: str = "image", model: str | None = None, *,
                 revision: str | None = None) -> ModelFound:
     """Resolve `model` (default: the recipe's for `modality`) and check it fits `recipe`;
@@ -62,4 +56,3 @@ def check_fits(found: ModelFound, recipe: Recipe) -> None:
         f"model {found.model} is a {kind!r} model{arch}, but recipe {recipe.name!r} is for {wanted} models "
         f"(its prompts would not match the model's). {fix}, or pass {SKIP_HINT} if this model really "
         f"takes the prompts of recipe {recipe.name!r}.")
-

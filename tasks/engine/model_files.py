@@ -41,9 +41,7 @@ def looks_local(name: str) -> bool:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    if Path(name).expanduser().exists():
-        return True
-    if name.startswith(("/", "./", "../", "~", ".\\")) or name in (".", ".."):
+    if Path(name).expanduser().exists() or name.startswith(("/", "./", "../", "~", ".\\")) or name in (".", ".."):
         return True
     try:
         validate_repo_id(name)
@@ -61,23 +59,18 @@ def check_folder(folder: Path, name: str) -> ModelFound:
         raise ModelError(f"{where} is a file, not a folder: point --model at the folder that holds config.json "
                          "and the weights.")
     try:
-        config = _config_file(folder)
+        # config.json, or params.json for a checkpoint in Mistral's own format
+        config = next((folder / n for n in CONFIG_FILES if (folder / n).is_file()), None)
         weights = weights_problem(folder)
     except OSError as exc:
         raise ModelError(f"{where} cannot be read ({exc}).") from None
-    has_config = config is not None
-    if not has_config or weights:
-        missing = " and ".join(p for p in ("no config.json" if not has_config else "", weights) if p)
+    if config is None or weights:
+        missing = " and ".join(p for p in ("no config.json" if config is None else "", weights) if p)
         raise ModelError(f"{where} has {missing}: it is not a complete checkpoint. Copy the whole model "
                          f"repository there (e.g. `hf download <hub id> --local-dir {name}`), or point --model "
                          "at the folder that holds them.")
     model_type, architectures = read_config(config, where)
     return ModelFound(name, "folder", str(folder), model_type, architectures)
-
-
-def _config_file(folder: Path) -> Path | None:
-    """config.json, or params.json for a checkpoint in Mistral's own format."""
-    return next((folder / n for n in CONFIG_FILES if (folder / n).is_file()), None)
 
 
 def weights_problem(folder: Path) -> str:
@@ -112,4 +105,3 @@ def type_of(config: dict | None) -> tuple[str | None, tuple[str, ...]]:
     if not isinstance(config, dict):
         return None, ()
     return config.get("model_type"), tuple(config.get("architectures") or ())
-

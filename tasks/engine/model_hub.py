@@ -48,12 +48,8 @@ def hub_endpoint() -> str:
 def hub_offline() -> bool:
     from huggingface_hub import constants
 
-    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        value = os.environ.get(key)
-        if value is not None and value.strip():
-            if value.strip().upper() in ("1", "ON", "YES", "TRUE"):
-                return True
-    return bool(constants.HF_HUB_OFFLINE)
+    values = [os.environ.get(key, "").strip().upper() for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")]
+    return any(value in ("1", "ON", "YES", "TRUE") for value in values) or bool(constants.HF_HUB_OFFLINE)
 
 
 def token_key() -> str:
@@ -180,7 +176,7 @@ def _download_bytes(repo: str, revision: str | None, info, cache_dir: str) -> in
     siblings = [s for s in (getattr(info, "siblings", None) or []) if "/" not in s.rfilename]
     names = [s.rfilename for s in siblings]
     weights: list[str] = []
-    if any(n in names for n in INDEX_FILES[:1]):  # the index names them; consolidated.* is left out
+    if INDEX_FILES[0] in names:  # the safetensors index names them; consolidated.* is left out
         weights = [n for n in fnmatch.filter(names, "*.safetensors") if not n.startswith("consolidated")]
     for pattern in ("*.safetensors", "*.bin", "*.pt"):
         if not weights:

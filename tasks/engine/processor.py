@@ -1,16 +1,12 @@
 """Where the model's HF processor runs: on the GPU where it can, on the CPU otherwise.
 
 vLLM runs the processor (resize, normalise, patchify every image and frame) in the process that
-owns the `LLM`, one request at a time. For Qwen2-VL-style models on a GPU host that process is
-the bottleneck: a 2B model kept an H100 62% busy on video with the processor on the CPU.
-transformers' fast (torch) processors take `device`, which vLLM passes through from
-`mm_processor_kwargs`; the processed tensors are moved to the CPU when vLLM serialises them
-for its engine process, which moves them back to the GPU.
-
-The GPU memory the processor uses lives in this (front-end) process, outside vLLM's memory
-profile. `mm_ipc_gpu_memory_gb` is vLLM's own carve-out for front-end GPU work: the engine
-takes that much off its KV cache and logs it, so the processor's working memory never pushes
-the engine into an out-of-memory error and the KV cache it gives up is recorded.
+owns the `LLM`, one request at a time: for Qwen2-VL-style models on a GPU host the bottleneck (a
+2B model kept an H100 62% busy on video with it on the CPU). transformers' fast (torch)
+processors take `device`, which vLLM passes through from `mm_processor_kwargs`. Its GPU memory
+lives in this (front-end) process, outside vLLM's memory profile: `mm_ipc_gpu_memory_gb`, vLLM's
+own carve-out for front-end GPU work, takes it off the KV cache, so it never pushes the engine
+into an out-of-memory error.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from typing import Any, Literal
 
 from vlm_caption.recipes import Recipe, RecipeError
 
-ProcessorDevice = Literal["auto", "cuda", "cpu"]
 PROCESSOR_DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
 # GiB taken off the KV cache for the processor on the GPU: its CUDA context (about 0.5 GiB) plus
 # the largest request's working memory, which the decode pool bounds by shrinking frames and
@@ -71,12 +66,8 @@ def apply_placement(args: dict[str, Any], placement: ProcessorPlacement) -> None
     kwargs.setdefault("device", "cuda")
     args["mm_processor_kwargs"] = kwargs
     args.setdefault("mm_ipc_gpu_memory_gb", PROCESSOR_GPU_GIB)
-    _check_kv_cache_holds_the_carve_out(args)
-
-
-def _check_kv_cache_holds_the_carve_out(args: dict[str, Any]) -> None:
-    """vLLM takes the processor's share off a fixed `kv_cache_memory_bytes`, and fails its start
-    deep in the engine process when nothing is left; say so before any engine starts."""
+    # vLLM takes the processor's share off a fixed `kv_cache_memory_bytes`, and fails its start
+    # deep in the engine process when nothing is left; say so before any engine starts.
     fixed, carve_out = args.get("kv_cache_memory_bytes"), float(args["mm_ipc_gpu_memory_gb"])
     if fixed is not None and fixed <= carve_out * 1024**3:
         raise RecipeError(

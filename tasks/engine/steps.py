@@ -4,7 +4,6 @@ function, run on its batch's threads: flows/batches.py)."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -41,25 +40,15 @@ def start_engine(spec: EngineSpec) -> dict:
     get_logger(recipe=spec.recipe.name).info("engine ready", model=engine.model,
                                         startup_s=round(engine.startup_s, 1), **sizing)
     return {"model": engine.model, "startup_s": engine.startup_s, "ready_at": engine.ready_at, "sizing": sizing,
-            "engine_args": {k: v if _jsonable(v) else repr(v) for k, v in engine.args.items()}}
-
-
-def _jsonable(value) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except TypeError:
-        return False
+            "engine_args": dict(engine.args)}
 
 
 def engine_request(item: PreparedItem, question: str, options: GenerateOptions) -> EngineRequest:
     """One question about one item, with its media in the shape vLLM takes for the modality."""
     media = item.media
     if isinstance(media, DecodedVideo):
-        # The same bytes sampled to another frame count are other inputs to the processor.
         needs_metadata = options.spec.recipe.needs_video_metadata
-        return EngineRequest(question, media.for_request(needs_metadata),
-                             f"{item.sha256}-f{options.num_frames}")
+        return EngineRequest(question, media.for_request(needs_metadata), media_id(item, options))
     if isinstance(media, list):
         return EngineRequest(question, media, [m.sha256 or "" for m in item.members], count=len(media))
     return EngineRequest(question, media, item.sha256 or "")
@@ -119,7 +108,8 @@ def generate_shard(prepared: PreparedShard, options: GenerateOptions, fingerprin
 
 def media_id(item: PreparedItem, options: GenerateOptions) -> str:
     """What makes two items' requests the same, the question apart: their bytes (a group's hash
-    of its members'), and for a video the frames sampled from them."""
+    of its members'), and for a video the frames sampled from them (the same bytes sampled to
+    another frame count are other inputs to the processor)."""
     return f"{item.sha256}-f{options.num_frames}" if isinstance(item.media, DecodedVideo) else item.sha256
 
 

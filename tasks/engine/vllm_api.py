@@ -1,17 +1,10 @@
-"""What this project names in vLLM beyond its top-level API, in one place.
-
-The engine is `vllm.AsyncLLMEngine` (vLLM's `AsyncLLM`, the engine `vllm serve` runs), built
-from `vllm.AsyncEngineArgs`; requests are `PromptType` dicts and `SamplingParams`. Beside those,
-tests/test_vllm_api.py checks what follows, and fails when an upgrade changes any of it:
-
-- `UsageContext.LLM_CLASS`, so the engine is sized (`max_num_seqs`, `max_num_batched_tokens`)
-  as the offline `vllm.LLM` of the examples and of a hand-written script is, not as a server;
-- the engine's `vllm_config` (the `EngineClient` protocol's attribute), read for the sizing the
-  manifest records;
-- `vllm.v1.engine.exceptions.EngineDeadError`, what a request raises once the engine is dead;
-- `EngineArgs`' fields as of vLLM 0.26.0 (`ENGINE_ARGUMENTS`), so that a misspelled
-  `--engine-arg` fails at once, before vLLM's long import. Only for that release; another
-  release's are read from `EngineArgs` once vLLM is imported, before the engine is built.
+"""What this project names in vLLM beyond its top-level API (`AsyncLLMEngine`, vLLM's `AsyncLLM`,
+built from `AsyncEngineArgs`; `PromptType` dicts; `SamplingParams`), in one place, checked by
+tests/test_vllm_api.py against the installed vLLM: `UsageContext.LLM_CLASS` (the engine sized as
+the offline `vllm.LLM` is, not as a server), the engine's `vllm_config` (the sizing the manifest
+records), `EngineDeadError`, and `EngineArgs`' fields as of vLLM 0.26.0 (`ENGINE_ARGUMENTS`: a
+misspelled `--engine-arg` fails before vLLM's long import; another release's are read from
+`EngineArgs` once vLLM is imported, before the engine is built).
 """
 
 from __future__ import annotations
@@ -19,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.metadata
+import os
 import sys
 from typing import Any
 
@@ -90,11 +84,9 @@ def installed_version() -> str | None:
 def before_vllm_import() -> None:
     """Called where this process may import vLLM first. Importing vLLM otherwise runs
     logging.config.dictConfig, which shuts down every handler in the process -- Prefect's API log
-    handler included, whose flush then deadlocks inside a running flow. With this, vLLM's warnings
-    still reach the root logger that Prefect configures. (Set here, not when a module is imported:
-    importing the product changes no setting.)"""
-    import os
-
+    handler included, whose flush then deadlocks inside a running flow; with this, vLLM's warnings
+    reach the root logger Prefect configures. (Set here, not at import: importing the product
+    changes no setting.)"""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 

@@ -103,14 +103,11 @@ class CaptionEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_MAX_TOKENS}
-        params.update(self.recipe.sampling)
-        if sampling.temperature is not None:
-            params["temperature"] = sampling.temperature
-        if sampling.max_tokens is not None:
-            params["max_tokens"] = sampling.max_tokens
-        if sampling.repetition_penalty is not None:
-            params["repetition_penalty"] = sampling.repetition_penalty
+        params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_MAX_TOKENS,
+                                  **self.recipe.sampling}
+        for key in ("temperature", "max_tokens", "repetition_penalty"):  # the job's, where it set them
+            if getattr(sampling, key) is not None:
+                params[key] = getattr(sampling, key)
         if sampling.structured is not None:
             from vllm.sampling_params import StructuredOutputsParams
 
@@ -150,8 +147,7 @@ class CaptionEngine:
         if method == "generate":
             text = self.prompt_for(request.question, request.count)
         else:
-            pictures = len(request.media) if isinstance(request.media, list) else 1
-            content = [{"type": "text", "text": request.question}, *([{"type": "image"}] * pictures)]
+            content = [{"type": "text", "text": request.question}, *([{"type": "image"}] * request.count)]
             text = render_chat(self.tokenizer, [{"role": "user", "content": content}], self.prompting.chat_template)
         return {"prompt": text, "multi_modal_data": {kind: request.media}, "multi_modal_uuids": {kind: request.uuids}}
 

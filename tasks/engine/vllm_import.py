@@ -1,14 +1,8 @@
-"""vLLM's import, made in the foreground by the first thread that needs it.
-
-Importing vLLM (torch, CUDA, transformers, its kernels) parses Python source with `ast` over a
-hundred times (torch's overloads and dynamo polyfills, pydantic's field docstrings, torchcodec).
-Python 3.11's AST constructor keeps its recursion depth in state that threads share (CPython
-gh-106905), so a parse on another thread at the same time can fail with "SystemError: AST
-constructor recursion depth mismatch". So vLLM is never imported on a thread beside other work:
-`vlm-caption run` and the bench import it before Prefect, a flow run's process as soon as its plan
-is made (flows/plan.py `start_engine_first`; a fan-out's parent once its children are asked for),
-a run with earlier results at its first new shard. Only then does the engine build on a thread
-of its own (tests/test_preflight.py watches a run's start for two threads parsing).
+"""vLLM's import, made in the foreground by the first thread that needs it: it parses Python
+source with `ast` over a hundred times (torch's overloads and dynamo polyfills, pydantic's field
+docstrings, torchcodec), and Python 3.11's AST constructor keeps state that threads share (CPython
+gh-106905: "SystemError: AST constructor recursion depth mismatch" when two parse at once). Where
+each entry point imports it: docs/architecture.md; tests/test_preflight.py watches a run's start.
 """
 
 from __future__ import annotations

@@ -17,13 +17,13 @@ class MediaError(Exception):
         super().__init__(error.message)
         self.error = error
 
+    def __reduce__(self):  # whole across the decode pool's process boundary
+        return MediaError, (self.error,)
+
 
 def decode_image(data: bytes, *, max_pixels: int):
-    """Bytes -> RGB PIL image with EXIF orientation applied.
-
-    Raises MediaError for non-images, truncated/corrupt files and images over `max_pixels`
-    (decompression bombs, VLM_CAPTION_MAX_IMAGE_PIXELS): the caller records the error and moves on.
-    """
+    """Bytes -> RGB PIL image with EXIF orientation applied. Raises MediaError for non-images,
+    truncated/corrupt files and images over `max_pixels` (decompression bombs)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
@@ -56,12 +56,11 @@ _pillow_default: int | None = None
 
 @contextlib.contextmanager
 def _pillow_limit(max_pixels: int) -> Iterator[None]:
-    """Pillow's own refusal of big images (from a header or a frame's size, wherever a format
-    checks: a warning above Image.MAX_IMAGE_PIXELS, an error above twice it) made the product's
-    limit while images decode here, so an image is refused at VLM_CAPTION_MAX_IMAGE_PIXELS, not
-    at Pillow's default of 89,478,485 pixels (below or above it). The value is module-wide: it
-    is set while any decode is under way (a process has one setting, so every thread agrees)
-    and Pillow's put back after the last, for whatever else opens images in this process."""
+    """Pillow's own refusal of big images (wherever a format checks: a warning above
+    Image.MAX_IMAGE_PIXELS, an error above twice it) made the product's limit while images decode
+    here, not Pillow's default of 89,478,485 pixels. The value is module-wide: it is set while
+    any decode is under way, and Pillow's put back after the last, for whatever else opens
+    images in this process."""
     global _decoding, _pillow_default
     from PIL import Image
 

@@ -12,7 +12,7 @@ import sys
 import threading
 from concurrent.futures import Executor, ProcessPoolExecutor
 
-from vlm_caption.tasks.media.image import MediaError, decode_image
+from vlm_caption.tasks.media.image import decode_image
 from vlm_caption.tasks.media.resize import FrameResize, ImageResize
 from vlm_caption.tasks.media.shared_frames import share_frames, taken
 from vlm_caption.tasks.media.video import DecodedVideo, VideoLimits, decode_video, video_loader
@@ -24,33 +24,24 @@ _LOCK = threading.Lock()
 
 
 def decode_job(data: bytes, max_pixels: int, target: ImageResize | None):
-    """Runs in a pool process. Returns (image, None) or (None, error): exceptions with custom
-    arguments do not cross a process boundary intact."""
-    try:
-        image = decode_image(data, max_pixels=max_pixels)
-    except MediaError as exc:
-        return None, exc.error
-    return (target.apply(image) if target else image), None
+    """Runs in a pool process (a MediaError comes back whole: `MediaError.__reduce__`)."""
+    image = decode_image(data, max_pixels=max_pixels)
+    return target.apply(image) if target else image
 
 
 def decode_video_job(data: bytes, num_frames: int, limits: VideoLimits, resize: FrameResize | None):
-    """Runs in a pool process: (video, None) or (None, error), as `decode_job`. The frames travel
-    in shared memory where there is room (tasks/media/shared_frames.py): the pool's one result
-    pipe carried about 30 clips/s whatever the processes."""
-    try:
-        video = decode_video(data, num_frames=num_frames, limits=limits, resize=resize)
-    except MediaError as exc:
-        return None, exc.error
+    """Runs in a pool process, as `decode_job`. The frames travel in shared memory where there is
+    room (tasks/media/shared_frames.py): the pool's one result pipe carried about 30 clips/s
+    whatever the processes."""
+    video = decode_video(data, num_frames=num_frames, limits=limits, resize=resize)
     video.frames = share_frames(video.frames)
-    return video, None
+    return video
 
 
 def _start_worker(niceness: int, videos: bool, threads: int = 0) -> None:
-    """Pool initializer: decoding is work ahead of the engine; it yields the CPU to the engine's
-    scheduler and the feed rather than competing with them for cores, and each process keeps to
-    `threads` threads (VLM_CAPTION_DECODE_THREADS; 0: the libraries' defaults). A pool that
-    decodes videos has vLLM's loader from its fork server (or imports it here, where processes
-    are spawned), before its first clip."""
+    """Pool initializer: decoding is work ahead of the engine, so it yields the CPU to the
+    engine's scheduler and the feed, and keeps to `threads` threads (VLM_CAPTION_DECODE_THREADS;
+    0: the libraries' defaults). A video pool's process has vLLM's loader before its first clip."""
     if niceness > 0 and hasattr(os, "nice"):
         os.nice(niceness)
     if threads > 0:
@@ -109,8 +100,7 @@ VIDEO_POOL_PROCESSES = 16
 
 def decode_pool(for_videos: bool = False) -> Executor | None:
     """The process's pool (None with VLM_CAPTION_DECODE_PROCESSES=0: decode in the caller). Made
-    first for videos, it has at most VIDEO_POOL_PROCESSES unless the setting names a number, and
-    its processes import vLLM's video loader as they start."""
+    first for videos, it has at most VIDEO_POOL_PROCESSES unless the setting names a number."""
     global _POOL, _POOL_SIZE
     if decode_processes() <= 0:
         return None
@@ -143,8 +133,8 @@ def _decode_context(for_videos: bool):
 def start_decode_pool(modality: str) -> None:
     """For a video run that decodes in the pool: start every pool process now, beside the
     engine's start, so their imports of vLLM's loader are over before the first shard's clips
-    (2x H200, Qwen2-VL-2B: started at the first clip, they held the first generation back 14 s
-    after the engine was up). The pool starts a process per task submitted while none is idle."""
+    (started at the first clip, they held the first generation back 14 s on 2x H200). The pool
+    starts a process per task submitted while none is idle."""
     if modality != "video" or not videos_in_pool() or (pool := decode_pool(for_videos=True)) is None:
         return
     for _ in range(_POOL_SIZE):
@@ -155,15 +145,8 @@ def decode_images(blobs: list[bytes], max_pixels: int, target: ImageResize | Non
     """Decode every blob (in the pool when there is one); the first error stops the item."""
     pool = decode_pool()
     if pool is None:
-        results = [decode_job(blob, max_pixels, target) for blob in blobs]
-    else:
-        results = [future.result() for future in [pool.submit(decode_job, b, max_pixels, target) for b in blobs]]
-    images = []
-    for image, error in results:
-        if error is not None:
-            raise MediaError(error)
-        images.append(image)
-    return images
+        return [decode_job(blob, max_pixels, target) for blob in blobs]
+    return [future.result() for future in [pool.submit(decode_job, b, max_pixels, target) for b in blobs]]
 
 
 def decode_video_pooled(data: bytes, *, num_frames: int, limits: VideoLimits,
@@ -174,8 +157,6 @@ def decode_video_pooled(data: bytes, *, num_frames: int, limits: VideoLimits,
     pool = decode_pool(for_videos=True) if videos_in_pool() else None
     if pool is None:
         return decode_video(data, num_frames=num_frames, limits=limits, resize=resize)
-    video, error = pool.submit(decode_video_job, data, num_frames, limits, resize).result()
-    if error is not None:
-        raise MediaError(error)
+    video = pool.submit(decode_video_job, data, num_frames, limits, resize).result()
     video.frames = taken(video.frames)
     return video

@@ -1,12 +1,9 @@
-"""Shrink images to what the model's own processor would produce anyway, before vLLM sees them.
-
-vLLM renders every image through the model's HF processor in one process; a 1920x1080 photo
-costs it far more than the 336x448 the processor resizes it to first. Shrinking in the decode
-pool (many processes, overlapped with generation) takes that work off vLLM's critical path.
-Only processors whose first step is a plain downscale are handled, and images are never
-enlarged; any other processor (any-resolution tiling, image splitting) gets the image as it is.
-A video's frames can also be shrunk to a gallery strip's size where they are decoded
-(`FrameThumbnails`).
+"""Shrink images to what the model's own processor would produce anyway, before vLLM sees them:
+vLLM renders every image through the model's HF processor in one process, where a 1920x1080
+photo costs far more than the 336x448 the processor resizes it to first; the decode pool's many
+processes take that work off vLLM's critical path. Only processors whose first step is a plain
+downscale are handled, and images are never enlarged. A video's frames can also be shrunk to a
+gallery strip's size where they are decoded (`FrameThumbnails`).
 """
 
 from __future__ import annotations
@@ -59,37 +56,25 @@ class ResizeTarget:
 
 def _read_local_json(model: str, name: str) -> dict[str, Any] | None:
     path = Path(model) / name
-    if not path.exists():
-        try:
+    try:
+        if not path.exists():
             from huggingface_hub import try_to_load_from_cache
 
-            cached = try_to_load_from_cache(model, name)
-        except Exception:  # noqa: BLE001 - not a hub id, or no cache: no resize
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
-    try:
+            path = Path(try_to_load_from_cache(model, name))  # TypeError where it is not in the cache
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - not a hub id, no cache, unreadable: no resize
         return None
-
-
-def image_processor_config(model: str) -> dict[str, Any] | None:
-    """The image processor's settings from the checkpoint (local folder or hub cache; never a
-    download): `preprocessor_config.json`, or transformers 5's nested `processor_config.json`."""
-    flat = _read_local_json(model, "preprocessor_config.json")
-    if flat is not None:
-        return flat
-    nested = _read_local_json(model, "processor_config.json") or {}
-    return nested.get("image_processor")
 
 
 def resize_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None):
-    processor = image_processor_config(model)
-    config = _read_local_json(model, "config.json") or {}
+    # The image processor's settings from the checkpoint (local folder or hub cache; never a
+    # download): `preprocessor_config.json`, or transformers 5's nested `processor_config.json`.
+    processor = _read_local_json(model, "preprocessor_config.json")
+    if processor is None:
+        processor = (_read_local_json(model, "processor_config.json") or {}).get("image_processor")
     if not processor:
         return None
+    config = _read_local_json(model, "config.json") or {}
     kind = str(processor.get("image_processor_type", ""))
     size = processor.get("size") or {}
     if (kind.startswith("CLIPImageProcessor") and config.get("model_type") == "llava"
@@ -116,11 +101,9 @@ RESIZING_PROCESSORS = {"image": ("Qwen2VLImageProcessor",), "video": ("Qwen2VLVi
 @dataclass(frozen=True)
 class ProcessorResize:
     """Resize with the model's own image or video processor, on the CPU of a decode process or
-    fetch thread, so the processor in vLLM finds the media at its size already and leaves it be:
-    the same pixels as resizing there, computed outside vLLM's one front-end process, and 4K
-    frames never carried through the feed. With the processor on the GPU it matters twice: the
-    GPU's bicubic kernel differs from the CPU's by a few 8-bit steps, so resizing here keeps the
-    GPU path's pixels those of the CPU path; the GPU only rescales and patchifies."""
+    fetch thread, so the processor in vLLM finds the media at its size already and leaves it be
+    (4K frames never carried through the feed). With the processor on the GPU, whose bicubic
+    kernel differs from the CPU's by a few 8-bit steps, it keeps the CPU path's pixels."""
 
     model: str
     pixels: tuple[tuple[str, int], ...] = ()  # min_pixels / max_pixels from mm_processor_kwargs
@@ -153,9 +136,8 @@ ImageResize = ResizeTarget | ProcessorResize
 
 @dataclass(frozen=True)
 class FrameThumbnails:
-    """Video frames shrunk to at most `pixels` on the long side (PIL's thumbnail), where they are
-    decoded: a gallery strip is made of a few small frames, so its decode process sends back
-    those, not the whole frames for this process to shrink one at a time."""
+    """Video frames shrunk to at most `pixels` on the long side (PIL's thumbnail) where they are
+    decoded: a gallery strip's decode process sends back a few small frames, not whole ones."""
 
     pixels: int
 
@@ -187,10 +169,6 @@ def processor_resize(model: str, mm_processor_kwargs: dict[str, Any] | None, med
             or getattr(processor, "cap_pixels_per_frame", None)):
         return None
     return ProcessorResize(model, pixels, media)
-
-
-def frame_target(model: str, mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessorResize | None:
-    return processor_resize(model, mm_processor_kwargs, "video")
 
 
 @functools.lru_cache(maxsize=4)

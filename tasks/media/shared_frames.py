@@ -1,10 +1,6 @@
 """A decoded clip's frames handed from a decode-pool process to the process that asked for
-them through a shared-memory block, not through the pool's result pipe.
-
-A clip's frames are megabytes: pickled through ProcessPoolExecutor's one result pipe they cap
-the whole pool, however many processes decode, at about what one process decoding a clip at a
-time makes; through shared memory the hand-off is several times faster (docs/benchmarks.md,
-"What holds the host side: the decode pool's result pipe").
+them through a shared-memory block: pickled through ProcessPoolExecutor's one result pipe they
+cap the whole pool (docs/benchmarks.md, "What holds the host side: the decode pool's result pipe").
 
 A block is only used where /dev/shm has room to spare (a Docker container has 64 MB unless it
 is started with `--shm-size` or `--ipc=host`): writing past a full tmpfs kills the writer with

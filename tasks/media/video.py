@@ -54,11 +54,8 @@ def video_loader():
 
 def decode_video(data: bytes, *, num_frames: int, limits: VideoLimits, resize=None) -> DecodedVideo:
     """Bytes -> `num_frames` uniformly sampled RGB frames plus metadata; `resize` (a
-    `FrameResize`) shrinks the frames: to the size the model's video processor would make them, or
-    to a gallery strip's.
-
-    Raises MediaError for empty, undecodable, frameless (audio-only) and over-limit videos.
-    """
+    `FrameResize`) shrinks the frames. Raises MediaError for empty, undecodable, frameless
+    (audio-only) and over-limit videos."""
     if not data:
         raise MediaError(ItemError("decode", "empty file (0 bytes)"))
     with _DECODE_LOCK:

@@ -5,10 +5,8 @@ A result is identified by (item key, question). Before fetching, an item whose e
 is done for the same members (etag and size) is skipped; after fetching, one whose content hash
 matches (re-uploaded, same bytes) is skipped too. An item under another key whose media are the
 same bytes as a done result's takes that result's answer (`earlier_answer`; tasks/same_media.py).
-The index is compact so that a bucket's whole history loads fast: 24 bytes a result (its row:
-tasks/results/done_rows.py) in one sorted array, 4 more saying which source and row it came
-from, and 12 more for each column (content, listed ETags) first looked up by. The run's own load
-is kept for the Parquet step at its end (`loaded_index`), which need not read the history again.
+Its memory (24 bytes a result and a few more) is in docs/architecture.md, "Resume state stays
+small". The run's own load is kept for the Parquet step at its end (`loaded_index`).
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ CACHED = 32  # parts or view row groups whose records are kept (each at most a s
 
 
 def listed_signature_hash(item: WorkItem) -> int | None:
-    """`signature_hash(listing_signature(item))`; a one-member item's (the usual case, once per
-    listed item) from the same text, `repr(((etag, size),))`, made without the tuples."""
+    """`signature_hash(listing_signature(item))`; a one-member item's (the usual case) made from
+    the same text without the tuples."""
     if len(item.members) == 1:
         member = item.members[0]
         if not member.etag or member.size < 0:
@@ -48,10 +46,9 @@ def listed_signature_hash(item: WorkItem) -> int | None:
 
 
 class DoneIndex:
-    """Finished results as one sorted array; lookups are binary searches. Built from the rows of
-    each source a load read (`sources`, tasks/results/done_rows.py), it can read an earlier
-    result's record back from `out` (row `ordinal` of the rows loaded source after source is row
-    `ordinal - starts[s]` of source `s`); from bare row arrays it answers only whether a result is done."""
+    """Finished results as one sorted array; lookups are binary searches. Built from the sources
+    a load read (tasks/results/done_rows.py), it can read an earlier result's record back from
+    `out`; from bare row arrays it answers only whether a result is done."""
 
     def __init__(self, sources: Iterable[Source | np.ndarray] = (), out: Storage | None = None):
         sources = [s if isinstance(s, Source) else Source("", s) for s in sources]
@@ -88,7 +85,7 @@ class DoneIndex:
 
     def holding(self, keys: np.ndarray) -> dict[str, np.ndarray]:
         """For result keys (`result_key`), the sources (view files, parts) holding a row of any
-        of them, and which of the keys each holds. Empty for an index that cannot name them."""
+        of them, and which of the keys each holds (none for an index of bare rows)."""
         if self._out is None or not len(keys) or not len(self._table):
             return {}
         keys = np.unique(np.asarray(keys, np.uint64))
@@ -107,9 +104,8 @@ class DoneIndex:
         return questions if signed is None else self._pending(item.id, questions, "signature", signed)
 
     def pending_mask(self, items: list[WorkItem], questions: tuple[str, ...]) -> np.ndarray:
-        """For each item, whether a question of it is still to compute judged from the listing
-        alone: `pending_by_listing` over a batch at once (the lookups vectorised), so that a
-        listing of millions of done items is filtered in seconds (flows/pipeline.py)."""
+        """`pending_by_listing` over a batch at once, vectorised (a listing of millions of done
+        items filtered in seconds): for each item, whether a question of it is still to compute."""
         owners, keys, signatures = [], [], []
         pending = np.zeros(len(items), bool)
         for i, item in enumerate(items):
@@ -157,10 +153,9 @@ class DoneIndex:
 
     def earlier_answer(self, question: str, *, sha256: str | None = None,
                        signature: Signature | None = None) -> ResultRecord | None:
-        """A done caption of `question` about the same bytes: found by the fetched `sha256`, or
-        before any fetch by a `signature` of listed ETags that are MD5s (tasks/same_media.py `content_signature`).
-        The record of an item that was itself captioned is preferred to a copy's. None where there
-        is none, or where this index cannot read records back."""
+        """A done caption of `question` about the same bytes, found by the fetched `sha256` or,
+        before any fetch, by a `signature` of listed MD5 ETags (tasks/same_media.py); an item's
+        own record before a copy's. None where there is none, or records cannot be read back."""
         if self._out is None or not (sha256 or signature):
             return None
         if sha256:
@@ -192,8 +187,7 @@ class DoneIndex:
         return records[row] if row < len(records) else None
 
     def _read_records(self, s: int, group: int) -> list[ResultRecord]:
-        """Source `s`'s final records (a part, `group` -1) or its row group `group`'s (a view file,
-        ranged reads on S3)."""
+        """Source `s`'s final records (a part, `group` -1) or its row group `group`'s (a view file)."""
         import pyarrow.parquet as pq
 
         self.reads += 1
@@ -214,9 +208,8 @@ _loaded: dict[tuple[str, str], DoneIndex] = {}  # (output, fingerprint) -> the l
 @task(name="load-done-index", cache_policy=NONE, persist_result=False, retries=2)
 def load_done_index(out: Storage, fingerprint: str) -> DoneIndex:
     """Results that earlier runs with this fingerprint finished for good (captioned, or failed
-    in a way a rerun would only repeat), in the output `out` (`RunPlan.output`), kept for
-    `loaded_index`. A part that cannot be parsed is skipped with a warning naming it; its items
-    are computed again."""
+    in a way a rerun would only repeat), in the output `out`, kept for `loaded_index`. A part
+    that cannot be parsed is skipped with a warning; its items are computed again."""
     done = read_done_index(out, fingerprint)
     with _loaded_lock:
         _loaded[(out.uri, fingerprint)] = done

@@ -2,12 +2,9 @@
 
 A row is 24 bytes: 8-byte hashes of the result's key (item and question), of its members'
 listed (etag, size) and of its content (sha256; 0 where it is unknown, the media not read: such
-rows take part in no lookup by content). A load (`load_rows`) reads them from the Parquet view's
-hash columns, and parses only the parts of the runs the view still owes a file, or every part of
-a fingerprint the view holds nothing of (docs/architecture.md, "Resume state stays small", says
-why it lists the owed runs first). A part's rows are its final records' in order, a view file's
-its rows of the fingerprint; each source keeps which of its rows each is, what the done-index
-reads back to copy an answer.
+rows take part in no lookup by content). Where a load reads them (`load_rows`: the Parquet
+view's hash columns, and the parts of the runs it still owes a file) is in docs/architecture.md,
+"Resume state stays small".
 """
 
 from __future__ import annotations
@@ -101,8 +98,8 @@ def read_part_lines(out: Storage, key: str) -> list[str]:
 
 
 def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
-    """A part's rows from its records. A read that fails transiently is tried again, then raised
-    (the load is retried): skipped, its results would be computed again and written twice."""
+    """A part's rows from its records. A transient failure is raised (the load is retried):
+    skipped, its results would be computed again and written twice."""
     try:
         lines = read_part_lines(out, part.key)
     except Exception as exc:
@@ -143,8 +140,8 @@ def view_files(out: Storage) -> list[ObjectRef]:
 
 def view_file_rows(out: Storage, ref: ObjectRef, fingerprint: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """A view file's rows of `fingerprint`, which rows of the file they are (None: all), and the
-    first row of each of its row groups. Reads the footer, then the fingerprint and hash columns
-    of the row groups whose statistics may hold the fingerprint (ranged reads on S3)."""
+    first row of each of its row groups; read from the fingerprint and hash columns of the row
+    groups whose statistics may hold the fingerprint (ranged reads on S3)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -184,8 +181,7 @@ def table_rows(table) -> np.ndarray:
 
 class Source(NamedTuple):
     """Rows read from one object: a part (row i is its i-th final record) or a view file of
-    `size` bytes whose row groups begin at rows `starts` (row i is the file's row `at[i]`, or row
-    i where `at` is None: every row of the file was of the fingerprint)."""
+    `size` bytes whose row groups begin at rows `starts` (row i is the file's row `at[i]`, or i)."""
 
     key: str
     rows: np.ndarray
@@ -203,7 +199,7 @@ class LoadedRows(NamedTuple):
 
 def load_rows(out: Storage, fingerprint: str) -> LoadedRows:
     """The rows of `fingerprint`'s final results: the view's, and the parts of the runs it still
-    owes a file; or, where the view holds none, every part's (the module's docstring says why)."""
+    owes a file; or, where the view holds none, every part's."""
     log = get_logger(fingerprint=fingerprint)
     owed_prefix = view_owed_prefix(fingerprint)
     # The marks before the files: a run writes its file before it removes its mark, so a load

@@ -1,15 +1,11 @@
 """A page to look at a run: one self-contained HTML file (`<out>/manifests/<run_id>.html`, next
-to the manifest) showing a sample of the run's items, each with a small thumbnail embedded as a
+to the manifest) showing a sample of the run's items, each with a small picture embedded as a
 data URI, its questions and captions, structured fields and metadata, errors in red.
 
-Its size is bounded whatever the run's: at most `items` items (a reservoir sample of the run's
-records, errors given up to a quarter of the places so that failures are seen), thumbnails of
-at most THUMB_PIXELS on the long side, texts cut (`gallery_page.py` writes the HTML). A video
-item shows a strip of STRIP_FRAMES evenly spaced frames, decoded again by `tasks/media/video.py`
-(the captioning's own decoder and limits) and shrunk to STRIP_PIXELS on the long side where
-decoded; an item's picture, thumbnail or strip, is at most THUMB_BYTES. What does not fetch or
-decode shows a placeholder instead, as does what is not fetched within the run's time for
-pictures (`VLM_CAPTION_GALLERY_FETCH_S`).
+Its size is bounded whatever the run's: at most `items` items, pictures of at most THUMB_BYTES
+(a thumbnail, or for a video a strip of STRIP_FRAMES frames decoded again by the captioning's own
+decoder and limits), texts cut (`gallery_page.py` writes the HTML). What does not fetch or
+decode, or not within `VLM_CAPTION_GALLERY_FETCH_S`, shows a placeholder instead.
 """
 
 from __future__ import annotations
@@ -50,24 +46,23 @@ def gallery_key(run_id: str) -> str:
 
 
 def sample_items(records: Iterable[ResultRecord], limit: int) -> list[GalleryItem]:
-    """At most `limit` items, a uniform sample of the failed, of the flagged (a caption the caption
-    checks flagged) and of the others: failed ones get up to a quarter of the places, flagged ones
-    come next, then the others; memory is the sample's, however many records stream by. An item's records (one per question) come
-    together in a part, and are taken together."""
+    """At most `limit` items, a reservoir sample of the failed, of the flagged (by the caption
+    checks) and of the others: failed ones get up to a quarter of the places, flagged ones come
+    next, then the others; memory is the sample's, however many records stream by. An item's
+    records (one per question) come together in a part, and are taken together."""
     rng = random.Random(0)
-    failed_cap = max(1, limit // 4) if limit else 0
-    pools: dict[int, tuple[list[GalleryItem], list[int]]] = {rank: ([], [0]) for rank in (0, 1, 2)}
+    rooms = (max(1, limit // 4) if limit else 0, limit, limit)  # failed, flagged, the others
+    chosen: tuple[list[GalleryItem], ...] = ([], [], [])
+    seen = [0, 0, 0]
     for key, group in itertools.groupby(records, key=lambda r: r.key):
         item = GalleryItem(key, list(group))
         rank = 0 if item.failed else 1 if item.flagged else 2
-        chosen, seen = pools[rank]
-        seen[0] += 1
-        room = failed_cap if rank == 0 else limit
-        if len(chosen) < room:
-            chosen.append(item)
-        elif (slot := rng.randrange(seen[0])) < room:
-            chosen[slot] = item
-    items = (pools[0][0] + pools[1][0] + pools[2][0])[:limit]
+        seen[rank] += 1
+        if len(chosen[rank]) < rooms[rank]:
+            chosen[rank].append(item)
+        elif (slot := rng.randrange(seen[rank])) < rooms[rank]:
+            chosen[rank][slot] = item
+    items = (chosen[0] + chosen[1] + chosen[2])[:limit]
     return sorted(items, key=lambda item: (not item.failed, not item.flagged, item.key))
 
 
@@ -95,10 +90,9 @@ def thumbnail(data: bytes) -> str | None:
 
 
 def frame_strip(data: bytes) -> list[str]:
-    """STRIP_FRAMES evenly spaced frames of a video as small JPEG data URIs, decoded by the
-    captioning's own video decoder within its limits (max_video_seconds, ...), in the decode
-    pool where the run decodes its clips there; [] when the video does not decode or its strip
-    would be over THUMB_BYTES."""
+    """STRIP_FRAMES evenly spaced frames of a video as small JPEG data URIs, decoded (and shrunk
+    to STRIP_PIXELS) as the captioning decodes its clips, in the decode pool where it does; []
+    when the video does not decode or its strip would be over THUMB_BYTES."""
     from PIL import Image
 
     from vlm_caption.tasks.media.pool import decode_video_pooled
@@ -191,9 +185,7 @@ def _make_pictures(items: list[GalleryItem], picture: Callable[[GalleryItem], tu
 
 def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = None) -> Iterator[ResultRecord]:
     """The records of the run's own parts, nothing else: the page costs what the run added, never
-    the history (a run that wrote nothing shows no item; earlier runs' pages show theirs). A part
-    that cannot be read is logged and added to `unreadable` (the page says how many it could not
-    show)."""
+    the history. A part that cannot be read is logged and added to `unreadable`."""
     for key in (key_within(out, p) for p in parts):
         try:
             lines = out.read(key).decode("utf-8").splitlines()
@@ -226,10 +218,9 @@ def media_fetcher(source: SourceSpec) -> Callable[[ResultRecord], bytes | None]:
 
 def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list[str], *, items: int, title: str,
                       fingerprint: str, facts: dict) -> dict:
-    """Write the run's gallery of at most `items` items (none: 0) next to its manifest in the
-    output `out`, its pictures read again from `source`, and link it from a Prefect artifact; a
-    failure is reported in the manifest, never raised (the captions are written already).
-    `facts`: the run's counts and cost, shown in the page's heading line."""
+    """Write the run's gallery of at most `items` items (none: 0) next to its manifest, its
+    pictures read again from `source`, and link it from a Prefect artifact; a failure is reported
+    in the manifest, never raised. `facts`: the run's counts and cost, for the page's heading."""
     if items <= 0:
         return {"path": None}
     try:
@@ -238,8 +229,7 @@ def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list
         sampled: list[GalleryItem] = []
         page, shown = build_gallery(run_records(out, parts, unreadable), media_fetcher(source), items, title,
                                     {"run": run_id, **facts, "fingerprint": fingerprint},
-                                    get_settings().gallery_fetch_s,
-                                    sampled=sampled)
+                                    get_settings().gallery_fetch_s, sampled=sampled)
         out.write(gallery_key(run_id), page.encode())
         path = out.describe(gallery_key(run_id))
         shown_in_ui = publish_gallery(out, gallery_key(run_id), sampled)  # a link or a table the UI opens
@@ -250,4 +240,3 @@ def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list
     except Exception as exc:  # noqa: BLE001 - the page is a view; the run's results stand
         get_logger(run_id=run_id).warning("gallery not written", error=str(exc))
         return {"path": None, "error": f"{type(exc).__name__}: {exc}"}
-

@@ -1,16 +1,12 @@
 """The gallery's page: its items (one per media item, its records in question order) and their
-HTML, self-contained (pictures are data URIs), errors in red. Captions wrap in their card (a
-word longer than the card breaks); one longer than PREVIEW_CHARS shows its start, the whole of
-it (up to TEXT_CHARS, so the page's size stays bounded) a click away in a <details>.
-`gallery.py` samples the items and makes their pictures.
+HTML, self-contained (pictures are data URIs), errors in red. A caption longer than
+PREVIEW_CHARS shows its start, the whole of it (up to TEXT_CHARS, so the page's size stays
+bounded) a click away in a <details>. `gallery.py` samples the items and makes their pictures.
 
-The page is a file next to the manifest, and Prefect's UI can link to neither a `file://` path
-(a browser does not open one from an http page) nor an `s3://` URI, so the run's
-`vlm-caption-gallery` artifact is what opens from the UI (`publish_gallery`): the page's items
-as a table (key, question, caption or error), the page's location in the description; or, for
-an S3 output whose operator asked for it (VLM_CAPTION_GALLERY_LINK_S), a presigned HTTPS link to
-the page (GET only, that one object), with its expiry. Off by default, because the link holds
-the signing credentials' access key id (and session token) in the clear.
+Prefect's UI can link to neither a `file://` path (a browser does not open one from an http
+page) nor an `s3://` URI, so the run's `vlm-caption-gallery` artifact (`publish_gallery`) is the
+page's items as a table; or, for an S3 output with VLM_CAPTION_GALLERY_LINK_S set, a presigned
+link to the page: off by default, as it holds the signing credentials' access key id in the clear.
 """
 
 from __future__ import annotations
@@ -129,8 +125,7 @@ def render_gallery(items: list[GalleryItem], title: str, summary: dict) -> str:
 
 
 def publish_gallery(out: Storage, key: str, items: list[GalleryItem]) -> dict:
-    """The artifact for the page at `key` of `out`; what it says, for the manifest ({} outside a
-    flow run)."""
+    """The artifact for the page at `key` of `out`; what it says, for the manifest ({} outside a flow run)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.context import FlowRunContext
 

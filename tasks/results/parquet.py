@@ -1,15 +1,12 @@
 """An output's final results as Parquet rows, for `datasets`, pandas, pyarrow or DuckDB: the
 schema, the rules, and the one-file export (`vlm-caption export OUTPUT --to PATH`). The view a
-run keeps under <output>/parquet/, one file per run, is tasks/results/parquet_view.py.
+run keeps under <output>/parquet/ is tasks/results/parquet_view.py.
 
-The JSON Lines parts stay the truth and the unit of atomic, resumable writes; Parquet is a view
-of what the done-index counts: the final records of every readable part (a part that cannot be
-read is named in the report), each result once (the latest run's, by the UTC stamp in its id,
+The JSON Lines parts stay the truth; Parquet is a view of what the done-index counts: the final
+records of every readable part, each result once (the latest run's, by the UTC stamp in its id,
 then the later part), each row with its done-index row (tasks/results/done_rows.py). A part cut
 short gives the records it still holds and is named under `damaged_parts`, `complete: false`.
-A file is written in row groups of ROW_GROUP_ROWS (memory: one part and one row group, plus 16
-bytes per result for the de-duplication) into a local temporary file, then put in place with
-one atomic write (a folder or s3://).
+Memory: one part and one row group of ROW_GROUP_ROWS, plus 16 bytes per result.
 """
 
 from __future__ import annotations
@@ -189,9 +186,9 @@ def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], lo
 def write_rows(target: Storage, key: str, batches: Iterable, *, row_group_rows: int = ROW_GROUP_ROWS,
                empty_too: bool = True) -> tuple[int, int]:
     """Write the batches (lists of rows, or tables of the export's schema) as one Parquet file in
-    row groups of `row_group_rows` (small batches gathered), put in place as the module's
-    docstring says (readers see the old file or the new one); the rows and row groups written.
-    With empty_too=False, no rows write nothing."""
+    row groups of `row_group_rows` (small batches gathered), in a local temporary file put in
+    place with one atomic write (readers see the old file or the new one); the rows and row
+    groups written. With empty_too=False, no rows write nothing."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

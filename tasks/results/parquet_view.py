@@ -4,18 +4,10 @@ of tasks/results/parquet.py), and grows with what each run adds, not with the hi
 with `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parquet")`,
 `pyarrow.dataset.dataset("OUT/parquet/")`, `pandas.read_parquet("OUT/parquet/")` or DuckDB.
 
-A run that wrote parts adds its file from its own parts alone, and removes each result it
-computed again from the older file holding it, which the done-index loaded at the run's start
-names (docs/architecture.md, "Parquet is a view that grows with each run", has the rules). The
-new file is written before an older one is rewritten: a reader in between, or a crash, sees a
-result twice, never not at all; compaction settles that. A run owes the view its file from its
-first part on (`results/<fp>/view-owed/<run_id>`, tasks/results/writers.py `write_shard`), so the
-next run of the job adds a killed run's file before its own (`add_owed_runs`).
-
-Compaction (`vlm-caption export OUTPUT --compact`) merges the view's files into one, from the
-files alone; run it while no run of the output is ending: a run that rewrites a file compaction
-has just merged leaves a result twice, until the next compaction. `vlm-caption export OUTPUT`
-makes the view again from every part (`rebuild_view`).
+docs/architecture.md, "Parquet is a view that grows with each run", has the rules: a run's own
+file (`add_run`), the older files it rewrites (after its own: a crash leaves a result twice,
+never missing), the files of killed runs (`add_owed_runs`); docs/operations.md the compaction
+(`compact_view`) and the rebuild from every part (`rebuild_view`).
 """
 
 from __future__ import annotations
@@ -40,9 +32,8 @@ from vlm_caption.tasks.sources.storage import Storage, key_within
 
 def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log, earlier: DoneIndex | None) -> dict[str, dict]:
     """The view's file of each earlier run of this job that wrote parts and never had its file
-    written (killed, or its export failed), added oldest first: {run: what `add_run` wrote, or
-    {"error": ...}}. `earlier`: the done-index of this run's start (loaded here if needed and None)."""
-    # Oldest first, by the UTC stamp in the run's id, as parts are ordered.
+    written (killed, or its export failed), added oldest first (by the stamp in its id): {run:
+    what `add_run` wrote, or {"error": ...}}. `earlier`: the done-index of this run's start."""
     owed = [ref.key.rsplit("/", 1)[-1]
             for ref in sorted(out.iter_objects(prefix=view_owed_prefix(fingerprint)), key=part_order)]
     added: dict[str, dict] = {}
@@ -61,11 +52,10 @@ def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log, earlier: Don
 
 def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, earlier: DoneIndex | None = None,
             whole_run: bool = False) -> dict:
-    """Add the final results of run `run_id` (its parts `parts`, as the run names them, and any
-    other part listed under its id; with `whole_run`, every part listed under it) to the view,
-    and return what was written: the run's file and rows, the older files rewritten (rows
-    removed from each), damaged parts. `earlier`: the done-index of the run's start (by default
-    the one `load_done_index` kept for this step, else one loaded here)."""
+    """Add the final results of run `run_id` (its parts `parts`, and any other part listed under
+    its id; with `whole_run`, every part listed under it) to the view, and return what was
+    written: the run's file and rows, the older files rewritten (rows removed from each), damaged
+    parts. `earlier`: the done-index of the run's start (by default `loaded_index`'s)."""
     started = time.perf_counter()
     if not parts and not whole_run:  # nothing new: nothing to read, nothing to write
         return {"path": None, "rows": 0, "complete": True, "seconds": 0.0}
@@ -121,9 +111,8 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
 def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray,
              own: str) -> tuple[list[ObjectRef], set[int]]:
     """The view's files that may hold an earlier record of a result this run added, and those
-    results' keys, as the done-index says: the view file it read the record from, or, for a part,
-    the file of the run that wrote it; where that file is gone since (compaction or a rebuild
-    merged it), the compacted files."""
+    results' keys, as the done-index says: the file it read the record from, or for a part its
+    run's file; where that file is gone since (merged), the compacted files."""
     files = {ref.key: ref for ref in view_files(out) if ref.key != own}
     merged = [key for key in files if not key.removeprefix(PARQUET_VIEW_PREFIX).startswith("run-")]
     holders: set[str] = set()
@@ -139,8 +128,7 @@ def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray
 
 def _drop_rows(out: Storage, ref: ObjectRef, fingerprint: str, results: set[int]) -> int:
     """Rewrite view file `ref` without its rows of `results` (their done-index keys) under
-    `fingerprint`; the rows removed (nothing written when none). Finding them reads the hash
-    columns (`view_file_rows`); the rewrite goes row group by row group (`write_rows`)."""
+    `fingerprint`, row group by row group; the rows removed (nothing written when none)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -156,11 +144,10 @@ def _drop_rows(out: Storage, ref: ObjectRef, fingerprint: str, results: set[int]
 
 @task(name="export-parquet", cache_policy=NONE, persist_result=False)
 def export_after_run(out: Storage, output_uri: str, fingerprint: str, run_id: str, parts: list[str]) -> dict:
-    """The end-of-run step: the run's new results added to the view of its output `out`
-    (`output_uri` as the job names it, for the message). A failure is logged and returned as
-    `{"error": ...}`, never raised: the run's captions are in its JSON Lines parts. Runs the view
-    still owes a file are added first (`add_owed_runs`); `complete` is true only when they and
-    this run's own results are all in the view."""
+    """The end-of-run step: the runs the view owes a file (`add_owed_runs`), then this run's new
+    results, added to the view of `out` (`output_uri` as the job names it, for the message). A
+    failure is logged and returned as `{"error": ...}`, never raised: the run's captions are in
+    its parts. `complete`: they and this run's results are all in the view."""
     log = get_logger(run_id=run_id, fingerprint=fingerprint)
     try:
         earlier = loaded_index(out, fingerprint)  # this run's, from its start (None where it loaded none)
@@ -206,9 +193,8 @@ def _conformed(table):
 
 def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray], int]:
     """For each file, the indexes of its rows that are the latest of their result (fingerprint,
-    item key, question, as 64 bits like the done-index's keys): the latest run's stamp, then the
-    later file, then the later row (`latest_ordinals`); and the rows of all the files. Memory:
-    24 bytes a row."""
+    item key, question): the latest run's stamp, then the later file, then the later row; and
+    the rows of all the files. Memory: 24 bytes a row."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -226,8 +212,7 @@ def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray]
 
 def compact_view(out: Storage) -> dict:
     """Merge the view's files into one (`parquet/compacted-<stamp>-<tag>.parquet`), a result
-    held twice kept once (the latest), then remove the files merged. Reads the view, no part;
-    memory: the de-duplication's 24 bytes a row, one row group and the file written."""
+    held twice kept once (the latest), then remove the files merged. Reads the view, no part."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -251,9 +236,7 @@ def compact_view(out: Storage) -> dict:
 
 def rebuild_view(out: Storage) -> dict:
     """The view made again from every part (`vlm-caption export OUTPUT`): one compacted file,
-    then the files it replaces removed. Reads the whole history: for repairs (a run killed
-    before its end, parts changed by hand), not for each run. The runs the view owed a file
-    (killed before it) are in the new file: they are owed nothing more."""
+    then the files it replaces and the owed marks (their runs are in it) removed."""
     files = view_files(out)
     owed = [ref.key for ref in out.iter_objects(prefix="results/") if "/view-owed/" in ref.key]
     report = export_parquet(out, out, compacted_parquet_key())

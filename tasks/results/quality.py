@@ -33,10 +33,6 @@ MAX_UNIT_CHARS, CHAR_REPEATS, CHAR_LOOP_MIN = 32, 5, 40
 _WORD = re.compile(r"\w+")
 
 
-def words(text: str) -> list[str]:
-    return [w.lower() for w in _WORD.findall(text)]
-
-
 def _back_to_back(tokens: list[str]) -> bool:
     """A unit of 1..MAX_UNIT_WORDS words repeated consecutively past its threshold."""
     count = len(tokens)
@@ -78,7 +74,7 @@ def is_looping(text: str | None) -> bool:
     """Whether the text loops (the rules in this module's docstring)."""
     if not text:
         return False
-    tokens = words(text)
+    tokens = [word.lower() for word in _WORD.findall(text)]
     return _back_to_back(tokens) or _ngram_recurs(tokens) or _suffix_repeats(text)
 
 

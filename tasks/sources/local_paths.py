@@ -1,8 +1,6 @@
-"""What a folder's storage (`LocalStorage`) may list and read: the files under its root, and
-nothing a key or a symbolic link would lead to outside it. A key with a `..` part or an absolute
-key is refused at every read and write (`RefusedKey`); a link leading out of the root is, unless
-the job follows links, listed as a `RefusedRef` and never read, as is a link to nothing; a link
-to a folder inside is not walked (docs/sources.md, "A local folder").
+"""What a folder's storage (`LocalStorage`) may list and read: the files under its root, nothing a
+key (absolute, or with `..`: `RefusedKey`) or a link (unless followed: a `RefusedRef`) leads to
+outside it (docs/sources.md, "A local folder").
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ def within(path: str, root: str) -> bool:
 
 
 def key_path(root: str, key: str, follow_links: bool = True) -> str:
-    """The path `key` names below `root` (a resolved folder). Checked at each read, not only at
-    the listing: a manifest's relative key, or a key listed before a link was changed, is held
-    to the same rule (a link changed between this check and the open is not: no lock can stop it)."""
+    """The path `key` names below `root` (a resolved folder), checked at each read, not only at the
+    listing (a link changed between this check and the open is not: no lock can stop it)."""
     if os.path.isabs(key) or ".." in key.replace(os.sep, "/").split("/"):
         raise RefusedKey(f"{key}: a key that leads outside the folder (absolute, or with a `..` part)")
     path = os.path.join(root, key)
@@ -44,8 +41,8 @@ def _all_before(folder: str, key: str) -> bool:  # every key under `folder` sort
 
 def walk_files(root: str, start: str, prefix: str, start_after: str, wanted: Callable[[str], bool],
                follow_links: bool) -> Iterator[ObjectRef]:
-    """Every file below `start` (a folder under `root`) whose key begins with `prefix`, sorts after
-    `start_after` and is `wanted`, in a sorted walk; names beginning with a dot are left out."""
+    """Every file below `start` whose key begins with `prefix`, sorts after `start_after` and is
+    `wanted`, in a sorted walk; names beginning with a dot are left out."""
     if not follow_links and not within(os.path.realpath(start), root):
         return  # a prefix through a link that leads out: nothing under it is the source's
     skip = len(os.path.join(root, ""))

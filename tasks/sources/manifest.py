@@ -40,8 +40,7 @@ class ManifestLine(BaseModel):
 
 
 class ManifestReader(SourceReader):
-    """`--manifest FILE`: one item per line; its storage is the manifest's folder (a path list's
-    reader is one too, its lines paths)."""
+    """`--manifest FILE`: one item per line; its storage is the manifest's folder."""
 
     name = "manifest"
     groups = True
@@ -64,7 +63,6 @@ class ManifestReader(SourceReader):
         return self.spec
 
     def text(self) -> str:
-        """The file's text; `storage` is its folder."""
         try:
             return self.storage.read(self.file_name).decode("utf-8")
         except FileNotFoundError as exc:

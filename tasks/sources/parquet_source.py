@@ -1,8 +1,6 @@
-"""Parquet files as items: one item per row, its media in one column (`column`): URLs, `s3://`
-URIs or paths (fetched as a manifest's media are), or the image bytes themselves; the row's other
-columns are the record's metadata. Read a row group at a time through a seekable file, never
-whole; a bytes cell is fetched later by reading its row group's column again (docs/sources.md,
-"Parquet"). Item ids are `<file>/<row>`; a bytes cell's etag is the file's etag and its row.
+"""Parquet files as items: one item (`<file>/<row>`) per row, its media in `column` (URLs, `s3://`
+URIs, paths, or the image bytes: fetched later by reading its row group's column again), the
+other columns the record's metadata; read a row group at a time (docs/sources.md, "Parquet").
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ METADATA_BYTES = 16 << 10
 
 @dataclass(frozen=True)
 class ParquetCellRef(ObjectRef):
-    """A bytes cell: `key` names it (`<file>/<row>`); `file`, `row_group`, `row` and `column`
-    locate it."""
+    """A bytes cell: `key` names it (`<file>/<row>`), the fields locate it."""
 
     file: str = ""
     row_group: int = 0
@@ -58,8 +55,7 @@ class ParquetReader(ShardFilesReader):
         return bool(names) and all(name.endswith(".parquet") for name in names)
 
     def check(self) -> SourceSpec:
-        """The media column named (or found among the usual names) in the first file's schema,
-        read from its footer only."""
+        """The media column named (or a usual name) in the first file's schema, from its footer."""
         first = self.first_file()
         if first is None:
             raise StorageError(f"{self.spec.where}: no .parquet file there")
@@ -118,10 +114,9 @@ def choose_column(names: list[str], column: str | None, where: str) -> str:
 
 
 def parquet_items(storage: Storage, ref: ObjectRef, column: str | None) -> Iterator[WorkItem]:
-    """One item per row, a row group at a time; a file that is not Parquet or lacks the column
-    is one item naming the problem (a final `bad_input` record). A read of the store that keeps
-    failing transiently (a timeout, throttling) is raised, never made into that record: the
-    listing resumes after the items it handed over (`ShardStream`), or the run stops with it."""
+    """One item per row; a file that is not Parquet or lacks the column is one item naming the
+    problem (a final `bad_input` record). A store's transient failure is raised, never recorded:
+    the listing resumes after the items it handed over (`ShardStream`)."""
     import pyarrow as pa
 
     try:
@@ -133,16 +128,14 @@ def parquet_items(storage: Storage, ref: ObjectRef, column: str | None) -> Itera
         yield WorkItem(ref.key, (ParquetCellRef(f"{ref.key}/-", 0, f"{ref.etag}:-", file=ref.key),),
                        problem=str(exc) if isinstance(exc, StorageError) else f"{ref.key}: unreadable ({exc})")
         return
-    binary = pa.types.is_binary(parquet.schema_arrow.field(name).type) or pa.types.is_large_binary(
-        parquet.schema_arrow.field(name).type)
+    kind = parquet.schema_arrow.field(name).type
+    binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
     row_index = 0
     for group in range(parquet.num_row_groups):
-        in_group = 0
-        for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[group]):
-            for row in batch.to_pylist():
-                yield _row_item(ref, row, name, binary, group, in_group, row_index)
-                in_group += 1
-                row_index += 1
+        batches = parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[group])
+        for in_group, row in enumerate(row for batch in batches for row in batch.to_pylist()):
+            yield _row_item(ref, row, name, binary, group, in_group, row_index)
+            row_index += 1
 
 
 def _row_item(ref: ObjectRef, row: dict, name: str, binary: bool, group: int, in_group: int,
@@ -217,8 +210,7 @@ def read_cell(storage: Storage, ref: ParquetCellRef) -> bytes:
 
 @functools.lru_cache(maxsize=64)
 def _layout(storage: Storage, file: str, file_etag: str) -> tuple[int, tuple[int, ...]]:
-    """A file's size and its row groups' row counts (read once per file, not per cell; the
-    storage is the run's one for its source)."""
+    """A file's size and its row groups' row counts (read once per file, not per cell)."""
     folder = file.rpartition("/")[0]
     listed = next((r for r in storage.iter_objects(prefix=f"{folder}/" if folder else "") if r.key == file), None)
     if listed is None:

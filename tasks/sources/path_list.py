@@ -1,9 +1,6 @@
-"""A path list (`--source-format paths`): a text file naming one medium per line (s3:// URIs,
-http(s) URLs, paths, keys relative to its folder), each line one item (docs/sources.md, "Path
-lists").
-
-This module is also the example of what a new source format takes: a `SourceReader` here (this
-one a manifest's, which finds and reads its file) and its entry in `tasks/sources/registry.py`.
+"""A path list (`--source-format paths`): a text file naming one medium per line, each one item
+(docs/sources.md, "Path lists"). Also the example of a new source format: a `SourceReader` here
+and its entry in `tasks/sources/registry.py`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Check the job's locations before any engine starts: the source through its reader's `check`
-(one page listed, or the file found; `tasks/sources/reader.py`) and the output, where a small
-object is written then deleted (and, for a fan-out, that a local source or output is one its
-partitions see). A mistake then costs seconds, not an engine start, and leaves nothing behind;
-the message says what to do."""
+"""Check the job's locations before any engine starts: the source through its reader's `check`,
+the output by a probe object written then deleted, and for a fan-out that its partitions see a
+local source or output. A mistake costs seconds, leaves nothing behind, and says what to do."""
 
 from __future__ import annotations
 
@@ -57,11 +55,9 @@ def _explain(uri: str, doing: str, exc: Exception) -> str:
 
 
 def resolve_source(job, partitions_on: str | None = None) -> tuple[Any, SourceSpec]:
-    """The job (a CaptionJob) with `source_format: auto` resolved and what its reader's check
-    settled (a Parquet column, an inventory's newest report) written back, and the source's spec
-    with its storage opened: every partition then reads it the same way, and a wrong location or
-    column is one message that says what to change. `partitions_on`: the deployment that runs a
-    fanned-out run's other partitions, which read a local source too (`check_shared_folder`)."""
+    """The job (a CaptionJob) with `auto` resolved and what its reader's check settled (a Parquet
+    column, an inventory's newest report) written back, so every partition reads it the same way,
+    and the source's spec, its storage opened. `partitions_on`: see `check_shared_folder`."""
     from vlm_caption.tasks.sources.registry import detect_format, reader_class
     from vlm_caption.tasks.sources.watermark import resolve_modified_since
 
@@ -82,10 +78,8 @@ def resolve_source(job, partitions_on: str | None = None) -> tuple[Any, SourceSp
 
 
 def check_output(uri: str, partitions_on: str | None = None) -> Storage:
-    """The output's storage, once a probe object was written there and deleted. Folders made
-    for the probe are removed again (the first write makes them): a run refused for another
-    problem leaves nothing behind. `partitions_on`: the deployment that runs a fanned-out run's
-    other partitions, which must see a local folder too (`check_shared_folder`)."""
+    """The output's storage, once a probe object was written there and deleted; folders made for
+    it are removed again, so a run refused for another problem leaves nothing behind."""
     probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     made = _folders_to_make(uri)
     with storage_errors(uri, "writing a probe object to the output"):
@@ -110,10 +104,8 @@ SHARED_USES = {"output": ("shared", "write to s3://"), "source": ("read", "read 
 
 
 def check_shared_folder(uri: str, deployment: str, what: str) -> None:
-    """The partitions of a fan-out read its source and coordinate in its output (tasks/claims.py),
-    so a local folder (`what`: "source" or "output") serves only partitions that see it: one whose
-    partitions run on a pool of containers (Kubernetes, Docker, ECS, ...) is refused before
-    anything starts. A process pool's workers must see the folder at the same path
+    """A local source or output folder serves only the fan-out partitions that see it: one whose
+    partitions (`deployment`'s) run on a pool of containers is refused before anything starts
     (docs/operations.md, "Fan-out over several GPUs")."""
     pool = partition_pool(deployment)
     if pool is not None and pool[1] not in HOST_POOL_TYPES:
@@ -124,10 +116,8 @@ def check_shared_folder(uri: str, deployment: str, what: str) -> None:
 
 
 def partition_pool(deployment: str) -> tuple[str, str] | None:
-    """The name and type of the work pool that runs `deployment`, read from Prefect's API. None
-    without PREFECT_API_URL (the run's server is then this process's embedded one, which no worker
-    elsewhere reaches), or where the deployment or the API is not there: the fan-out says so as
-    it starts (tasks/fanout.py), the CLI right after the plan."""
+    """The name and type of the work pool that runs `deployment`; None without PREFECT_API_URL (no
+    worker elsewhere reaches an embedded server) or where the deployment or API is not there."""
     from vlm_caption.tasks.prefect_api import import_prefect
 
     import_prefect()  # as the CLI imports it: a first-run notice is held for the run's terminal
@@ -159,5 +149,4 @@ def _folders_to_make(uri: str) -> list[Path]:
 
 
 def _is_local(uri: str) -> bool:
-    """A plain path or a file:// URI (a location of any other scheme is S3's or refused)."""
     return "://" not in uri or uri.startswith("file://")

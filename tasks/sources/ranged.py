@@ -1,9 +1,5 @@
-"""Parts of a stored object without reading it whole: a byte range, or a seekable file object
-that reads ranges as it is read (tar headers, Parquet footers and row groups).
-
-These work through `Storage.read_range` of `tasks/sources/storage.py` (a ranged GET on S3,
-retried like a whole read, or a seek on a local file), so tar shards and Parquet files are
-streamed from where they are, never copied to disk.
+"""A seekable file over a stored object that reads ranges as it is read (`Storage.read_range`):
+tar headers, Parquet footers and row groups streamed from where they are, never copied to disk.
 """
 
 from __future__ import annotations
@@ -17,8 +13,8 @@ READ_AHEAD = 8 << 20  # a ranged GET fetches at least this much: tar headers of 
 
 
 class RangeFile(io.RawIOBase):
-    """A read-only, seekable file over one stored object of known size; each read past the
-    buffer is one ranged read of at least READ_AHEAD bytes."""
+    """A read-only, seekable file over an object of known size; each read past the buffer is one
+    ranged read of at least `read_ahead` bytes."""
 
     def __init__(self, storage: Storage, key: str, size: int, read_ahead: int = READ_AHEAD):
         super().__init__()
@@ -32,25 +28,18 @@ class RangeFile(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def tell(self) -> int:
-        return self.position
-
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
         self.position = max(0, base + offset)
         return self.position
 
     def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0:
-            n = self.size - self.position
-        n = max(0, min(n, self.size - self.position))
-        if n == 0:
+        n = self.size - self.position if n is None or n < 0 else min(n, self.size - self.position)
+        if n <= 0:
             return b""
-        start, end = self.position, self.position + n
-        buffered_end = self._buffer_start + len(self._buffer)
-        if not (self._buffer_start <= start and end <= buffered_end):
-            length = max(n, self.read_ahead)
-            self._buffer, self._buffer_start = self.storage.read_range(self.key, start, length), start
+        start = self.position
+        if not (self._buffer_start <= start and start + n <= self._buffer_start + len(self._buffer)):
+            self._buffer, self._buffer_start = self.storage.read_range(self.key, start, max(n, self.read_ahead)), start
         offset = start - self._buffer_start
         data = self._buffer[offset:offset + n]
         self.position += len(data)

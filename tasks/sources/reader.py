@@ -1,9 +1,6 @@
-"""What every source format is to the rest of the pipeline: one `SourceReader` class per format
-(`tasks/sources/registry.py` names them), in the spirit of datatrove's readers: `check()` (the
-pre-flight; a problem is a `StorageError` saying what to change), `items()` (the streamed
-listing, never loading media bytes) and `read(item, member)` (a member's bytes; damage is
-`BadInput`, a final `bad_input` record; a store's failure is raised as it is, recorded
-retryable). docs/sources.md, "One interface: readers", says more.
+"""What every source format is to the rest of the pipeline: one `SourceReader` per format
+(`tasks/sources/registry.py`): `check()` (pre-flight), `items()` (the streamed listing) and
+`read(item, member)` (a member's bytes). docs/sources.md, "One interface: readers".
 """
 
 from __future__ import annotations
@@ -50,8 +47,7 @@ BAD_INPUT = "bad_input"  # the error kind of a `BadInput` (tasks/sources/items.p
 
 
 class SourceReader(ABC):
-    """One source format. Class attributes say what the job may ask of it (checked when the job
-    is made, `flows/params.py`) and how `auto` recognises it."""
+    """One source format; its class attributes say what a job may ask of it and how `auto` finds it."""
 
     name: ClassVar[str]
     about: ClassVar[str] = ""  # what the source holds, for `--source-format`'s help
@@ -68,12 +64,10 @@ class SourceReader(ABC):
 
     @property
     def storage(self) -> Storage:
-        """The source's storage, opened once (at the plan) and carried by the spec."""
         return self.spec.storage
 
     @classmethod
     def named_by(cls, location: str) -> bool:
-        """Whether a location names this format by itself (`auto`): its suffix."""
         return bool(cls.suffixes) and location.rstrip("/").endswith(cls.suffixes)
 
     @classmethod
@@ -84,13 +78,11 @@ class SourceReader(ABC):
     @classmethod
     def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
                  column: str | None = None) -> SourceSpec:
-        """The spec of a job's location in this format (no storage read)."""
         return SourceSpec(location, modality, format=cls.name, glob=glob)
 
     @classmethod
     def results_location(cls, location: str, spec: SourceSpec | None) -> str:
-        """The location the run's fingerprint names (the job's, resolved; `spec`, its spec if
-        made): results are interchangeable between runs over the same one."""
+        """The location the run's fingerprint names: runs over the same one share results."""
         return location
 
     @abstractmethod
@@ -108,11 +100,9 @@ class SourceReader(ABC):
         return self.read_member(member)
 
     def read_member(self, member: ObjectRef) -> bytes:
-        """A member's bytes (`BadInput` for damage found now; a store's failure as it is): by
-        default fetched where it lives: a key under the source, or an s3:// URI (one storage per
-        bucket per process), an http(s) URL or a local path. With `keys_only` (a listing's objects)
-        every key is one under the source, whatever it looks like: a bucket's key `in//etc/passwd`
-        or `in/s3://other/x` is that object, never a path on this host or elsewhere."""
+        """A member's bytes, fetched where it lives: a key under the source, an s3:// URI, an
+        http(s) URL or a local path. With `keys_only` (a listing's objects) every key is one under
+        the source: a key `in//etc/passwd` or `in/s3://other/x` is that object, never elsewhere."""
         key = member.key
         if self.keys_only:
             return self.storage.read(key)
@@ -129,14 +119,13 @@ class SourceReader(ABC):
         return self.storage.read(key)
 
     def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
-        """The member a result record names (`key`, `size`, `etag`), located again to read it
-        (the gallery's pictures); None when it cannot be."""
+        """The member a result record names, located again to read it (the gallery); None if it cannot be."""
         return ObjectRef(key, size, etag)
 
 
 class ShardFilesReader(SourceReader):
     """A format stored as shard files of its suffix (tars, Parquet): one, a folder or prefix of
-    them, or a brace pattern (`shards/{00000..00099}.tar`). Its items are each file's in turn."""
+    them, or a brace pattern (`shards/{00000..00099}.tar`)."""
 
     @classmethod
     def spec_for(cls, location: str, *, modality: str = "image", glob: str | None = None,
@@ -146,8 +135,7 @@ class ShardFilesReader(SourceReader):
                           column=column if cls.takes_column else None)
 
     def shard_files(self, log=None) -> Iterator[ObjectRef]:
-        """The shard files, in listing order, each with its size and etag: the one named, those of
-        the brace pattern, or every file with the format's suffix under the source."""
+        """The shard files, in listing order: the one named, the brace pattern's, or every one under the source."""
         pattern, suffix = self.spec.pattern, self.suffixes[0]
         if pattern is None:
             yield from (ref for ref in self.storage.iter_objects(self.spec.glob) if ref.key.endswith(suffix))

@@ -1,6 +1,5 @@
-"""Every source format by name: `--source-format` takes these names, `auto` tries them in this
-order, and the listing, pre-flight, fetch and gallery reach a format only through its reader
-(`tasks/sources/reader.py`). A new format is a module with its `SourceReader` and a line here."""
+"""Every source format by name (`--source-format`; `auto` tries them in order), reached only
+through its reader (`tasks/sources/reader.py`). A new format: its `SourceReader` and a line here."""
 
 from __future__ import annotations
 
@@ -41,14 +40,12 @@ def reader_class(name: str) -> type[SourceReader]:
 
 
 def open_reader(spec: SourceSpec) -> SourceReader:
-    """The reader of a resolved spec."""
     return reader_class(spec.format)(spec)
 
 
 def detect_format(uri: str, requested: str, is_manifest: bool) -> str:
-    """`requested` unless it is `auto`: then from the location, or from the first listed page. A
-    page that cannot be listed raises (a guess of `files` would caption a prefix of tars as
-    images, and those errors are final); pre-flight says what is wrong with the location."""
+    """`requested` unless `auto`: then from the location, or its first listed page (one that cannot
+    be listed raises: a guess of `files` would caption a prefix of tars as images, for good)."""
     if is_manifest:
         return ManifestReader.name
     if requested != "auto":

@@ -1,12 +1,8 @@
 """The S3 client of a process, made one way whatever gives the credentials (docs/operations.md,
-"Credentials"; `describe_shared_client`: the manifest's `s3`), and which storage failures may pass
-when tried again.
-
-Which storage failures may pass when tried again, the one rule every reader of a source uses: a
-transient failure (a timeout, a cut or refused connection, throttling, a 5xx, a body cut short)
-is retried, or recorded as retryable so that a rerun tries again; it never becomes a final record.
-Anything else (no such object or bucket, access denied, bytes that do not parse) is what a rerun
-would only repeat. The S3 client retries each call itself first.
+"Credentials"), and the one rule every reader of a source uses for which storage failures may
+pass when tried again: a transient one (a timeout, a cut or refused connection, throttling, a
+5xx, a body cut short) is retried, or recorded retryable; anything else (no such object, access
+denied, bytes that do not parse) a rerun would only repeat. The client retries each call first.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ RETRY_MODE = "adaptive"  # backs off on throttling for every thread sharing the 
 
 
 def settings_config():
-    """The botocore `Config` our settings give: retries, timeouts, the connection pool (botocore's
-    default of 10 would keep fetch threads waiting for a connection)."""
+    """The botocore `Config` our settings give (a pool over botocore's 10: fetch threads would wait)."""
     from botocore.config import Config
 
     settings = get_settings()
@@ -53,9 +48,8 @@ def merged_config(ours, block_config):
 
 @functools.lru_cache(maxsize=8)
 def credentials_block(kind: str, name: str):
-    """A prefect-aws credentials block, loaded from the Prefect API once per process: a client is
-    made again for other settings (a test's endpoint), and when writes each made one, loading the
-    block each time made every write fail while the API was away (a server restart mid-run)."""
+    """A prefect-aws credentials block, loaded once per process: loaded at each client made, every
+    write failed while the Prefect API was away (a server restart mid-run)."""
     import prefect_aws
 
     return getattr(prefect_aws, kind).load(name)
@@ -72,10 +66,8 @@ def named_block() -> tuple[str, str] | None:
 
 
 def make_s3_client():
-    """A boto3 S3 client from the credentials block the settings name (a prefect-aws
-    `AwsCredentials` or `MinIOCredentials`; its client parameters: endpoint, verify, use_ssl,
-    api_version, and its `Config` merged over ours), or from the AWS chain. The credentials it
-    signs with are registered for scrubbing from every log line."""
+    """A boto3 S3 client from the settings' credentials block (its client parameters, its `Config`
+    merged over ours) or the AWS chain; its credentials scrubbed from every log line."""
     import boto3
 
     if (named := named_block()) is None:
@@ -110,8 +102,7 @@ _shared_clients: dict[tuple, object] = {}
 
 
 def _client_key() -> tuple:
-    """What a client is made from: the settings it reads and the AWS chain's environment. Another
-    endpoint, block or set of credentials (a test's, a profile switched) gets another client."""
+    """What a client is made from: the settings it reads and the AWS chain's environment."""
     settings = get_settings()
     return (settings.s3_endpoint_url, settings.aws_credentials_block, settings.minio_credentials_block,
             settings.s3_max_attempts, settings.s3_read_timeout_s,
@@ -119,9 +110,8 @@ def _client_key() -> tuple:
 
 
 def shared_s3_client():
-    """One client per process for the current settings. A boto3 client is thread-safe and meant
-    to be shared: its connection pool and the `adaptive` retry mode's client-side rate limiting
-    (what it learnt of throttling) then serve every read and write."""
+    """One client per process for the current settings: its pool and the adaptive mode's rate
+    limiting (what it learnt of throttling) serve every read and write."""
     key = _client_key()
     with _shared_lock:
         client = _shared_clients.get(key)
@@ -167,9 +157,8 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def retry_transient(call: Callable[[], T], what: str) -> T:
-    """`call()`, made again while it fails transiently past the client's own retries (a page or
-    a footer is cheap to ask for again; a run refused or stopped for it is not), each failure
-    logged; the last failure, or any other, is raised. `what` names the read in the log."""
+    """`call()`, made again while it fails transiently past the client's own retries (a page or a
+    footer is cheap to ask again; a run stopped for it is not), each failure logged as `what`."""
     from vlm_caption.tasks.observability import get_logger
 
     for attempt in range(1, ATTEMPTS):

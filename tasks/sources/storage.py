@@ -1,16 +1,8 @@
-"""Object storage behind one small interface: S3-compatible buckets and local folders.
-
-`open_storage` of `s3://bucket/prefix/` or `/data/images` returns a `Storage` rooted at that
-location. Keys are relative to the root. Listing is lazy (paginated for S3, a sorted walk for
-folders); `prefix` may end inside a name (`results/fp/part-run-`), and `start_after` lists only
-the keys that sort after it (S3's ListObjectsV2 StartAfter: the keys before it are never sent);
-writes are atomic (a single PUT, or temp file + rename); a part of an object is read
-with `read_range` (a ranged GET, or a seek), with the same retries as `read`. A run opens its
-source and output once, in pre-flight (`flows/plan.py`), and hands the storages down.
-
-One S3Storage per location and one boto3 client per process serve every read and write
-(`shared_s3_storage`; the client, and which failures may pass when tried again:
-`tasks/sources/s3_client.py`).
+"""Object storage behind one small interface: S3-compatible buckets and local folders, keys
+relative to the root. Listing is lazy (paginated, or a sorted walk); `prefix` may end inside a
+name, `start_after` lists only the keys after it (S3's StartAfter); writes are atomic (one PUT, or
+temp file + rename); `read_range` reads a part with `read`'s retries. One S3Storage per location
+and one client per process (`shared_s3_storage`, `tasks/sources/s3_client.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ import contextlib
 import fnmatch
 import os
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -56,8 +47,7 @@ def matches_glob(relative: str, glob: str | None) -> bool:
 
 
 class LocalStorage:
-    """A folder. Its keys stay below it, and a source's links leading out of it are not followed
-    unless `follow_links` (`tasks/sources/local_paths.py` says how each is refused)."""
+    """A folder: its keys stay below it, links leading out followed only with `follow_links`."""
 
     def __init__(self, root: str | Path, *, create: bool = False, follow_links: bool = True):
         self.root = Path(root).expanduser().resolve()
@@ -85,7 +75,6 @@ class LocalStorage:
         return Path(self.path(key)).read_bytes()
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        """`length` bytes from `start`; fewer only where the file ends first."""
         if length <= 0:
             return b""
         with open(self.path(key), "rb") as handle:
@@ -94,8 +83,7 @@ class LocalStorage:
 
     @contextlib.contextmanager
     def _staged(self, key: str, data: bytes) -> Iterator[tuple[str, Path]]:
-        """`data` in a temporary file beside `key`'s path (its folders made), and that path;
-        the temporary name is gone afterwards, moved or linked into place or not."""
+        """`data` in a temporary file beside `key`'s path (folders made), removed afterwards."""
         path = Path(key_path(self.uri, key))  # never written outside the folder
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -111,8 +99,7 @@ class LocalStorage:
             os.replace(tmp, path)  # atomic: readers see the old file or the new one
 
     def create(self, key: str, data: bytes) -> bool:
-        """Write `key` only if it does not exist (True), atomically: of several writers on this
-        file system exactly one gets True, and readers see the whole object or none."""
+        """Write `key` only if it does not exist (True), atomically: of several writers one gets True."""
         with self._staged(key, data) as (tmp, path):
             try:
                 os.link(tmp, path)  # fails if the name exists; the complete file appears at once
@@ -153,8 +140,7 @@ class S3Storage:
             raise StorageError(f"{self.uri}: bucket {self.bucket!r} does not exist") from exc
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        """`length` bytes from `start` (one ranged GET); fewer only where the object ends first,
-        none where it ends before `start`. Retried like `read`."""
+        """`length` bytes from `start`; fewer only where the object ends first. Retried like `read`."""
         if length <= 0:
             return b""
         try:
@@ -165,28 +151,23 @@ class S3Storage:
             raise
 
     def read(self, key: str, **request) -> bytes:
-        """The whole object (or a `Range=`: one GET), fetched again while the body breaks off or
-        arrives shorter than its Content-Length (a connection cut mid-way), never passed on as if
-        complete; the client's own retries cover the request itself."""
+        """The whole object (or a `Range=`: one GET), fetched again while the body breaks off
+        (botocore's read checks it against the Content-Length), never passed on as if complete;
+        the client's own retries cover the request itself."""
         from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
-        problem = ""
         for _ in range(SHORT_BODY_ATTEMPTS):
             try:
                 response = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key, **request)
             except self._client.exceptions.NoSuchKey as exc:
                 raise FileNotFoundError(f"{self.describe(key)}: no such object") from exc
             try:
-                body = response["Body"].read()
+                return response["Body"].read()
             except (IncompleteReadError, ResponseStreamingError, ReadTimeoutError) as exc:
-                problem = f"the body broke off: {exc}"  # the connection was cut or stalled mid-body
-                continue
-            expected = response.get("ContentLength")
-            if expected is None or len(body) == expected:
-                return body
-            problem = f"got {len(body)} of {expected} bytes"
+                problem = exc  # the connection was cut or stalled mid-body
         what = f" ({request['Range']})" if "Range" in request else ""
-        raise ShortBodyError(f"{self.describe(key)}{what}: {problem} ({SHORT_BODY_ATTEMPTS} attempts)")
+        raise ShortBodyError(f"{self.describe(key)}{what}: the body broke off: {problem} "
+                             f"({SHORT_BODY_ATTEMPTS} attempts)")
 
     def write(self, key: str, data: bytes) -> None:
         # A single PUT is atomic: readers never see a partial object.
@@ -225,27 +206,22 @@ class S3Storage:
 
 
 def key_within(storage: Storage, uri: str) -> str:
-    """The key of `uri` (as `storage.describe` wrote it) under the storage's root. A folder's root
-    describes itself without a trailing slash, a bucket prefix with one."""
+    """The key of `uri` (as `storage.describe` wrote it) under the storage's root."""
     root = storage.describe("").rstrip("/") + "/"
     if not uri.startswith(root):
         raise StorageError(f"{uri} is not under {root}")
     return uri[len(root):]
 
 
-_shared_lock = threading.Lock()
 _shared_stores: dict[tuple, S3Storage] = {}
 
 
 def shared_s3_storage(bucket: str, prefix: str) -> S3Storage:
-    """One S3Storage per location per process, all on the process's one client
-    (`tasks/sources/s3_client.py`'s `shared_s3_client`)."""
+    """One S3Storage per location per process, all on the process's one client (a race makes a
+    spare one, dropped: `setdefault` is atomic)."""
     client = shared_s3_client()
-    with _shared_lock:
-        store = _shared_stores.get((id(client), bucket, prefix))
-        if store is None:
-            store = _shared_stores[(id(client), bucket, prefix)] = S3Storage(bucket, prefix, client=client)
-        return store
+    key = (id(client), bucket, prefix)
+    return _shared_stores.get(key) or _shared_stores.setdefault(key, S3Storage(bucket, prefix, client=client))
 
 
 def split_parent(uri: str) -> tuple[str, str]:
@@ -258,8 +234,7 @@ def split_parent(uri: str) -> tuple[str, str]:
 
 
 def open_storage(uri: str, *, create: bool = False, follow_links: bool = True) -> Storage:
-    """A Storage for `s3://bucket/prefix`, `file:///path` or a plain local path; a folder's links
-    leading out of it followed or not (`follow_links`: a source's is the job's, `source_storage`)."""
+    """A Storage for `s3://bucket/prefix`, `file:///path` or a plain local path."""
     if not uri or not uri.strip():
         raise StorageError("empty storage location: give a folder or an s3://bucket/prefix URI")
     parsed = urlparse(uri)

@@ -56,9 +56,7 @@ def _iso(seconds: float) -> str:
 
 
 def scoped_key(folder: str, source: SourceSpec, fingerprint: str) -> str:
-    """One object under `folder` (WATERMARKS here) per result set and what a listing covers, its
-    location and glob: another glob, or another inventory configuration of the same bucket, lists
-    other objects."""
+    """One object under `folder` per result set and what a listing covers (its location and glob)."""
     where = report_series(source.uri) if source.format == "inventory" else source.uri
     scope = hashlib.sha256(json.dumps([where.rstrip("/"), source.glob]).encode()).hexdigest()[:12]
     return f"{folder}{fingerprint}-{scope}.json"
@@ -85,7 +83,6 @@ def with_changed_since(source: SourceSpec, modified_since: str | None, output: S
 
 
 def _read(uri: str) -> dict[str, Any]:
-    """A watermark file ({} when there is none yet)."""
     folder, name = split_parent(uri)
     try:
         body = open_storage(folder).read(name)
@@ -98,8 +95,8 @@ def _read(uri: str) -> dict[str, Any]:
 
 
 def changed_items(items: Iterable[WorkItem], changed: ChangedSince) -> Iterator[WorkItem]:
-    """The items with an object modified after `changed.after` (or of unknown time), and those
-    the watermark keeps to be retried; the others are left out, and counted in the log."""
+    """The items with an object modified after `changed.after` (or of unknown time), and those the
+    watermark keeps to be retried; the others are left out and counted in the log."""
     retry = frozenset(_read(changed.watermark).get("retry", ())) if changed.watermark else frozenset()
     after, left_out = changed.after, 0
     for item in items:
@@ -113,10 +110,9 @@ def changed_items(items: Iterable[WorkItem], changed: ChangedSince) -> Iterator[
 
 
 def advance_watermark(output: Storage, source: SourceSpec, tally: Any, *, complete: bool) -> dict | None:
-    """At the end of a run of `auto` (the parent's, with every partition's counts in `tally`, a
-    Tally): the watermark moved on, with the keys to retry; or why it was not (in the manifest).
-    `complete`: every partition reported, and no `limit` cut the listing. A failure to write is
-    logged and reported, not raised: the next run then lists from the old time."""
+    """At the end of a run of `auto` (every partition's counts in `tally`): the watermark moved on,
+    with the keys to retry, or why not (for the manifest). `complete`: every partition reported
+    and no `limit` cut the listing. A failure to write is logged and reported, not raised."""
     changed = source.changed
     if changed is None or changed.watermark is None:
         return None

@@ -1,11 +1,8 @@
-"""WebDataset tar shards as items: one item per sample (the members sharing a key), its image
-or video member the media, its `.json`/`.txt` members kept as the record's metadata; headers read
-through ranged reads, a member by one ranged read of it (docs/sources.md, "WebDataset").
-
-A tar cut short, a member past its end or a header that does not parse stops that tar there:
-the damage is one item with a `problem` (a final `bad_input` record), never a silent gap. A read
-of the store that fails (past the client's retries) is no damage: it is raised, and the listing
-resumes after the items it handed over (`ShardStream`).
+"""WebDataset tar shards as items: one item per sample (the members sharing a key), its image or
+video member the media, its `.json`/`.txt` members the record's metadata; headers and members
+read by ranged reads (docs/sources.md, "WebDataset"). Damage (a tar cut short, a header that does
+not parse) stops that tar with one item with a `problem`, never a silent gap; a store's failure
+is raised, and the listing resumes after the items it handed over (`ShardStream`).
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ BLOCK = tarfile.BLOCKSIZE
 
 @dataclass(frozen=True)
 class TarMemberRef(ObjectRef):
-    """One member of a tar shard: `key` names it (`<tar>/<member>`), `tar`, `offset` and
-    `size` locate its bytes."""
+    """One member of a tar shard: `key` names it (`<tar>/<member>`), `tar`, `offset`, `size` locate it."""
 
     tar: str = ""
     offset: int = 0
@@ -76,16 +72,14 @@ class WebDatasetReader(ShardFilesReader):
 
 
 def split_member(name: str) -> tuple[str, str]:
-    """`dir/000123.seg.jpg` -> (`dir/000123`, `seg.jpg`), webdataset's rule (key up to the
-    first dot of the file name)."""
+    """`dir/000123.seg.jpg` -> (`dir/000123`, `seg.jpg`): webdataset's key, up to the name's first dot."""
     folder, _, base = name.rpartition("/")
     stem, _, ext = base.partition(".")
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
 def kind_of(ext: str) -> str:
-    """What a member is, by the last part of its extension, as webdataset decodes it:
-    `v2.final.jpg` is a jpg, `seg.json` a json."""
+    """What a member is, by its extension's last part, as webdataset decodes it (`v2.final.jpg`: jpg)."""
     return ext.rpartition(".")[2]
 
 
@@ -154,8 +148,7 @@ def _end_problem(tar: ObjectRef, end: int, block: bytes) -> str | None:
 
 
 def _text(handle, info: tarfile.TarInfo):
-    """A text member, read through the listing's own file (on S3, from the range it holds;
-    tarfile seeks back to its next header itself)."""
+    """A text member, read through the listing's own file (tarfile seeks back to its next header)."""
     handle.seek(info.offset_data)
     data = handle.read(min(info.size, METADATA_BYTES))
     text = data.decode("utf-8", errors="replace")
@@ -192,7 +185,6 @@ def _defect(tar: ObjectRef, offset: int, problem: str, item_id: str | None = Non
 
 
 def read_member(storage: Storage, ref: TarMemberRef) -> bytes:
-    """A member's bytes, by one ranged read of its tar."""
     if ref.size <= 0:
         raise BadInput(f"{ref.key}: no media bytes")
     data = storage.read_range(ref.tar, ref.offset, ref.size)
