@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import importlib.metadata
 import os
 import sys
@@ -88,6 +89,24 @@ def before_vllm_import() -> None:
     reach the root logger Prefect configures. (Set here, not at import: importing the product
     changes no setting.)"""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    keep_to_cores_share()
+
+
+def keep_to_cores_share() -> None:
+    """A process given some of the machine's GPUs (a fan-out's worker per GPU) keeps torch to the
+    same share of the cores, it and the engine process it starts (OMP_NUM_THREADS, unless set):
+    torch's default, a thread per core in every process, made the engines of two partitions on one
+    host generate 1.48x one GPU's rate, and 1.76x with 8 threads each (docs/benchmarks.md). vLLM's
+    own executor for several GPUs sets 1 for the same reason."""
+    held = len(glob.glob("/dev/nvidia[0-9]*"))  # the GPUs this machine (or container) holds
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    given = len([d for d in visible.split(",") if d.strip()]) if visible else held
+    if "OMP_NUM_THREADS" in os.environ or not 0 < given < held:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores * given // held))
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def engine_argument_names(*, import_vllm: bool = False) -> frozenset[str] | None:
