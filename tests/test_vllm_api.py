@@ -68,8 +68,8 @@ def test_a_misspelled_engine_argument_is_refused_before_vllm_is_imported():
 
 
 @pytest.mark.parametrize("held, visible, preset, expected", [
-    (2, "1", None, "8"),     # one of two GPUs: half the cores
-    (4, "0,1", None, "8"),   # two of four
+    (2, "1", None, "4"),     # one of two GPUs: half the cores, for two processes
+    (4, "0,1", None, "4"),   # two of four
     (2, None, None, None),   # every GPU of the machine: torch's default
     (2, "0,1", None, None),
     (0, None, None, None),   # no GPU
