@@ -89,8 +89,10 @@ HEAVY_MODULES = {"test_bench", "test_storage_faults", "test_prefect_ui", "test_m
                  *STACK_MODULES}
 
 
-# Tests of otherwise fast modules that start a process (a CLI in a subprocess, a decode pool, moto).
+# Tests of otherwise fast modules that start a process (a CLI in a subprocess, a decode pool, moto)
+# or import vLLM (its video loader: about 25 s, a third of the tier).
 HEAVY_TESTS = {
+    "test_bad_inputs::test_each_video_decodes_or_fails_readably",
     "test_bad_inputs::test_the_whole_corpus_decodes_in_bounded_memory",
     "test_bad_inputs::test_the_video_corpus_decodes_in_bounded_memory",
     "test_engine_process::test_it_waits_for_the_engine_process_to_start_then_goes_on",
