@@ -178,13 +178,13 @@ def test_the_readme_operate_block_as_pasted_by_a_newcomer(operator):
     server_log = (REPO / "vlm-caption-server.log").read_text(errors="replace")
     assert "  UI:  http://127.0.0.1:4200" in server_log and "  UI:  http" not in screen
 
-    # The README's way to stop them, in its order (the worker ended before its server goes): nothing
-    # of theirs is left, the port is free again. (`wait` says how the worker ended: killed or not.)
-    stop_worker, stop_server = "kill %1; wait %1", "uv run vlm-caption server --stop"
+    # The README's way to stop them: nothing of theirs is left, the port is free again. (A plain
+    # `kill %1` relied on the shell's SIGTERM and uv's forwarded one reaching the worker apart: the
+    # second kills it. Under load they arrived as one, and the worker polled on for minutes.)
+    stop_worker, stop_server = "kill -KILL %1", "uv run vlm-caption server --stop"
     readme = " ".join((REPO / "README.md").read_text().split())
-    assert f"`{stop_worker}` stops the worker and waits for it to end, then `{stop_server}` stops" in readme
-    operator.type(stop_worker + "\n")
-    assert operator.type('test -z "$(jobs -p)"\n') == 0, operator.tail()  # the worker's job has ended
+    assert f"`{stop_worker}` stops the worker" in readme and f"then `{stop_server}` the server" in readme
+    assert operator.type(stop_worker + "\n") == 0
     assert operator.type(stop_server + "\n") == 0, operator.tail()
     deadline = time.time() + 300  # processes ending slowly on a loaded machine are not left behind
     while started_by(operator.home, operator.shell.pid) and time.time() < deadline:
