@@ -92,6 +92,10 @@ def test_videos_are_decoded_in_the_pools_processes(monkeypatch):
 
     monkeypatch.setattr(pool, "decode_video", not_here)  # the pool's processes import their own
     monkeypatch.setenv("VLM_CAPTION_DECODE_PROCESSES", "1")  # one pool process: one import of vLLM
+    # At the pool's nice 10 beside a loaded machine's own work (stress --cpu 4) a pool process gets a
+    # sliver of a core: its import of vLLM's loader took over 10 minutes there. Priority is not what
+    # this test is about.
+    monkeypatch.setenv("VLM_CAPTION_DECODE_NICENESS", "0")
     get_settings.cache_clear()
     monkeypatch.setattr(pool, "_sees_a_gpu", lambda: False)
     with pytest.raises(AssertionError, match="caller"):  # auto, and no GPU: here

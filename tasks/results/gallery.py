@@ -95,6 +95,7 @@ def frame_strip(data: bytes) -> list[str]:
     when the video does not decode or its strip would be over THUMB_BYTES."""
     from PIL import Image
 
+    from vlm_caption.tasks.media.image import MediaError
     from vlm_caption.tasks.media.pool import decode_video_pooled
     from vlm_caption.tasks.media.resize import FrameThumbnails
     from vlm_caption.tasks.media.video import VideoLimits
@@ -106,7 +107,11 @@ def frame_strip(data: bytes) -> list[str]:
         limit = THUMB_BYTES // max(1, len(video.frames))  # the frames were shrunk where they were decoded
         uris = [_jpeg(Image.fromarray(frame).convert("RGB"), limit) for frame in video.frames]
         return [] if None in uris else uris
-    except Exception:  # noqa: BLE001 - an undecodable video shows its placeholder (its record says why)
+    except MediaError:  # an undecodable video shows its placeholder (its record says why)
+        return []
+    except Exception as exc:  # noqa: BLE001 - a picture is a nicety: its placeholder, and the cause logged
+        get_logger().warning("gallery: a video's strip could not be made (placeholder shown)",
+                             error=f"{type(exc).__name__}: {exc}")
         return []
 
 
