@@ -86,6 +86,14 @@ def test_write_faults_lose_duplicate_and_half_write_nothing(prefect_api, bucket,
     try:
         _through(proxy, monkeypatch)
         first, rerun = vlm_caption(job), vlm_caption(job)
+        # A view file whose write failed past the client's retries (on a loaded machine the 1 s read
+        # timeout also catches slow answers) leaves its run's mark, and the run says its view is not
+        # complete; the next night's run writes it. Those nights, while a mark is left (at most 3).
+        owed_after_two = {k.rsplit("/", 1)[1] for k in _keys(client, "out/results/") if "/view-owed/" in k}
+        nights, last = 0, rerun
+        while nights < 3 and any("/view-owed/" in k for k in _keys(client, "out/results/")):
+            last = vlm_caption(job)
+            nights += 1
     finally:
         proxy.close()
         monkeypatch.setenv("VLM_CAPTION_S3_ENDPOINT_URL", s3_endpoint)  # the checks below read moto directly
@@ -118,7 +126,11 @@ def test_write_faults_lose_duplicate_and_half_write_nothing(prefect_api, bucket,
     assert len(rows) == COUNT and len(done_index.load_done_index.fn(out, rerun["fingerprint"])) == COUNT
 
     manifests = [json.loads(_read(client, k)) for k in _keys(client, "out/manifests/") if k.endswith(".json")]
-    assert len(manifests) == 2 and all(m["parquet"].get("complete") for m in manifests), manifests
+    assert len(manifests) == 2 + nights, manifests
+    # A run whose mark was left (named by its id) did not say its view complete; the last run did.
+    assert not any(m["parquet"].get("complete") for m in manifests if m["run_id"] in owed_after_two), manifests
+    assert all(m["parquet"].get("complete") for m in manifests
+               if m["run_id"] == last["run_id"] or m["run_id"] not in owed_after_two), manifests
     # The Parquet view: its files (one per run that added results) read as one.
     table = pa.concat_tables(pq.read_table(io.BytesIO(_read(client, key))) for key in _keys(client, "out/parquet/"))
     assert sorted(table.column("key").to_pylist()) == sorted(hashes)
