@@ -52,7 +52,9 @@ def _where() -> dict:
     a partition's start splits between the worker, Prefect and the engine."""
     import psutil
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: no affinity
+    from vlm_caption.tasks.media.pool import usable_cores
+
+    cpus = usable_cores()
     return {"flow_run_id": str(flow_run.id) if flow_run.id else None,
             "worker": os.environ.get("PREFECT__WORKER_NAME"), "host": socket.gethostname(),
             "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": str(cpus),
