@@ -98,7 +98,8 @@ def keep_to_cores_share() -> None:
     vLLM's frontend, and the engine process it starts, which inherits OMP_NUM_THREADS; a value
     already set is kept). Two video partitions on one 32-core H200 host with torch's default, a
     thread per core in every process, generated 1.79x one GPU's rate summed over the GPUs, the
-    child's GPU at 0.73 of the parent's; with 16 threads 1.86x, with 8 2.02x (docs/benchmarks.md).
+    child's GPU at 0.73 of the parent's; with 16 threads 1.86x, with 8 2.02x once and 1.76-1.79x in
+    three runs, as one raw script per GPU makes (1.76x; docs/benchmarks.md).
     vLLM's own executor for several GPUs sets 1 for the same reason."""
     held = len(glob.glob("/dev/nvidia[0-9]*"))  # the GPUs this machine (or container) holds
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
