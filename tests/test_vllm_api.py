@@ -67,27 +67,6 @@ def test_a_misspelled_engine_argument_is_refused_before_vllm_is_imported():
     assert imported.startswith(hint) and imported.endswith(" True")
 
 
-@pytest.mark.parametrize("held, visible, preset, expected", [
-    (2, "1", None, "4"),     # one of two GPUs: half the cores, for two processes
-    (4, "0,1", None, "4"),   # two of four
-    (2, None, None, None),   # every GPU of the machine: torch's default
-    (2, "0,1", None, None),
-    (0, None, None, None),   # no GPU
-    (2, "1", "3", "3"),      # set by the user: kept
-])
-def test_a_process_given_some_of_the_gpus_keeps_torch_to_that_share_of_the_cores(monkeypatch, held, visible,
-                                                                                  preset, expected):
-    monkeypatch.setattr(vllm_api.glob, "glob", lambda pattern: [f"/dev/nvidia{i}" for i in range(held)])
-    monkeypatch.setattr(vllm_api.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    for name, value in (("CUDA_VISIBLE_DEVICES", visible), ("OMP_NUM_THREADS", preset)):
-        monkeypatch.setenv(name, value) if value is not None else monkeypatch.delenv(name, raising=False)
-    threads = []
-    monkeypatch.setitem(sys.modules, "torch", type("Torch", (), {"set_num_threads": staticmethod(threads.append)}))
-    vllm_api.keep_to_cores_share()
-    assert os.environ.get("OMP_NUM_THREADS") == expected
-    assert threads == ([int(expected)] if expected and not preset else [])
-
-
 def test_the_engine_is_vllms_async_engine_sized_as_the_offline_class():
     import vllm
     from vllm.usage.usage_lib import UsageContext

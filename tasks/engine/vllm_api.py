@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import importlib.metadata
 import os
 import sys
@@ -89,27 +88,6 @@ def before_vllm_import() -> None:
     reach the root logger Prefect configures. (Set here, not at import: importing the product
     changes no setting.)"""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    keep_to_cores_share()
-
-
-def keep_to_cores_share() -> None:
-    """A process given some of the machine's GPUs (a fan-out's worker per GPU) keeps torch to its
-    share of the cores, halved for the two processes of a partition that use torch (this one,
-    vLLM's frontend, and the engine process it starts, which inherits OMP_NUM_THREADS; a value
-    already set is kept). Two video partitions on one 32-core H200 host with torch's default, a
-    thread per core in every process, generated 1.79x one GPU's rate summed over the GPUs, the
-    child's GPU at 0.73 of the parent's; with 16 threads 1.86x, with 8 2.02x once and 1.76-1.79x in
-    three runs, as one raw script per GPU makes (1.76x; docs/benchmarks.md).
-    vLLM's own executor for several GPUs sets 1 for the same reason."""
-    held = len(glob.glob("/dev/nvidia[0-9]*"))  # the GPUs this machine (or container) holds
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    given = len([d for d in visible.split(",") if d.strip()]) if visible else held
-    if "OMP_NUM_THREADS" in os.environ or not 0 < given < held:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ["OMP_NUM_THREADS"] = str(max(1, cores * given // (held * 2)))
-    if (torch := sys.modules.get("torch")) is not None:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def engine_argument_names(*, import_vllm: bool = False) -> frozenset[str] | None:
