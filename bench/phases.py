@@ -118,9 +118,6 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, lim
                      engine_overrides=json.loads(cfg.engine_args) if cfg.engine_args else {})
     plan = make_plan(job)  # as `vlm-caption run` does: the plan, vLLM's import, the engine, then Prefect
     start_engine_first(plan)  # a fan-out's parent: its flow asks for its children first
-    from vlm_caption.tasks.engine.engine_process import wait_for_engine_process
-
-    wait_for_engine_process()  # the engine's share of this process done before Prefect's start takes the GIL
     from vlm_caption.flows.caption import vlm_caption
 
     summary = vlm_caption(plan.job)

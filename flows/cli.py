@@ -176,9 +176,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             server_up = start_embedded_server_early()
             begin_head_start(plan)  # on a thread, beside Prefect's start and the flow run's
-        from vlm_caption.tasks.engine.engine_process import wait_for_engine_process
-
-        wait_for_engine_process()  # the engine's share of this process done before Prefect's start takes the GIL
         from vlm_caption.flows.caption import vlm_caption
         from vlm_caption.flows.head_start import discard_head_start
 

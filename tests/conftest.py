@@ -95,7 +95,6 @@ HEAVY_TESTS = {
     "test_bad_inputs::test_each_video_decodes_or_fails_readably",
     "test_bad_inputs::test_the_whole_corpus_decodes_in_bounded_memory",
     "test_bad_inputs::test_the_video_corpus_decodes_in_bounded_memory",
-    "test_engine_process::test_it_waits_for_the_engine_process_to_start_then_goes_on",
     "test_listing_stream::test_memory_does_not_grow_with_the_listing",
     "test_model_check::test_cli_the_issue_offline_and_not_cached_is_one_line_in_seconds",
     "test_model_check::test_cli_too_little_disk_for_the_download",

@@ -216,12 +216,6 @@ def building() -> bool:
     return _LOCK.locked()
 
 
-def early_builds() -> list[Future]:
-    """The engine builds `start_engine_early` started that no `get_engine` has taken yet."""
-    with _EARLY_LOCK:
-        return list(_EARLY.values())
-
-
 def discard_early_engine() -> bool:
     """A run that found nothing to do lets go of the engine it started early: released as soon
     as its build ends (a build cannot be stopped half-way), without waiting for it here. True if
