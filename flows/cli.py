@@ -168,21 +168,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
         # vLLM's import, then the engine's start, which overlaps Prefect's start and the flow run's.
         # A fan-out's parent imports neither yet: its flow asks for the children first (flows/plan.py).
-        server_up = lambda: None  # noqa: E731 - Prefect's client starts its embedded server itself
-        # Earlier results, no engine yet: Prefect's embedded server, the done-index and the listing begin now.
+        # Earlier results, no engine yet: the done-index and the listing begin now, beside Prefect's
+        # start (its client starts the embedded server) and the flow run's.
         if not start_engine_first(plan):
             from vlm_caption.flows.head_start import begin_head_start
-            from vlm_caption.tasks.prefect_api import start_embedded_server_early
 
-            server_up = start_embedded_server_early()
-            begin_head_start(plan)  # on a thread, beside Prefect's start and the flow run's
+            begin_head_start(plan)
         from vlm_caption.flows.caption import vlm_caption
         from vlm_caption.flows.head_start import discard_head_start
 
         from prefect.settings import PREFECT_API_URL
 
         phase("starting Prefect", api=PREFECT_API_URL.value() or "embedded")
-        server_up()
         try:
             summary = vlm_caption(job)
         finally:

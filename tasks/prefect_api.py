@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import contextvars
 import io
 import os
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import IO
 
 # Prefect's settings for a run that may start its embedded server, where the user set none. Prefect
@@ -111,24 +109,3 @@ def embedded_server_defaults(active: bool = True) -> Iterator[None]:
         for name, value in added.items():
             if os.environ.get(name) == value:
                 del os.environ[name]
-
-
-def start_embedded_server_early() -> Callable[[], None]:
-    """Start Prefect's embedded server now, on a thread, where the run would start it (no PREFECT_API_URL).
-    Returns what waits for it, called before the first use of Prefect's client: a start that failed is
-    left to that client, which starts it again and raises its own error."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return lambda: None
-    from prefect.client.orchestration import get_client
-
-    def start() -> None:
-        with contextlib.suppress(Exception):  # the client's own start raises it, with its message
-            with get_client(sync_client=True) as client:  # starts the embedded server, waits for it
-                client.api_healthcheck()
-
-    context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run, args=(start,), name="vlm-caption-prefect-server", daemon=True)
-    thread.start()
-    return thread.join

@@ -94,8 +94,6 @@ def test_a_slow_embedded_server_gets_a_message_that_says_what_to_do(monkeypatch,
     from vlm_caption import flows
     monkeypatch.setattr(flows.caption, "vlm_caption", server_never_came_up)
     monkeypatch.setattr("vlm_caption.flows.plan.start_engine_first", lambda plan, **how: False)  # no model here
-    # and no real embedded server, which would outlive the test (its process ends with pytest's)
-    monkeypatch.setattr("vlm_caption.tasks.prefect_api.start_embedded_server_early", lambda: lambda: None)
     code = cli.main(["run", str(tmp_path), "--out", str(tmp_path / "out"), "--skip-model-check"])
     assert code == 3
     err = capsys.readouterr().err

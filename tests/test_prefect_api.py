@@ -122,46 +122,6 @@ with embedded_server_defaults():
     assert "Error logging to API" not in kept, kept[-3000:]
 
 
-@pytest.mark.timeout(600)
-def test_an_embedded_server_started_early_is_the_one_the_flow_run_uses(tmp_path):
-    """`vlm-caption run` starts the embedded server on a thread before it imports the flow (a night
-    with earlier results): the flow run then finds it up, and no second server starts."""
-    script = """
-import sys
-from vlm_caption.tasks.prefect_api import embedded_server_defaults
-
-with embedded_server_defaults():
-    from prefect import flow
-    from vlm_caption.tasks.prefect_api import start_embedded_server_early
-
-    wait = start_embedded_server_early()
-    wait()
-    print("-- up --", file=sys.stderr, flush=True)
-
-    @flow
-    def hello():
-        return 1
-
-    assert hello() == 1
-"""
-    done, output = _run_without_api_url(script, tmp_path)
-    assert done.stderr.count("Starting temporary server") == 1, output[-3000:]
-    assert done.stderr.index("Starting temporary server") < done.stderr.index("-- up --"), output[-3000:]
-
-
-def test_no_embedded_server_is_started_early_where_the_run_has_an_api_url():
-    import threading
-
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from vlm_caption.tasks.prefect_api import start_embedded_server_early
-
-    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
-        wait = start_embedded_server_early()
-    assert "vlm-caption-prefect-server" not in [thread.name for thread in threading.enumerate()]
-    wait()
-
-
 def _run_without_api_url(script: str, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
     """`script` in a Python of its own with no PREFECT_API_URL and a fresh PREFECT_HOME (so its
     flow runs start Prefect's embedded server), asserted to succeed; its output returned too."""
