@@ -5,11 +5,11 @@ written is kept, and the next run resumes from it, captioning every image once.
 
 One run per moment, on the embedded Prefect server and vLLM's engine process (the product's default
 on any host), each recognised from what the terminal or the output shows: right after the log's line
-(vLLM importing), the phase line `building the engine` (the engine's share in this process, before
-Prefect), the phase line `starting Prefect` with Prefect's "Starting temporary server" in the log
+(vLLM importing), the phase line `building the engine` (the engine's share in this process, as
+Prefect's start begins), the phase line `starting Prefect` with Prefect's "Starting temporary server" in the log
 (its embedded server starting, the engine building beside it), the first part of the run (or the
 `view-owed` mark its writer leaves before it) appearing in the output (parts being written), and, on
-the next run (earlier results: Prefect started early, the engine at the first item with work),
+the next run (earlier results: Prefect started first, the engine at the first item with work),
 captions coming in (the engine generating); then a run to the end. And, without an engine, a main
 thread that does not let go of the Ctrl-C: the watchdog ends the run, or a second Ctrl-C at once.
 """
