@@ -1,7 +1,6 @@
-"""A partition's shards done in `caption-batch` task runs, one per batch of consecutive shards
-growing from 1 shard up to BATCH_ITEMS' worth, each shard on a thread of its own, so a shard that
-fails is tried again by Prefect's task retries (docs/operations.md, "How many task runs a run
-makes"); the feed's schedule (flows/feed_schedule.py) bounds them across batches."""
+"""A partition's shards in `caption-batch` task runs, one per batch of consecutive shards (1, doubling up
+to BATCH_ITEMS' worth; docs/operations.md, "How many task runs a run makes"), each shard on a thread of its
+own, a failed one tried again by the task's retries; the feed's schedule (flows/feed_schedule.py) bounds them."""
 
 from __future__ import annotations
 
@@ -17,9 +16,9 @@ from prefect.cache_policies import NONE
 from prefect.utilities.annotations import quote
 
 from vlm_caption.flows.feed_schedule import FeedSchedule, RunStopped, ShardReport
-from vlm_caption.flows.partition_run import PartitionRun
+from vlm_caption.flows.plan import PartitionRun
 from vlm_caption.tasks.claims import ShardClaims
-from vlm_caption.tasks.engine.arguments import EngineSpec, frame_resize_target, image_resize_target
+from vlm_caption.tasks.engine.arguments import frame_resize_target, image_resize_target
 from vlm_caption.tasks.engine.steps import GenerateOptions, failed_shard_records, generate_shard
 from vlm_caption.tasks.errors import failure_of, is_permanent, retry_unless_permanent
 from vlm_caption.tasks.interrupt import part_landing
@@ -83,16 +82,15 @@ class ShardPipeline:
     """A partition's shards, done by batches: the listing's thread takes each shard once the feed's
     schedule has room and hands it to the open batch, whose task run gives each shard a thread."""
 
-    def __init__(self, run: PartitionRun, done: DoneIndex, spec: EngineSpec, claims: ShardClaims | None = None):
-        work = self.work = run.work
+    def __init__(self, run: PartitionRun, done: DoneIndex, claims: ShardClaims | None = None):
         self.partition, self.done, self.claims = run, done, claims
-        self.media = MediaOptions(work.modality, work.num_frames, work.image_limit, resize=image_resize_target(spec),
-                                  frame_resize=frame_resize_target(spec), dedup=work.dedup)
-        self.options = GenerateOptions(spec, work.sampling, work.method, work.num_frames, work.retry_looping,
-                                       work.dedup)
+        self.media = MediaOptions(run.modality, run.num_frames, run.image_limit, resize=image_resize_target(run.engine),
+                                  frame_resize=frame_resize_target(run.engine), dedup=run.dedup)
+        self.options = GenerateOptions(run.engine, run.sampling, run.method, run.num_frames, run.retry_looping,
+                                       run.dedup)
         self.report = ShardReport(run)
         self.stats = self.report.stats
-        self.schedule = FeedSchedule(run, spec, self.report, shared=claims is not None)
+        self.schedule = FeedSchedule(run, self.report, shared=claims is not None)
         self.generate_started: float | None = None
         self.threads = ThreadPoolExecutor(MOST_THREADS, thread_name_prefix="shard")
         self.batch: Batch | None = None
@@ -108,7 +106,7 @@ class ShardPipeline:
                 if self.batch is None or self.batch.handed >= self.batch.size:
                     self.end_batch()
                     number = len(self.batches) + 1
-                    self.batch = Batch(number, batch_size(number, self.work.shard_size))
+                    self.batch = Batch(number, batch_size(number, self.partition.shard_size))
                     # quote(): the task run gets this very batch, not a copy Prefect rebuilt while looking for futures
                     self.batches.append(caption_batch.submit(self, quote(self.batch), number))
                 self.batch.put(shard)
@@ -206,11 +204,11 @@ class ShardPipeline:
         last try, with its items carrying the failure (returned beside it)."""
         prepared, failure = None, None
         try:
-            prepared = prepare_shard(self.partition.source, shard, self.done, self.work.questions, self.media)
+            prepared = prepare_shard(self.partition.source, shard, self.done, self.partition.questions, self.media)
         except Exception as exc:
             if is_permanent(exc) or not last:
                 raise
-            prepared, failure = unprepared_shard(shard, self.done, self.work.questions, exc), exc
+            prepared, failure = unprepared_shard(shard, self.done, self.partition.questions, exc), exc
         finally:
             self.schedule.prepared(prepared)
         return prepared, failure

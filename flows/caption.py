@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 import time
@@ -18,9 +19,8 @@ from prefect.utilities.annotations import quote
 
 from vlm_caption.flows.head_start import settle_head_start
 from vlm_caption.flows.params import CaptionJob, Partition
-from vlm_caption.flows.partition_run import PartitionRun
 from vlm_caption.flows.pipeline import caption_shards
-from vlm_caption.flows.plan import RunPlan, build_engine_first, make_plan, start_engine_first
+from vlm_caption.flows.plan import PartitionRun, RunPlan, build_engine_first, make_plan, start_engine_first
 from vlm_caption.flows.run_state import fail_run, on_run_failed, run_label, run_name_from
 from vlm_caption.tasks.claims import remove_claims, was_retaken
 from vlm_caption.tasks.concurrency import one_run_per_job
@@ -47,17 +47,15 @@ def _run_id() -> str:
 
 
 def _where() -> dict:
-    """Which worker, host, GPU and how many cores ran this partition (shown in the manifest), and
-    when its run was asked for and its process began: with the engine's build and ready times, how
-    a partition's start splits between the worker, Prefect and the engine."""
+    """Which worker, host, GPU and cores ran this partition, and when its run was asked for and its process
+    began (the manifest's: with the engine's times, how the start splits between worker, Prefect, engine)."""
     import psutil
 
     from vlm_caption.tasks.media.pool import usable_cores
 
-    cpus = usable_cores()
     return {"flow_run_id": str(flow_run.id) if flow_run.id else None,
             "worker": os.environ.get("PREFECT__WORKER_NAME"), "host": socket.gethostname(),
-            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": str(cpus),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": str(usable_cores()),
             "asked_at": flow_run.scheduled_start_time.timestamp() if flow_run.id else None,
             "process_started_at": psutil.Process().create_time()}
 
@@ -103,12 +101,8 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
         wait_for_orphans(job.partition_deployment, job.output, fingerprint)
         child_jobs = {i: job.model_copy(update={"fan_out": 1, "partition": own.model_copy(update={"index": i})})
                       .model_dump(mode="json") for i in range(1, job.fan_out)}
-        attempt = flow_run.run_count or 1
-
-        def ask_for_children():
-            return start_children(job.partition_deployment, child_jobs, run_label, attempt=attempt,
-                                  parent_run_id=run_id)
-
+        ask_for_children = functools.partial(start_children, job.partition_deployment, child_jobs, run_label,
+                                             attempt=flow_run.run_count or 1, parent_run_id=run_id)
         if engine_first:  # work at once (no result yet, or objects after the last listing): the children are
             children = ask_for_children()  # asked for before this process waits on vLLM's import, then the
             build_engine_first(plan)  # engine's start, beside theirs
@@ -148,7 +142,6 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     summary = stats.summary()
     # The run's new results added to the output's Parquet view; a failure is recorded, not raised.
     manifest["parquet"] = export_after_run(plan.output, job.output, fingerprint, run_id, quote(stats.parts))
-    # A page to look at: a sample of the run's items, thumbnails and captions; next to the manifest.
     facts = {"captioned": summary["succeeded"], "failed": summary["failed"],
              "already done": summary["skipped_already_done"], "cost": summary["cost"]}
     manifest["gallery"] = gallery_after_run(plan.output, plan.source, run_id, stats.parts, items=job.gallery_items,

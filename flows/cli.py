@@ -138,10 +138,9 @@ def _log_format(args: argparse.Namespace) -> None:
 
 
 def _start_prefect() -> None:
-    """Prefect's first import in `run` and `demo`, before anything else imports it: what it prints
-    as it starts in a terminal (its first-run telemetry notice) is held for the run's terminal to
-    place (tasks/prefect_api.py), not printed above the progress bar. Then a PREFECT_API_URL nobody
-    answers fails here, before any engine starts."""
+    """Prefect's first import in `run` and `demo`, before anything else's: what it prints as it starts
+    at a terminal (its first-run notice) is held for the run's terminal to place (tasks/prefect_api.py),
+    not printed above the progress bar. Then a PREFECT_API_URL nobody answers fails here, before any engine."""
     from vlm_caption.flows.server import check_api_reachable
 
     import_prefect()
@@ -166,10 +165,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Another run of this job on this Prefect home: waited for here, saying so, before any engine or server.
     hold_job_lock(plan.fingerprint, job.output, lambda line: print(f"vlm-caption: {line}", file=sys.stderr))
     with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
-        # vLLM's import, then the engine's start, which overlaps Prefect's start and the flow run's.
-        # A fan-out's parent imports neither yet: its flow asks for the children first (flows/plan.py).
-        # Earlier results, no engine yet: the done-index and the listing begin now, beside Prefect's
-        # start (its client starts the embedded server) and the flow run's.
+        # vLLM's import, then the engine's start, beside Prefect's start and the flow run's (a fan-out's parent:
+        # neither yet); earlier results and no engine yet: the done-index's load and the listing begin now.
         if not start_engine_first(plan):
             from vlm_caption.flows.head_start import begin_head_start
 

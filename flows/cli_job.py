@@ -97,12 +97,13 @@ FIELD_OPTIONS = ("recipe", "modality", "method", "num_frames", "max_images", "mo
                  "shard_size", "limit", "glob", "source_format", "column", "modified_since", "follow_links",
                  "gallery_items", "processor_device", "trust_remote_code")
 SAMPLING_OPTIONS = ("temperature", "max_tokens", "seed")
-METAVARS = {"modified_since": "TIME|DURATION|auto"}
+STRUCTURED_OPTIONS = ("regex", "choice")  # with --json-schema, at most one
+METAVARS = {"modified_since": "TIME|DURATION|auto", "choice": "A,B,C"}
 
 
 def add_field_options(parser: argparse._ActionsContainer, model: type[BaseModel], names: tuple[str, ...]) -> None:
-    """`--name` for each of these fields of the pydantic `model`: a bool a flag, a Literal its choices,
-    else its type; its description the help, with its default unless that is None or a bool."""
+    """`--name` for each of these fields of the pydantic `model`: a bool a flag, a Literal its choices, a
+    list comma-separated, else its type; its description the help, with its default unless None or a bool."""
     for name in names:
         field = model.model_fields[name]
         kind = field.annotation
@@ -113,7 +114,8 @@ def add_field_options(parser: argparse._ActionsContainer, model: type[BaseModel]
         elif get_origin(kind) is Literal:
             option = {"choices": list(get_args(kind))}
         else:
-            option = {"type": None if kind is str else kind, "metavar": METAVARS.get(name)}
+            parse = _choices if get_origin(kind) is list else None if kind is str else kind
+            option = {"type": parse, "metavar": METAVARS.get(name)}
         text = (field.description or "").replace("`", "").replace("%", "%%")
         if field.default is not None and kind is not bool:
             text += f" (default: {field.default})"
@@ -146,15 +148,13 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     structured.add_argument("--json-schema", metavar="FILE|tags", help="Structured output: every answer is JSON "
                             'matching this JSON Schema file (or tags: a built-in {"tags": [...], "caption": ...} '
                             "schema); the record's structured holds it parsed.")
-    add_field_options(structured, CaptionJob, ("regex",))
-    structured.add_argument("--choice", type=_choices, metavar="A,B,C",
-                            help="Structured output: every answer is one of these strings.")
+    add_field_options(structured, CaptionJob, STRUCTURED_OPTIONS)
 
 
 def job_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The CaptionJob fields the options give: only those given (a flag: set); the rest are the job's defaults."""
-    given = {name: getattr(args, name) for name in (*FIELD_OPTIONS, *SAMPLING_OPTIONS, "regex", "questions",
-                                                    "retry_looping", "choice")}
+    given = {name: getattr(args, name) for name in (*FIELD_OPTIONS, *SAMPLING_OPTIONS, *STRUCTURED_OPTIONS,
+                                                    "questions", "retry_looping")}
     fields = {name: value for name, value in given.items() if value is not None and value is not False}
     if not args.dedup:
         fields["dedup"] = False

@@ -1,9 +1,6 @@
-"""`vlm-caption demo`: the whole flow on a handful of generated images, offline.
-
-Without --model it builds a tiny random-weight LLaVA checkpoint, so it runs on any laptop's
-CPU with the `cpu` extra; its captions are noise. With --model (a local path or a hub id) and a
-GPU it is a real captioning run.
-"""
+"""`vlm-caption demo`: the whole flow on a handful of generated images, offline. Without --model it
+builds a tiny random-weight LLaVA checkpoint, so it runs on any laptop's CPU with the `cpu` extra (its
+captions are noise); with --model (a local path or a hub id) and a GPU it is a real captioning run."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The feed's schedule over one partition's shards (flows/batches.py does them): how many are
-taken and being prepared ahead of the engine, and how many are in it; and what the run shows of
-its shards as they end (`ShardReport`). While the engine starts (or after it ran dry) the feed's
-whole depth of shards is prepared, at most FEED_ITEMS items at once; once it runs, `prepare_ahead`
-shards are (docs/architecture.md, "How the GPU is kept busy"; the depth: tasks/engine/feed.py)."""
+"""The feed's schedule over one partition's shards (flows/batches.py does them): how many are taken
+and prepared ahead of the engine and how many are in it (docs/architecture.md, "How the GPU is kept
+busy"; the depth: tasks/engine/feed.py); and what the run shows of its shards (`ShardReport`)."""
 
 from __future__ import annotations
 
@@ -10,8 +8,7 @@ import contextlib
 import threading
 from collections.abc import Iterable, Iterator
 
-from vlm_caption.flows.partition_run import PartitionRun
-from vlm_caption.tasks.engine.arguments import EngineSpec
+from vlm_caption.flows.plan import PartitionRun
 from vlm_caption.tasks.engine.feed import FEED_ITEMS, feed_depth, shards_holding
 from vlm_caption.tasks.engine.steps import start_engine
 from vlm_caption.tasks.engine.vllm_import import ensure_vllm_imported
@@ -26,9 +23,8 @@ from vlm_caption.tasks.sources.listing import AlreadyDone, Listed
 
 
 class ShardReport:
-    """A partition's shards as the run reports them: the counts (`RunStats`, for the manifest and
-    summary), the progress artifact and the terminal's bar, and a `vlm-caption.shard.failed` event
-    for a shard with failed items. Its methods are called from the shards' threads: each holds one lock."""
+    """A partition's shards as the run reports them: the counts (`RunStats`), the progress, and a
+    `vlm-caption.shard.failed` event for a shard with failed items; called from the shards' threads."""
 
     def __init__(self, run: PartitionRun):
         self.run = run
@@ -86,10 +82,10 @@ class FeedSchedule:
     """Shards taken and not yet in the engine (`ahead`, of which `preparing` are being fetched
     and decoded) and in the engine (`in_flight`), under one condition that every change notifies."""
 
-    def __init__(self, run: PartitionRun, spec: EngineSpec, report: ShardReport, shared: bool):
-        self.work, self.spec, self.report, self.shared = run.work, spec, report, shared
+    def __init__(self, run: PartitionRun, report: ShardReport, shared: bool):
+        self.run, self.report, self.shared = run, report, shared
         self.lookahead = max(1, get_settings().prepare_ahead)
-        self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, self.work.shard_size, len(self.work.questions)))
+        self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, run.shard_size, len(run.questions)))
         self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
         self.room = threading.Condition()
         self.ahead = self.preparing = self.in_flight = 0
@@ -129,18 +125,18 @@ class FeedSchedule:
     @property
     def depth(self) -> int:
         """Shards in the engine at once (tasks/engine/feed.py)."""
-        work, sizing = self.work, self.engine["sizing"] if self.engine else None
+        run, sizing = self.run, self.engine["sizing"] if self.engine else None
         mean_bytes = self.media_bytes / self.prepared_shards if self.prepared_shards else None
-        return feed_depth(work.modality, work.shard_size, len(work.questions), sizing, mean_bytes,
+        return feed_depth(run.modality, run.shard_size, len(run.questions), sizing, mean_bytes,
                           shared=self.shared, request_tokens=self.report.stats.tokens_per_request())
 
     def start_engine(self) -> None:
         """The engine's start submitted once; the decode pool starts beside it."""
         if self.starting is None:
             ensure_vllm_imported()  # made by the flow's thread (tasks/engine/vllm_import.py), if not yet
-            self.starting = start_engine.submit(self.spec)
+            self.starting = start_engine.submit(self.run.engine)
             self.starting.add_done_callback(lambda _: self.engine_up.set())
-            start_decode_pool(self.work.modality)
+            start_decode_pool(self.run.modality)
 
     def prepared(self, prepared: PreparedShard | None) -> None:
         """A shard's prepare ended (None: it failed); one with nothing to ask leaves the feed."""

@@ -1,7 +1,6 @@
-"""A nightly run's head start (docs/architecture.md, "The engine starts first"): `vlm-caption run`
-begins the done-index's load and the listing on a thread as soon as its plan is made; the flow, in
-the same process, takes them in its `load-done-index` and `list-source` task runs, or drops them
-where another run may have outdated the load (`settle_head_start`)."""
+"""A nightly run's head start (docs/architecture.md, "The engine starts first"): `vlm-caption run` begins
+the done-index's load and the listing on a thread once its plan is made; the flow takes them in its
+`load-done-index` and `list-source` task runs, or drops them where another run may have outdated the load."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
 from vlm_caption.tasks.results.layout import manifest_key
 from vlm_caption.tasks.sources.listing import ShardStream
-from vlm_caption.tasks.sources.listing_end import keep_listing_end
+from vlm_caption.tasks.sources.watermark import keep_listing_end
 
 # Taking a free slot asks the server a few times; a slot that took longer was held by another run.
 SLOT_FREE_S = 5.0

@@ -10,14 +10,14 @@ from collections.abc import Callable, Iterable
 
 from vlm_caption.flows.batches import ShardPipeline
 from vlm_caption.flows.head_start import take_head_start
-from vlm_caption.flows.partition_run import PartitionRun
+from vlm_caption.flows.plan import PartitionRun
 from vlm_caption.tasks.claims import ShardClaims
 from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
 from vlm_caption.tasks.results.report import RunStats
 from vlm_caption.tasks.shard_plan import SharedListing
 from vlm_caption.tasks.sources.items import Shard
 from vlm_caption.tasks.sources.listing import Listed, ShardStream
-from vlm_caption.tasks.sources.listing_end import keep_listing_end
+from vlm_caption.tasks.sources.watermark import keep_listing_end
 
 RETAKE_POLL_S = 2.0  # how often a partition that has run out of shards looks at the others' claims
 
@@ -26,18 +26,16 @@ def caption_shards(run: PartitionRun) -> tuple[RunStats, dict | None, dict | Non
     """Caption this run's items shard by shard as the listing streams them in (a partition of a
     fanned-out run: those it claims, then `finish_partition`). Returns the counts, the engine,
     and the claims' figures."""
-    work, part = run.work, run.partition
+    part = run.partition
     claims = ShardClaims(run.output, run.run_id, part.index, partitions=part.count) if part else None
     with claims or contextlib.nullcontext():
         started = take_head_start() if claims is None else None  # a nightly run's, begun before its flow
         done = started[0] if started else load_done_index(run.output, run.fingerprint)
         stream = started[1] if started else listing(run, done, claims)
         try:
-            # The engine is the plan's: a multi-image job's per-prompt image limit is its group limit
-            # (--max-images), so its engine, like the others', starts before the listing has ended.
-            pipeline = ShardPipeline(run, done, run.engine, claims)
-            run.log.info("run started", source=run.source.uri, output=run.output.uri, modality=work.modality,
-                         questions=len(work.questions), already_done=len(done), partition=run.parts_id)
+            pipeline = ShardPipeline(run, done, claims)
+            run.log.info("run started", source=run.source.uri, output=run.output.uri, modality=run.modality,
+                         questions=len(run.questions), already_done=len(done), partition=run.parts_id)
             pipeline.run(claims.claimed(stream) if claims else stream)
         finally:
             stream.close()
@@ -78,10 +76,9 @@ def listing(run: PartitionRun, done: DoneIndex, claims: ShardClaims | None,
     """The source's shards with work left, streamed, and between them the count of items already
     done (`AlreadyDone`: no task run, claim or engine for them). A fanned-out run lists once, into
     a shard plan every partition reads (tasks/shard_plan.py)."""
-    work = run.work
-    pending = lambda items: done.pending_mask(items, work.questions)  # noqa: E731
+    pending = lambda items: done.pending_mask(items, run.questions)  # noqa: E731
     ended = functools.partial(keep_listing_end, run.output, run.source, run.fingerprint)  # the greatest key, at its end
     if claims is None:
-        return ShardStream(run.source, work.shard_size, work.limit, pending=pending, on_end=ended).start()
-    return SharedListing(run.output, run.run_id, claims, run.source, work.shard_size, work.limit,
-                         pending, shards=shards, on_end=ended, dedup=work.dedup).start()
+        return ShardStream(run.source, run.shard_size, run.limit, pending=pending, on_end=ended).start()
+    return SharedListing(run.output, run.run_id, claims, run.source, run.shard_size, run.limit,
+                         pending, shards=shards, on_end=ended, dedup=run.dedup).start()

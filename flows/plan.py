@@ -1,22 +1,24 @@
 """A run's plan: the job resolved once, at the run's start, and handed down. `make_plan(job)` is
-the pre-flight: every problem at once, one line each (docs/architecture.md, "The plan")."""
+the pre-flight: every problem at once, one line each (docs/architecture.md, "The plan").
+`PartitionRun`: what a partition's shards need of the plan, taken from it once (never the job)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from vlm_caption.flows.params import CaptionJob
+from vlm_caption.flows.params import CaptionJob, Partition
 from vlm_caption.recipes import Recipe, RecipeError
 from vlm_caption.tasks.engine.arguments import EngineSpec
+from vlm_caption.tasks.engine.vllm_engine import Sampling
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.layout import results_prefix
+from vlm_caption.tasks.results.layout import partition_parts_id, results_prefix
 from vlm_caption.tasks.records import job_fingerprint
 from vlm_caption.tasks.sources.formats import SourceSpec
-from vlm_caption.tasks.sources.listing_end import object_after_listing_end
 from vlm_caption.tasks.sources.registry import READERS
 from vlm_caption.tasks.sources.storage import Storage, StorageError
-from vlm_caption.tasks.sources.watermark import with_changed_since
+from vlm_caption.tasks.sources.watermark import object_after_listing_end, with_changed_since
 
 
 class PreflightError(RecipeError):
@@ -40,6 +42,50 @@ class RunPlan:
     # The engine to build, its arguments resolved; multi-image's per-prompt image limit is the
     # job's group limit, known before the listing.
     engine: EngineSpec | None = None
+
+
+@dataclass(frozen=True)
+class PartitionRun:
+    """A partition being captioned in this process, with everything its shards need resolved."""
+
+    run_id: str
+    partition: Partition | None  # None: the run is not fanned out
+    log: Any  # the run's structlog logger
+    source: SourceSpec  # where the items come from, its storage opened
+    output: Storage  # where the parts are written; partitions share their claims here
+    fingerprint: str  # which results these are interchangeable with
+    engine: EngineSpec  # the plan's
+    title: str  # what is captioned with which recipe: the progress bar's label
+    # What is done to each shard: the job's questions and how its media are read and asked.
+    modality: str
+    questions: tuple[str, ...]
+    shard_size: int  # items per shard (and per results part)
+    limit: int | None  # the most items listed, or None
+    num_frames: int  # frames sampled from each video
+    image_limit: int  # the most images a multi-image group may hold
+    sampling: Sampling
+    method: str  # "generate", or "chat" (the multi-image example's LLM.chat)
+    retry_looping: float | None  # the repetition penalty a looping caption is asked again with, or None
+    dedup: bool  # the same media captioned once (tasks/same_media.py)
+
+    @classmethod
+    def of(cls, plan: RunPlan, run_id: str, partition: Partition | None, log: Any) -> PartitionRun:
+        job = plan.job
+        return cls(run_id, partition, log, plan.source, plan.output, plan.fingerprint, plan.engine,
+                   f"Captioning {job.location} with {plan.recipe.name}", job.modality, job.questions_to_ask,
+                   job.shard_size, job.limit, job.num_frames, job.image_limit,
+                   Sampling(**job.sampling.model_dump(), structured=job.structured_output), job.method,
+                   job.retry_looping, job.dedup)
+
+    @property
+    def index(self) -> int:
+        """This partition's number (0 when the run is not fanned out)."""
+        return self.partition.index if self.partition else 0
+
+    @property
+    def parts_id(self) -> str:
+        """Names this partition's result parts (`part-<parts_id>-<shard>.jsonl`)."""
+        return partition_parts_id(self.run_id, self.partition.index) if self.partition else self.run_id
 
 
 def make_plan(job: CaptionJob) -> RunPlan:
@@ -103,10 +149,9 @@ def fingerprint_of(job: CaptionJob, recipe: Recipe, model: str, source: SourceSp
 
 
 def start_engine_first(plan: RunPlan) -> bool:
-    """Whether the run builds its engine before anything else (an output with no result of the job
-    yet, or with objects after where its last complete listing ended), and if so its start, vLLM
-    imported on the calling thread; a fan-out's parent builds nothing here (it asks for its children
-    first), its partitions follow its finding (docs/architecture.md, "The engine starts first")."""
+    """Whether the run builds its engine first (no result of the job in the output yet, or objects after
+    where its last complete listing ended: docs/architecture.md, "The engine starts first"), and if so its
+    start, vLLM imported on the calling thread; a fan-out's parent builds nothing here (children first)."""
     if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
         first = plan.job.partition.engine_first
     else:

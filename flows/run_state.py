@@ -1,10 +1,8 @@
-"""How a run looks in Prefect's UI: its name (`<recipe> · <source>`, whatever its parameters),
-and how a user error ends it (docs/operations.md, "Retries and permanent errors"). Prefect 3.8
-retries every failed flow run alike (the server's RetryFailedFlows rule reads the run's
-`empirical_policy.retries`, not the state), so a permanent error (tasks/errors.py) sets the run's
-retries to none first, through the client's public `update_flow_run`, then ends the run Failed
-with the error's line; a transient one (`permanent = False`) is raised, to Prefect's retry.
-"""
+"""How a run looks in Prefect's UI: its name (`<recipe> · <source>`, whatever its parameters), and
+how a user error ends it (docs/operations.md, "Retries and permanent errors"). Prefect 3.8 retries
+every failed flow run alike (its RetryFailedFlows rule reads the run's `empirical_policy.retries`, not
+the state), so a permanent error (tasks/errors.py) takes the run's retries away first (the client's
+`update_flow_run`), then ends the run Failed with its line; a transient one is raised, to the retry."""
 
 from __future__ import annotations
 

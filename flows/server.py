@@ -1,11 +1,9 @@
 """`vlm-caption server`: Prefect's server and its UI, started the one documented way; and the
 check that a run's `PREFECT_API_URL` answers before anything heavy starts.
 
-The server runs in its own environment (`uv tool run`), not the project's: vLLM 0.26 holds
-FastAPI below 0.137, where Prefect's UI app cannot be built (`'FastAPI' object has no attribute
-'frontend'`). Prefect is pinned to the project's exact version, so the server and the project's
-workers and flow runs speak the same API. `--background`'s pid is kept in PREFECT_HOME for `--stop`.
-"""
+The server runs in its own environment (`uv tool run`), not the project's: vLLM 0.26 holds FastAPI
+below 0.137, where Prefect's UI app cannot be built (`'FastAPI' object has no attribute 'frontend'`).
+Prefect is pinned to the project's exact version, so server, workers and flow runs speak the same API."""
 
 from __future__ import annotations
 
@@ -176,9 +174,8 @@ def _stop(server: subprocess.Popen) -> int:
 
 
 def check_api_reachable(timeout_s: float = 10.0) -> None:
-    """With PREFECT_API_URL set (environment or profile), fail at once, before any engine starts,
-    when nothing answers there. Any HTTP answer (even 401) counts as reachable. Without
-    it, runs use Prefect's embedded server and there is nothing to check."""
+    """With PREFECT_API_URL set (environment or profile), fail at once, before any engine starts, when
+    nothing answers there (any HTTP answer, even 401, counts); without it there is nothing to check."""
     import httpx
     from prefect.client.orchestration import get_client
     from prefect.settings import (PREFECT_API_REQUEST_TIMEOUT, PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES,

@@ -29,8 +29,8 @@ EMBEDDED_SERVER_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
 }
 
-# What Prefect printed on stderr as it was first imported (its first-run telemetry notice), held
-# for the run's terminal to place.
+# What Prefect printed on stderr as it was first imported (its first-run telemetry notice; Prefect
+# is imported once, so one at most), held for the run's terminal to place.
 _held: list[str] = []
 
 
@@ -68,9 +68,7 @@ def release_notice(terminal: IO[str] | None) -> None:
     quiet run's `terminal`."""
     if not _held:
         return
-    text = "".join(_held)
-    _held.clear()
-    print(text, file=sys.stderr, flush=True)
+    print(_held.pop(), file=sys.stderr, flush=True)
     if terminal is not None:
         print("vlm-caption: Prefect's first-run telemetry notice is in the log (to opt out of Prefect's "
               "usage data: DO_NOT_TRACK=1)", file=terminal)
@@ -82,9 +80,7 @@ def show_prefect_notice_now(file: IO[str], *, import_now: bool = False) -> None:
     if import_now:
         import_prefect()
     if _held:
-        text = "".join(_held).strip()
-        _held.clear()
-        print(text, file=file, flush=True)
+        print(_held.pop().strip(), file=file, flush=True)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from vlm_caption.tasks.results.done_index import DoneIndex
@@ -68,20 +69,19 @@ class CopyWithoutAnswer(RuntimeError):
     """The shard of the item a copy waited on failed (the copy's shard is retried)."""
 
 
-@dataclass(slots=True, eq=False)
-class Claim:
-    """One (media, question) of a run: the first item's key and, once the engine gave it, its answer."""
+class Claim(Future):
+    """One (media, question) of a run: the first item's key, and the future of its answer."""
 
-    key: str
-    answer: GenerationOutput | None = None
-    error: BaseException | None = None
+    def __init__(self, key: str):
+        super().__init__()
+        self.key = key
 
 
 class SameMedia:
-    """The answers of a process's runs by (media, question); waiters share one condition."""
+    """The answers of a process's runs by (media, question)."""
 
     def __init__(self) -> None:
-        self._settled = threading.Condition()
+        self._lock = threading.Lock()
         self._runs: OrderedDict[str, OrderedDict[tuple[str, str], Claim]] = OrderedDict()
 
     def answers(self, run_id: str | None, pairs: list[tuple[Any, str]], ask: Callable[[list], list[GenerationOutput]],
@@ -103,14 +103,14 @@ class SameMedia:
         for (item, q), out in zip(asked, outputs):
             found[(id(item), q)] = (out, None)
             if (id(item), q) in claims:
-                self.settle(claims[(id(item), q)][0], out if keep_prompt else replace(out, prompt=None))
+                claims[(id(item), q)][0].set_result(out if keep_prompt else replace(out, prompt=None))
         found.update({pair: (self.answer(claim), claim.key) for pair, (claim, first) in claims.items() if not first})
         return found
 
     def claim(self, run_id: str, media: str, question: str, key: str) -> tuple[Claim, bool]:
         """The run's claim on these bytes and question, and whether the caller is its first: the
-        first asks the engine, then settles or forgets it; the others wait for its `answer`."""
-        with self._settled:
+        first asks the engine, then sets its result or forgets it; the others wait for its `answer`."""
+        with self._lock:
             claims = self._runs.get(run_id)
             if claims is None:
                 claims = self._runs[run_id] = OrderedDict()
@@ -124,30 +124,24 @@ class SameMedia:
                 claims.popitem(last=False)  # its waiters hold the claim itself, and are still answered
             return made, True
 
-    def settle(self, claim: Claim, answer: GenerationOutput) -> None:
-        with self._settled:
-            claim.answer = answer
-            self._settled.notify_all()
-
     def forget(self, run_id: str, media_questions: list[tuple[str, str]], error: BaseException) -> None:
         """The first ones' shard failed: their copies raise `error` (their shard is retried and
         asks the engine itself), and the next (item, question) with these bytes is a first."""
-        with self._settled:
+        with self._lock:
             claims = self._runs.get(run_id, {})
-            for mq in media_questions:
-                dropped = claims.pop(mq, None)
-                if dropped is not None and dropped.answer is None:
-                    dropped.error = error
-            self._settled.notify_all()
+            dropped = [claims.pop(mq, None) for mq in media_questions]
+        for claim in dropped:
+            if claim is not None and not claim.done():
+                claim.set_exception(error)
 
-    def answer(self, claim: Claim) -> GenerationOutput:
+    @staticmethod
+    def answer(claim: Claim) -> GenerationOutput:
         """The first one's answer, waited for while its shard is in the engine."""
-        with self._settled:
-            self._settled.wait_for(lambda: claim.answer is not None or claim.error is not None)
-            if claim.answer is None:
-                raise CopyWithoutAnswer(f"{claim.key}, whose answer this item takes, failed: "
-                                        f"{type(claim.error).__name__}: {claim.error}") from claim.error
-            return claim.answer
+        error = claim.exception()
+        if error is not None:
+            raise CopyWithoutAnswer(f"{claim.key}, whose answer this item takes, failed: "
+                                    f"{type(error).__name__}: {error}") from error
+        return claim.result()
 
 
 SAME_MEDIA = SameMedia()

@@ -1,9 +1,7 @@
-"""One listing per fanned-out run: the shard plan, shared by the partitions through the output store
-(docs/operations.md, "Fan-out over several GPUs"). The lister writes `claims/<run_id>/plan/`: numbered
-chunks (`000000.jsonl`: a header counting the items listed and already done, then a line per shard;
-a copy shard's line `[index, items, 1]`), then `end.json` (or `failed.json`); a gone lister is
-replaced by the winner of `plan/lister.r1`. Copy shards (tasks/same_media.py) are taken last, once
-every other shard of the plan is done (`originals_done`), so each copy finds its original's answer.
+"""One listing per fanned-out run: the shard plan that the partitions share through the output store,
+in `claims/<run_id>/plan/` (its layout and the lister's replacement: docs/operations.md, "Fan-out over
+several GPUs"). A copy shard's line is `[index, items, 1]`; copy shards (tasks/same_media.py) are taken
+last, once every other shard of the plan is done (`originals_done`), so each copy finds its original's answer.
 """
 
 from __future__ import annotations

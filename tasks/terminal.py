@@ -1,10 +1,7 @@
 """What a person at a terminal sees of `vlm-caption run` and `demo`: a progress bar, then a summary
-(docs/operations.md, "What the UI shows"); everything else a run prints goes to the run's log file.
-
-`quiet_terminal` does it at the file-descriptor level, so the engine's processes (spawned children
-inherit descriptors 1 and 2) and the embedded Prefect server write there too; the progress bar and
-the summary keep the terminal through `user_stream`. What the process prints as it exits after a
-quiet run (Prefect stopping its embedded server) goes to the run's log too.
+(docs/operations.md, "What the UI shows"). `quiet_terminal` sends descriptors 1 and 2 to the run's log,
+so the engine's processes and the embedded Prefect server (children inherit them) write there too, as
+does what the process prints as it exits; the bar and the summary keep the terminal (`user_stream`).
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def test_copies_in_two_partitions_are_captioned_once(idle_partition_deployment, 
     and its original land in different partitions: 5 requests for 8 images, 3 copies."""
     import vlm_caption.flows.caption as caption
     from vlm_caption.flows.params import CaptionJob
-    from vlm_caption.flows.partition_run import PartitionRun
+    from vlm_caption.flows.plan import PartitionRun
     from vlm_caption.tasks.claims import ShardClaims
 
     real_claim, real_caption = ShardClaims.claim, caption.caption_shards

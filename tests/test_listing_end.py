@@ -1,4 +1,4 @@
-"""Where the last complete listing of a bucket ended (tasks/sources/listing_end.py): kept in the
+"""Where the last complete listing of a bucket ended (tasks/sources/watermark.py): kept in the
 output per job and scope, and the next run's look past it on S3, one page after the key."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import vlm_caption.tasks.sources.listing_end as listing_end
+import vlm_caption.tasks.sources.watermark as listing_end
 from vlm_caption.tasks.sources.formats import SourceSpec
-from vlm_caption.tasks.sources.listing_end import keep_listing_end, listing_end_key, object_after_listing_end
+from vlm_caption.tasks.sources.watermark import keep_listing_end, listing_end_key, object_after_listing_end
 from vlm_caption.tasks.sources.storage import open_storage
 
 BUCKET = "night"

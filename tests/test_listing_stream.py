@@ -186,7 +186,7 @@ def test_done_items_are_judged_as_the_done_index_judges_each_one():
 def test_a_listing_read_to_its_end_hands_on_its_greatest_key(storage):
     """`on_end`: once a listing without `limit` has read the source to its end (a failed page
     resumed), the greatest key it read, which a folder's walk does not read last; never for a
-    listing cut by `limit` or one that failed (tasks/sources/listing_end.py keeps it)."""
+    listing cut by `limit` or one that failed (tasks/sources/watermark.py keeps it)."""
     class Walked(SyntheticStorage):  # a folder's walk: a folder's own files before its subfolders'
         def iter_objects(self, glob=None, prefix=""):
             yield from (ObjectRef(key, 1, "e") for key in ("z.jpg", "a/1.jpg", "a/2.jpg"))

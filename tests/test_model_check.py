@@ -21,7 +21,7 @@ import pytest
 
 from vlm_caption.flows import cli
 from vlm_caption.recipes import get_recipe
-from vlm_caption.tasks.engine import model_hub
+from vlm_caption.tasks.engine import model_check
 from vlm_caption.tasks.engine.model_check import ModelError, check_model, resolve_model
 from vlm_caption.tasks.results.report import RunStats
 from tests.checkpoints import build_checkpoint
@@ -42,9 +42,9 @@ def hf_env(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
     monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf" / "stored_tokens"))
-    model_hub.resolve_hub.cache_clear()
+    model_check.resolve_hub.cache_clear()
     yield tmp_path / "hf"
-    model_hub.resolve_hub.cache_clear()
+    model_check.resolve_hub.cache_clear()
 
 
 class _HubStandIn(BaseHTTPRequestHandler):
@@ -107,13 +107,13 @@ def small_disk(hf_env, monkeypatch, tmp_path):
     mounted = (os.geteuid() == 0 and subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode == 0)
     if not mounted:
-        real = model_hub.shutil.disk_usage
+        real = model_check.shutil.disk_usage
 
         def one_mib_free(path):
             usage = real(path)
             return type(usage)(usage.total, usage.total - 2**20, 2**20)
 
-        monkeypatch.setattr(model_hub.shutil, "disk_usage", one_mib_free)
+        monkeypatch.setattr(model_check.shutil, "disk_usage", one_mib_free)
     monkeypatch.setenv("HF_HOME", str(folder / "hf"))
     yield folder
     if mounted:
@@ -343,12 +343,12 @@ def test_an_unreadable_hub_cache_is_logged_with_what_it_costs(tmp_path, monkeypa
         raise PermissionError(f"{cache_dir}: permission denied")
 
     monkeypatch.setattr(huggingface_hub, "scan_cache_dir", unreadable)
-    message = model_hub._unknown_id("llava-hf/llava-1.5-7b-hff", None, str(tmp_path), "https://hub/x")
+    message = model_check._unknown_id("llava-hf/llava-1.5-7b-hff", None, str(tmp_path), "https://hub/x")
     assert "Did you mean: llava-hf/llava-1.5-7b-hf" in message
     assert warned == [("hub cache unreadable for its models; suggestions leave out the cached models",
                        {"cache": str(tmp_path), "error": f"PermissionError: {tmp_path}: permission denied"})]
     warned.clear()
-    model_hub._unknown_id("x/y", None, str(tmp_path / "none-yet"), "https://hub/x")  # no cache: nothing to say
+    model_check._unknown_id("x/y", None, str(tmp_path / "none-yet"), "https://hub/x")  # no cache: nothing to say
     assert warned == []
 
 

@@ -89,7 +89,7 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
     manifest = json.loads((where.base / "out" / "manifests" / f"{summary['run_id']}.json").read_text())
     assert manifest["counts"]["skipped_already_done"] == HISTORY and manifest["parts"] == []
     # The listing read the folder to its end: its greatest key is kept, and the next run looks past it
-    # (tasks/sources/listing_end.py): the night's items below sort among the done ones, so its engine
+    # (tasks/sources/watermark.py): the night's items below sort among the done ones, so its engine
     # still waits for the listing to find them.
     (end,) = (where.base / "out" / "listed").glob("*.json")
     assert json.loads(end.read_text())["greatest_key"] == item_key(HISTORY - 1)

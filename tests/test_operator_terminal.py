@@ -64,7 +64,7 @@ def test_errors_raised_inside_a_run_are_one_line_with_their_kinds_exit_code(caps
     from vlm_caption.flows.server import PrefectAPIUnreachable
     from vlm_caption.tasks.concurrency import JobBusyError
     from vlm_caption.tasks.engine.feed import EngineDied
-    from vlm_caption.tasks.engine.model_files import ModelError
+    from vlm_caption.tasks.engine.model_check import ModelError
     from vlm_caption.tasks.fanout import FanOutError
     from vlm_caption.tasks.results.writers import DiskFullError
 
@@ -88,7 +88,7 @@ def test_a_permanent_error_fails_the_run_at_once_without_a_retry(prefect_api, tm
 
     from vlm_caption.flows.caption import vlm_caption
     from vlm_caption.flows.params import CaptionJob
-    from vlm_caption.tasks.engine.model_files import ModelError
+    from vlm_caption.tasks.engine.model_check import ModelError
 
     (tmp_path / "photos").mkdir()
     job = CaptionJob(source=str(tmp_path / "photos"), output=str(tmp_path / "out"),

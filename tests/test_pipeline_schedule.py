@@ -15,8 +15,7 @@ import vlm_caption.flows.batches as batches
 import vlm_caption.flows.feed_schedule as feed_schedule
 from vlm_caption.flows.batches import ShardPipeline
 from vlm_caption.flows.params import CaptionJob
-from vlm_caption.flows.partition_run import PartitionRun
-from vlm_caption.flows.plan import RunPlan, engine_spec
+from vlm_caption.flows.plan import PartitionRun, RunPlan, engine_spec
 from vlm_caption.recipes import get_recipe
 from vlm_caption.tasks.engine.feed import FEED_REQUESTS
 from vlm_caption.tasks.prepare import PreparedItem, PreparedShard
@@ -132,11 +131,11 @@ def _run(shards: int) -> None:
     job = CaptionJob(source="/nowhere", output="/nowhere-out", recipe="llava", shard_size=SHARD_SIZE,
                      source_format="files")  # as the plan resolves it
     plan = RunPlan(job=job, recipe=get_recipe("llava"), model="llava", fingerprint="fingerprint",
-                   source=SourceSpec(job.source, "image", format="files"), output=None)
+                   source=SourceSpec(job.source, "image", format="files"), output=None, engine=engine_spec(job))
     run = PartitionRun.of(plan, "run", None, SilentLog())
     listing = [Shard(i, tuple(WorkItem(f"{i}/{n}.jpg", (ObjectRef(f"{i}/{n}.jpg", 1, ""),))
                               for n in range(SHARD_SIZE))) for i in range(shards)]
-    pipeline = ShardPipeline(run, DoneIndex(), engine_spec(job))
+    pipeline = ShardPipeline(run, DoneIndex())
     pipeline.run(listing)
     stats, _ = pipeline.close()
     assert stats.listed == shards * SHARD_SIZE

@@ -60,7 +60,7 @@ def test_a_copy_waits_for_the_first_answer_and_raises_if_its_shard_failed():
     got = []
     waiter = threading.Thread(target=lambda: got.append(same.answer(copy)))
     waiter.start()
-    same.settle(first, GenerationOutput("A cat.", "stop", 5, 2))
+    first.set_result(GenerationOutput("A cat.", "stop", 5, 2))
     waiter.join(10)
     assert got and got[0].text == "A cat."
     lost, _ = same.claim("run", "h2", "Describe.", "c.jpg")
@@ -80,7 +80,7 @@ def test_the_answers_kept_for_copies_are_bounded(monkeypatch):
     same = same_media.SameMedia()
     for i in range(5):
         claim, _ = same.claim("run", f"h{i}", "Describe.", f"{i}.jpg")
-        same.settle(claim, GenerationOutput(f"caption {i}", "stop", 5, 2))
+        claim.set_result(GenerationOutput(f"caption {i}", "stop", 5, 2))
     assert same.claim("run", "h0", "Describe.", "copy-of-0.jpg")[1]  # forgotten: asked again
     recent, first = same.claim("run", "h4", "Describe.", "copy-of-4.jpg")
     assert not first and same.answer(recent).text == "caption 4"

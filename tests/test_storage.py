@@ -160,7 +160,7 @@ def test_a_source_lists_links_out_of_its_folder_as_refused_and_never_reads_them(
 
 @pytest.mark.parametrize("key", ["../elsewhere/secret.jpg", "sub/../../elsewhere/secret.jpg", "/etc/passwd"])
 def test_a_key_that_leads_out_of_the_folder_is_refused_whatever_the_links(tmp_path, key):
-    from vlm_caption.tasks.sources.ranged import open_seekable
+    from vlm_caption.tasks.sources.storage import open_seekable
 
     src = _linked_folder(tmp_path)
     for store in (LocalStorage(src, follow_links=False), LocalStorage(src)):

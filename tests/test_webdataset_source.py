@@ -131,7 +131,8 @@ def test_a_single_tar_streams_without_reading_large_members(tmp_path: Path, monk
     skipped, not read."""
     import webdataset as wds
 
-    from vlm_caption.tasks.sources import ranged, webdataset
+    from vlm_caption.tasks.sources import webdataset
+    from vlm_caption.tasks.sources.storage import RangeFile
 
     path = tmp_path / "big.tar"
     with wds.TarWriter(str(path)) as sink:
@@ -147,7 +148,7 @@ def test_a_single_tar_streams_without_reading_large_members(tmp_path: Path, monk
 
     monkeypatch.setattr(LocalStorage, "read_range", counted)
     monkeypatch.setattr(webdataset, "open_seekable",
-                        lambda storage, key, size: ranged.RangeFile(storage, key, size, read_ahead=64 << 10))
+                        lambda storage, key, size: io.BufferedReader(RangeFile(storage, key, size), 64 << 10))
     size = path.stat().st_size
     items = list(tar_items(open_storage(str(tmp_path)), ObjectRef("big.tar", size, "e"), "video"))
     assert [i.id for i in items] == ["big.tar/v0", "big.tar/v1", "big.tar/v2"] and not any(i.problem for i in items)

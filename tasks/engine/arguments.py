@@ -5,6 +5,7 @@ engine starts. No vLLM object is built here."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -122,9 +123,13 @@ def engine_plan(spec: EngineSpec, *, on_cpu: bool) -> tuple[dict[str, Any], Proc
     # `VLLM_CPU_KVCACHE_SPACE` (GiB, vLLM's own knob) wins when set.
     if on_cpu and "gpu_memory_utilization" not in args and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB * 1024**3)
-    limit = checkpoint_context_limit(args["model"], bool(args.get("trust_remote_code")))
-    if limit and args.get("max_model_len") and args["max_model_len"] > limit:
-        args["max_model_len"] = limit
+    with contextlib.suppress(Exception):  # the checkpoint's own maximum context, where its config can be read
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args["model"], trust_remote_code=bool(args.get("trust_remote_code")))
+        limit = getattr(getattr(config, "get_text_config", lambda: config)(), "max_position_embeddings", None)
+        if limit and args.get("max_model_len") and args["max_model_len"] > limit:
+            args["max_model_len"] = limit
     return args, placement
 
 
@@ -146,15 +151,3 @@ def _cuda_present() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda_alike()
-
-
-def checkpoint_context_limit(model: str, trust_remote_code: bool) -> int | None:
-    """The checkpoint's own maximum context, if its config can be read (local or cached)."""
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except Exception:
-        return None
-    text = getattr(config, "get_text_config", lambda: config)()
-    return getattr(text, "max_position_embeddings", None)

@@ -1,13 +1,9 @@
-"""A continuous feed for one long-lived vLLM engine: vLLM's `AsyncLLM`, fed from any thread.
-
-`LLM.generate` per shard runs a shard's requests to the last one, so the running batch drains
-to zero at the end of every shard (measured: 0.85x raw vLLM on an H100 at the default shard
-size). `AsyncLLM` is vLLM's engine for a continuous feed: each request is one `generate` call,
-and the engine batches whatever is in it. Here an event loop of the feed's own (one thread) runs
+"""A continuous feed for one long-lived vLLM engine: vLLM's `AsyncLLM`, fed from any thread
+(docs/architecture.md). `LLM.generate` per shard drains the running batch at every shard's end
+(0.85x raw vLLM on an H100 at the default shard size). Here an event loop of the feed's own runs
 one coroutine per request and vLLM's output handler; a shard's thread submits its requests and
-waits on their futures, so several shards' requests are in the engine at once and the shard
-stays the unit of bookkeeping, never a batch boundary. A request vLLM rejects fails alone; when
-the engine dies, `AsyncLLM` raises to every waiter, and each fails with `EngineDied`.
+waits on their futures. A request vLLM rejects fails alone; when the engine dies, every waiter
+fails with `EngineDied`.
 """
 
 from __future__ import annotations

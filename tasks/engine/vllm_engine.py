@@ -25,9 +25,6 @@ from vlm_caption.tasks.engine.feed import EngineDied, EngineFeed
 from vlm_caption.tasks.engine.vllm_import import ensure_vllm_imported
 from vlm_caption.tasks.records import GenerationOutput
 
-DEFAULT_TEMPERATURE = 0.0
-DEFAULT_MAX_TOKENS = 256
-
 
 @dataclass(frozen=True)
 class Sampling:
@@ -103,8 +100,8 @@ class CaptionEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_MAX_TOKENS,
-                                  **self.recipe.sampling}
+        # Greedy and 256 tokens unless the recipe says otherwise.
+        params: dict[str, Any] = {"temperature": 0.0, "max_tokens": 256, **self.recipe.sampling}
         for key in ("temperature", "max_tokens", "repetition_penalty"):  # the job's, where it set them
             if getattr(sampling, key) is not None:
                 params[key] = getattr(sampling, key)
@@ -121,8 +118,11 @@ class CaptionEngine:
         rejects fails alone. `method`: the examples' `generate` (the recipe's prompt) or `chat`."""
         if not requests:
             return []
-        if method == "chat":
-            self._check_chat_template()
+        no_template = self.prompting.chat_template is None and not getattr(self.tokenizer, "chat_template", None)
+        if method == "chat" and no_template:  # chat renders through a chat template: every item would fail
+            raise RecipeError(
+                f"the chat method needs a chat template, and {self.model}'s tokenizer has none "
+                f"(recipe {self.recipe.name!r} gives none either); use method 'generate'")
         params = self.sampling_params(sampling)
         # A rendered chat holds its special tokens already, as `LLM.chat` tokenizes it.
         tokenization = {"add_special_tokens": False} if method == "chat" else None
@@ -150,13 +150,6 @@ class CaptionEngine:
             content = [{"type": "text", "text": request.question}, *([{"type": "image"}] * request.count)]
             text = render_chat(self.tokenizer, [{"role": "user", "content": content}], self.prompting.chat_template)
         return {"prompt": text, "multi_modal_data": {kind: request.media}, "multi_modal_uuids": {kind: request.uuids}}
-
-    def _check_chat_template(self) -> None:
-        """The chat method renders through a chat template: without one every item would fail."""
-        if self.prompting.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise RecipeError(
-                f"the chat method needs a chat template, and {self.model}'s tokenizer has none "
-                f"(recipe {self.recipe.name!r} gives none either); use method 'generate'")
 
     def release(self) -> None:
         """Stop the feed and shut vLLM's engine process down."""

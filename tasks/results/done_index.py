@@ -1,13 +1,8 @@
-"""What earlier runs with the same fingerprint finished, so a rerun computes only the rest, and
-copies of what they finished take its answer.
-
-A result is identified by (item key, question). Before fetching, an item whose every question
-is done for the same members (etag and size) is skipped; after fetching, one whose content hash
-matches (re-uploaded, same bytes) is skipped too. An item under another key whose media are the
-same bytes as a done result's takes that result's answer (`earlier_answer`; tasks/same_media.py).
-Its memory (24 bytes a result and a few more) is in docs/architecture.md, "Resume state stays
-small". The run's own load is kept for the Parquet step at its end (`loaded_index`).
-"""
+"""What earlier runs with the same fingerprint finished (by item key and question), so a rerun
+skips an item whose every question is done for the same listed etag and size or, once fetched,
+the same bytes; and a copy of those bytes under another key takes the answer (`earlier_answer`;
+tasks/same_media.py). Its memory: docs/architecture.md, "Resume state stays small". The run's own
+load is kept for the Parquet step at its end (`loaded_index`)."""
 
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ from vlm_caption.tasks.results.done_rows import (ROW, Signature, Source, _hash64
                                                 result_key, signature_hash)
 from vlm_caption.tasks.results.parquet import record_from_row
 from vlm_caption.tasks.sources.items import WorkItem
-from vlm_caption.tasks.sources.ranged import open_seekable
-from vlm_caption.tasks.sources.storage import Storage
+from vlm_caption.tasks.sources.storage import Storage, open_seekable
 
 MAX_CANDIDATES = 64  # earlier results with the same bytes looked at for one (item, question)
 CACHED = 32  # parts or view row groups whose records are kept (each at most a shard's or ROW_GROUP_ROWS)
@@ -86,15 +80,12 @@ class DoneIndex:
     def holding(self, keys: np.ndarray) -> dict[str, np.ndarray]:
         """For result keys (`result_key`), the sources (view files, parts) holding a row of any
         of them, and which of the keys each holds (none for an index of bare rows)."""
-        if self._out is None or not len(keys) or not len(self._table):
+        if self._out is None:
             return {}
         keys = np.unique(np.asarray(keys, np.uint64))
         table_keys = self._table["key"]
         lo, hi = np.searchsorted(table_keys, keys, "left"), np.searchsorted(table_keys, keys, "right")
-        found = np.flatnonzero(hi > lo)
-        if not len(found):
-            return {}
-        rows = np.concatenate([np.arange(lo[i], hi[i]) for i in found])
+        rows = np.concatenate([np.arange(lo[i], hi[i]) for i in np.flatnonzero(hi > lo)] or [np.empty(0, np.intp)])
         part = np.searchsorted(self._starts, self._ordinal[rows], "right") - 1
         return {self._sources[int(p)].key: np.unique(table_keys[rows[part == p]]) for p in np.unique(part)}
 

@@ -1,11 +1,6 @@
-"""The done-index's rows: how a final record becomes a row, and where a load reads them from.
-
-A row is 24 bytes: 8-byte hashes of the result's key (item and question), of its members'
-listed (etag, size) and of its content (sha256; 0 where it is unknown, the media not read: such
-rows take part in no lookup by content). Where a load reads them (`load_rows`: the Parquet
-view's hash columns, and the parts of the runs it still owes a file) is in docs/architecture.md,
-"Resume state stays small".
-"""
+"""The done-index's rows (24 bytes: 8-byte hashes of the result's key, of its members' listed
+(etag, size), and of its content, 0 where unknown), and where a load reads them from (`load_rows`;
+docs/architecture.md, "Resume state stays small")."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, VIEW_HASHES, part_prefix, results_prefix,
                                               view_owed_prefix)
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
-from vlm_caption.tasks.sources.ranged import open_seekable
-from vlm_caption.tasks.sources.storage import Storage
+from vlm_caption.tasks.sources.storage import Storage, open_seekable
 from vlm_caption.tasks.sources.s3_client import is_transient, retry_transient
 
 ROW = np.dtype([("key", "<u8"), ("signature", "<u8"), ("sha", "<u8")])

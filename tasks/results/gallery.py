@@ -1,12 +1,7 @@
-"""A page to look at a run: one self-contained HTML file (`<out>/manifests/<run_id>.html`, next
-to the manifest) showing a sample of the run's items, each with a small picture embedded as a
-data URI, its questions and captions, structured fields and metadata, errors in red.
-
-Its size is bounded whatever the run's: at most `items` items, pictures of at most THUMB_BYTES
-(a thumbnail, or for a video a strip of STRIP_FRAMES frames decoded again by the captioning's own
-decoder and limits), texts cut (`gallery_page.py` writes the HTML). What does not fetch or
-decode, or not within `VLM_CAPTION_GALLERY_FETCH_S`, shows a placeholder instead.
-"""
+"""A page to look at a run: one self-contained HTML file next to its manifest showing a sample of
+its items, each with a small picture (a thumbnail, or a video's strip of frames) as a data URI;
+gallery_page.py writes the HTML. Its size is bounded whatever the run's; what does not fetch or
+decode within `VLM_CAPTION_GALLERY_FETCH_S` shows a placeholder."""
 
 from __future__ import annotations
 
@@ -152,19 +147,9 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
         data = read(first)
         return thumbnail(data) if data else None, []
 
-    _make_pictures(items, picture, fetch_s)
-    if unfetched:
-        get_logger().warning("gallery: media could not be read again for their pictures (placeholders shown)",
-                             items=len(unfetched), first=unfetched[:3])
-        summary = {**summary, "pictures not fetched": len(unfetched)}
-    return render_gallery(items, title, summary), len(items)
-
-
-def _make_pictures(items: list[GalleryItem], picture: Callable[[GalleryItem], tuple[str | None, list[str]]],
-                   fetch_s: float) -> None:
-    """Each item's picture, FETCHERS at a time (object stores answer in parallel), for at most
-    `fetch_s` seconds. The threads are daemons: one still waiting on a store when time is up
-    keeps neither the run nor the process from ending, and what it makes then is dropped."""
+    # Each item's picture, FETCHERS at a time (object stores answer in parallel), for at most
+    # `fetch_s` seconds. The threads are daemons: one still waiting on a store when time is up
+    # keeps neither the run nor the process from ending, and what it makes then is dropped.
     todo, lock, closed = deque(items), threading.Lock(), threading.Event()
 
     def work() -> None:
@@ -186,6 +171,11 @@ def _make_pictures(items: list[GalleryItem], picture: Callable[[GalleryItem], tu
         thread.join(max(0.0, deadline - time.monotonic()))
     with lock:  # a picture made from here on is dropped, never half-written into the page
         closed.set()
+    if unfetched:
+        get_logger().warning("gallery: media could not be read again for their pictures (placeholders shown)",
+                             items=len(unfetched), first=unfetched[:3])
+        summary = {**summary, "pictures not fetched": len(unfetched)}
+    return render_gallery(items, title, summary), len(items)
 
 
 def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = None) -> Iterator[ResultRecord]:

@@ -1,13 +1,7 @@
-"""The gallery's page: its items (one per media item, its records in question order) and their
-HTML, self-contained (pictures are data URIs), errors in red. A caption longer than
-PREVIEW_CHARS shows its start, the whole of it (up to TEXT_CHARS, so the page's size stays
-bounded) a click away in a <details>. `gallery.py` samples the items and makes their pictures.
-
-Prefect's UI can link to neither a `file://` path (a browser does not open one from an http
-page) nor an `s3://` URI, so the run's `vlm-caption-gallery` artifact (`publish_gallery`) is the
-page's items as a table; or, for an S3 output with VLM_CAPTION_GALLERY_LINK_S set, a presigned
-link to the page: off by default, as it holds the signing credentials' access key id in the clear.
-"""
+"""The gallery's page: its items and their HTML, self-contained, errors in red; a caption longer
+than PREVIEW_CHARS shows its start, the rest (up to TEXT_CHARS) a click away. The run's
+`vlm-caption-gallery` artifact (`publish_gallery`) is the items as a table, or a presigned link
+(docs/operations.md says why, and why it is off by default)."""
 
 from __future__ import annotations
 

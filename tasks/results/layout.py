@@ -1,19 +1,5 @@
-"""Where results live under the output URI.
-
-    results/<fingerprint>/part-<parts_id>-<shard>.jsonl one record per (item, question); parts_id
-                                                        is the run's id, or <run_id>-p<N> for
-                                                        partition N of a fanned-out run
-    results/<fingerprint>/view-owed/<run_id>            empty: the run wrote parts, and the Parquet
-                                                        view has no file of its results yet
-    manifests/<run_id>.json                             written when the run ends
-    partitions/<run_id>/pNNN.json                       a fanned-out child's report
-    parquet/run-<run_id>.parquet                        the final results a run added (the Parquet
-                                                        view, tasks/results/parquet_view.py), which
-                                                        the done-index reads (done_rows.py)
-    parquet/compacted-<stamp>-<tag>.parquet             many runs' rows, merged by compaction or a rebuild
-    listed/<fingerprint>-<scope>.json                   where the job's last complete listing ended
-                                                        (tasks/sources/listing_end.py)
-"""
+"""Where results live under the output URI: the keys of docs/results.md's "Layout" (parts, view-owed
+marks, manifests, partition reports, the Parquet view's files)."""
 
 import re
 import time

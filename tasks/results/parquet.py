@@ -1,12 +1,6 @@
-"""An output's final results as Parquet rows, for `datasets`, pandas, pyarrow or DuckDB: the
-schema, the rules, and the one-file export (`vlm-caption export OUTPUT --to PATH`). The view a
-run keeps under <output>/parquet/ is tasks/results/parquet_view.py.
-
-The JSON Lines parts stay the truth; Parquet is a view of what the done-index counts: the final
-records of every readable part, each result once (the latest run's, by the UTC stamp in its id,
-then the later part), each row with its done-index row (tasks/results/done_rows.py). A part cut
-short gives the records it still holds and is named under `damaged_parts`, `complete: false`.
-Memory: one part and one row group of ROW_GROUP_ROWS, plus 16 bytes per result.
+"""An output's final results as Parquet rows: the schema, the rules (docs/results.md), and the
+one-file export (`vlm-caption export OUTPUT --to PATH`); the view under <output>/parquet/ is
+parquet_view.py. Memory: one part and one row group of ROW_GROUP_ROWS, plus 16 bytes per result.
 """
 
 from __future__ import annotations
@@ -96,16 +90,6 @@ def part_order(part: ObjectRef) -> tuple[str, str]:
     """Parts sort by their run's UTC stamp (`part-<8 hex>-<stamp>[-pN]-<shard>.jsonl`), then name."""
     found = STAMP_IN_NAME.search(part.key.rsplit("/", 1)[-1])
     return (found.group(1) if found else "", part.key)
-
-
-def _list_parts(out: Storage) -> dict[str, list[ObjectRef]]:
-    """The parts of each fingerprint, oldest first."""
-    by_fingerprint: dict[str, list[ObjectRef]] = {}
-    for ref in out.iter_objects(prefix="results/"):
-        segments = ref.key.split("/")
-        if len(segments) == 3 and segments[2].endswith(".jsonl"):
-            by_fingerprint.setdefault(segments[1], []).append(ref)
-    return {fp: sorted(parts, key=part_order) for fp, parts in sorted(by_fingerprint.items())}
 
 
 def _sources(out: Storage, log, report: dict) -> Callable[[str], str | None]:
@@ -212,6 +196,14 @@ def write_rows(target: Storage, key: str, batches: Iterable, *, row_group_rows: 
     return rows, groups
 
 
+def finished(report: dict, started: float, **fields: Any) -> dict:
+    """An export's result: `fields`, `complete` (no part damaged or skipped), the seconds since
+    `started`, and the report's entries that are not empty."""
+    complete = not report["damaged_parts"] and not report["skipped_parts"]
+    return {**fields, "complete": complete, "seconds": round(time.perf_counter() - started, 3),
+            **{k: v for k, v in report.items() if v}}
+
+
 def export_parquet(out: Storage, target: Storage, target_key: str, *,
                    row_group_rows: int = ROW_GROUP_ROWS) -> dict:
     """Write the output `out`'s final records (every part, every fingerprint) as one Parquet
@@ -220,15 +212,16 @@ def export_parquet(out: Storage, target: Storage, target_key: str, *,
     started = time.perf_counter()
     log = get_logger()
     report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
-    by_fingerprint = _list_parts(out)  # each fingerprint's latest final results, part by part
-    chosen = ((part, wanted) for parts in by_fingerprint.values()
+    by_fingerprint: dict[str, list[ObjectRef]] = {}  # each fingerprint's parts, oldest first
+    for ref in sorted(out.iter_objects(prefix="results/"), key=part_order):
+        segments = ref.key.split("/")
+        if len(segments) == 3 and segments[2].endswith(".jsonl"):
+            by_fingerprint.setdefault(segments[1], []).append(ref)
+    chosen = ((part, wanted) for _, parts in sorted(by_fingerprint.items())  # each one's latest results
               for part, wanted in zip(parts, latest_in_parts(out, parts, log, report)[1]))
     rows, groups = write_rows(target, target_key, select_rows(out, chosen, log, report), row_group_rows=row_group_rows)
-    complete = not report["damaged_parts"] and not report["skipped_parts"]
-    result = {"path": target.describe(target_key), "rows": rows, "row_groups": groups, "complete": complete,
-              "seconds": round(time.perf_counter() - started, 3),
-              **{k: v for k, v in report.items() if v}}
-    if complete:
+    result = finished(report, started, path=target.describe(target_key), rows=rows, row_groups=groups)
+    if result["complete"]:
         log.info("results exported as Parquet", path=result["path"], rows=rows)
     else:
         log.warning("results exported as Parquet without some parts", path=result["path"], rows=rows,

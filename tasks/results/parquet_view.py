@@ -1,13 +1,6 @@
-"""The Parquet view of an output: every file under <output>/parquet/ (a run's, or compacted ones:
-tasks/results/layout.py) read as ONE dataset holds each final result once, the latest (the rules
-of tasks/results/parquet.py), and grows with what each run adds, not with the history. Read it
-with `datasets.load_dataset("parquet", data_files="OUT/parquet/*.parquet")`,
-`pyarrow.dataset.dataset("OUT/parquet/")`, `pandas.read_parquet("OUT/parquet/")` or DuckDB.
-
-docs/architecture.md, "Parquet is a view that grows with each run", has the rules: a run's own
-file (`add_run`), the older files it rewrites (after its own: a crash leaves a result twice,
-never missing), the files of killed runs (`add_owed_runs`); docs/operations.md the compaction
-(`compact_view`) and the rebuild from every part (`rebuild_view`).
+"""The Parquet view of an output: the files under <output>/parquet/, read as one dataset, hold each
+final result once, the latest. docs/architecture.md, "Parquet is a view that grows with each run",
+has the rules; docs/operations.md the compaction (`compact_view`) and the rebuild (`rebuild_view`).
 """
 
 from __future__ import annotations
@@ -25,30 +18,10 @@ from vlm_caption.tasks.results.done_index import DoneIndex, loaded_index, read_d
 from vlm_caption.tasks.results.done_rows import ROW, listed_under, result_key, table_rows, view_file_rows, view_files
 from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, VIEW_HASHES, compacted_parquet_key, part_prefix,
                                               part_run, run_parquet_key, view_owed_key, view_owed_prefix)
-from vlm_caption.tasks.results.parquet import (STAMP_IN_NAME, export_parquet, latest_in_parts, latest_ordinals,
-                                               part_order, results_schema, select_rows, write_rows)
+from vlm_caption.tasks.results.parquet import (STAMP_IN_NAME, export_parquet, finished, latest_in_parts,
+                                               latest_ordinals, part_order, results_schema, select_rows, write_rows)
 from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.storage import Storage, key_within
-
-def add_owed_runs(out: Storage, fingerprint: str, run_id: str, log, earlier: DoneIndex | None) -> dict[str, dict]:
-    """The view's file of each earlier run of this job that wrote parts and never had its file
-    written (killed, or its export failed), added oldest first (by the stamp in its id): {run:
-    what `add_run` wrote, or {"error": ...}}. `earlier`: the done-index of this run's start."""
-    owed = [ref.key.rsplit("/", 1)[-1]
-            for ref in sorted(out.iter_objects(prefix=view_owed_prefix(fingerprint)), key=part_order)]
-    added: dict[str, dict] = {}
-    for run in owed:
-        if run == run_id:
-            continue
-        log.warning("Parquet view: adding the results of a run that ended before its view file", run=run)
-        try:
-            if earlier is None:
-                earlier = read_done_index(out, fingerprint)
-            added[run] = add_run(out, fingerprint, run, [], whole_run=True, earlier=earlier)
-        except Exception as exc:  # noqa: BLE001 - recorded; the mark stays, so the next run tries again
-            added[run] = {"error": f"{type(exc).__name__}: {exc}", "complete": False}
-    return added
-
 
 def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, earlier: DoneIndex | None = None,
             whole_run: bool = False) -> dict:
@@ -60,7 +33,8 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
     if not parts and not whole_run:  # nothing new: nothing to read, nothing to write
         return {"path": None, "rows": 0, "complete": True, "seconds": 0.0}
     log = get_logger(run_id=run_id, fingerprint=fingerprint)
-    report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
+    rewritten: dict[str, int] = {}  # older view files: the rows removed from each
+    report: dict[str, Any] = {"rewritten": rewritten, "damaged_parts": {}, "skipped_parts": {}}
     named = {key_within(out, part) for part in parts}
     # The run's own parts and its partitions' (a prefix of their own), and any named elsewhere.
     listed = listed_under(out, [part_prefix(fingerprint, run_id)])
@@ -85,7 +59,6 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
             yield batch
 
     rows, groups = write_rows(out, key, batches(), empty_too=False)
-    rewritten: dict[str, int] = {}
     for member in holders if rows else []:
         try:
             removed = _drop_rows(out, member, fingerprint, again)
@@ -98,13 +71,9 @@ def add_run(out: Storage, fingerprint: str, run_id: str, parts: list[str], *, ea
         if removed:
             rewritten[out.describe(member.key)] = removed
     out.delete(view_owed_key(fingerprint, run_id))  # the run's file is written: the view owes it nothing
-    complete = not report["damaged_parts"] and not report["skipped_parts"]
-    result = {"path": out.describe(key) if rows else None, "rows": rows, "row_groups": groups,
-              "complete": complete, "seconds": round(time.perf_counter() - started, 3),
-              **({"rewritten": rewritten} if rewritten else {}),
-              **{k: v for k, v in report.items() if v}}
-    (log.info if complete else log.warning)("Parquet view: the run's results added", path=result["path"], rows=rows,
-                                            rewritten=len(rewritten))
+    result = finished(report, started, path=out.describe(key) if rows else None, rows=rows, row_groups=groups)
+    (log.info if result["complete"] else log.warning)("Parquet view: the run's results added", path=result["path"],
+                                                      rows=rows, rewritten=len(rewritten))
     return result
 
 
@@ -144,14 +113,26 @@ def _drop_rows(out: Storage, ref: ObjectRef, fingerprint: str, results: set[int]
 
 @task(name="export-parquet", cache_policy=NONE, persist_result=False)
 def export_after_run(out: Storage, output_uri: str, fingerprint: str, run_id: str, parts: list[str]) -> dict:
-    """The end-of-run step: the runs the view owes a file (`add_owed_runs`), then this run's new
+    """The end-of-run step: the file of each earlier run of this job that wrote parts and never
+    had its file written (killed, or its export failed), oldest first, then this run's new
     results, added to the view of `out` (`output_uri` as the job names it, for the message). A
     failure is logged and returned as `{"error": ...}`, never raised: the run's captions are in
     its parts. `complete`: they and this run's results are all in the view."""
     log = get_logger(run_id=run_id, fingerprint=fingerprint)
+    repaired: dict[str, dict] = {}  # each owed run: what `add_run` wrote, or {"error": ...}
     try:
         earlier = loaded_index(out, fingerprint)  # this run's, from its start (None where it loaded none)
-        repaired = add_owed_runs(out, fingerprint, run_id, log, earlier)
+        for ref in sorted(out.iter_objects(prefix=view_owed_prefix(fingerprint)), key=part_order):
+            run = ref.key.rsplit("/", 1)[-1]
+            if run == run_id:
+                continue
+            log.warning("Parquet view: adding the results of a run that ended before its view file", run=run)
+            try:
+                if earlier is None:
+                    earlier = read_done_index(out, fingerprint)
+                repaired[run] = add_run(out, fingerprint, run, [], whole_run=True, earlier=earlier)
+            except Exception as exc:  # noqa: BLE001 - recorded; the mark stays, so the next run tries again
+                repaired[run] = {"error": f"{type(exc).__name__}: {exc}", "complete": False}
         result = add_run(out, fingerprint, run_id, parts, earlier=earlier)
     except Exception as exc:  # noqa: BLE001 - the parts are written; the next run adds them to the view
         log.warning("Parquet export failed; the JSON Lines parts are complete, and the next run of the job adds "
@@ -164,41 +145,43 @@ def export_after_run(out: Storage, output_uri: str, fingerprint: str, run_id: st
 
 
 def kept_rows(source, keep: np.ndarray) -> Iterator:
-    """The rows of ParquetFile `source` whose indexes are in sorted `keep`, as tables, row group
-    by row group (memory: one row group)."""
+    """The rows of ParquetFile `source` whose indexes are in sorted `keep`, as tables in the view's
+    schema, row group by row group (memory: one row group)."""
     import pyarrow as pa
 
-    start = 0
+    schema, start = results_schema(), 0
     for index in range(source.num_row_groups):
         count = source.metadata.row_group(index).num_rows
         wanted = keep[np.searchsorted(keep, start):np.searchsorted(keep, start + count)] - start
         start += count
-        if len(wanted):
-            table = _conformed(source.read_row_group(index))
-            yield table if len(wanted) == count else table.take(pa.array(wanted))
+        if not len(wanted):
+            continue
+        table = source.read_row_group(index)
+        if not table.schema.equals(schema):
+            # Written before a column existed (the hash columns among them): it gets it, made from
+            # its other columns, or empty.
+            rows = table_rows(table)
+            made = {column: pa.array(rows[name]) for column, name in zip(VIEW_HASHES, ROW.names)}
+            table = pa.table([table[field.name] if field.name in table.column_names else
+                              made.get(field.name, pa.nulls(len(table), field.type)) for field in schema],
+                             schema=schema)
+        yield table if len(wanted) == count else table.take(pa.array(wanted))
 
 
-def _conformed(table):
-    """`table` in the view's schema: a file written before a column existed (the done-index's
-    hash columns among them) gets it, made from its other columns or empty."""
-    import pyarrow as pa
-
-    schema = results_schema()
-    if table.schema.equals(schema):
-        return table
-    made = dict(zip(VIEW_HASHES, (pa.array(column) for column in (table_rows(table)[name] for name in ROW.names))))
-    return pa.table([table[field.name] if field.name in table.column_names else
-                     made.get(field.name, pa.nulls(len(table), field.type)) for field in schema], schema=schema)
-
-
-def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray], int]:
-    """For each file, the indexes of its rows that are the latest of their result (fingerprint,
-    item key, question): the latest run's stamp, then the later file, then the later row; and
-    the rows of all the files. Memory: 24 bytes a row."""
+def compact_view(out: Storage) -> dict:
+    """Merge the view's files into one (`parquet/compacted-<stamp>-<tag>.parquet`), a result
+    held twice kept once (the latest), then remove the files merged. Reads the view, no part."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    started = time.perf_counter()
+    files = view_files(out)
+    if len(files) < 2:
+        return {"path": out.describe(files[0].key) if files else None, "merged": [], "rows": None,
+                "seconds": round(time.perf_counter() - started, 3)}
+    # Each row's result (fingerprint, item key, question) and its run's stamp: the latest run's row
+    # is kept, then the later file's, then the later row. Memory: 24 bytes a row.
     hashes, stamps = [], []
     for ref in files:
         table = pq.read_table(pa.BufferReader(out.read(ref.key)), columns=["fingerprint", "key", "question", "run_id"])
@@ -207,21 +190,7 @@ def _latest_rows(out: Storage, files: list[ObjectRef]) -> tuple[list[np.ndarray]
             np.uint64, len(table)))
         stamp = pc.struct_field(pc.extract_regex(pc.fill_null(table["run_id"], ""), STAMP_IN_NAME.pattern), [0])
         stamps.append(pc.fill_null(pc.cast(pc.replace_substring(stamp, "T", ""), pa.int64()), 0).to_numpy())
-    return latest_ordinals(hashes, stamps), sum(len(h) for h in hashes)
-
-
-def compact_view(out: Storage) -> dict:
-    """Merge the view's files into one (`parquet/compacted-<stamp>-<tag>.parquet`), a result
-    held twice kept once (the latest), then remove the files merged. Reads the view, no part."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    started = time.perf_counter()
-    files = view_files(out)
-    if len(files) < 2:
-        return {"path": out.describe(files[0].key) if files else None, "merged": [], "rows": None,
-                "seconds": round(time.perf_counter() - started, 3)}
-    keep, total = _latest_rows(out, files)
+    keep, total = latest_ordinals(hashes, stamps), sum(len(h) for h in hashes)
     key = compacted_parquet_key()
     tables = (table for ref, wanted in zip(files, keep) if len(wanted)
               for table in kept_rows(pq.ParquetFile(pa.BufferReader(out.read(ref.key))), wanted))

@@ -2,18 +2,11 @@
 `max_tokens`, or (structured outputs) fails its schema gets `quality` flags. Pure functions: the
 text and the finish reason in, the flags out.
 
-What counts as looping (chosen for few false positives on ordinary prose; a caption of random
-weights or a degenerate model trips them, a long description does not):
-
-- a unit of 1 to 8 words repeated back to back: a single word 5 times or more ("the the the the
-  the"), a unit of 2 to 8 words 3 times or more ("a red car a red car a red car");
-- a 6-word sequence found 3 times or more anywhere in the text (a sentence that comes back with
-  other words between, the loop a long unit makes);
-- the text ending in a unit of 1 to 32 characters repeated 5 times or more, over 40 characters
-  at least (loops without spaces: "!!!!...", CJK text, sub-word gibberish).
-
-Words are compared lower-cased, punctuation left out. Only prose is checked for loops: a
-structured answer (JSON, regex, choice) repeats its form by design.
+Looping, with the thresholds below (few false positives on ordinary prose; a degenerate model
+trips them): a unit of 1 to 8 words repeated back to back, a 6-word sequence found again anywhere
+in the text (the loop a long unit makes), or the text ending in a short unit of characters repeated
+(loops without spaces: "!!!!...", CJK text, sub-word gibberish). Words are compared lower-cased,
+punctuation left out.
 """
 
 from __future__ import annotations
@@ -26,9 +19,9 @@ RETRY_FLAGS = frozenset({LOOPING, EMPTY})  # what asking again with other sampli
 
 MAX_UNIT_WORDS = 8
 SINGLE_WORD_REPEATS = 5  # "the the the the the"
-UNIT_REPEATS = 3  # a unit of 2..8 words back to back
+UNIT_REPEATS = 3  # a unit of 2..8 words back to back: "a red car a red car a red car"
 NGRAM_WORDS, NGRAM_REPEATS = 6, 3  # the same 6 words three times anywhere
-MAX_UNIT_CHARS, CHAR_REPEATS, CHAR_LOOP_MIN = 32, 5, 40
+MAX_UNIT_CHARS, CHAR_REPEATS, CHAR_LOOP_MIN = 32, 5, 40  # a unit of 1..32 characters 5 times, 40 at least
 
 _WORD = re.compile(r"\w+")
 

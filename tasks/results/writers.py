@@ -1,10 +1,7 @@
 """Write results: one atomic JSON Lines part per shard, the run's manifest (last), and a
-fanned-out child's report for its parent.
-
-A full disk under a folder output is one `DiskFullError` naming the file and the bytes it
-needed, and is not retried (waiting two seconds frees no space); the write that failed left
-nothing behind (LocalStorage writes a temporary file and renames it), so every part on disk is
-whole and a rerun, once there is space, skips them."""
+fanned-out child's report for its parent. A full disk under a folder output is one
+`DiskFullError`, not retried; the write that failed left nothing behind, so a rerun skips every
+part on disk."""
 
 from __future__ import annotations
 

@@ -52,10 +52,9 @@ def _range(pattern: str, body: str) -> list[str]:
     first, last, step = match.group(1), match.group(2), abs(int(match.group(3) or 1)) or 1
     width = len(first) if first.lstrip("-").startswith("0") and len(first) > 1 else 0
     lo, hi = int(first), int(last)
-    count = abs(hi - lo) // step + 1
-    if count > MAX_EXPANSION:
-        raise BraceError(f"{pattern!r}: {{{body}}} names {count:,} shards, over {MAX_EXPANSION:,}")
     values = range(lo, hi + 1, step) if lo <= hi else range(lo, hi - 1, -step)
+    if len(values) > MAX_EXPANSION:
+        raise BraceError(f"{pattern!r}: {{{body}}} names {len(values):,} shards, over {MAX_EXPANSION:,}")
     return [str(v).zfill(width) for v in values]
 
 
@@ -124,15 +123,10 @@ class SourceSpec:
     opened: Storage | None = field(default=None, compare=False, repr=False)  # at `base`, opened once
 
     @property
-    def links_followed(self) -> bool:
-        """A manifest, path list or inventory report names its media itself, links or not; a listed
-        folder's links are followed where the job says so."""
-        return self.follow_links or self.items_root is not None
-
-    @property
     def storage(self) -> Storage:
-        if self.opened is None:
-            object.__setattr__(self, "opened", source_storage(self.base, self.links_followed))
+        if self.opened is None:  # a manifest, path list or inventory report names its media, links or not
+            follow = self.follow_links or self.items_root is not None
+            object.__setattr__(self, "opened", source_storage(self.base, follow))
         return self.opened  # type: ignore[return-value]
 
     @property

@@ -1,10 +1,8 @@
-"""An S3 Inventory report as a source: a bucket's objects read from its daily report (manifest.json
-checked, the gzip CSV or Parquet data files streamed), fetched from the source bucket, which the
-run's fingerprint names (docs/sources.md, "S3 Inventory reports")."""
+"""An S3 Inventory report as a source: a bucket's objects read from its daily report, fetched from
+the source bucket, which the run's fingerprint names (docs/sources.md, "S3 Inventory reports")."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import datetime
@@ -18,11 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from vlm_caption.tasks.sources.files import FilesReader
 from vlm_caption.tasks.sources.formats import SourceSpec, source_storage
 from vlm_caption.tasks.sources.items import ObjectRef
-from vlm_caption.tasks.sources.ranged import open_seekable
-from vlm_caption.tasks.sources.storage import Storage, StorageError, matches_glob, split_parent
+from vlm_caption.tasks.sources.reader import FilesReader
+from vlm_caption.tasks.sources.storage import Storage, StorageError, matches_glob, open_seekable, split_parent
 
 MANIFEST = "manifest.json"
 REPORT_FOLDER = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}-\d{2}Z")  # when S3 began scanning for that report
@@ -47,16 +44,12 @@ class DataFile:
 
 @dataclass(frozen=True)
 class InventoryReport:
-    source_bucket: str
+    bucket_uri: str  # s3://<sourceBucket>/: where the listed objects are
     file_format: str  # CSV or Parquet
     fields: tuple[str, ...]  # the report's columns, named as its format names them
     files: tuple[DataFile, ...]
     created_at: float  # epoch seconds: when S3 began scanning the bucket for this report
     data_root: str  # the location the files' keys are under
-
-    @property
-    def bucket_uri(self) -> str:
-        return f"s3://{self.source_bucket}/"
 
 
 def find_report(uri: str) -> str:
@@ -106,7 +99,8 @@ def read_report(manifest_uri: str) -> InventoryReport:
     if lacking:
         raise StorageError(f"{manifest_uri}: the report has no {', '.join(lacking)} field; add Size and ETag to "
                            "the inventory configuration's additional fields (a rerun skips done objects by them)")
-    return InventoryReport(doc["sourceBucket"], fmt, fields, files, int(doc.get("creationTimestamp", 0)) / 1000,
+    return InventoryReport(f"s3://{doc['sourceBucket']}/", fmt, fields, files,
+                           int(doc.get("creationTimestamp", 0)) / 1000,
                            _data_root(folder, files, str(doc.get("destinationBucket", ""))))
 
 
@@ -135,7 +129,7 @@ def csv_rows(storage: Storage, file: DataFile, report: InventoryReport) -> Itera
     """A gzip CSV data file's rows (columns: the manifest's fileSchema), its MD5 checked at the end."""
     where = {name: i for i, name in enumerate(report.fields)}
     key, size, etag, modified, latest, deleted = (where.get(FIELDS[f][0]) for f in FIELDS)
-    with contextlib.closing(open_seekable(storage, file.key, file.size)) as raw:
+    with open_seekable(storage, file.key, file.size) as raw:
         checked = _Checked(raw)
         text = io.TextIOWrapper(gzip.GzipFile(fileobj=checked), encoding="utf-8", newline="")
         for line, row in enumerate(csv.reader(text), start=1):
@@ -156,7 +150,7 @@ def csv_rows(storage: Storage, file: DataFile, report: InventoryReport) -> Itera
 def parquet_rows(storage: Storage, file: DataFile) -> Iterator[Row]:
     import pyarrow.parquet as pq
 
-    with contextlib.closing(open_seekable(storage, file.key, file.size)) as handle:
+    with open_seekable(storage, file.key, file.size) as handle:
         parquet = pq.ParquetFile(handle)
         names = set(parquet.schema_arrow.names)
         columns = {f: FIELDS[f][1] for f in FIELDS if FIELDS[f][1] in names}

@@ -48,16 +48,10 @@ class StreamClosed(Exception):
 
 
 class ShardStream:
-    """The source's shards as the listing produces them: a Prefect task (`list-source`) pages
-    through the source in the background and hands over each shard as soon as it is full, at most
-    `ahead` shards ahead of the captioning, so memory does not grow with the bucket.
-
-    With `pending`, items already done are left out and counted (`AlreadyDone`, between the
-    shards), and the shards are cut from the items with work left only. A fan-out's PlanWriter
-    (`tasks/shard_plan.py`) is a ShardStream whose `put` writes the plan's chunks instead.
-    `begin()` lists on a thread before the flow run exists (flows/head_start.py); `start()` then
-    makes the task run that waits for it. `on_end` gets the greatest item id read by a listing
-    without `limit` that reached the end (tasks/sources/listing_end.py)."""
+    """The source's shards as the listing (the `list-source` task run) produces them, each handed
+    over once full, at most `ahead` ahead of the captioning; with `pending`, done items are left
+    out and counted (`AlreadyDone`). `begin()` lists before the flow run exists (flows/head_start.py);
+    `on_end` gets the greatest item id a complete listing read (tasks/sources/watermark.py)."""
 
     ATTEMPTS = 3  # a listing that fails resumes after the items it already handed over
 
@@ -98,10 +92,7 @@ class ShardStream:
         self._closed.set()
 
     def __iter__(self) -> Iterator[Listed]:
-        while True:
-            got = self._queue.get()
-            if got is None:
-                return
+        for got in iter(self._queue.get, None):
             if isinstance(got, BaseException):
                 raise got
             yield got

@@ -1,7 +1,5 @@
 """What a folder's storage (`LocalStorage`) may list and read: the files under its root, nothing a
-key (absolute, or with `..`: `RefusedKey`) or a link (unless followed: a `RefusedRef`) leads to
-outside it (docs/sources.md, "A local folder").
-"""
+key or a link (unless followed) leads to outside it (docs/sources.md, "A local folder")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""A job manifest: JSON Lines, one work item per line, for captioning an existing dataset index.
-
-    {"id": "a1", "media": ["s3://b/x.jpg", "https://h/y.jpg", "rel/z.jpg"], "question": "..."}
-    {"id": "a2", "media": ["clip.mp4"], "questions": ["What happens?", "Who is there?"]}
-
-Media may be s3:// URIs, http(s) URLs, absolute local paths, or keys relative to the
-manifest's own folder. A malformed line stops the job before any engine starts, naming the line.
-"""
+"""A job manifest: JSON Lines, one work item per line (README.md, "Manifest"): media as s3:// URIs,
+http(s) URLs, absolute paths or keys relative to its folder. A malformed line stops the job, named."""
 
 from __future__ import annotations
 
@@ -34,9 +28,6 @@ class ManifestLine(BaseModel):
         if any(not q.strip() for q in self.questions):
             raise ValueError("questions must not be empty")
         return self
-
-    def item(self) -> WorkItem:
-        return WorkItem(self.id, tuple(ObjectRef(m) for m in self.media), tuple(self.questions))
 
 
 class ManifestReader(SourceReader):
@@ -82,4 +73,4 @@ class ManifestReader(SourceReader):
             if parsed.id in seen:
                 raise StorageError(f"{self.spec.uri} line {number}: id {parsed.id!r} appears twice; ids name results")
             seen.add(parsed.id)
-            yield parsed.item()
+            yield WorkItem(parsed.id, tuple(ObjectRef(m) for m in parsed.media), tuple(parsed.questions))

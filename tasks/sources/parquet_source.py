@@ -1,7 +1,5 @@
-"""Parquet files as items: one item (`<file>/<row>`) per row, its media in `column` (URLs, `s3://`
-URIs, paths, or the image bytes: fetched later by reading its row group's column again), the
-other columns the record's metadata; read a row group at a time (docs/sources.md, "Parquet").
-"""
+"""Parquet files as items: one item (`<file>/<row>`) per row, its media in `column`, the other
+columns the record's metadata (docs/sources.md, "Parquet")."""
 
 from __future__ import annotations
 
@@ -17,9 +15,8 @@ from dataclasses import dataclass
 
 from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
-from vlm_caption.tasks.sources.ranged import open_seekable
 from vlm_caption.tasks.sources.reader import BadInput, ShardFilesReader
-from vlm_caption.tasks.sources.storage import Storage, StorageError
+from vlm_caption.tasks.sources.storage import Storage, StorageError, open_seekable
 from vlm_caption.tasks.sources.s3_client import is_transient, retry_transient
 
 DEFAULT_COLUMNS = ("image", "jpg", "png", "webp", "url", "URL", "uri", "path")  # tried when no column is given
@@ -56,7 +53,7 @@ class ParquetReader(ShardFilesReader):
 
     def check(self) -> SourceSpec:
         """The media column named (or a usual name) in the first file's schema, from its footer."""
-        first = self.first_file()
+        first = next(self.shard_files(), None)
         if first is None:
             raise StorageError(f"{self.spec.where}: no .parquet file there")
         where = self.storage.describe(first.key)
@@ -200,8 +197,6 @@ def _row_group_column(storage: Storage, ref: ParquetCellRef) -> list:
 
 def read_cell(storage: Storage, ref: ParquetCellRef) -> bytes:
     """A bytes cell's value (its row group's column read once for the shards near it)."""
-    if not ref.column:
-        raise BadInput(f"{ref.key}: no media in this row")
     value = _row_group_column(storage, ref)[ref.row]
     if not value:
         raise BadInput(f"{ref.key}: the cell is empty")

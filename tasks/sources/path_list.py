@@ -1,7 +1,5 @@
 """A path list (`--source-format paths`): a text file naming one medium per line, each one item
-(docs/sources.md, "Path lists"). Also the example of a new source format: a `SourceReader` here
-and its entry in `tasks/sources/registry.py`.
-"""
+(docs/sources.md, "Path lists"); the example of a new format: this reader and its registry entry."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """What every source format is to the rest of the pipeline: one `SourceReader` per format
 (`tasks/sources/registry.py`): `check()` (pre-flight), `items()` (the streamed listing) and
-`read(item, member)` (a member's bytes). docs/sources.md, "One interface: readers".
+`read(item, member)` (a member's bytes). docs/sources.md, "One interface: readers". Here too the
+default format, `FilesReader`: a folder or bucket prefix of media objects.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -15,8 +17,13 @@ from urllib.parse import urlparse
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.settings import get_settings
 from vlm_caption.tasks.sources.formats import SourceSpec, expand_braces, expansion_count, split_location
-from vlm_caption.tasks.sources.items import BadInput, ObjectRef, WorkItem
-from vlm_caption.tasks.sources.storage import Storage, shared_s3_storage
+from vlm_caption.tasks.sources.items import BadInput, ObjectRef, RefusedRef, WorkItem
+from vlm_caption.tasks.sources.storage import Storage, StorageError, shared_s3_storage
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "mkv", "avi")
+FIRST_PAGE = 1000  # objects the checks read: what the source holds, and its format for `auto` (one S3 page)
+ROOT_GROUP = "."  # a group's name for the objects at the source root, beside the folders
 
 
 class TooLargeError(ValueError):
@@ -37,10 +44,7 @@ def _http_get(url: str, max_bytes: int) -> bytes:
             if total > max_bytes:
                 raise TooLargeError(f"{url}: over the limit of {max_bytes} bytes")
             chunks.append(chunk)
-    body = b"".join(chunks)
-    if declared and len(body) != declared:
-        raise OSError(f"{url}: got {len(body)} of {declared} bytes")
-    return body
+    return b"".join(chunks)  # a body cut short of its Content-Length: httpx raises RemoteProtocolError
 
 
 BAD_INPUT = "bad_input"  # the error kind of a `BadInput` (tasks/sources/items.py: storage raises it too)
@@ -152,9 +156,6 @@ class ShardFilesReader(SourceReader):
             log.warning("shards named by the pattern are missing", pattern=pattern, found=len(found),
                         expected=len(wanted), examples=sorted(wanted - found)[:3])
 
-    def first_file(self) -> ObjectRef | None:
-        return next(self.shard_files(), None)
-
     def items(self) -> Iterator[WorkItem]:
         for file in self.shard_files(get_logger(source=self.spec.where)):
             yield from self.file_items(file)
@@ -162,3 +163,49 @@ class ShardFilesReader(SourceReader):
     @abstractmethod
     def file_items(self, file: ObjectRef) -> Iterator[WorkItem]:
         """One shard file's items, in order; what is wrong with the file, an item with a `problem`."""
+
+
+def _kind(key: str) -> str | None:
+    """"image" or "video" by a key's extension; None for anything else (text, metadata)."""
+    ext = key.rsplit(".", 1)[-1].lower() if "." in key.rsplit("/", 1)[-1] else ""
+    return "image" if ext in IMAGE_EXTENSIONS else "video" if ext in VIDEO_EXTENSIONS else None
+
+
+class FilesReader(SourceReader):
+    """The objects under the source, listed page by page (the default format)."""
+
+    name = "files"
+    about = "media objects (one item per object, or per folder with multi-image)"
+    groups = True
+    timed = True
+    keys_only = True  # listed keys, never locations
+
+    def check(self):
+        """One page proves access, and tells a small source of images asked for videos (or the other
+        way round); a larger one is not judged on it (thumbnails may sort before their videos)."""
+        page = list(itertools.islice(self.storage.iter_objects(self.spec.glob), FIRST_PAGE))
+        kinds = {_kind(ref.key) for ref in page} - {None}
+        wanted = "video" if self.spec.modality == "video" else "image"
+        if len(page) < FIRST_PAGE and kinds and wanted not in kinds:
+            found = next(ref.key for ref in page if _kind(ref.key))
+            raise StorageError(
+                f"{self.spec.where}: holds {kinds.pop()}s ({found}, ...), not {wanted}s: use --modality "
+                f"{'video' if wanted == 'image' else 'image'}, or a source of {wanted}s")
+        return self.spec
+
+    def objects(self) -> Iterator[ObjectRef]:
+        return self.storage.iter_objects(self.spec.glob)
+
+    def items(self) -> Iterator[WorkItem]:
+        """One item per object, or for multi-image per folder: the whole listing grouped first, a
+        folder's objects not being contiguous (S3 sorts `a/b/x.jpg` between `a/a.jpg` and `a/c.jpg`)."""
+        if self.spec.modality != "multi-image":
+            for ref in self.objects():
+                yield WorkItem(ref.key, (ref,), problem=ref.problem if isinstance(ref, RefusedRef) else None)
+            return
+        groups: dict[str, list[ObjectRef]] = {}
+        for ref in self.objects():
+            groups.setdefault(ref.key.rsplit("/", 1)[0] if "/" in ref.key else ROOT_GROUP, []).append(ref)
+        for folder, members in sorted(groups.items()):  # a group with a refused link is refused whole
+            yield WorkItem(folder, tuple(sorted(members, key=lambda m: m.key)),
+                           problem=next((m.problem for m in members if isinstance(m, RefusedRef)), None))

@@ -6,13 +6,12 @@ from __future__ import annotations
 import itertools
 
 from vlm_caption.tasks.sources import formats
-from vlm_caption.tasks.sources.files import FilesReader
 from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.inventory import InventoryReader
 from vlm_caption.tasks.sources.manifest import ManifestReader
 from vlm_caption.tasks.sources.parquet_source import ParquetReader
 from vlm_caption.tasks.sources.path_list import PathListReader
-from vlm_caption.tasks.sources.reader import SourceReader
+from vlm_caption.tasks.sources.reader import FIRST_PAGE, FilesReader, SourceReader
 from vlm_caption.tasks.sources.storage import StorageError
 from vlm_caption.tasks.sources.s3_client import retry_transient
 from vlm_caption.tasks.sources.webdataset import WebDatasetReader
@@ -22,7 +21,6 @@ from vlm_caption.tasks.sources.webdataset import WebDatasetReader
 READERS: dict[str, type[SourceReader]] = {reader.name: reader for reader in (
     FilesReader, WebDatasetReader, ParquetReader, InventoryReader, PathListReader, ManifestReader)}
 SOURCE_FORMATS = ("auto", *(name for name, reader in READERS.items() if reader.selectable))
-DETECT_PAGE = 1000  # objects looked at to tell a prefix of tars or Parquet files from media
 
 
 def formats_help() -> str:
@@ -54,5 +52,5 @@ def detect_format(uri: str, requested: str, is_manifest: bool) -> str:
     if named is not None:
         return named
     names = retry_transient(lambda: [ref.key for ref in itertools.islice(formats.source_storage(uri).iter_objects(),
-                                                                        DETECT_PAGE)], f"{uri}: first page")
+                                                                        FIRST_PAGE)], f"{uri}: first page")
     return next((name for name, reader in READERS.items() if reader.detects(names)), FilesReader.name)

@@ -1,9 +1,6 @@
 """The S3 client of a process, made one way whatever gives the credentials (docs/operations.md,
-"Credentials"), and the one rule every reader of a source uses for which storage failures may
-pass when tried again: a transient one (a timeout, a cut or refused connection, throttling, a
-5xx, a body cut short) is retried, or recorded retryable; anything else (no such object, access
-denied, bytes that do not parse) a rerun would only repeat. The client retries each call first.
-"""
+"Credentials"), and the one rule for which storage failures may pass when tried again (retried, or
+recorded retryable); anything else a rerun would only repeat. The client retries each call first."""
 
 from __future__ import annotations
 

@@ -1,19 +1,18 @@
 """Object storage behind one small interface: S3-compatible buckets and local folders, keys
-relative to the root. Listing is lazy (paginated, or a sorted walk); `prefix` may end inside a
-name, `start_after` lists only the keys after it (S3's StartAfter); writes are atomic (one PUT, or
-temp file + rename); `read_range` reads a part with `read`'s retries. One S3Storage per location
-and one client per process (`shared_s3_storage`, `tasks/sources/s3_client.py`).
-"""
+relative to the root. Listing is lazy (paginated, or a sorted walk; `prefix` may end inside a name,
+`start_after` is S3's StartAfter); writes are atomic (one PUT, or temp file + rename); `open_seekable`
+streams tar headers, Parquet footers and row groups from where they are, never copied to disk."""
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import io
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
 
 from vlm_caption.tasks.errors import UserError
@@ -250,3 +249,39 @@ def open_storage(uri: str, *, create: bool = False, follow_links: bool = True) -
             "(AWS S3, MinIO, R2, Ceph via VLM_CAPTION_S3_ENDPOINT_URL) or a local folder."
         )
     return LocalStorage(uri, create=create, follow_links=follow_links)
+
+
+READ_AHEAD = 8 << 20  # a ranged GET fetches at least this much: tar headers of small members share one
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file over an object of known size, each read one ranged read (the
+    `io.BufferedReader` over it reads ahead)."""
+
+    def __init__(self, storage: Storage, key: str, size: int):
+        super().__init__()
+        self.storage, self.key, self.size, self.position = storage, key, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def readinto(self, target) -> int:
+        data = self.storage.read_range(self.key, self.position, min(len(target), self.size - self.position))
+        target[:len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def open_seekable(storage: Storage, key: str, size: int) -> BinaryIO:
+    """A seekable file over the object: the file itself for a folder, ranged reads for S3."""
+    if isinstance(storage, LocalStorage):
+        return open(storage.path(key), "rb")  # the folder's rules on keys and links (local_paths.py)
+    return io.BufferedReader(RangeFile(storage, key, size), READ_AHEAD)  # type: ignore[return-value]

@@ -1,7 +1,8 @@
-"""`--modified-since`: only the objects modified after a time are listed (a time, a duration made
-a time once in pre-flight, or `auto`: the time kept in the output's watermark file
-`watermarks/<fingerprint>-<scope>.json`, with the keys to list again). When the watermark moves
-and why nothing listed before is lost: docs/sources.md, "Only what changed"."""
+"""`--modified-since`: only the objects modified after a time are listed (a time, a duration, or
+`auto`: the output's watermark file, with the keys to list again): docs/sources.md, "Only what changed".
+And where a job's last complete listing of a folder or bucket ended (`listed/<fingerprint>-<scope>.json`),
+so that its next run can tell before it lists whether objects sort after it, and build its engine
+first (`start_engine_first`). A hint only: what is done is the done-index's to say."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from vlm_caption.tasks.sources.items import WorkItem
 from vlm_caption.tasks.sources.storage import Storage, StorageError, key_within, open_storage, split_parent
 
 WATERMARKS = "watermarks/"
+LISTING_ENDS = "listed/"
 # What the watermark stays behind what a listing saw. An object's LastModified is when its upload
 # began (a long upload shows up after newer ones), and an inventory report is eventually
 # consistent (a recent object may be missing from it and in the next one). Looking a day back
@@ -137,3 +139,35 @@ def advance_watermark(output: Storage, source: SourceSpec, tally: Any, *, comple
         return {"path": changed.watermark, "moved": False, "why": f"not written: {exc}"}
     log.info("watermark moved", modified_after=body["modified_after"], retry=len(retry))
     return {"path": changed.watermark, "moved": True, "modified_after": body["modified_after"], "retry": len(retry)}
+
+
+def listing_end_key(source: SourceSpec, fingerprint: str) -> str:
+    return scoped_key(LISTING_ENDS, source, fingerprint)
+
+
+def keep_listing_end(output: Storage, source: SourceSpec, fingerprint: str, greatest_key: str | None) -> None:
+    """After a listing that went to the end (no `limit`): the greatest key it read (a failure logged)."""
+    if greatest_key is None or source.format != "files":
+        return
+    body = {"greatest_key": greatest_key, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        output.write(listing_end_key(source, fingerprint), json.dumps(body).encode())
+    except Exception as exc:  # noqa: BLE001 - a hint for the next run's engine start, not a result
+        get_logger(source=source.uri).warning("could not keep where the listing ended; the next run starts "
+                                              "its engine at its first new item", error=str(exc))
+
+
+def object_after_listing_end(output: Storage, source: SourceSpec, fingerprint: str) -> str | None:
+    """The first object after the greatest key the job's last complete listing read; None where
+    there is none, nothing was kept, or either could not be read (logged)."""
+    if source.format != "files":  # a folder or bucket of media files, its items its objects by key
+        return None
+    try:
+        greatest = json.loads(output.read(listing_end_key(source, fingerprint)))["greatest_key"]
+        first = next(iter(source.storage.iter_objects(source.glob, start_after=greatest)), None)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a hint for when the engine starts, not what is done
+        get_logger(source=source.uri).warning("could not look past where the last listing ended", error=str(exc))
+        return None
+    return first.key if first is not None else None

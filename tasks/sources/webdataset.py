@@ -1,9 +1,6 @@
-"""WebDataset tar shards as items: one item per sample (the members sharing a key), its image or
-video member the media, its `.json`/`.txt` members the record's metadata; headers and members
-read by ranged reads (docs/sources.md, "WebDataset"). Damage (a tar cut short, a header that does
-not parse) stops that tar with one item with a `problem`, never a silent gap; a store's failure
-is raised, and the listing resumes after the items it handed over (`ShardStream`).
-"""
+"""WebDataset tar shards as items: one item per sample (docs/sources.md, "WebDataset"). Damage stops
+that tar with one item with a `problem`, never a silent gap; a store's failure is raised, and the
+listing resumes after the items it handed over (`ShardStream`)."""
 
 from __future__ import annotations
 
@@ -15,12 +12,9 @@ from dataclasses import dataclass
 
 from vlm_caption.tasks.sources.formats import SourceSpec, has_braces
 from vlm_caption.tasks.sources.items import ObjectRef, RefusedRef, WorkItem
-from vlm_caption.tasks.sources.ranged import open_seekable
-from vlm_caption.tasks.sources.reader import BadInput, ShardFilesReader
-from vlm_caption.tasks.sources.storage import Storage, StorageError
+from vlm_caption.tasks.sources.reader import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, BadInput, ShardFilesReader
+from vlm_caption.tasks.sources.storage import Storage, StorageError, open_seekable
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
-VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "mkv", "avi")
 TEXT_EXTENSIONS = ("txt", "text", "caption", "cls", "json")
 METADATA_BYTES = 16 << 10  # a sample's kept text, at most; more is cut (listing memory stays small)
 BLOCK = tarfile.BLOCKSIZE
@@ -51,7 +45,7 @@ class WebDatasetReader(ShardFilesReader):
         return any(name.endswith(".tar") for name in names)  # img2dataset writes .parquet and .json beside its tars
 
     def check(self) -> SourceSpec:
-        if self.first_file() is None:
+        if next(self.shard_files(), None) is None:
             raise StorageError(f"{self.spec.where}: no .tar shard there; give a tar, a folder or prefix of "
                                "tars, or a brace pattern such as shards/{00000..00099}.tar")
         return self.spec
@@ -63,7 +57,7 @@ class WebDatasetReader(ShardFilesReader):
         return read_member(self.storage, member)
 
     def locate(self, record_key: str, key: str, size: int, etag: str) -> ObjectRef | None:
-        """The member a record names (its `members[0]`), located again: the inverse of `_member_ref`."""
+        """The member a record names (its `members[0]`), located again: the inverse of `_item`'s."""
         tar, found, _ = key.partition(".tar/")
         offset = etag.rpartition("@")[2]
         if not found or not offset.isdigit():
@@ -76,11 +70,6 @@ def split_member(name: str) -> tuple[str, str]:
     folder, _, base = name.rpartition("/")
     stem, _, ext = base.partition(".")
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
-
-
-def kind_of(ext: str) -> str:
-    """What a member is, by its extension's last part, as webdataset decodes it (`v2.final.jpg`: jpg)."""
-    return ext.rpartition(".")[2]
 
 
 @dataclass
@@ -118,7 +107,7 @@ def tar_items(storage: Storage, tar: ObjectRef, modality: str) -> Iterator[WorkI
                 return
             sample = sample or _Sample(key, {}, {})
             sample.members.setdefault(ext, info)
-            if kind_of(ext) in TEXT_EXTENSIONS:
+            if ext.rpartition(".")[2] in TEXT_EXTENSIONS:  # by the last part, as webdataset decodes it
                 sample.metadata[ext] = _text(handle, info)
         end = archive.offset
         handle.seek(end)
@@ -160,22 +149,20 @@ def _text(handle, info: tarfile.TarInfo):
     return text
 
 
-def _member_ref(tar: ObjectRef, name: str, offset: int, size: int) -> TarMemberRef:
-    return TarMemberRef(f"{tar.key}/{name}", size, f"{tar.etag}@{offset}", tar=tar.key, offset=offset)
-
-
 def _item(tar: ObjectRef, sample: _Sample, extensions: tuple[str, ...]) -> WorkItem:
     item_id = f"{tar.key}/{sample.key}"
     metadata = json.dumps(sample.metadata, ensure_ascii=False) if sample.metadata else None
-    # A plain `jpg` first (a `seg.png` beside it is likely a mask), then a dotted one by its last part.
+    # A plain `jpg` first (a `seg.png` beside it is likely a mask), then a dotted one (`v2.final.jpg`).
     media = next((sample.members[ext] for ext in sample.members if ext in extensions),
-                 next((sample.members[ext] for ext in sample.members if kind_of(ext) in extensions), None))
-    if media is None:
-        first = next(iter(sample.members.values()))
-        kinds = ", ".join(sorted(sample.members))
-        return WorkItem(item_id, (_member_ref(tar, first.name, first.offset_data, 0),), metadata=metadata,
-                        problem=f"{item_id}: no {'/'.join(extensions[:3])}… member (has: {kinds})")
-    return WorkItem(item_id, (_member_ref(tar, media.name, media.offset_data, media.size),), metadata=metadata)
+                 next((sample.members[e] for e in sample.members if e.rpartition(".")[2] in extensions), None))
+    if media is None:  # the item named by its first member, with what the sample has
+        info, size = next(iter(sample.members.values())), 0
+        problem = f"{item_id}: no {'/'.join(extensions[:3])}… member (has: {', '.join(sorted(sample.members))})"
+    else:
+        info, size, problem = media, media.size, None
+    member = TarMemberRef(f"{tar.key}/{info.name}", size, f"{tar.etag}@{info.offset_data}", tar=tar.key,
+                          offset=info.offset_data)
+    return WorkItem(item_id, (member,), metadata=metadata, problem=problem)
 
 
 def _defect(tar: ObjectRef, offset: int, problem: str, item_id: str | None = None) -> WorkItem:
