@@ -7,10 +7,13 @@ fails with that message (at once when `permanent`).
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 from vlm_caption.recipes.errors import UserError
 
 __all__ = ["BusyError", "EngineFailure", "FanOutFailure", "OutOfSpaceError", "PrefectUnavailable", "UsageError",
-           "UserError", "failure_of", "is_permanent", "retry_unless_permanent"]
+           "UserError", "failure_of", "free_space", "is_permanent", "retry_unless_permanent"]
 
 
 class UsageError(UserError, ValueError):
@@ -38,6 +41,18 @@ class OutOfSpaceError(UserError):
     """No room left where results are written; permanent until someone makes room."""
 
     exit_code = 5
+
+
+def free_space(path: str | Path) -> tuple[int | None, Path]:
+    """Free bytes on the file system where `path` is (or will be created: its nearest existing
+    folder), and that folder; None where it cannot be told."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free, folder
+    except OSError:
+        return None, folder
 
 
 class EngineFailure(UserError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -107,13 +108,13 @@ def small_disk(hf_env, monkeypatch, tmp_path):
     mounted = (os.geteuid() == 0 and subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode == 0)
     if not mounted:
-        real = model_check.shutil.disk_usage
+        real = shutil.disk_usage
 
         def one_mib_free(path):
             usage = real(path)
             return type(usage)(usage.total, usage.total - 2**20, 2**20)
 
-        monkeypatch.setattr(model_check.shutil, "disk_usage", one_mib_free)
+        monkeypatch.setattr(shutil, "disk_usage", one_mib_free)
     monkeypatch.setenv("HF_HOME", str(folder / "hf"))
     yield folder
     if mounted:

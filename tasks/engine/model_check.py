@@ -14,11 +14,11 @@ import functools
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from vlm_caption.recipes import Recipe, RecipeError, all_recipes
+from vlm_caption.tasks.errors import free_space
 
 CONFIG_FILES = ("config.json", "params.json")  # params.json: a checkpoint in Mistral's own format
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -174,13 +174,7 @@ def resolve_hub(repo: str, revision: str | None, suggest: str | None, cache_dir:
                          f"at {cache_dir}: {get_it}.")
     info = _ask_hub(repo, revision, suggest, cache_dir, endpoint, get_it)
     needed = _download_bytes(repo, revision, info, cache_dir)
-    folder = Path(cache_dir)  # free space where the cache is, or will be created
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        free = None
+    free, folder = free_space(cache_dir)
     if needed and free is not None and needed > free:
         raise ModelError(f"model {repo} needs about {_size(needed)} in the hub cache {cache_dir}, but only "
                          f"{_size(free)} are free on {folder}: free some space, set HF_HOME to a bigger disk, "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import json
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from vlm_caption.tasks.errors import OutOfSpaceError, retry_unless_permanent
+from vlm_caption.tasks.errors import OutOfSpaceError, free_space, retry_unless_permanent
 from vlm_caption.tasks.results.done_rows import parse_records, read_part_lines
 from vlm_caption.tasks.results.layout import (manifest_key, part_key, part_prefix, partition_parts_id,
                                               partition_report_key, run_of, view_owed_key)
@@ -36,13 +35,7 @@ def write_object(out: Storage, key: str, data: bytes) -> None:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         path = out.describe(key)
-        folder = Path(path).parent  # free bytes on its file system: its nearest existing folder's
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
-        try:
-            free = shutil.disk_usage(folder).free
-        except OSError:
-            free = None
+        free, _ = free_space(Path(path).parent)
         error = DiskFullError(
             f"no space left on the output's disk: {path} needs {len(data)} bytes"
             + (f" and {free} are free there" if free is not None else "")
