@@ -130,7 +130,7 @@ def loopback_s3(work: Path):
 
         boto3.client("s3", endpoint_url=env["VLM_CAPTION_S3_ENDPOINT_URL"], region_name="us-east-1",
                      aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench")
-        from vlm_caption.tasks.settings import settings_environment
+        from vlm_caption.bench.processes import settings_environment
 
         with settings_environment(env):
             yield env

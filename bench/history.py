@@ -172,7 +172,7 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
         list(pool.map(write_part, range(-(-n // cfg.shard_size))))
     # The run's view file, as `add_run` would write it, made column by column (a million rows).
     signed = {folder: signature_hash(((etag, len(photo)),)) for folder, etag in etags.items()}
-    same = view_row(template, None, [])
+    same = view_row(template, None)
     columns = {"key": keys, "etag": [etags[folder_of(key)] for key in keys],
                "done_key": np.fromiter((result_key(key, question) for key in keys), np.uint64, n),
                "listed_hash": np.array([signed[folder_of(key)] for key in keys], np.uint64),

@@ -109,3 +109,24 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@contextlib.contextmanager
+def settings_environment(env: dict[str, str]) -> Iterator[None]:
+    """This process's environment with `env` set, and the settings read from it, until the block
+    ends (then both as they were): a loopback S3 server's endpoint and keys, for the bench and the
+    tests."""
+    from vlm_caption.tasks.settings import get_settings
+
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    get_settings.cache_clear()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        get_settings.cache_clear()

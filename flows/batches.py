@@ -90,7 +90,7 @@ class ShardPipeline:
                                        run.dedup)
         self.report = ShardReport(run)
         self.stats = self.report.stats
-        self.schedule = FeedSchedule(run, self.report, shared=claims is not None)
+        self.schedule = FeedSchedule(run, self.report)
         self.generate_started: float | None = None
         self.threads = ThreadPoolExecutor(MOST_THREADS, thread_name_prefix="shard")
         self.batch: Batch | None = None

@@ -176,7 +176,7 @@ def _stopped(on_work: ChildrenOnWork | None, log) -> list:
         return on_work.stop()
     except Exception as exc:  # noqa: BLE001 - the run fails with its partition's error
         log.error("starting the child partitions failed", error=str(exc))
-        return on_work.children
+        return []
 
 
 def merge_children(run: PartitionRun, children, stats: RunStats) -> list[PartitionReport]:

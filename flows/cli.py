@@ -12,9 +12,6 @@ from vlm_caption.flows.cli_job import Subcommand, entry_point, job_fields
 from vlm_caption.tasks.interrupt import exit_now_if_building, stoppable
 from vlm_caption.tasks.prefect_api import embedded_server_defaults, import_prefect, show_prefect_notice_now
 
-# The bench is a tool beside the product (bench/), never imported by it: its options and its
-# handler are named here and imported only when `vlm-caption bench` is used.
-BENCH_OPTIONS, BENCH_HANDLER = "vlm_caption.bench.cli:add_bench_arguments", "vlm_caption.bench.cli:cmd_bench"
 DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
 EMBEDDED_SERVER_HINT = (
     "Prefect's embedded API server did not start in time (a fresh database on a slow or busy "
@@ -43,21 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.more, run.needs_source = "vlm_caption.flows.cli_job:add_job_options", True
 
     demo = sub.add_parser("demo", help="caption a few generated images, offline, on CPU or GPU")
-    demo.add_argument("--dir", default="vlm-caption-demo", help="working folder (default: ./vlm-caption-demo)")
+    demo.add_argument("--dir", default="vlm-caption-demo", help="working folder (default: ./%(default)s)")
     demo.add_argument("--images", type=int, default=8, help="how many sample images to make")
     demo.more = "vlm_caption.flows.cli_job:add_job_options"
 
     bench = sub.add_parser("bench", help="the flow against raw vLLM (the example's way) on this machine")
-    bench.more = BENCH_OPTIONS
+    # The bench is a tool beside the product (bench/), never imported by it: its options and its
+    # handler are named here and imported only when `vlm-caption bench` is used.
+    bench.more = "vlm_caption.bench.cli:add_bench_arguments"
 
     server = sub.add_parser("server", help="start Prefect's server with its UI (in its own environment, "
                             "via uv), for deployments, workers and runs to report to")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    server.add_argument("--port", type=_port, default=4200, help="port (default 4200)")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    server.add_argument("--port", type=_port, default=4200, help="port (default %(default)s)")
     server.add_argument("--background", action="store_true", help="start it in the background, its output in "
                         "--log; return once its API answers")
     server.add_argument("--stop", action="store_true", help="stop the server --background started on --port")
-    server.add_argument("--log", default="vlm-caption-server.log", help="--background's log (./vlm-caption-server.log)")
+    server.add_argument("--log", default="vlm-caption-server.log", help="--background's log (./%(default)s)")
 
     export = sub.add_parser("export", help="make an output's Parquet view (OUTPUT/parquet/, read as one dataset "
                             "by datasets, pandas, DuckDB) again from every part, as one file; exits 1 when a "
@@ -158,6 +157,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan = make_plan(job)
     job = plan.job
     _start_prefect()
+    from vlm_caption.flows.head_start import begin_head_start, discard_head_start
     from vlm_caption.tasks.concurrency import hold_job_lock
     from vlm_caption.tasks.observability import phase
     from vlm_caption.tasks.terminal import print_run_end, run_terminal
@@ -168,11 +168,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         # vLLM's import, then the engine's start, beside Prefect's start and the flow run's (a fan-out's parent:
         # neither yet); earlier results and no engine yet: the done-index's load and the listing begin now.
         if not start_engine_first(plan):
-            from vlm_caption.flows.head_start import begin_head_start
-
             begin_head_start(plan)
         from vlm_caption.flows.caption import vlm_caption
-        from vlm_caption.flows.head_start import discard_head_start
 
         from prefect.settings import PREFECT_API_URL
 
@@ -217,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     # (the bench's flow phases get them from its environment too).
     with stoppable(runs), embedded_server_defaults(runs or argv[:1] == ["bench"]):
         args = build_parser().parse_args(argv)
-        handlers = {"run": cmd_run, "demo": cmd_demo, "bench": BENCH_HANDLER, "export": cmd_export,
-                    "server": "vlm_caption.flows.server:server_command"}
+        handlers = {"run": cmd_run, "demo": cmd_demo, "bench": "vlm_caption.bench.cli:cmd_bench",
+                    "export": cmd_export, "server": "vlm_caption.flows.server:server_command"}
         if args.command == "recipes":
             handler = cmd_recipes_list if args.recipes_command == "list" else cmd_recipes_show
         else:

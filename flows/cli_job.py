@@ -69,13 +69,6 @@ def engine_arg(text: str) -> tuple[str, Any]:
         return key, raw
 
 
-def _choices(text: str) -> list[str]:
-    choices = [c.strip() for c in text.split(",") if c.strip()]
-    if not choices:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated choices, e.g. cat,dog,other")
-    return choices
-
-
 def json_schema_option(value: str | None) -> dict[str, Any] | str | None:
     """`--json-schema`: a built-in schema's name, or a JSON Schema file (checked by the job)."""
     from vlm_caption.flows.params import BUILTIN_SCHEMAS
@@ -92,30 +85,33 @@ def json_schema_option(value: str | None) -> dict[str, Any] | str | None:
 
 
 # The job's options that are a CaptionJob field (or a `sampling` one) as it is: their type, choices, default
-# and help come from the field (flows/params.py); not given, an option is None (a flag False): the field's own.
+# and help come from the field (flows/params.py); not given, an option is None: the field's own.
 FIELD_OPTIONS = ("recipe", "modality", "method", "num_frames", "max_images", "model", "skip_model_check",
                  "shard_size", "limit", "glob", "source_format", "column", "modified_since", "follow_links",
                  "gallery_items", "processor_device", "trust_remote_code")
 SAMPLING_OPTIONS = ("temperature", "max_tokens", "seed")
-STRUCTURED_OPTIONS = ("regex", "choice")  # with --json-schema, at most one
-METAVARS = {"modified_since": "TIME|DURATION|auto", "choice": "A,B,C"}
+STRUCTURED_OPTIONS = ("json_schema", "regex", "choice")  # at most one
+METAVARS = {"modified_since": "TIME|DURATION|auto", "choice": "A,B,C", "json_schema": "FILE|tags"}
 
 
 def add_field_options(parser: argparse._ActionsContainer, model: type[BaseModel], names: tuple[str, ...]) -> None:
     """`--name` for each of these fields of the pydantic `model`: a bool a flag, a Literal its choices, a
-    list comma-separated, else its type; its description the help, with its default unless None or a bool."""
+    list comma-separated (the job refuses an empty one), a number its type, else text; its description the
+    help, with its default unless None or a bool."""
     for name in names:
         field = model.model_fields[name]
         kind = field.annotation
         if get_origin(kind) is UnionType:  # `X | None`
             kind = next(arg for arg in get_args(kind) if arg is not type(None))
         if kind is bool:
-            option: dict[str, Any] = {"action": "store_true"}
+            option: dict[str, Any] = {"action": "store_true", "default": None}
         elif get_origin(kind) is Literal:
             option = {"choices": list(get_args(kind))}
+        elif get_origin(kind) is list:
+            option = {"type": lambda text: [c.strip() for c in text.split(",") if c.strip()],
+                      "metavar": METAVARS[name]}
         else:
-            parse = _choices if get_origin(kind) is list else None if kind is str else kind
-            option = {"type": parse, "metavar": METAVARS.get(name)}
+            option = {"type": kind if kind in (int, float) else None, "metavar": METAVARS.get(name)}
         text = (field.description or "").replace("`", "").replace("%", "%%")
         if field.default is not None and kind is not bool:
             text += f" (default: {field.default})"
@@ -134,7 +130,7 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retry-looping", type=float, nargs="?", const=1.3, metavar="PENALTY",
                         help="Ask again, with this repetition penalty (1.3 if none given), for each looping or "
                         "empty caption.")
-    parser.add_argument("--no-dedup", dest="dedup", action="store_false",
+    parser.add_argument("--no-dedup", dest="dedup", action="store_false", default=None,
                         help="Ask for every item, copies of another's bytes too (default: each distinct media once).")
     parser.add_argument("--engine-arg", action="append", type=engine_arg, default=[],
                         metavar="KEY=VALUE", help="A vLLM engine argument over the recipe's (repeatable).")
@@ -144,25 +140,18 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=["auto", "console", "json"],
                         help="json: the flow's structured log lines and the final summary as JSON, on the "
                         "terminal, for machines (implies -v); console or auto: VLM_CAPTION_LOG_FORMAT's choices.")
-    structured = parser.add_mutually_exclusive_group()
-    structured.add_argument("--json-schema", metavar="FILE|tags", help="Structured output: every answer is JSON "
-                            'matching this JSON Schema file (or tags: a built-in {"tags": [...], "caption": ...} '
-                            "schema); the record's structured holds it parsed.")
-    add_field_options(structured, CaptionJob, STRUCTURED_OPTIONS)
+    add_field_options(parser.add_mutually_exclusive_group(), CaptionJob, STRUCTURED_OPTIONS)
 
 
 def job_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The CaptionJob fields the options give: only those given (a flag: set); the rest are the job's defaults."""
-    given = {name: getattr(args, name) for name in (*FIELD_OPTIONS, *SAMPLING_OPTIONS, *STRUCTURED_OPTIONS,
-                                                    "questions", "retry_looping")}
-    fields = {name: value for name, value in given.items() if value is not None and value is not False}
-    if not args.dedup:
-        fields["dedup"] = False
+    """The CaptionJob fields the options give: only those given; the rest are the job's defaults."""
+    names = (*FIELD_OPTIONS, *SAMPLING_OPTIONS, *STRUCTURED_OPTIONS, "questions", "retry_looping", "dedup")
+    fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     sampling = {name: fields.pop(name) for name in SAMPLING_OPTIONS if name in fields}
     if sampling:
         fields["sampling"] = sampling
     if args.engine_arg:
         fields["engine_overrides"] = dict(args.engine_arg)
-    if args.json_schema is not None:
-        fields["json_schema"] = json_schema_option(args.json_schema)
+    if "json_schema" in fields:
+        fields["json_schema"] = json_schema_option(fields["json_schema"])
     return fields

@@ -82,8 +82,8 @@ class FeedSchedule:
     """Shards taken and not yet in the engine (`ahead`, of which `preparing` are being fetched
     and decoded) and in the engine (`in_flight`), under one condition that every change notifies."""
 
-    def __init__(self, run: PartitionRun, report: ShardReport, shared: bool):
-        self.run, self.report, self.shared = run, report, shared
+    def __init__(self, run: PartitionRun, report: ShardReport):
+        self.run, self.report = run, report
         self.lookahead = max(1, get_settings().prepare_ahead)
         self.filling = max(self.lookahead, shards_holding(FEED_ITEMS, run.shard_size, len(run.questions)))
         self.media_bytes, self.prepared_shards = 0, 0  # decoded media seen, to size the feed in bytes
@@ -128,7 +128,7 @@ class FeedSchedule:
         run, sizing = self.run, self.engine["sizing"] if self.engine else None
         mean_bytes = self.media_bytes / self.prepared_shards if self.prepared_shards else None
         return feed_depth(run.modality, run.shard_size, len(run.questions), sizing, mean_bytes,
-                          shared=self.shared, request_tokens=self.report.stats.tokens_per_request())
+                          shared=run.partition is not None, request_tokens=self.report.stats.tokens_per_request())
 
     def start_engine(self) -> None:
         """The engine's start submitted once; the decode pool starts beside it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -234,8 +235,6 @@ class CaptionJob(BaseModel):
     @field_validator("regex")
     @classmethod
     def _regex(cls, value: str | None) -> str | None:
-        import re
-
         try:
             return value if value is None else re.compile(value).pattern
         except re.error as exc:

@@ -83,8 +83,7 @@ class ShardClaims:
         """True if this partition now holds `shard` (it alone captions it). With `compare`, a
         shard another partition holds is checked to be the same items in its listing."""
         body = {"owner": self.owner, "partition": self.partition, "items": len(shard.items),
-                "first": shard.items[0].id if shard.items else None,
-                "last": shard.items[-1].id if shard.items else None}
+                "first": shard.items[0].id, "last": shard.items[-1].id}  # a listed shard is never empty
         won = self.out.create(claim_key(self.run_id, shard.index, 0), json.dumps(body).encode())
         if won:
             self.taken += 1
@@ -115,7 +114,7 @@ class ShardClaims:
     def own_share_first(self, chunk: list[Shard]) -> list[Shard]:
         """A chunk of the plan in the order this partition tries its shards: from its own share
         on (partition i of N at shard i·len/N), then round to the chunk's start."""
-        start = self.partition * len(chunk) // max(1, self.partitions)
+        start = self.partition * len(chunk) // self.partitions
         return chunk[start:] + chunk[:start]
 
     def done_key(self, index: int) -> str:
@@ -174,9 +173,7 @@ class ShardClaims:
         return self._holders.get((index, generation))
 
     def gone(self, owner: str) -> bool:
-        """The holder said it finished, or its heartbeat has not changed for `stale_s` seconds."""
-        if owner == self.owner:
-            return False
+        """Another partition said it finished, or its heartbeat has not changed for `stale_s` seconds."""
         try:
             beat = json.loads(self.out.read(self._alive_key(owner)))
         except (OSError, ValueError):

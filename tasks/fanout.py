@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from prefect.exceptions import ObjectNotFound
 
 from vlm_caption.tasks.errors import FanOutFailure
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.shard_plan import POLL_S as PLAN_POLL_S, chunk_key, plan_prefix
+from vlm_caption.tasks.shard_plan import POLL_S as PLAN_POLL_S, chunk_name, plan_prefix
 from vlm_caption.tasks.sources.storage import Storage
 
 POLL_S = 5.0
@@ -95,8 +96,7 @@ class ChildrenOnWork:
 
     def __init__(self, out: Storage, run_id: str, start: Callable[[], list[ChildRun]]):
         self.out, self.run_id, self.start_them = out, run_id, start
-        self.children: list[ChildRun] = []
-        self.error: BaseException | None = None
+        self._children: Future[list[ChildRun]] = Future()
         self._stop = threading.Event()
         # In this flow run's context: the children are linked to it in the UI as when asked at once.
         context = contextvars.copy_context()
@@ -109,23 +109,20 @@ class ChildrenOnWork:
     def stop(self) -> list[ChildRun]:
         self._stop.set()
         self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.children
+        return self._children.result()
 
     def _watch(self) -> None:
         try:
-            if self._wait_for_work():
-                self.children = self.start_them()
+            self._children.set_result(self.start_them() if self._wait_for_work() else [])
         except BaseException as exc:  # noqa: BLE001 - handed to stop(), in the run's own thread
-            self.error = exc
+            self._children.set_exception(exc)
 
     def _wait_for_work(self) -> bool:
         prefix, read = plan_prefix(self.run_id), 0
         while not self._stop.is_set():
             names = {ref.key[len(prefix):] for ref in self.out.iter_objects(prefix=prefix)}
-            while f"{read:06d}.jsonl" in names:
-                if b"\n" in self.out.read(chunk_key(self.run_id, read)).strip():  # a header, then shards
+            while chunk_name(read) in names:
+                if b"\n" in self.out.read(prefix + chunk_name(read)).strip():  # a header, then shards
                     return True
                 read += 1
             if "end.json" in names:

@@ -89,8 +89,7 @@ def job_fingerprint(*, source: str, recipe: str, model: str, modality: str, meth
               "method": method, "media": media, "sampling": sampling}
     given = {"structured": structured, "retry_looping": retry_looping, "dedup": None if dedup else False}
     fields.update((name, value) for name, value in given.items() if value is not None)
-    payload = json.dumps(fields, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return sha256_hex(json.dumps(fields, sort_keys=True).encode())[:16]
 
 
 def structured_answer(text: str | None, finish_reason: str | None,

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import lru_cache
 from typing import Literal
 
@@ -110,21 +107,3 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     return Settings()
 
-
-@contextmanager
-def settings_environment(env: dict[str, str]) -> Iterator[None]:
-    """This process's environment with `env` set, and the settings read from it, until the block
-    ends (then both as they were): a loopback S3 server's endpoint and keys, for the bench and the
-    tests."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    get_settings.cache_clear()
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        get_settings.cache_clear()

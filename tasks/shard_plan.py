@@ -27,8 +27,8 @@ def plan_prefix(run_id: str) -> str:
     return f"{claims_prefix(run_id)}plan/"
 
 
-def chunk_key(run_id: str, chunk: int) -> str:
-    return f"{plan_prefix(run_id)}{chunk:06d}.jsonl"
+def chunk_name(chunk: int) -> str:  # under plan_prefix
+    return f"{chunk:06d}.jsonl"
 
 
 def _item_json(item: WorkItem) -> list:
@@ -104,7 +104,7 @@ class PlanWriter(ShardStream):
         header = {"owner": self.owner, "done": self._done, "listed": listed, "next_shard": self.shards_listed}
         lines = [json.dumps(header)] + [json.dumps([s.index, [_item_json(i) for i in s.items]]
                                                    + ([1] if s.index in self._copy_shards else [])) for s in self._shards]
-        self._create(f"{self.chunk:06d}.jsonl", {}, "\n".join(lines).encode())
+        self._create(chunk_name(self.chunk), {}, "\n".join(lines).encode())
         self.chunk += 1
         self._shards, self._done, self._written_at = [], 0, time.monotonic()
 
@@ -150,9 +150,9 @@ class SharedListing:
     def __iter__(self) -> Iterator[Listed]:
         chunk, header, names = 0, None, set()
         while True:
-            if f"{chunk:06d}.jsonl" not in names:  # one listing of the plan says which chunks are there
+            if chunk_name(chunk) not in names:  # one listing of the plan says which chunks are there
                 names = {ref.key[len(self.prefix):] for ref in self.out.iter_objects(prefix=self.prefix)}
-            if f"{chunk:06d}.jsonl" in names:
+            if chunk_name(chunk) in names:
                 header, shards = self._read(chunk)
                 if header["owner"] == self.claims.owner and header["done"] and self.shards == "originals":
                     yield AlreadyDone(header["done"])
@@ -174,7 +174,7 @@ class SharedListing:
             time.sleep(self.poll_s)
 
     def _read(self, chunk: int) -> tuple[dict, list[Shard]]:
-        lines = self.out.read(chunk_key(self.run_id, chunk)).decode().splitlines()
+        lines = self.out.read(self.prefix + chunk_name(chunk)).decode().splitlines()
         shards = []
         for index, items, *copies in map(json.loads, lines[1:]):
             shards.append(Shard(index, tuple(_item(row) for row in items)))
@@ -190,14 +190,13 @@ class SharedListing:
         return all(index in done for index in range(self.shard_count) if index not in self.copy_shards)
 
     def _replace_a_gone_lister(self, names: set[str], chunk: int, header: dict | None) -> None:
-        generations = [int(name.rsplit(".r", 1)[1]) if ".r" in name else 0 for name in names
-                       if name.startswith("lister")]
-        if not generations:
+        listers = {int(name.rsplit(".r", 1)[1]) if ".r" in name else 0: name for name in names
+                   if name.startswith("lister")}  # generation: name
+        if not listers:
             return  # the lister's claim is being written
-        latest = max(generations)
-        name = "lister" + (f".r{latest}" if latest else "")
+        latest = max(listers)
         try:
-            owner = json.loads(self.out.read(self.prefix + name))["owner"]
+            owner = json.loads(self.out.read(self.prefix + listers[latest]))["owner"]
         except (OSError, ValueError, KeyError):
             return  # seen next round
         if owner == self.claims.owner or not self.claims.gone(owner):

@@ -51,7 +51,15 @@ def quiet_terminal(log_path: Path) -> Iterator[Path]:
             # Stopped by a Ctrl-C, the run's end ends the engine and the server (tasks/interrupt.py), and
             # what they and the run's threads print as they end stays in the log: 1 and 2 are left on it.
             if not _interrupted:
-                _release_engine()  # else vLLM ends its processes at exit, a warning on the terminal
+                # The engine shut down now, into the log: at exit vLLM's process manager may say, on the
+                # terminal, that it force-killed an engine process slow to end (on a busy machine).
+                engine = sys.modules.get("vlm_caption.tasks.engine.vllm_engine")  # imported only if one started
+                try:
+                    if engine is not None:
+                        engine.release_engines()
+                except Exception as exc:  # noqa: BLE001 - the run is over: nothing here may fail it
+                    print(f"vlm-caption: the engine not shut down now ({type(exc).__name__}: {exc}); it is as the "
+                          "process ends", file=sys.stderr)  # the run's log
                 sys.stdout.flush()
                 sys.stderr.flush()
                 for fd, copy in saved.items():
@@ -102,20 +110,6 @@ def say_phase(what: str) -> None:
         _progress.console.print(line, highlight=False, soft_wrap=True)
     else:
         print(line, file=_terminal, flush=True)
-
-
-def _release_engine() -> None:
-    """The run's engine shut down now, into the log: at exit vLLM's process manager may say, on
-    the terminal, that it force-killed an engine process slow to end (on a busy machine).
-    Nothing is imported for a run that started no engine."""
-    engine = sys.modules.get("vlm_caption.tasks.engine.vllm_engine")
-    if engine is None:
-        return
-    try:
-        engine.release_engines()
-    except Exception as exc:  # noqa: BLE001 - the run is over: nothing here may fail it
-        print(f"vlm-caption: the engine not shut down now ({type(exc).__name__}: {exc}); it is as the process "
-              "ends", file=sys.stderr)  # the run's log
 
 
 def _to_exit_log() -> None:

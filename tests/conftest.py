@@ -215,7 +215,7 @@ def s3_endpoint():
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1", "VLM_CAPTION_S3_ENDPOINT_URL": url,
         }
-        from vlm_caption.tasks.settings import settings_environment
+        from vlm_caption.bench.processes import settings_environment
 
         with settings_environment(env):
             yield url

@@ -19,7 +19,7 @@ from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
 from vlm_caption.tasks.results.done_rows import ROW, load_rows
 from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, VIEW_HASHES, part_key, part_prefix,
                                               results_prefix, run_parquet_key, view_owed_key, view_owed_prefix)
-from vlm_caption.tasks.results.parquet import _OWN, view_row, write_rows
+from vlm_caption.tasks.results.parquet import view_row, write_rows
 from vlm_caption.tasks.results.parquet_view import add_run, export_after_run
 from vlm_caption.tasks.results.writers import write_shard
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
@@ -244,8 +244,7 @@ def test_an_empty_index_has_everything_pending():
 
 def _view_rows(records: list[ResultRecord]) -> list[dict]:
     """The records' view rows, as `add_run` writes them."""
-    extra = [name for name in ResultRecord.model_fields if name not in _OWN]
-    return [view_row(record, None, extra) for record in records]
+    return [view_row(record, None) for record in records]
 
 
 def write_view_file(out: Storage, run_id: str, total: int) -> None:

@@ -250,7 +250,7 @@ def test_compaction_of_a_file_without_hash_columns_and_a_new_one_gives_the_recor
     old = [record("a.jpg", RUN1, "first caption"), group]
     schema = pa.schema([field for field in results_schema() if field.name not in VIEW_HASHES])
     (output / "parquet").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([view_row(r, None, []) for r in old], schema=schema),
+    pq.write_table(pa.Table.from_pylist([view_row(r, None) for r in old], schema=schema),
                    output / run_parquet_key(RUN1))
     assert done_keys(output) == {result_key(r.key, None) for r in old}
     new = [record("e.jpg", RUN2, "an egg")]

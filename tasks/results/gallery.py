@@ -111,15 +111,12 @@ def frame_strip(data: bytes) -> list[str]:
 
 
 def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord], bytes | None],
-                  limit: int, title: str, summary: dict, fetch_s: float = 20.0,
-                  sampled: list[GalleryItem] | None = None) -> tuple[str, int]:
-    """The page's HTML and the number of items on it; `fetch` gives an item's image (or video)
-    bytes. Pictures not made within `fetch_s` seconds show placeholders."""
+                  limit: int, title: str, summary: dict, fetch_s: float = 20.0) -> tuple[str, list[GalleryItem]]:
+    """The page's HTML and the items on it; `fetch` gives an item's image (or video) bytes.
+    Pictures not made within `fetch_s` seconds show placeholders."""
     from vlm_caption.tasks.media.pool import usable_cores
 
     items = sample_items(records, limit)
-    if sampled is not None:  # the caller's copy of the sample (the UI's artifact lists it)
-        sampled.extend(items)
     if any(record.model and is_tiny_checkpoint(record.model) for item in items[:1] for record in item.records[:1]):
         summary = {**summary, "note": "random-weight test model: its captions are noise"}
     # Videos fetched and decoded at once: half the cores this process may use, at least 2 and at
@@ -175,7 +172,7 @@ def build_gallery(records: Iterable[ResultRecord], fetch: Callable[[ResultRecord
         get_logger().warning("gallery: media could not be read again for their pictures (placeholders shown)",
                              items=len(unfetched), first=unfetched[:3])
         summary = {**summary, "pictures not fetched": len(unfetched)}
-    return render_gallery(items, title, summary), len(items)
+    return render_gallery(items, title, summary), items
 
 
 def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = None) -> Iterator[ResultRecord]:
@@ -221,15 +218,14 @@ def gallery_after_run(out: Storage, source: SourceSpec, run_id: str, parts: list
     try:
         began = time.monotonic()
         unreadable: list[str] = []
-        sampled: list[GalleryItem] = []
         page, shown = build_gallery(run_records(out, parts, unreadable), media_fetcher(source), items, title,
                                     {"run": run_id, **facts, "fingerprint": fingerprint},
-                                    get_settings().gallery_fetch_s, sampled=sampled)
+                                    get_settings().gallery_fetch_s)
         out.write(gallery_key(run_id), page.encode())
         path = out.describe(gallery_key(run_id))
-        shown_in_ui = publish_gallery(out, gallery_key(run_id), sampled)  # a link or a table the UI opens
+        shown_in_ui = publish_gallery(out, gallery_key(run_id), shown)  # a link or a table the UI opens
         # build_s: the run's end waits for its page (its pictures read and decoded again)
-        return {"path": path, "items": shown, "bytes": len(page), "build_s": round(time.monotonic() - began, 2),
+        return {"path": path, "items": len(shown), "bytes": len(page), "build_s": round(time.monotonic() - began, 2),
                 **shown_in_ui,
                 **({"unreadable_parts": unreadable} if unreadable else {})}
     except Exception as exc:  # noqa: BLE001 - the page is a view; the run's results stand

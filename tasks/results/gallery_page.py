@@ -41,14 +41,6 @@ def cut(text: str, limit: int = TEXT_CHARS, where: str = "") -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more characters{where})"
 
 
-def _caption_html(text: str) -> str:
-    """A caption: whole when short; else its start, and all of it on a click."""
-    if len(text) <= PREVIEW_CHARS:
-        return f'<div class="caption">{html.escape(text)}</div>'
-    return (f'<details class="caption"><summary><span class="preview">{html.escape(text[:PREVIEW_CHARS])}… </span>'
-            f'<span class="more">show all {len(text)} characters</span></summary>{html.escape(cut(text))}</details>')
-
-
 def _json(value) -> str:
     return cut(json.dumps(value, ensure_ascii=False, indent=1, default=str))
 
@@ -96,8 +88,12 @@ def _item_html(item: GalleryItem) -> str:
             parts.append(f'<div class="error quality">flagged: {html.escape(", ".join(record.quality))}</div>')
         if record.duplicate_of:  # the same bytes as that item: its answer, no request of its own
             parts.append(f'<div class="label copy">copy of {html.escape(record.duplicate_of)}</div>')
-        if record.text:
-            parts.append(_caption_html(record.text))
+        if record.text and len(record.text) <= PREVIEW_CHARS:
+            parts.append(f'<div class="caption">{html.escape(record.text)}</div>')
+        elif record.text:  # its start, and all of it on a click
+            parts.append(f'<details class="caption"><summary><span class="preview">'
+                         f'{html.escape(record.text[:PREVIEW_CHARS])}… </span><span class="more">show all '
+                         f'{len(record.text)} characters</span></summary>{html.escape(cut(record.text))}</details>')
         if record.structured is not None:
             parts.append(f'<div class="label">structured</div><pre class="structured">'
                          f'{html.escape(_json(record.structured))}</pre>')

@@ -1,7 +1,6 @@
 """An output's final results as Parquet rows: the schema, the rules (docs/results.md), and the
 one-file export (`vlm-caption export OUTPUT --to PATH`); the view under <output>/parquet/ is
-parquet_view.py. Memory: one part and one row group of ROW_GROUP_ROWS, plus 16 bytes per result.
-"""
+parquet_view.py. Memory: one part and one row group of ROW_GROUP_ROWS, plus 16 bytes per result."""
 
 from __future__ import annotations
 
@@ -11,13 +10,13 @@ import json
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_rows import final_records, read_part_rows, record_row
+from vlm_caption.tasks.results.done_rows import parse_records, read_part_rows, record_row
 from vlm_caption.tasks.results.layout import VIEW_HASHES, manifest_key, run_of
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.sources.items import ObjectRef
@@ -33,12 +32,12 @@ STAMP_IN_NAME = re.compile(r"(?P<stamp>\d{8}T\d{6})")  # a run id's UTC stamp
 _SAME = ("key", "question", "model", "recipe", "run_id", "fingerprint", "finish_reason", "prompt_tokens",
          "output_tokens", "prompt", "size", "etag", "sha256")
 _OWN = {*_SAME, "text", "error", "timings", "members", "video"}
+_EXTRA = [name for name in ResultRecord.model_fields if name not in _OWN]
 
 
 def results_schema():
     import pyarrow as pa
 
-    extra = [name for name in ResultRecord.model_fields if name not in _OWN]
     return pa.schema([
         ("key", pa.string()), ("source", pa.string()), ("question", pa.string()), ("caption", pa.string()),
         ("error_kind", pa.string()), ("error_message", pa.string()),
@@ -47,7 +46,7 @@ def results_schema():
         ("timings", pa.struct([(name, pa.float64()) for name in TIMING_KEYS])),
         ("prompt", pa.string()), ("size", pa.int64()), ("etag", pa.string()), ("sha256", pa.string()),
         ("members", pa.string()), ("video", pa.string()),  # JSON
-        *[(name, pa.string()) for name in extra],
+        *[(name, pa.string()) for name in _EXTRA],
         *[(name, pa.uint64()) for name in VIEW_HASHES],
     ])
 
@@ -56,13 +55,13 @@ def _json(value: Any) -> str | None:
     return None if value is None else json.dumps(value, ensure_ascii=False, default=str)
 
 
-def view_row(record: ResultRecord, source: str | None, extra: list[str]) -> dict[str, Any]:
+def view_row(record: ResultRecord, source: str | None) -> dict[str, Any]:
     error = record.error or {}
     row = {name: getattr(record, name) for name in _SAME}
     row.update(source=source, caption=record.text, error_kind=error.get("kind"), error_message=error.get("message"),
                timings={name: record.timings.get(name) for name in TIMING_KEYS}, video=_json(record.video),
                members=_json([m.model_dump() for m in record.members] if record.members else None))
-    for name in extra:
+    for name in _EXTRA:
         value = getattr(record, name, None)
         row[name] = value if value is None or isinstance(value, str) else _json(value)
     row.update(zip(VIEW_HASHES, record_row(record)))
@@ -72,7 +71,7 @@ def view_row(record: ResultRecord, source: str | None, extra: list[str]) -> dict
 def record_from_row(row: dict[str, Any]) -> ResultRecord:
     """The record a view row was made from (`view_row`), as far as a copy of its answer needs it:
     every field but a string-valued `structured` that reads as JSON."""
-    fields = {name: row.get(name) for name in ResultRecord.model_fields if name not in _OWN}
+    fields = {name: row.get(name) for name in _EXTRA}
     for name, value in fields.items():
         if isinstance(value, str) and ResultRecord.model_fields[name].annotation != (str | None):
             with contextlib.suppress(ValueError):
@@ -90,27 +89,6 @@ def part_order(part: ObjectRef) -> tuple[str, str]:
     """Parts sort by their run's UTC stamp (`part-<8 hex>-<stamp>[-pN]-<shard>.jsonl`), then name."""
     found = STAMP_IN_NAME.search(part.key.rsplit("/", 1)[-1])
     return (found.group(1) if found else "", part.key)
-
-
-def _sources(out: Storage, log, report: dict) -> Callable[[str], str | None]:
-    """The source (or manifest) each run read, from its manifest; None where there is none (the
-    run is named in the report's `runs_without_source`, and logged)."""
-
-    @functools.cache
-    def of_run(run: str) -> str | None:
-        try:
-            parameters = json.loads(out.read(manifest_key(run))).get("parameters") or {}
-            return parameters.get("source") or parameters.get("manifest")
-        except Exception as exc:  # noqa: BLE001 - a run that wrote no manifest (killed): no source column
-            reason = f"{type(exc).__name__}: {exc}"
-            report.setdefault("runs_without_source", {})[run] = reason
-            log.warning("run's manifest unreadable; its rows have no source", run_id=run,
-                        manifest=out.describe(manifest_key(run)), error=reason)
-            return None
-
-    # A fanned-out run's partitions name their records `<run_id>-p<N>`; the run's one manifest
-    # is under its own id, read once for all of them.
-    return lambda run_id: of_run(run_of(run_id))
 
 
 def latest_ordinals(keyed: list[np.ndarray], stamps: list[np.ndarray] | None = None) -> list[np.ndarray]:
@@ -147,15 +125,28 @@ def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], lo
                 report: dict) -> Iterator[list[dict[str, Any]]]:
     """The rows of the chosen records, a list per part: for each part, the ordinals (among its
     final records, as its done-index rows count them) to take."""
-    extra = [name for name in ResultRecord.model_fields if name not in _OWN]
-    source_of = _sources(out, log, report)
+
+    @functools.cache
+    def source_of(run: str) -> str | None:
+        """The source (or manifest) run `run` read, from its manifest (a fanned-out run's one, for
+        its partitions' records too); None where there is none (named in `runs_without_source`)."""
+        try:
+            parameters = json.loads(out.read(manifest_key(run))).get("parameters") or {}
+            return parameters.get("source") or parameters.get("manifest")
+        except Exception as exc:  # noqa: BLE001 - a run that wrote no manifest (killed): no source column
+            reason = f"{type(exc).__name__}: {exc}"
+            report.setdefault("runs_without_source", {})[run] = reason
+            log.warning("run's manifest unreadable; its rows have no source", run_id=run,
+                        manifest=out.describe(manifest_key(run)), error=reason)
+            return None
+
     for part, wanted in chosen:
         name = out.describe(part.key)
         if not len(wanted) or name in report["skipped_parts"]:
             continue
         try:
             data = out.read(part.key)
-            records, bad = final_records(data.decode("utf-8").splitlines())
+            records, bad = parse_records(data.decode("utf-8").splitlines())
         except (OSError, UnicodeDecodeError) as exc:
             report["skipped_parts"][name] = f"unreadable: {exc}"
             log.warning("results part unreadable; left out of the Parquet export", part=name, error=str(exc))
@@ -163,8 +154,9 @@ def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], lo
         if bad or not data.endswith(b"\n"):
             report["damaged_parts"][name] = f"{bad} line(s) are not records (cut short?)"
         # Rows keyed in pass one come from the same body (a part is written once, whole): each
-        # wanted ordinal names a record.
-        yield [view_row(records[i], source_of(records[i].run_id), extra) for i in wanted if i < len(records)]
+        # wanted ordinal names a final record (the i-th is its done-index row i).
+        records = [r for r in records if r.is_final]
+        yield [view_row(records[i], source_of(run_of(records[i].run_id))) for i in wanted if i < len(records)]
 
 
 def write_rows(target: Storage, key: str, batches: Iterable, *, row_group_rows: int = ROW_GROUP_ROWS,
