@@ -3,7 +3,8 @@ what a run cost"): an (item, question) whose media are the same bytes as one alr
 that answer with no engine request, its record's `duplicate_of` naming the key of the item
 captioned. Found in the run's process by the fetched bytes' sha256 (`SAME_MEDIA`), from a done
 result by the done-index (`take_copies`: before the fetch by listed MD5 ETags, else after it), and
-across a fanned-out run's partitions by its lister (`ListedCopies`), into copy shards."""
+across a fanned-out run's partitions by its lister (`ListedCopies`), into copy shards.
+"""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.observability import phase
 from vlm_caption.tasks.records import ResultRecord
-from vlm_caption.tasks.results.done_rows import (ROW, Signature, Source, _hash64, content_hash, parse_records,
+from vlm_caption.tasks.results.done_rows import (ROW, Signature, Source, _hash64, content_hash, final_records,
                                                 listing_signature, load_rows, read_part_lines, record_signature,
                                                 result_key, signature_hash)
 from vlm_caption.tasks.results.parquet import record_from_row
@@ -185,7 +185,7 @@ class DoneIndex:
         source = self._sources[s]
         try:
             if group < 0:
-                return [r for r in parse_records(read_part_lines(self._out, source.key))[0] if r.is_final]
+                return final_records(read_part_lines(self._out, source.key))[0]
             with open_seekable(self._out, source.key, source.size) as raw:
                 return [record_from_row(row) for row in pq.ParquetFile(raw).read_row_group(group).to_pylist()]
         except Exception:  # noqa: BLE001 - gone or unreadable since the load: no copy from it

@@ -79,6 +79,13 @@ def parse_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
     return records, bad
 
 
+def final_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
+    """The final records among a part's lines, in order (the i-th is its done-index row i), and how
+    many non-empty lines are not records."""
+    records, bad = parse_records(lines)
+    return [r for r in records if r.is_final], bad
+
+
 def read_part_lines(out: Storage, key: str) -> list[str]:
     """A part's lines. A read that fails transiently is tried again, then raised."""
     return retry_transient(lambda: out.read(key), out.describe(key)).decode("utf-8").splitlines()

@@ -1,6 +1,7 @@
 """An output's final results as Parquet rows: the schema, the rules (docs/results.md), and the
 one-file export (`vlm-caption export OUTPUT --to PATH`); the view under <output>/parquet/ is
-parquet_view.py. Memory: one part and one row group of ROW_GROUP_ROWS, plus 16 bytes per result."""
+parquet_view.py. Memory: one part and one row group of ROW_GROUP_ROWS, plus 16 bytes per result.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_rows import parse_records, read_part_rows, record_row
+from vlm_caption.tasks.results.done_rows import final_records, read_part_rows, record_row
 from vlm_caption.tasks.results.layout import VIEW_HASHES, manifest_key, run_of
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.sources.items import ObjectRef
@@ -146,7 +147,7 @@ def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], lo
             continue
         try:
             data = out.read(part.key)
-            records, bad = parse_records(data.decode("utf-8").splitlines())
+            records, bad = final_records(data.decode("utf-8").splitlines())
         except (OSError, UnicodeDecodeError) as exc:
             report["skipped_parts"][name] = f"unreadable: {exc}"
             log.warning("results part unreadable; left out of the Parquet export", part=name, error=str(exc))
@@ -154,8 +155,7 @@ def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], lo
         if bad or not data.endswith(b"\n"):
             report["damaged_parts"][name] = f"{bad} line(s) are not records (cut short?)"
         # Rows keyed in pass one come from the same body (a part is written once, whole): each
-        # wanted ordinal names a final record (the i-th is its done-index row i).
-        records = [r for r in records if r.is_final]
+        # wanted ordinal names a final record.
         yield [view_row(records[i], source_of(run_of(records[i].run_id))) for i in wanted if i < len(records)]
 
 

@@ -1,6 +1,7 @@
 """The Parquet view of an output: the files under <output>/parquet/, read as one dataset, hold each
 final result once, the latest. docs/architecture.md, "Parquet is a view that grows with each run",
-has the rules; docs/operations.md the compaction (`compact_view`) and the rebuild (`rebuild_view`)."""
+has the rules; docs/operations.md the compaction (`compact_view`) and the rebuild (`rebuild_view`).
+"""
 
 from __future__ import annotations
 
