@@ -17,11 +17,10 @@ os.environ.setdefault("VLM_CAPTION_LOG_FORMAT", "json")
 # processes, a fan-out's partitions -- share core 0 while core 1 waits. Unbound, the OS spreads
 # them: the bench smoke alone went from 241 s to 222 s, its "raw, 2 processes" from 55.5 to 42.9 s.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-# Each engine's core runs in the process that made it, not in two processes of its own: vLLM on
-# CPU spawns an engine-core process and a worker process, each importing vLLM and torch again
-# (about 8 s of CPU each). A tiny engine was ready in 10.5 s instead of 27.6 s (same outputs), and
-# tests/test_media_flow.py took 87 s instead of 124. The GPU default (an engine process) is what
-# tests/test_engine_faults.py kills, so that module asks for it.
+# The product's engines on CPU run their model in the engine's process, not in a worker process
+# of its own (tasks/engine/arguments.py sets this); set here too for the tests' own `vllm.LLM`s,
+# whose engine then runs in the test's process instead of two spawned ones (each importing vLLM
+# and torch again). tests/test_engine_faults.py and the kill tests ask for vLLM's own default (1).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # A Prefect home of this test process's own: the two xdist workers (-n 2, pyproject.toml) would
 # otherwise share ~/.prefect's SQLite database and the job slots kept beside it.

@@ -91,6 +91,22 @@ def test_cpu_engines_start_without_inductor_unless_the_user_keeps_it(monkeypatch
     assert cpu_args["enforce_eager"] is True and os.environ["TORCH_COMPILE_DISABLE"] == "1"
 
 
+def test_cpu_engines_run_their_model_in_the_engines_process_unless_the_user_asks_otherwise(monkeypatch):
+    """The engine's process runs the model on a CPU (no worker process of vLLM's spawned under
+    it); a GPU engine is left to vLLM; a user's VLLM_ENABLE_V1_MULTIPROCESSING=1 is kept."""
+    from vlm_caption.tasks.engine.arguments import eager_engine_processes
+
+    args = engine_plan(EngineSpec.build(get_recipe("llava"), model="/none"), on_cpu=True)[0]
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    eager_engine_processes(args, on_cpu=False)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    eager_engine_processes(args, on_cpu=True)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    eager_engine_processes(args, on_cpu=True)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
 def test_cpu_engines_skip_the_multimodal_memory_profile_unless_the_job_asks_for_it():
     """On CPU the KV cache is sized in bytes, so vLLM's start-up run of the vision encoder over its
     largest dummy batch measures nothing; a GPU engine still profiles, and the job's engine
