@@ -149,9 +149,25 @@ def _start_prefect() -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     _log_format(args)
     from vlm_caption.flows.params import CaptionJob
+
+    run_job(CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **job_fields(args)), args)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _log_format(args)
+    from vlm_caption.flows.demo import demo_job, print_samples
+
+    job = demo_job(args, job_fields(args))
+    print_samples(run_job(job, args), job.output)
+    return 0
+
+
+def run_job(job, args: argparse.Namespace) -> dict:
+    """`run`'s and `demo`'s path: the job's checks, Prefect, the job's slot, then its flow with the
+    engine started first; the run's summary printed, and returned."""
     from vlm_caption.flows.plan import make_plan, start_engine_first
 
-    job = CaptionJob(source=args.source, manifest=args.manifest, output=args.out, **job_fields(args))
     # Every check that needs no engine, before Prefect starts: each problem one line, all at once.
     # The flow makes the plan again in its own process (a deployment run has had no CLI).
     plan = make_plan(job)
@@ -179,15 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         finally:
             discard_head_start()  # the flow failed before its listing
     print_run_end(summary, job.output, log_path, args.log_format, source=job.location)
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    _log_format(args)
-    from vlm_caption.flows.demo import run_demo
-
-    _start_prefect()
-    return run_demo(args, job_fields(args))
+    return summary
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -5,7 +5,6 @@ captions are noise); with --model (a local path or a hub id) and a GPU it is a r
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,24 +40,20 @@ def make_sample_images(folder: Path, count: int) -> list[Path]:
     return paths
 
 
-def run_demo(args, job_fields: dict[str, Any]) -> int:
-    from vlm_caption.flows.caption import vlm_caption
+def demo_job(args, job_fields: dict[str, Any]):
+    """The demo's job: its images made, and without --model the tiny checkpoint built. `run`'s own
+    path runs it (flows/cli.py): the engine starts first, beside Prefect's start."""
     from vlm_caption.flows.params import CaptionJob
-    from vlm_caption.tasks.terminal import print_run_end, run_terminal
+    from vlm_caption.tasks.errors import UsageError
     from vlm_caption.tasks.tiny_checkpoint import build_tiny_llava
 
     root = Path(args.dir).resolve()
-    images = root / "images"
-    results = root / "captions"  # the output: its results/, manifests/, logs/ (not results/results/)
     if job_fields.get("modality", "image") != "image":
-        print("vlm-caption demo: the demo makes images; run videos or groups with `vlm-caption run`",
-              file=sys.stderr)
-        return 2
-    make_sample_images(images, args.images)
+        raise UsageError("the demo makes images; run videos or groups with `vlm-caption run`")
+    if not job_fields.get("model") and job_fields.get("recipe", "llava") != "llava":
+        raise UsageError("--model is required with a recipe other than llava")
+    make_sample_images(root / "images", args.images)
     if not job_fields.get("model"):
-        if job_fields.get("recipe", "llava") != "llava":
-            print("vlm-caption demo: --model is required with a recipe other than llava", file=sys.stderr)
-            return 2
         print(BANNER)
         print("NO --model GIVEN: building a tiny RANDOM-WEIGHT LLaVA checkpoint.")
         print("Everything real runs (vLLM, the processor, Prefect, storage), but the")
@@ -67,19 +62,13 @@ def run_demo(args, job_fields: dict[str, Any]) -> int:
         job_fields["model"] = str(build_tiny_llava(root / "tiny-llava"))
         job_fields.setdefault("sampling", {}).setdefault("max_tokens", 24)
     job_fields.setdefault("shard_size", 4)
-    job = CaptionJob(source=str(images), output=str(results), **job_fields)
-    with run_terminal(job.output, verbose=args.verbose, log_format=args.log_format) as log_path:
-        from prefect.settings import PREFECT_API_URL
+    # The output: its results/, manifests/, logs/ (not results/results/).
+    return CaptionJob(source=str(root / "images"), output=str(root / "captions"), **job_fields)
 
-        from vlm_caption.tasks.observability import phase
 
-        phase("starting Prefect", api=PREFECT_API_URL.value() or "embedded")  # as `run` says it
-        summary = vlm_caption(job)
-
-    print()
-    print_run_end(summary, job.output, log_path, args.log_format, source=str(images))
-    for part in sorted((results / "results" / summary["fingerprint"]).glob("*.jsonl"))[:1]:
+def print_samples(summary: dict[str, Any], output: str) -> None:
+    """The first captions, under the run's summary."""
+    for part in sorted((Path(output) / "results" / summary["fingerprint"]).glob("*.jsonl"))[:1]:
         for line in part.read_text().splitlines()[:3]:
             record = json.loads(line)
             print(f"  {record['key']}: {(record['text'] or record['error'])!r}")
-    return 0
