@@ -7,10 +7,14 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from vlm_caption.flows.cli_job import Subcommand, entry_point, job_fields
 from vlm_caption.tasks.interrupt import exit_now_if_building, stoppable
 from vlm_caption.tasks.prefect_api import embedded_server_defaults, import_prefect, show_prefect_notice_now
+
+if TYPE_CHECKING:
+    from vlm_caption.flows.params import CaptionJob
 
 DESCRIPTION = "Caption, tag or OCR images in a bucket or folder with vision-language models (vLLM + Prefect)."
 EMBEDDED_SERVER_HINT = (
@@ -163,7 +167,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_job(job, args: argparse.Namespace) -> dict:
+def run_job(job: CaptionJob, args: argparse.Namespace) -> dict:
     """`run`'s and `demo`'s path: the job's checks, Prefect, the job's slot, then its flow with the
     engine started first; the run's summary printed, and returned."""
     from vlm_caption.flows.plan import make_plan, start_engine_first

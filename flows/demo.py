@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vlm_caption.flows.params import CaptionJob
 
 BANNER = "!" * 78
 
@@ -40,12 +43,11 @@ def make_sample_images(folder: Path, count: int) -> list[Path]:
     return paths
 
 
-def demo_job(args, job_fields: dict[str, Any]):
+def demo_job(args, job_fields: dict[str, Any]) -> CaptionJob:
     """The demo's job: its images made, and without --model the tiny checkpoint built. `run`'s own
     path runs it (flows/cli.py): the engine starts first, beside Prefect's start."""
     from vlm_caption.flows.params import CaptionJob
     from vlm_caption.tasks.errors import UsageError
-    from vlm_caption.tasks.tiny_checkpoint import build_tiny_llava
 
     root = Path(args.dir).resolve()
     if job_fields.get("modality", "image") != "image":
@@ -54,6 +56,8 @@ def demo_job(args, job_fields: dict[str, Any]):
         raise UsageError("--model is required with a recipe other than llava")
     make_sample_images(root / "images", args.images)
     if not job_fields.get("model"):
+        from vlm_caption.tasks.tiny_checkpoint import build_tiny_llava
+
         print(BANNER)
         print("NO --model GIVEN: building a tiny RANDOM-WEIGHT LLaVA checkpoint.")
         print("Everything real runs (vLLM, the processor, Prefect, storage), but the")

@@ -124,6 +124,14 @@ def test_a_bad_job_is_one_line_per_mistake_without_pydantic_noise(capsys, tmp_pa
     assert "recipe 'llava' does not support modality 'video'; it supports: image, multi-image" in capsys.readouterr().err
 
 
+def test_a_demo_it_cannot_make_is_one_line_and_exit_2_before_anything_is_made(capsys, tmp_path):
+    for flags, says in ((["--modality", "video"], "the demo makes images; run videos or groups with `vlm-caption run`"),
+                        (["--recipe", "qwen2_vl"], "--model is required with a recipe other than llava")):
+        assert cli.main(["demo", "--dir", str(tmp_path / "demo"), *flags]) == 2
+        assert capsys.readouterr().err == f"vlm-caption: error: {says}\n"
+    assert not (tmp_path / "demo").exists()
+
+
 def test_the_progress_label_keeps_the_end_of_a_long_source():
     """A long source path in the bar's label keeps its end (which folder), not its start."""
     from vlm_caption.tasks.terminal import _fit
