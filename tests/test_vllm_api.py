@@ -166,7 +166,7 @@ def test_a_killed_engine_process_fails_the_requests_waiting_on_it(tiny_llava):
 
 def test_a_cpu_engine_runs_its_model_in_the_engines_own_process(tiny_llava, monkeypatch):
     """On a CPU vLLM would run the model in a worker process spawned under the engine's process,
-    importing vLLM and torch once more (43 s of an 83 s engine build on 2 cores, measured): the
+    importing vLLM and torch once more (71-83 s builds against 47-52 s on 2 cores, docs/benchmarks.md): the
     product's CPU engines turn V1 multiprocessing off (tasks/engine/arguments.py), so the engine's
     process is the only one it starts, and it captions."""
     import psutil

@@ -141,7 +141,7 @@ def eager_engine_processes(args: dict[str, Any], *, on_cpu: bool) -> None:
     reads this from the environment; TORCH_COMPILE_DISABLE=0 set by the user keeps the compile.
     With V1 multiprocessing off, vLLM's CPU platform runs the model in the engine's process (which
     AsyncLLM spawns anyway) instead of a worker spawned under it: one import of vLLM and torch fewer
-    (built in 40 s instead of 83 s on 2 cores, measured). A user's =1 keeps the worker."""
+    (built in 47-52 s instead of 71-83 s on 2 cores: docs/benchmarks.md). A user's =1 keeps the worker."""
     if on_cpu:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if on_cpu and args.get("enforce_eager"):
