@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+RESULT_FILE = "VLM_CAPTION_BENCH_RESULT"  # where a phase's process writes its figures (JSON)
+
 
 @dataclass(frozen=True)
 class BenchConfig:

@@ -52,10 +52,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from vlm_caption.bench.config import CHECKPOINTS, BenchConfig
+from vlm_caption.bench.config import CHECKPOINTS, RESULT_FILE, BenchConfig
 from vlm_caption.bench.harness import GpuSampler, partition_workers, prefect_api, s3_source
 from vlm_caption.bench.media import make_bench_media, make_bench_tars
-from vlm_caption.bench.phases import RESULT_FILE
 from vlm_caption.bench.processes import run_to_end, started
 from vlm_caption.bench.report import engine_ready_gaps, ideal_fan_out, print_table, profile_summary, ratios, write_report
 from vlm_caption.bench.rounds import run_start_rounds

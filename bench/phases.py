@@ -14,10 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vlm_caption.bench.config import WARM_UP_ITEMS, BenchConfig
+from vlm_caption.bench.config import RESULT_FILE, WARM_UP_ITEMS, BenchConfig
 from vlm_caption.bench.media import GROUP_SIZE, bench_items, make_bench_tars
-
-RESULT_FILE = "VLM_CAPTION_BENCH_RESULT"  # where a phase's process writes its figures (JSON)
 
 
 def example_media(cfg: BenchConfig, paths: list[Path], needs_metadata: bool):
@@ -102,6 +100,7 @@ def raw_slice(items: list, index: int, count: int) -> list:
 
 def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, limit: int | None = None) -> dict[str, Any]:
     started = _process_started()
+    from vlm_caption.flows.cli import start_prefect
     from vlm_caption.flows.params import CaptionJob
     from vlm_caption.flows.plan import make_plan, start_engine_first
 
@@ -116,7 +115,8 @@ def phase_flow(cfg: BenchConfig, folder: Path, model: str, fan_out: int = 1, lim
                      sampling=cfg.sampling(), fan_out=fan_out, processor_device=cfg.processor_device,
                      json_schema=cfg.structured(), limit=limit,
                      engine_overrides=json.loads(cfg.engine_args) if cfg.engine_args else {})
-    plan = make_plan(job)  # as `vlm-caption run` does: the plan, vLLM's import, the engine, then Prefect
+    plan = make_plan(job)  # as `vlm-caption run` does: the plan, Prefect's import, vLLM's, the engine
+    start_prefect()
     start_engine_first(plan)  # a fan-out's parent: its flow asks for its children first
     from vlm_caption.flows.caption import vlm_caption
 

@@ -140,10 +140,11 @@ def _log_format(args: argparse.Namespace) -> None:
         get_settings.cache_clear()
 
 
-def _start_prefect() -> None:
-    """Prefect's first import in `run` and `demo`, before anything else's: what it prints as it starts
-    at a terminal (its first-run notice) is held for the run's terminal to place (tasks/prefect_api.py),
-    not printed above the progress bar. Then a PREFECT_API_URL nobody answers fails here, before any engine."""
+def start_prefect() -> None:
+    """Prefect's first import in `run`, `demo` and the bench's flow phase, before the engine's thread
+    (two threads importing Prefect at once leave a module half-made: "Failed to initialize plugins"),
+    holding what it prints at a terminal (its first-run notice) for the run's terminal to place
+    (tasks/prefect_api.py). Then a PREFECT_API_URL nobody answers fails here, before any engine."""
     from vlm_caption.flows.server import check_api_reachable
 
     import_prefect()
@@ -176,7 +177,7 @@ def run_job(job: CaptionJob, args: argparse.Namespace) -> dict:
     # The flow makes the plan again in its own process (a deployment run has had no CLI).
     plan = make_plan(job)
     job = plan.job
-    _start_prefect()
+    start_prefect()
     from vlm_caption.flows.head_start import begin_head_start, discard_head_start
     from vlm_caption.tasks.concurrency import hold_job_lock
     from vlm_caption.tasks.observability import phase

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -376,7 +377,7 @@ def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_pat
 
     from vlm_caption.bench import driver, phases
     from vlm_caption.bench.cli import add_bench_arguments
-    from vlm_caption.bench.config import WARM_UP_ITEMS, BenchConfig
+    from vlm_caption.bench.config import RESULT_FILE, WARM_UP_ITEMS, BenchConfig
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
@@ -413,7 +414,7 @@ def test_a_warm_up_runs_raw_over_a_few_items_before_every_compared_phase(tmp_pat
     # the phase's own process takes the first 16 of 1,024 items, as raw takes a slice
     taken = {}
     monkeypatch.setattr(phases, "phase_raw", lambda cfg, folder, model, part=None, **kw: taken.update(part=part) or {})
-    monkeypatch.setenv(phases.RESULT_FILE, str(tmp_path / "result.json"))
+    monkeypatch.setenv(RESULT_FILE, str(tmp_path / "result.json"))
     monkeypatch.setattr(phases, "_torch_gpu_peak_mb", lambda: None)
     phases.child_main("warm-up", json.dumps({"workdir": str(tmp_path), "images": 1024}), str(tmp_path), "m")
     assert phases.raw_slice(list(range(1024)), *taken["part"]) == list(range(WARM_UP_ITEMS))
@@ -497,7 +498,7 @@ def test_start_rounds_alternate_and_report_the_median_gap(tmp_path, monkeypatch,
     from vlm_caption import bench
     from vlm_caption.bench import driver, phases
     from vlm_caption.bench.cli import cmd_bench
-    from vlm_caption.bench.config import WARM_UP_ITEMS, BenchConfig
+    from vlm_caption.bench.config import RESULT_FILE, WARM_UP_ITEMS, BenchConfig
     from vlm_caption.flows.cli import build_parser
 
     given = []  # what `vlm-caption bench --start-rounds 3` hands the bench
@@ -529,7 +530,7 @@ def test_start_rounds_alternate_and_report_the_median_gap(tmp_path, monkeypatch,
                         taken.update(part=part, device=processor_device) or {})
     monkeypatch.setattr(phases, "phase_flow", lambda cfg, folder, model, fan_out=1, limit=None:
                         taken.update(limit=limit) or {})
-    monkeypatch.setenv(phases.RESULT_FILE, str(tmp_path / "result.json"))
+    monkeypatch.setenv(RESULT_FILE, str(tmp_path / "result.json"))
     monkeypatch.setattr(phases, "_torch_gpu_peak_mb", lambda: None)
     config = json.dumps({"workdir": str(tmp_path), "images": 1024, "processor_device": "cuda"})
     phases.child_main("start-raw", config, str(tmp_path), "m")
@@ -605,3 +606,27 @@ def test_also_gpus_fans_out_again_over_fewer_gpus_against_the_same_one_gpu_flow(
     assert [line.split(",")[0] for line in out.splitlines() if ", partition " in line] == ["4 GPUs"] * 4 + ["2 GPUs"] * 2
     with pytest.raises(SystemExit, match="1 < M < 4"):
         driver.run_bench(BenchConfig(workdir=str(tmp_path), model="m", gpus=4, also_gpus=(4,)))
+
+
+def test_the_flow_phase_starts_prefect_before_the_engine_as_run_does(monkeypatch, tmp_path):
+    """The flow phase takes `run`'s order: the plan, Prefect's import, then vLLM's and the engine's
+    build on its thread. Prefect imported by the flow's module while the engine's thread imported
+    parts of it left one of its modules half-made ("Failed to initialize plugins" in every GPU
+    flow phase's log)."""
+    from vlm_caption.bench import phases
+    from vlm_caption.bench.config import BenchConfig
+    from vlm_caption.flows import caption, cli, plan
+
+    order = []
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setattr(plan, "make_plan", lambda job: order.append("plan") or SimpleNamespace(job=job))
+    monkeypatch.setattr(cli, "start_prefect", lambda: order.append("prefect"))
+    monkeypatch.setattr(plan, "start_engine_first", lambda run_plan: order.append("engine"))
+    monkeypatch.setattr(caption, "vlm_caption", lambda job: (_ for _ in ()).throw(Stop()))
+    (tmp_path / "images").mkdir()
+    with pytest.raises(Stop):
+        phases.phase_flow(BenchConfig(workdir=str(tmp_path)), tmp_path / "images", str(tmp_path / "model"))
+    assert order == ["plan", "prefect", "engine"]
