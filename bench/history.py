@@ -139,7 +139,7 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
     from vlm_caption.flows.params import CaptionJob
     from vlm_caption.flows.plan import make_plan
     from vlm_caption.tasks.results.done_rows import content_hash, result_key, signature_hash
-    from vlm_caption.tasks.results.layout import manifest_key, part_key, run_parquet_key
+    from vlm_caption.tasks.results.layout import manifest_key, run_parquet_key
     from vlm_caption.tasks.results.parquet import results_schema, view_row, write_rows
     from vlm_caption.tasks.records import ResultRecord, sha256_hex
     from vlm_caption.tasks.results.report import RunStats
@@ -158,19 +158,7 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
                             text="a small photo", finish_reason="length", prompt_tokens=70, output_tokens=8,
                             timings={"fetch_s": 0.001, "decode_s": 0.001, "generate_s": 0.01},
                             fingerprint=plan.fingerprint, run_id=HISTORY_RUN)
-    line, parts = template.model_dump_json(), []
-    record = lambda key: line.replace('"\\u0000"', json.dumps(key)).replace(  # noqa: E731
-        '"\\u0001"', json.dumps(etags[folder_of(key)]))
-
-    def write_part(shard: int) -> None:
-        chunk = keys[shard * cfg.shard_size:(shard + 1) * cfg.shard_size]
-        key = part_key(plan.fingerprint, HISTORY_RUN, shard)
-        out.write(key, "".join(record(item) + "\n" for item in chunk).encode())
-        parts.append(key)
-
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(write_part, range(-(-n // cfg.shard_size))))
-    # The run's view file, as `add_run` would write it, made column by column (a million rows).
+    # The run's view file, as `fold_run` would write it, made column by column (a million rows).
     signed = {folder: signature_hash(((etag, len(photo)),)) for folder, etag in etags.items()}
     same = view_row(template, None)
     columns = {"key": keys, "etag": [etags[folder_of(key)] for key in keys],
@@ -181,7 +169,7 @@ def synthesize(where: Locations, cfg: BenchConfig, model: str, env: dict[str, st
                       pa.array([same.get(f.name)] * n, f.type) for f in results_schema()], schema=results_schema())
     write_rows(out, run_parquet_key(HISTORY_RUN), [table])
     where.compacted = run_parquet_key(HISTORY_RUN).rsplit("/", 1)[1]
-    stats = RunStats(listed=n, processed=n, succeeded=n, parts=[out.describe(k) for k in sorted(parts)])
+    stats = RunStats(listed=n, processed=n, succeeded=n)
     manifest = stats.manifest(run_id=HISTORY_RUN, parameters=plan.job.model_dump(mode="json"),
                               fingerprint=plan.fingerprint, engine=None)
     out.write(manifest_key(HISTORY_RUN), json.dumps(manifest, indent=2).encode())

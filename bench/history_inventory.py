@@ -125,14 +125,13 @@ def kept_history(base: Path, wanted: dict) -> bool:
 
 
 def restore(out: Path, marker: dict) -> None:
-    """The output as the synthesis left it: every file a later run wrote goes (its parts, its
-    `view-owed` marks, manifests, gallery, claims; Parquet view files other than the synthesized)."""
+    """The output as the synthesis left it: every file a later run wrote goes (its parts, manifests,
+    gallery, claims; Parquet view files other than the synthesized)."""
     import os
 
-    history_part = f"part-{marker['run']}-"
     for folder, _, files in os.walk(out):
         for name in files:
-            if name.startswith(history_part) or name == marker["compacted"] or name == f"{marker['run']}.json":
+            if name == marker["compacted"] or name == f"{marker['run']}.json":
                 continue
             os.remove(os.path.join(folder, name))
 

@@ -32,7 +32,8 @@ from vlm_caption.flows.pipeline import RETAKE_POLL_S
 from vlm_caption.tasks.claims import ShardClaims, remove_claims
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.results.done_index import read_done_index
-from vlm_caption.tasks.results.layout import partition_parts_id, results_prefix
+from vlm_caption.tasks.results.layout import partition_parts_id, parts_prefix
+from vlm_caption.tasks.results.parquet import read_records
 from vlm_caption.tasks.results.writers import write_shard
 from vlm_caption.tasks.shard_plan import POLL_S, SharedListing
 from vlm_caption.tasks.sources.formats import SourceSpec
@@ -73,7 +74,7 @@ class Requests:
         url = urlsplit(request.url)
         where = unquote(url.path) + "/" + "".join(parse_qs(url.query).get("prefix", []))  # path style: /bucket/key
         area = ("listing" if where.startswith(self.source) else "plan" if "/plan/" in where
-                else "claims" if "/claims/" in where else "outputs" if "/results/" in where else "other")
+                else "claims" if "/claims/" in where else "outputs" if "/parquet/" in where else "other")
         kind = {"PUT": "claim" if "If-None-Match" in request.headers else "put",
                 "GET": "list" if "list-type" in url.query else "get"}.get(request.method, request.method.lower())
         with self._lock:
@@ -122,7 +123,7 @@ class StubEngine:
                                 finish_reason="stop", timings={}, fingerprint=FINGERPRINT, run_id=self.parts_id)
                    for item in shard.items]
         self.writes.append(self.writer.submit(write_shard, self.claims.out, FINGERPRINT, self.parts_id, shard.index,
-                                              records, self.claims.done_key(shard.index)))
+                                              records, "stub", self.claims.done_key(shard.index)))
 
     def take(self, shards) -> None:
         """Each of `shards` fed as the feed has room (claimed then, if `shards` claims); every
@@ -218,8 +219,8 @@ def summarize(run: dict, scenario: Scenario, calibration: dict[str, float] | Non
                 "latency_s": run["latency_s"]}
     calibration = calibration or measured
     out = S3Storage(store.out, "", make_s3_client())
-    written = Counter(json.loads(line)["key"] for ref in out.iter_objects(prefix=results_prefix(FINGERPRINT))
-                      if ref.key.endswith(".jsonl") for line in out.read(ref.key).decode().splitlines())
+    written = Counter(record.key for ref in out.iter_objects(prefix=parts_prefix(FINGERPRINT))
+                      if ref.key.endswith(".parquet") for record in read_records(out, ref.key))
     parts, n, items = run["partitions"], len(run["partitions"]), scenario.items
     shards, total = math.ceil(items / scenario.shard_size), sum(run["counts"].values())
     terms = predict(scenario, shards, n, calibration, calibration["latency_s"])

@@ -182,7 +182,8 @@ class ShardPipeline:
             done_key = self.claims.done_key(shard.index) if self.claims is not None else None
             try:
                 with part_landing(len({record.key for record in records})):  # what a Ctrl-C's end says it kept
-                    part = write_shard(run.output, run.fingerprint, run.parts_id, shard.index, records, done_key)
+                    part = write_shard(run.output, run.fingerprint, run.parts_id, shard.index, records, run.location,
+                                       done_key)
             except Exception as exc:
                 if is_permanent(exc) or not last:
                     raise

@@ -140,13 +140,14 @@ def caption_job(plan: RunPlan, run_id: str, log, engine_first: bool = False) -> 
     # records and as many failures (about a second of walking per write), none of them a future.
     manifest_uri = write_manifest(plan.output, run_id, quote(manifest))
     summary = stats.summary()
-    # The run's new results added to the output's Parquet view; a failure is recorded, not raised.
-    manifest["parquet"] = export_after_run(plan.output, job.output, fingerprint, run_id, quote(stats.parts))
     facts = {"captioned": summary["succeeded"], "failed": summary["failed"],
              "already done": summary["skipped_already_done"], "cost": summary["cost"]}
+    # The gallery reads the run's parts, before they are folded into its view file below.
     manifest["gallery"] = gallery_after_run(plan.output, plan.source, run_id, stats.parts, items=job.gallery_items,
                                             title=f"vlm-caption · {recipe.name} · {job.location}",
                                             fingerprint=fingerprint, facts=facts)
+    # The run's parts folded into the output's Parquet view; a failure is recorded, not raised.
+    manifest["parquet"] = export_after_run(plan.output, job.output, fingerprint, run_id)
     # --modified-since auto: the watermark moves on (keeping what to retry) where nothing can be lost.
     manifest["watermark"] = advance_watermark(plan.output, plan.source, stats, complete=job.limit is None and all(
         p.state == "COMPLETED" for p in partitions))

@@ -4,7 +4,6 @@ captions are noise); with --model (a local path or a hub id) and a GPU it is a r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,13 +65,16 @@ def demo_job(args, job_fields: dict[str, Any]) -> CaptionJob:
         job_fields["model"] = str(build_tiny_llava(root / "tiny-llava"))
         job_fields.setdefault("sampling", {}).setdefault("max_tokens", 24)
     job_fields.setdefault("shard_size", 4)
-    # The output: its results/, manifests/, logs/ (not results/results/).
+    # The output: its parquet/, manifests/, logs/.
     return CaptionJob(source=str(root / "images"), output=str(root / "captions"), **job_fields)
 
 
 def print_samples(summary: dict[str, Any], output: str) -> None:
-    """The first captions, under the run's summary."""
-    for part in sorted((Path(output) / "results" / summary["fingerprint"]).glob("*.jsonl"))[:1]:
-        for line in part.read_text().splitlines()[:3]:
-            record = json.loads(line)
-            print(f"  {record['key']}: {(record['text'] or record['error'])!r}")
+    """The first captions, under the run's summary (from the run's file of the Parquet view)."""
+    from vlm_caption.tasks.results.parquet import read_records
+    from vlm_caption.tasks.sources.storage import open_storage, split_parent
+
+    if summary.get("parquet"):
+        parent, key = split_parent(summary["parquet"])
+        for record in read_records(open_storage(parent), key)[:3]:
+            print(f"  {record.key}: {(record.text or record.error)!r}")

@@ -13,7 +13,8 @@ from vlm_caption.recipes import Recipe, RecipeError
 from vlm_caption.tasks.engine.arguments import EngineSpec
 from vlm_caption.tasks.engine.vllm_engine import Sampling
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.layout import partition_parts_id, results_prefix
+from vlm_caption.tasks.results.done_rows import has_results
+from vlm_caption.tasks.results.layout import partition_parts_id
 from vlm_caption.tasks.records import job_fingerprint
 from vlm_caption.tasks.sources.formats import SourceSpec
 from vlm_caption.tasks.sources.registry import READERS
@@ -67,6 +68,7 @@ class PartitionRun:
     method: str  # "generate", or "chat" (the multi-image example's LLM.chat)
     retry_looping: float | None  # the repetition penalty a looping caption is asked again with, or None
     dedup: bool  # the same media captioned once (tasks/same_media.py)
+    location: str  # the source or manifest as the job names it: its results' `source` column
 
     @classmethod
     def of(cls, plan: RunPlan, run_id: str, partition: Partition | None, log: Any) -> PartitionRun:
@@ -75,7 +77,7 @@ class PartitionRun:
                    f"Captioning {job.location} with {plan.recipe.name}", job.modality, job.questions_to_ask,
                    job.shard_size, job.limit, job.num_frames, job.image_limit,
                    Sampling(**job.sampling.model_dump(), structured=job.structured_output), job.method,
-                   job.retry_looping, job.dedup)
+                   job.retry_looping, job.dedup, job.location)
 
     @property
     def index(self) -> int:
@@ -84,7 +86,7 @@ class PartitionRun:
 
     @property
     def parts_id(self) -> str:
-        """Names this partition's result parts (`part-<parts_id>-<shard>.jsonl`)."""
+        """Names this partition's result parts (`part-<parts_id>-<shard>.parquet`)."""
         return partition_parts_id(self.run_id, self.partition.index) if self.partition else self.run_id
 
 
@@ -155,7 +157,7 @@ def start_engine_first(plan: RunPlan) -> bool:
     if plan.job.partition is not None:  # a child of a fan-out: its parent looked when the run started
         first = plan.job.partition.engine_first
     else:
-        first = next(iter(plan.output.iter_objects(prefix=results_prefix(plan.fingerprint))), None) is None
+        first = not has_results(plan.output, plan.fingerprint)
         if not first and (newer := object_after_listing_end(plan.output, plan.source, plan.fingerprint)):
             get_logger().info("an object came after where the last listing ended", key=newer)
             first = True

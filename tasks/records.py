@@ -38,7 +38,7 @@ class Member(BaseModel):
 
 
 class ResultRecord(BaseModel):
-    """One JSON Lines record per (work item, question)."""
+    """One result record per (work item, question): a row of the results' Parquet files."""
 
     model_config = ConfigDict(extra="ignore")
 

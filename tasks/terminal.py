@@ -235,7 +235,7 @@ def print_run_end(summary: dict[str, Any], output: str, log_path: Path | None, l
         ("speed", f"{summary['items_per_s']:.2f} items/s over {summary['wall_s']:.0f} s "
                   f"({summary['generate_items_per_s'] or 0:.2f} while generating, "
                   f"{summary['output_tokens_per_s']:.0f} output tokens/s)"),
-        ("results", f"{output.rstrip('/')}/results/{summary['fingerprint']}/"),
+        ("results", f"{output.rstrip('/')}/parquet/"),  # the view: every run's results, read as one dataset
     ]
     rows += [(name, str(summary[name])) for name in ("quality", "cost", "manifest", "gallery", "parquet")
              if summary.get(name)]

@@ -32,21 +32,21 @@ def load(out: str) -> None:
 
 
 def prepare(total: int, out: str, view: bool) -> None:
-    """The results, and the run's view file unless `view` is false."""
+    """The results' parts, folded into the run's view file unless `view` is false (a killed run's)."""
     from tests.test_done_index import _record
     from vlm_caption.tasks.results.done_index import DoneIndex
-    from vlm_caption.tasks.results.parquet_view import add_run
+    from vlm_caption.tasks.results.parquet_view import fold_run, parts_by_run
     from vlm_caption.tasks.results.writers import write_shard
     from vlm_caption.tasks.sources.storage import open_storage
 
     store = open_storage(out, create=True)
-    parts = [write_shard(store, FP, RUN, shard, [_record(i) for i in range(start, min(start + 64, total))])
-             for shard, start in enumerate(range(0, total, 64))]
+    for shard, start in enumerate(range(0, total, 64)):
+        write_shard(store, FP, RUN, shard, [_record(i) for i in range(start, min(start + 64, total))], "scale/")
     if view:
         began = time.perf_counter()
-        added = add_run(store, FP, RUN, parts, earlier=DoneIndex())
+        added = fold_run(store, FP, RUN, parts_by_run(store, FP)[RUN], DoneIndex())
         print(json.dumps({"view_file": added["path"], "rows": added["rows"],
-                          "add_run_s": round(time.perf_counter() - began, 1)}))
+                          "fold_s": round(time.perf_counter() - began, 1)}))
 
 
 def main(total: int, out: str, s3: bool = False, view: bool = True) -> None:

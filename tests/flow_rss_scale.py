@@ -30,12 +30,12 @@ def _job(root: Path):
 
 
 def prepare(count: int, root: Path) -> None:
-    """The objects, and a finished run's results for each (its parts, then its view file)."""
+    """The objects, and a finished run's results for each (its parts, folded into its view file)."""
     from vlm_caption.flows.plan import fingerprint_of
     from vlm_caption.recipes import get_recipe
     from vlm_caption.tasks.records import ResultRecord
     from vlm_caption.tasks.results.done_index import DoneIndex
-    from vlm_caption.tasks.results.parquet_view import add_run
+    from vlm_caption.tasks.results.parquet_view import fold_run, parts_by_run
     from vlm_caption.tasks.results.writers import write_shard
     from vlm_caption.tasks.sources.storage import open_storage
 
@@ -47,14 +47,14 @@ def prepare(count: int, root: Path) -> None:
     recipe = get_recipe(job.recipe)
     fingerprint = fingerprint_of(job, recipe, recipe.model_for(job.modality, job.model))
     objects = sorted(open_storage(str(images)).iter_objects(), key=lambda o: o.key)
-    out, parts = open_storage(job.output, create=True), []
+    out = open_storage(job.output, create=True)
     for shard, start in enumerate(range(0, count, 64)):
         records = [ResultRecord(key=o.key, size=o.size, etag=o.etag, sha256=None, recipe="llava", model="m",
                                 question=QUESTION, prompt=None, text="a caption", finish_reason="stop",
                                 timings={}, fingerprint=fingerprint, run_id=EARLIER)
                    for o in objects[start:start + 64]]
-        parts.append(write_shard(out, fingerprint, EARLIER, shard, records))
-    add_run(out, fingerprint, EARLIER, parts, earlier=DoneIndex())
+        write_shard(out, fingerprint, EARLIER, shard, records, job.source)
+    fold_run(out, fingerprint, EARLIER, parts_by_run(out, fingerprint)[EARLIER], DoneIndex())
 
 
 def run(root: str) -> None:

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.recipe_check import CaseResult, cases
+from tests.result_files import records as result_records
 
 MAX_TOKENS = 8
 CASE_TIMEOUT_S = int(os.environ.get("RECIPE_CHECK_CASE_TIMEOUT_S", "600"))  # per case; a GPU run may want less
@@ -71,8 +72,13 @@ def flow_command(recipe: str, modality: str, checkpoint: Path, media: Path, out:
 
 
 def read_records(out: Path) -> list[dict]:
-    return [json.loads(line) for part in sorted(out.glob("results/*/part-*.jsonl"))
-            for line in part.read_text().splitlines() if line.strip()]
+    return result_records(out)
+
+
+def retryable_failures(out: Path) -> list[dict]:
+    """The retryable errors the runs' manifests list (no file of the output keeps them once a run ends)."""
+    return [failure for manifest in sorted(out.glob("manifests/*.json"))
+            for failure in json.loads(manifest.read_text())["failures"] if failure.get("retryable")]
 
 
 def run_case(recipe: str, modality: str, architecture: str, checkpoint: Path, work: Path, device: str,
@@ -92,7 +98,7 @@ def run_case(recipe: str, modality: str, architecture: str, checkpoint: Path, wo
     (case / "log.txt").write_text(done.stdout + done.stderr)
     records = read_records(out)
     startup = re.search(r"startup_s=([\d.]+)", done.stdout + done.stderr)
-    errors = [r["error"] for r in records if r.get("error")]
+    errors = [r["error"] for r in records if r.get("error")] + retryable_failures(out)
     ok = done.returncode == 0 and records and not errors and all(r["output_tokens"] > 0 for r in records)
     return CaseResult(**row, ok=bool(ok), prompt_tokens=max((r["prompt_tokens"] for r in records), default=0),
                       output_tokens=min((r["output_tokens"] for r in records), default=0),

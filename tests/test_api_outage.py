@@ -103,7 +103,7 @@ def gated_manifest(s3_client):
 
 
 def _written(s3_client) -> set[str]:
-    return {r["key"] for r in records_under(s3_client, f"{OUT}/results/")}
+    return {r["key"] for r in records_under(s3_client, f"{OUT}/")}
 
 
 def _wait_for_records(stack, s3_client, run_id: str, at_least: int) -> None:
@@ -173,7 +173,7 @@ def test_api_outage_mid_run_loses_and_duplicates_nothing(prefect_stack, s3_clien
     assert rerun["state_type"] == "COMPLETED", stack.log_tail("server", *[f"worker-{w}" for w in stack.workers])
 
     # Final records only: a fetch that failed is a retryable record the rerun computes again.
-    records = [r for r in records_under(s3_client, f"{OUT}/results/") if not (r["error"] or {}).get("retryable")]
+    records = [r for r in records_under(s3_client, f"{OUT}/") if not (r["error"] or {}).get("retryable")]
     counts = Counter(r["key"] for r in records)
     report = {"outage_s": round(away_s, 1), "written_before": len(before), "written_during": len(during - before),
               "first_run": run["state_name"], "first_run_message": run["state"]["message"],

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests import result_files
+
 
 def _bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     """`vlm-caption bench` in a session of its own: however it ends (a failure, the timeout), it is
@@ -455,8 +457,7 @@ def test_an_inventory_history_is_what_a_run_counts_as_done(prefect_api, s3_endpo
     add_new_items(where, new, {})
     summary = vlm_caption(job)
     assert (summary["listed"], summary["skipped_already_done"], summary["succeeded"]) == (202, 200, 2)
-    records = [json.loads(line) for part in (where.base / "out" / "results").glob(f"*/part-{summary['run_id']}-*")
-               if part.suffix == ".jsonl" for line in part.read_text().splitlines()]
+    records = [r for r in result_files.records(where.base / "out") if r["run_id"] == summary["run_id"]]
     assert sorted(r["key"] for r in records) == sorted(new)
     assert all(r["error"] is None and r.get("duplicate_of") is None for r in records)  # each its own bytes
 
@@ -464,8 +465,7 @@ def test_an_inventory_history_is_what_a_run_counts_as_done(prefect_api, s3_endpo
     marker = {"history": 200, "run": HISTORY_RUN}
     (where.base / "synthesized.json").write_text(json.dumps({**marker, "compacted": where.compacted}))
     assert kept_history(where.base, marker)
-    parts = sorted(p.name for p in (where.base / "out" / "results").glob("*/*.jsonl"))
-    assert parts and all(name.startswith(f"part-{HISTORY_RUN}-") for name in parts)
+    assert [p.name for p in result_files.parquet_files(where.base / "out")] == [f"run-{HISTORY_RUN}.parquet"]
     assert not (where.base / "inventory" / "bench" / "nightly" / "2026-01-02T00-00Z").exists()
     monkeypatch.setattr(vllm_engine, "_engine_for", no_engine)
     summary = vlm_caption(job)

@@ -4,7 +4,6 @@ run that waits too long stops with a message that says what to do."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import Counter
 
@@ -14,6 +13,7 @@ from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
 from vlm_caption.tasks.concurrency import JobBusyError, one_run_per_job
 from tests.images import image_bytes
+from tests.result_files import records as result_records
 
 
 def test_two_runs_of_one_job_started_together(prefect_api, tiny_llava, tmp_path, monkeypatch):
@@ -30,7 +30,7 @@ def test_two_runs_of_one_job_started_together(prefect_api, tiny_llava, tmp_path,
     for run in runs:
         run.join(timeout=900)
     assert len(summaries) == 2
-    records = [json.loads(line) for part in out.glob("results/*/*.jsonl") for line in part.read_text().splitlines()]
+    records = result_records(out)
     assert Counter(r["key"] for r in records) == Counter(f"{i:02d}.png" for i in range(12))  # none twice
     assert sorted(s["processed"] for s in summaries) == [0, 12]  # the second found it all done
 

@@ -23,9 +23,12 @@ from vlm_caption.tasks.sources.items import ObjectRef, Shard, WorkItem
 from vlm_caption.tasks.sources.storage import LocalStorage, open_storage
 from tests.images import image_bytes
 from tests.processes import idle_partition_deployment as create_idle_partition_deployment
+from tests.result_files import records as _records, s3_records
 
 FP = "d" * 16
-_write = getattr(write_shard, "fn", write_shard)  # a Prefect task before the pipeline's steps were plain functions
+def _write(out, fingerprint: str, parts_id: str, shard: int, records: list) -> str | None:
+    """A shard's part, as a run of the job with source `src/` writes it."""
+    return write_shard(out, fingerprint, parts_id, shard, records, "src/")
 IDLE_POOL = "no-workers-for-dedup"
 
 
@@ -39,11 +42,6 @@ def _record(key: str, data: bytes, question: str = "q", text: str = "a caption",
                         recipe="llava", model="m", question=question, prompt=None, text=text, finish_reason="stop",
                         output_tokens=7, error=error, duplicate_of=duplicate_of, timings={}, fingerprint=FP,
                         run_id="r1")
-
-
-def _records(output: Path) -> list[dict]:
-    return [json.loads(line) for part in sorted((output / "results").rglob("*.jsonl"))
-            for line in part.read_text().splitlines() if line]
 
 
 def _pictures(count: int) -> dict[str, bytes]:
@@ -310,9 +308,7 @@ def test_on_s3_a_rerun_does_not_even_download_copies_whose_etag_is_their_md5(pre
     assert state.is_completed(), state.message
     assert any(key.startswith("captions/") for key in fetched)  # the count sees the run's reads (its done-index)
     assert engine_requests == [] and not [key for key in fetched if key.startswith("images/")]
-    pages = s3_client.list_objects_v2(Bucket="dedup", Prefix="captions/results/")["Contents"]
-    records = {r["key"]: r for page in pages if page["Key"].endswith(".jsonl")
-               for r in map(json.loads, s3_client.get_object(Bucket="dedup", Key=page["Key"])["Body"].read().splitlines())}
+    records = {r["key"]: r for r in s3_records(s3_client, "dedup", "captions/")}
     for name, original in copies.items():
         assert records[name]["duplicate_of"] == original and records[name]["text"] == records[original]["text"]
         assert records[name]["sha256"] == sha256_hex(originals[original])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vlm_caption.flows import cli
 from tests.pages import gallery_items
+from tests.result_files import records as result_records
 from tests.terminal_io import assert_quiet_terminal
 
 # Two processes that spin for at most 15 minutes: the 2-core machine is busy while the
@@ -62,15 +63,14 @@ def test_demo_first_run_on_a_busy_machine_with_a_fresh_prefect_home(tmp_path):
                                        (tmp_path / "demo.err").read_text())
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RANDOM-WEIGHT" in done.stdout and "CAPTIONS ARE NOISE" in done.stdout
-    results = tmp_path / "demo" / "captions" / "results"
-    parts = list(results.glob("*/*.jsonl"))
-    records = [json.loads(line) for part in parts for line in part.read_text().splitlines()]
+    results = tmp_path / "demo" / "captions" / "parquet"
+    records = result_records(tmp_path / "demo" / "captions")
     assert sorted(r["key"] for r in records) == ["sample-00.jpg", "sample-01.png", "sample-02.webp"]
     assert all(r["error"] is None and r["output_tokens"] > 0 for r in records)
     # The summary after "run finished": where the images came from, where the results are, once each.
     end = done.stdout[done.stdout.index("vlm-caption: run finished"):]
     assert f"  source   {tmp_path / 'demo' / 'images'}\n" in end and f"  results  {results}/" in end, end
-    assert "results/results" not in done.stdout and "images:" not in done.stdout
+    assert "parquet/parquet" not in done.stdout and "images:" not in done.stdout
     # Through a pipe (CI, `| tee`): plain progress lines and the summary; the rest in the log file.
     assert "vlm-caption: 3/3 items" in done.stderr
     assert "s  starting Prefect" in done.stderr and "s  building the engine" in done.stderr, done.stderr  # as `run`

@@ -22,6 +22,7 @@ import pytest
 
 from tests.images import image_bytes
 from tests.postgres import BUCKET, FINAL, _descendants
+from tests.result_files import s3_records
 
 pytestmark = pytest.mark.timeout(1500)  # a hung worker must fail the test, not stall CI
 
@@ -47,15 +48,9 @@ def upload(s3_client, prefix: str, count: int) -> set[str]:
     return keys
 
 
-def records_under(s3_client, prefix: str) -> list[dict]:
-    records = []
-    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    for page in pages:
-        for obj in page.get("Contents", []):
-            if obj["Key"].endswith(".jsonl"):
-                body = s3_client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read().decode()
-                records += [json.loads(line) for line in body.splitlines() if line.strip()]
-    return records
+def records_under(s3_client, out: str) -> list[dict]:
+    """The records of the output `s3://BUCKET/out`: its view files and the parts not folded yet."""
+    return s3_records(s3_client, BUCKET, out)
 
 
 def manifests(s3_client) -> dict[str, dict]:
@@ -89,7 +84,7 @@ def test_prod_deployment_fans_out_over_two_workers(stack, s3_client, tiny_llava)
     children = [run for run in stack.runs_of("vlm-caption/partition")]
     assert [child["state_type"] for child in children] == ["COMPLETED"]
 
-    records = records_under(s3_client, "captions/results/")
+    records = records_under(s3_client, "captions/")
     assert Counter(r["key"] for r in records) == Counter(keys)  # every object once, none twice
     assert {r["key"] for r in records if r["error"]} == {"broken.jpg"}
     # The partitions shared the 7 shards by claims: each shard once (a child that starts late,
@@ -136,7 +131,7 @@ def test_rerun_after_a_worker_dies_completes_without_duplicates(stack, s3_client
     deadline = time.time() + 600
     while time.time() < deadline:
         first = stack.flow_run(first_id)
-        done = [r for r in records_under(s3_client, "captions/results/") if r["key"] in keys]
+        done = [r for r in records_under(s3_client, "captions/") if r["key"] in keys]
         if first["state_type"] == "RUNNING" and any(r["run_id"].endswith("-p0") for r in done):
             break
         assert first["state_type"] not in FINAL, "the run ended before the worker could be killed"
@@ -144,7 +139,7 @@ def test_rerun_after_a_worker_dies_completes_without_duplicates(stack, s3_client
     flow_pid = int(first["infrastructure_pid"].rsplit(":", 1)[-1])  # "pid" or "host:pid"
     worker = next(name for name, proc in stack.workers.items() if flow_pid in _descendants(proc.pid))
     stack.kill_worker(worker)
-    partial = {r["key"] for r in records_under(s3_client, "captions/results/") if r["key"] in keys}
+    partial = {r["key"] for r in records_under(s3_client, "captions/") if r["key"] in keys}
     assert partial < keys  # killed mid-run: some of the job is left
 
     # The orphaned child keeps going on the other worker; a replacement worker comes up and the
@@ -156,7 +151,7 @@ def test_rerun_after_a_worker_dies_completes_without_duplicates(stack, s3_client
     assert rerun["state_type"] == "COMPLETED", (stack.root / "server.log").read_text()[-3000:]
     assert stack.flow_run(orphan["id"])["state_type"] == "COMPLETED"
 
-    records = [r for r in records_under(s3_client, "captions/results/") if r["key"] in keys]
+    records = [r for r in records_under(s3_client, "captions/") if r["key"] in keys]
     assert Counter(r["key"] for r in records) == Counter(keys)  # all done, nothing twice
     # The orphan finished the killed parent's claimed shards itself (their heartbeat went still).
     reports = s3_client.list_objects_v2(Bucket=BUCKET, Prefix=f"captions/partitions/{first_id[:8]}")["Contents"]
@@ -184,7 +179,7 @@ def test_dev_deployment_runs_video_from_its_form(stack, s3_client, checkpoints_r
     run = stack.wait_for(stack.run_deployment("vlm-caption/dev", job))
     logs = "\n".join((stack.root / f"worker-{name}.log").read_text()[-3000:] for name in stack.workers)
     assert run["state_type"] == "COMPLETED", logs
-    records = records_under(s3_client, "dev-video/results/")
+    records = records_under(s3_client, "dev-video/")
     assert Counter((r["key"], r["question"]) for r in records) == Counter(
         {(f"c{i}.mp4", q): 1 for i in range(2) for q in job["questions"]})
     assert all(r["error"] is None and r["video"]["frames"] == 4 for r in records)

@@ -19,8 +19,10 @@ import pytest
 
 from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
+from vlm_caption.tasks.results.layout import part_run
 from vlm_caption.tasks.results.writers import DiskFullError
 from tests.images import image_bytes
+from tests.result_files import records as result_records
 
 COUNT = 24
 ROOM = 24 * 1024  # what the filler leaves free: a few parts (each takes a 4 KiB page; the run's empty mark none)
@@ -45,14 +47,10 @@ def _fill(disk: Path, leave: int) -> Path:
     return filler
 
 
-def _parts(out: Path) -> dict[Path, list[dict]]:
-    """Every results part on the disk, each parsed line by line (a cut-off line fails here)."""
-    parts = {}
-    for path in sorted(out.glob("results/*/part-*.jsonl")):
-        data = path.read_bytes()
-        assert data.endswith(b"\n"), f"{path} is cut short"
-        parts[path] = [json.loads(line) for line in data.decode().splitlines()]
-    return parts
+def _parts(out: Path) -> dict[Path, int]:
+    """Every results part on the disk not folded into the view yet, with its rows (a part cut
+    short fails to read here)."""
+    return {path: pq.read_table(path).num_rows for path in sorted(out.glob("parquet/*/part-*.parquet"))}
 
 
 def test_a_full_disk_stops_the_run_and_a_rerun_completes(prefect_api, tiny_llava, tmp_path, small_disk):
@@ -76,35 +74,33 @@ def test_a_full_disk_stops_the_run_and_a_rerun_completes(prefect_api, tiny_llava
     partial = _parts(out)
     assert 0 < len(partial) < COUNT // 2, "the disk never filled (lower ROOM) or filled at once (raise it)"
     assert not [p for p in out.rglob(".*")], "a temporary file was left behind"
-    # Beside the parts, only the run's mark that the Parquet view owes it a file (it stopped before
-    # writing one): no sidecar, no index, no stamp; and no view file.
-    (fingerprint,) = {part.parent.name for part in partial}
-    owed = out / "results" / fingerprint / "view-owed"
-    files = {path.relative_to(out) for path in (out / "results").rglob("*") if path.is_file()}
-    assert files == {part.relative_to(out) for part in partial} | {path.relative_to(out) for path in owed.iterdir()}, files
-    (stopped_run,) = [mark.name for mark in owed.iterdir()]
+    # Only the parts (the run stopped before folding them into its view file): no sidecar, no
+    # index, no stamp; and no view file.
+    assert len({part.parent.name for part in partial}) == 1  # one fingerprint
+    files = {path.relative_to(out) for path in (out / "parquet").rglob("*") if path.is_file()}
+    assert files == {part.relative_to(out) for part in partial}, files
+    (stopped_run,) = {part_run(part.name) for part in partial}
     assert not list(out.glob("parquet/*.parquet"))
-    done_before = sum(len(records) for records in partial.values())
+    done_before = sum(partial.values())
 
     filler.unlink()  # space is freed
     summary = vlm_caption(job)
-    records = [r for records in _parts(out).values() for r in records]
+    records = result_records(out)
     assert Counter(r["key"] for r in records) == Counter(list(hashes))  # every item once: none lost, none twice
     assert all(r["error"] is None and r["sha256"] == hashes[r["key"]] for r in records)
     assert summary["skipped_already_done"] == done_before and summary["failed"] == 0, summary
-    # The rerun added the stopped run's view file (from its parts), then its own: the view owes nothing
-    # and holds every item once, and the rerun's manifest says so.
-    assert not list(owed.iterdir()), list(owed.iterdir())
+    # The rerun added the stopped run's view file (from its parts), then its own: no part is left
+    # unfolded and the view holds every item once, and the rerun's manifest says so.
+    assert not _parts(out), _parts(out)
     view = [key for path in sorted(out.glob("parquet/*.parquet")) for key in pq.read_table(path).column("key").to_pylist()]
     assert sorted(view) == sorted(hashes), view
     parquet = json.loads((out / "manifests" / f"{summary['run_id']}.json").read_text())["parquet"]
     assert parquet["complete"] and set(parquet["repaired"]) == {stopped_run}, parquet
 
 
-def test_a_full_disk_at_the_runs_first_mark_is_the_same_clear_error(tmp_path):
-    """Before its first part a run leaves its mark that the Parquet view owes it a file; a disk
-    with no room for even that (no inode left, a quota) stops the run with the same DiskFullError,
-    naming the mark, and nothing of the shard is written."""
+def test_a_full_disk_at_a_part_is_one_clear_error_and_leaves_nothing(tmp_path):
+    """A disk with no room for a shard's part (no inode left, a quota) stops the run with one
+    DiskFullError naming the part and saying what to do, and nothing of the shard is written."""
     import errno
 
     from vlm_caption.tasks.records import ResultRecord
@@ -112,17 +108,14 @@ def test_a_full_disk_at_the_runs_first_mark_is_the_same_clear_error(tmp_path):
     from vlm_caption.tasks.sources.storage import open_storage
 
     out = open_storage(str(tmp_path / "out"), create=True)
-    real_write = out.write
 
     def write(key: str, data: bytes) -> None:
-        if "/view-owed/" in key:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(key, data)
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
 
     out.write = write
     record = ResultRecord(key="a.jpg", size=1, etag="e", sha256=None, recipe="r", model="m", prompt=None,
                           text="a cat", finish_reason="stop", timings={}, fingerprint="f" * 16, run_id="run-full")
     with pytest.raises(DiskFullError) as stopped:
-        write_shard(out, "f" * 16, "run-full", 0, [record])
-    assert "view-owed/run-full" in str(stopped.value) and "run the same job again" in str(stopped.value)
+        write_shard(out, "f" * 16, "run-full", 0, [record], "photos/")
+    assert "part-run-full-00000.parquet" in str(stopped.value) and "run the same job again" in str(stopped.value)
     assert not [path for path in (tmp_path / "out").rglob("*") if path.is_file()]

@@ -1,26 +1,27 @@
-"""The done-index: a load reads the Parquet view's hash columns (`done_key`, `listed_hash`,
-`content_hash`) and parses only the parts of the runs the view still owes a file
-(`results/<fp>/view-owed/<run>`), or every part where the view holds nothing of the fingerprint.
-A part that cannot be read is skipped and named; one whose read fails for a moment is read
-again, never skipped. The owed marks are listed before the view files (a run writes its file,
-then removes its mark). A view file written before the hash columns existed gives the same rows.
-An earlier answer is read back from a view row. 100k earlier results in a view file load fast in
-bounded memory (the production target is 1M in < 10 s and < 500 MB: tests/done_index_scale.py)."""
+"""The done-index: a load lists the Parquet view once and reads the hash columns (`done_key`,
+`listed_hash`, `content_hash`) of its files and of the parts of runs not folded into them yet (a
+killed run's, a running one's: under `parquet/<fp>/`); a part's retryable failures are not done.
+A file that cannot be read is skipped and named; one whose read fails for a moment is read again,
+never skipped. A run's fold leaves every result in the view at each of its steps (a load between
+them finds each result once or twice, never not at all). A view file written before the hash
+columns existed gives the same rows. An earlier answer is read back from a view row. 100k earlier
+results in a view file load fast in bounded memory (the production target is 1M in < 10 s and
+< 500 MB: tests/done_index_scale.py)."""
 
 from __future__ import annotations
 
 import time
 import tracemalloc
 
+import numpy as np
 import pytest
 
 from vlm_caption.tasks.records import ResultRecord
-from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index
+from vlm_caption.tasks.results.done_index import DoneIndex, load_done_index, read_done_index
 from vlm_caption.tasks.results.done_rows import ROW, load_rows
-from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, VIEW_HASHES, part_key, part_prefix,
-                                              results_prefix, run_parquet_key, view_owed_key, view_owed_prefix)
+from vlm_caption.tasks.results.layout import PARQUET_VIEW_PREFIX, VIEW_HASHES, part_key, parts_prefix, run_parquet_key
 from vlm_caption.tasks.results.parquet import view_row, write_rows
-from vlm_caption.tasks.results.parquet_view import add_run, export_after_run
+from vlm_caption.tasks.results.parquet_view import export_after_run, fold_run, parts_by_run
 from vlm_caption.tasks.results.writers import write_shard
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from vlm_caption.tasks.sources.storage import Storage, open_storage
@@ -28,6 +29,7 @@ from tests.recording_storage import RecordingStorage
 
 FP = "f" * 16
 RUN1, RUN2 = "aaaa0000-20260101T000000", "bbbb0000-20260102T000000"
+SOURCE = "s3://media/photos/"
 
 
 def _out(folder) -> Storage:
@@ -56,98 +58,106 @@ def _done(index: DoneIndex, *numbers: int) -> bool:
 
 
 def _parts_read(watched: RecordingStorage) -> list[str]:
-    return sorted({key for key in watched.reads if key.endswith(".jsonl")})
+    return sorted({key for key in watched.reads if key.startswith(parts_prefix(FP))})
 
 
-def test_the_parts_of_a_run_the_view_owes_a_file_are_parsed(tmp_path):
+def _fold(out: Storage, run: str, fingerprint: str = FP) -> dict:
+    """What a run's end does with `run`'s parts."""
+    return fold_run(out, fingerprint, run, parts_by_run(out, fingerprint)[run], read_done_index(out, fingerprint))
+
+
+def test_the_parts_of_a_run_not_folded_yet_are_read(tmp_path):
     out = _out(tmp_path / "out")
     retryable = {"kind": "fetch", "message": "timeout", "retryable": True}
-    write_shard(out, FP, RUN1, 0, [_record(0), _record(1), _record(2, error=retryable)])
-    write_shard(out, FP, RUN1, 1, [_record(3), _record(3, question="other")])
-    assert out.exists(view_owed_key(FP, RUN1)) and not list(out.iter_objects(prefix=PARQUET_VIEW_PREFIX))
+    write_shard(out, FP, RUN1, 0, [_record(0), _record(1), _record(2, error=retryable)], SOURCE)
+    write_shard(out, FP, RUN1, 1, [_record(3), _record(3, question="other")], SOURCE)
+    assert not [ref for ref in out.iter_objects(prefix=PARQUET_VIEW_PREFIX) if ref.key.count("/") == 1]
 
-    done, watched = _load(out)
-    assert _parts_read(watched) == [part_key(FP, RUN1, 0), part_key(FP, RUN1, 1)]
+    loaded = load_rows(out, FP)
+    assert sorted(s.key for s in loaded.sources) == [part_key(FP, RUN1, 0), part_key(FP, RUN1, 1)]
+    done = DoneIndex(loaded.sources, out)
     assert len(done) == 4  # final records only
     assert done.pending_by_listing(_item(0), ("q", "new")) == ("new",)
     assert done.pending_by_listing(_item(2), ("q",)) == ("q",)  # a retryable failure is not done
     assert done.pending_by_listing(_item(0, etag="changed"), ("q",)) == ("q",)
     assert done.pending_by_content(_item(0).id, f"{0:064x}", ("q",)) == ()
     assert done.pending_by_listing(_item(3), ("q", "other")) == ()
+    assert done.earlier_answer("q", sha256=f"{1:064x}").text == "caption 1"  # read back from a part
 
-    # A part that cannot be read is skipped, named: its items are computed again.
-    out.write(part_key(FP, RUN1, 2), b"\xff\xfe not text")
+    # A file that cannot be read is skipped, named: its items are computed again.
+    out.write(part_key(FP, RUN1, 2), b"\xff\xfe not parquet")
     loaded = load_rows(out, FP)
     assert loaded.unreadable == [part_key(FP, RUN1, 2)] and sum(len(s.rows) for s in loaded.sources) == 4
 
 
 @pytest.mark.parametrize("where", ["folder", "s3"])
-def test_once_a_runs_view_file_is_written_a_load_reads_its_columns_and_no_part(tmp_path, where, request):
+def test_once_a_run_is_folded_a_load_lists_the_view_once_and_reads_its_file(tmp_path, where, request):
     if where == "s3":
         request.getfixturevalue("s3_client").create_bucket(Bucket="view")
         out = open_storage("s3://view/out/")
     else:
         out = _out(tmp_path / "out")
-    parts = [write_shard(out, FP, RUN1, shard, [_record(2 * shard), _record(2 * shard + 1)]) for shard in range(3)]
-    export_after_run.fn(out, out.uri, FP, RUN1, parts)
-    assert out.exists(run_parquet_key(RUN1)) and not out.exists(view_owed_key(FP, RUN1))
+    for shard in range(3):
+        write_shard(out, FP, RUN1, shard, [_record(2 * shard), _record(2 * shard + 1)], SOURCE)
+    export_after_run.fn(out, out.uri, FP, RUN1)
+    assert out.exists(run_parquet_key(RUN1)) and parts_by_run(out, FP) == {}
 
-    done, watched = _load(out)  # a night with nothing new: the marks, the view files, their columns
+    done, watched = _load(out)  # a night with nothing new: one listing, the view file's columns
     assert len(done) == 6 and _done(done, 0, 5)
-    assert watched.listed == [view_owed_prefix(FP), PARQUET_VIEW_PREFIX]
-    assert set(watched.reads) == {run_parquet_key(RUN1)}
+    assert watched.listed == [PARQUET_VIEW_PREFIX]
+    assert set(watched.reads) <= {run_parquet_key(RUN1)}  # (a folder's file is opened, not read)
 
-    # A run that wrote since and has no view file yet: its parts are parsed, no other.
-    write_shard(out, FP, RUN2, 0, [_record(100)])
+    # A run that wrote since and is not folded yet: its parts are read too.
+    write_shard(out, FP, RUN2, 0, [_record(100)], SOURCE)
     done, watched = _load(out)
     assert len(done) == 7 and _done(done, 0, 5, 100)
-    assert part_prefix(FP, RUN2) in watched.listed and results_prefix(FP) not in watched.listed
-    assert _parts_read(watched) == [part_key(FP, RUN2, 0)]
+    assert watched.listed == [PARQUET_VIEW_PREFIX]
 
 
-def test_with_no_view_file_of_the_fingerprint_every_part_is_parsed(tmp_path):
-    out = _out(tmp_path / "out")
-    parts = [write_shard(out, FP, RUN1, shard, [_record(shard)]) for shard in range(3)]
-    add_run(out, FP, RUN1, parts, earlier=DoneIndex())
-    other = "e" * 16  # another job's view file: no row of FP
-    add_run(out, other, RUN2, [write_shard(out, other, RUN2, 0, [_record(9, fingerprint=other)])],
-            earlier=DoneIndex())
-    out.delete(run_parquet_key(RUN1))  # deleted by hand; no mark says a run is owed
+class LoadsAtEachStep:
+    """The output, where a load runs after each write and each delete: what a reader of the view
+    (or the next run's start) finds at every step of a fold."""
 
-    done, watched = _load(out)
-    assert len(done) == 3 and _done(done, 0, 1, 2) and not _done(done, 9)
-    assert results_prefix(FP) in watched.listed
-    assert _parts_read(watched) == [part_key(FP, RUN1, shard) for shard in range(3)]
-
-
-class RunEndsBetweenListings:
-    """The output, where run RUN2 writes its view file and removes its mark right after the
-    load's first listing of the marks or of the view files, before the other."""
-
-    def __init__(self, inner: Storage, parts: list[str]):
-        self.inner, self.parts, self.ended = inner, parts, False
+    def __init__(self, inner: Storage):
+        self.inner, self.found = inner, []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def iter_objects(self, glob=None, prefix="", start_after=""):
-        listed = list(self.inner.iter_objects(glob, prefix, start_after))
-        if prefix in (view_owed_prefix(FP), PARQUET_VIEW_PREFIX) and not self.ended:
-            self.ended = True
-            add_run(self.inner, FP, RUN2, self.parts, earlier=DoneIndex())
-        return iter(listed)
+    def _look(self):
+        self.found.append(np.unique(DoneIndex(load_rows(self.inner, FP).sources)._table["key"]).size)
+
+    def write(self, key, data):
+        self.inner.write(key, data)
+        self._look()
+
+    def delete(self, key):
+        self.inner.delete(key)
+        self._look()
 
 
-def test_the_owed_marks_are_listed_before_the_view_files(tmp_path):
-    """Listed the other way round, the run's file would be missed and then its mark: its
-    results would count as not done."""
+def test_a_fold_leaves_every_result_in_the_view_at_each_step_and_folded_again_gives_the_same(tmp_path):
+    """Killed between any two steps of its fold (its file written, an older file rewritten, a
+    part deleted), a run leaves each result in the view, at worst twice; the next run folds what
+    is left, and the view holds each result once, the latest."""
     out = _out(tmp_path / "out")
-    add_run(out, FP, RUN1, [write_shard(out, FP, RUN1, 0, [_record(0)])], earlier=DoneIndex())
-    parts = [write_shard(out, FP, RUN2, 0, [_record(1)])]
-    racing = RunEndsBetweenListings(out, parts)
-    done = load_done_index.fn(racing, FP)
-    assert racing.ended and not out.exists(view_owed_key(FP, RUN2)) and out.exists(run_parquet_key(RUN2))
-    assert _done(done, 0, 1)
+    write_shard(out, FP, RUN1, 0, [_record(0), _record(1)], SOURCE)
+    _fold(out, RUN1)
+    again = ResultRecord(**{**_record(1).model_dump(), "etag": "re-uploaded", "text": "again"})
+    for shard, records in enumerate([[again], [_record(2)], [_record(3)]]):
+        write_shard(out, FP, RUN2, shard, records, SOURCE)
+    watched = LoadsAtEachStep(out)
+    fold_run(watched, FP, RUN2, parts_by_run(out, FP)[RUN2], read_done_index(out, FP))
+    assert len(watched.found) == 5 and set(watched.found) == {4}  # its file, RUN1's rewritten, 3 parts gone
+
+    # The same parts left again (killed before their delete): the next run folds them once more.
+    for shard, records in enumerate([[again], [_record(2)], [_record(3)]]):
+        write_shard(out, FP, RUN2, shard, records, SOURCE)
+    report = export_after_run.fn(out, out.uri, FP, "cccc0000-20260103T000000")
+    assert report["complete"] and report["repaired"][RUN2]["rows"] == 3 and parts_by_run(out, FP) == {}
+    rows = [row for s in load_rows(out, FP).sources for row in s.rows["key"].tolist()]
+    assert len(rows) == len(set(rows)) == 4
+    assert read_done_index(out, FP).earlier_answer("q", sha256=f"{1:064x}").text == "again"
 
 
 def test_a_view_file_without_the_hash_columns_gives_the_same_rows(tmp_path):
@@ -158,11 +168,12 @@ def test_a_view_file_without_the_hash_columns_gives_the_same_rows(tmp_path):
     group = ResultRecord(**{**_record(7).model_dump(), "sha256": None, "members": [
         {"key": "g/a.jpg", "size": 3, "etag": "ea"}, {"key": "g/b.jpg", "size": 4, "etag": "eb"}]})
     records = [_record(0), _record(1, question=None), _record(2, error={"kind": "decode", "message": "bad"}), group]
-    add_run(out, FP, RUN1, [write_shard(out, FP, RUN1, 0, records)], earlier=DoneIndex())
+    write_shard(out, FP, RUN1, 0, records, SOURCE)
+    _fold(out, RUN1)
     hashed = load_rows(out, FP).sources
 
     table = pq.read_table(tmp_path / "out" / run_parquet_key(RUN1))
-    older = table.drop_columns(list(VIEW_HASHES))
+    older = table.drop_columns(list(VIEW_HASHES) + ["error_retryable"])
     assert not set(VIEW_HASHES) & set(older.column_names)
     out.write(run_parquet_key(RUN1), _parquet_bytes(pa, pq, older))
     computed = load_rows(out, FP).sources
@@ -176,25 +187,26 @@ def _parquet_bytes(pa, pq, table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def test_a_part_whose_read_fails_for_a_moment_is_read_again_never_skipped(tmp_path, monkeypatch):
-    """A part of a run the view owes a file is parsed; a read of it that fails transiently (a
-    body cut short, a timeout) is tried again, and one that keeps failing fails the load (retried
-    as a task) instead of leaving the part's results out, which a run would compute and write twice."""
+def test_a_file_whose_read_fails_for_a_moment_is_read_again_never_skipped(tmp_path, monkeypatch):
+    """A read of a part (or a view file) that fails transiently (a body cut short, a timeout) is
+    tried again, and one that keeps failing fails the load (retried as a task) instead of leaving
+    the file's results out, which a run would compute and write twice."""
+    import vlm_caption.tasks.results.done_rows as done_rows
     import vlm_caption.tasks.sources.s3_client as transient
     from vlm_caption.tasks.sources.storage import ShortBodyError
 
     monkeypatch.setattr(transient, "PAUSE_S", 0.01)
     out = _out(tmp_path / "out")
-    write_shard(out, FP, RUN1, 0, [_record(0), _record(1)])
-    read, failures = out.read, [0]
+    write_shard(out, FP, RUN1, 0, [_record(0), _record(1)], SOURCE)
+    opened, failures = done_rows.open_seekable, [0]
 
-    def flaky(key: str) -> bytes:
-        if key.endswith(".jsonl") and failures[0] > 0:
+    def flaky(storage, key, size):
+        if failures[0] > 0:
             failures[0] -= 1
             raise ShortBodyError(f"{key}: 10 of 900 bytes")
-        return read(key)
+        return opened(storage, key, size)
 
-    monkeypatch.setattr(out, "read", flaky)
+    monkeypatch.setattr(done_rows, "open_seekable", flaky)
     failures[0] = 2  # fails twice, then answers
     assert _done(load_done_index.fn(out, FP), 0, 1) and failures[0] == 0
     failures[0] = 99  # keeps failing: the load fails rather than forget the part
@@ -209,7 +221,8 @@ def test_an_earlier_answer_is_read_back_from_a_view_row(tmp_path):
     mine = [_record(i) for i in range(6)]
     mixed = [r for i, record in enumerate(mine[:5]) for r in (_record(50 + i, fingerprint=other), record)]
     write_rows(out, run_parquet_key(RUN1), [_view_rows(mixed)], row_group_rows=3)
-    add_run(out, FP, RUN2, [write_shard(out, FP, RUN2, 0, mine[5:])], earlier=DoneIndex())
+    write_shard(out, FP, RUN2, 0, mine[5:], SOURCE)
+    _fold(out, RUN2)
     done, watched = _load(out)
     assert len(done) == 6
     for original in mine:
@@ -217,23 +230,23 @@ def test_an_earlier_answer_is_read_back_from_a_view_row(tmp_path):
         assert (found.key, found.text, found.finish_reason, found.question) == (
             original.key, original.text, original.finish_reason, original.question)
     assert done.earlier_answer("other question", sha256=mine[0].sha256) is None
-    assert not _parts_read(watched) and set(watched.reads) == {run_parquet_key(RUN1), run_parquet_key(RUN2)}
+    assert not _parts_read(watched)
 
 
 @pytest.mark.parametrize("where", ["folder", "s3"])
 def test_a_listing_under_a_prefix_that_ends_inside_a_name(tmp_path, where, request):
-    """What a load lists an owed run's parts with (`part_prefix`): its parts and its partitions',
-    not another run's whose id begins with it; the same on a folder and on S3."""
+    """What a fold lists a run's parts with (`part_prefix`): its parts and its partitions', not
+    another run's whose id begins with it; the same on a folder and on S3."""
     if where == "s3":
         request.getfixturevalue("s3_client").create_bucket(Bucket="prefix")
         store = open_storage("s3://prefix/out/")
     else:
         store = _out(tmp_path / "out")
-    for key in ["r/view-owed/x", "r/part-x-00000.jsonl", "r/part-x-p0-00000.jsonl", "r/part-xy-00000.jsonl"]:
+    for key in ["r/part-x-00000.parquet", "r/part-x-p0-00000.parquet", "r/part-xy-00000.parquet"]:
         store.write(key, b"1")
     keys = lambda prefix: [ref.key for ref in store.iter_objects(prefix=prefix)]  # noqa: E731
-    assert keys("r/part-x-") == ["r/part-x-00000.jsonl", "r/part-x-p0-00000.jsonl"]
-    assert keys("r/view-owed/") == ["r/view-owed/x"] and keys("r/nothing-") == []
+    assert keys("r/part-x-") == ["r/part-x-00000.parquet", "r/part-x-p0-00000.parquet"]
+    assert keys("r/nothing-") == []
 
 
 def test_an_empty_index_has_everything_pending():
@@ -243,7 +256,7 @@ def test_an_empty_index_has_everything_pending():
 
 
 def _view_rows(records: list[ResultRecord]) -> list[dict]:
-    """The records' view rows, as `add_run` writes them."""
+    """The records' view rows, as `fold_run` writes them."""
     return [view_row(record, None) for record in records]
 
 

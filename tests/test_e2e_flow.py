@@ -8,6 +8,7 @@ from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
 from tests.images import corrupt_jpeg, image_bytes
 from tests.pages import gallery_items
+from tests.result_files import s3_records
 
 
 BUCKET = "media"
@@ -27,14 +28,9 @@ def _upload_images(s3_client) -> dict[str, bytes]:
     return objects
 
 
-def _records(s3_client, prefix: str) -> list[dict]:
-    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
-    records = []
-    for key in sorted(k for k in keys if k.endswith(".jsonl")):
-        body = s3_client.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
-        records += [json.loads(line) for line in body.splitlines() if line]
-    return records
+def _records(s3_client, keys: list[str] | None = None) -> list[dict]:
+    """The output's records (its view's files and any part not folded), or those of the files `keys`."""
+    return s3_records(s3_client, BUCKET, "captions/", keys)
 
 
 def _count_s3_clients(monkeypatch) -> list:
@@ -66,7 +62,7 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
     state = vlm_caption(job, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    records = _records(s3_client, "captions/results/")
+    records = _records(s3_client)
 
     # One record per object, each with its content hash and a caption or an error.
     assert sorted(r["key"] for r in records) == sorted(k.removeprefix("images/") for k in objects)
@@ -141,13 +137,13 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
         assert sum(int(line.split(" items=")[1].split()[0]) for line in batch_lines) == 20
 
     # One S3 client for the whole run (source and output share it): the listing, 4 shards'
-    # fetches, the view-owed mark and parts, the done-index, two manifest writes, the export, the gallery.
+    # fetches, the parts, the done-index, two manifest writes, the export, the gallery.
     assert len(clients) == 1
 
     # Same parameters again: everything is already done; nothing recomputed or duplicated.
     again = vlm_caption(job)
     assert again["listed"] == 20 and again["skipped_already_done"] == 20 and again["processed"] == 0
-    assert len(_records(s3_client, "captions/results/")) == 20
+    assert len(_records(s3_client)) == 20
 
     # A new object is the only thing the next run computes.
     s3_client.put_object(Bucket=BUCKET, Key="images/new.png", Body=image_bytes("PNG", color=(1, 2, 3)))
@@ -160,62 +156,45 @@ def test_bucket_to_captions_and_rerun_recomputes_nothing(prefect_api, s3_client,
             any_=[third_state.state_details.flow_run_id])))
     assert not any(log.message.startswith("engine starting first") for log in logs)
     assert third["processed"] == 1 and third["succeeded"] == 1 and third["skipped_already_done"] == 20
-    assert len(_records(s3_client, "captions/results/")) == 21
+    assert len(_records(s3_client)) == 21
 
-    # A damaged results part (cut mid-line) of a run the Parquet view still owes a file (as a run
-    # killed before its Parquet step leaves it: its `view-owed` mark there, no view file; the
-    # done-index parses the parts of such a run only, the view's hash columns stand for the rest),
-    # and a foreign file and a binary file among that run's parts: each is skipped with a warning
-    # naming it, and only the lost items are computed again.
-    first_run, fingerprint = summary["run_id"], summary["fingerprint"]
-    s3_client.delete_object(Bucket=BUCKET, Key=f"captions/parquet/run-{first_run}.parquet")
-    s3_client.put_object(Bucket=BUCKET, Key=f"captions/results/{fingerprint}/view-owed/{first_run}", Body=b"")
-    prefix = f"captions/results/{fingerprint}/part-{first_run}-"
-    parts = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"])
-    assert len(parts) == 4, parts
-    damaged = parts[0]
-    body = s3_client.get_object(Bucket=BUCKET, Key=damaged)["Body"].read()
-    kept = body[: len(body) // 2]
-    s3_client.put_object(Bucket=BUCKET, Key=damaged, Body=kept)
-    s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}notes.jsonl", Body=b'{"hello": "not a record"}\nplain text\n')
-    s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}junk.jsonl", Body=b"\xff\xfe\x00binary")
-    whole_lines = kept.count(b"\n")
-    lost = body.count(b"\n") - whole_lines
-    fourth = vlm_caption(job)
-    assert fourth["processed"] == lost and fourth["succeeded"] + fourth["failed"] == lost
-    valid = []
-    for record in _records_lenient(s3_client, "captions/results/"):
-        valid.append(record["key"])
-    assert sorted(valid) == sorted([k.removeprefix("images/") for k in objects] + ["new.png"])  # each once
-    # The Parquet view, its files read as one: every result once, the first run's file added again
-    # (by the fourth run, from its parts: without the cut part's lost records, which the fourth
-    # run computed again and holds), and the view owes no run a file.
+    # A run killed before its fold leaves its parts in the view (here the first run's, made again
+    # from its view file, which goes): one of them cut short, a file that is not Parquet and a
+    # foreign file among them. The done-index reads the readable parts; each unreadable file is
+    # skipped with a warning naming it, and only the lost items are computed again. The next run
+    # folds the readable parts and names the others.
     import io
 
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    views = [o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix="captions/parquet/")["Contents"]]
-    view = pa.concat_tables(pq.read_table(io.BytesIO(s3_client.get_object(Bucket=BUCKET, Key=key)["Body"].read()))
-                            for key in views)
-    assert len(views) == 3 and sorted(view.column("key").to_pylist()) == sorted(valid)  # runs 1, 3 and 4 added some
-    assert f"captions/parquet/run-{first_run}.parquet" in views
-    assert not s3_client.list_objects_v2(Bucket=BUCKET, Prefix=f"captions/results/{fingerprint}/view-owed/").get("Contents")
+    first_run, fingerprint = summary["run_id"], summary["fingerprint"]
+    view_key = f"captions/parquet/run-{first_run}.parquet"
+    table = pq.read_table(io.BytesIO(s3_client.get_object(Bucket=BUCKET, Key=view_key)["Body"].read()))
+    s3_client.delete_object(Bucket=BUCKET, Key=view_key)
+    prefix = f"captions/parquet/{fingerprint}/part-{first_run}-"
+    for shard, start in enumerate(range(0, len(table), 6)):
+        sink = io.BytesIO()
+        pq.write_table(table.slice(start, 6), sink)
+        s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}{shard:05d}.parquet", Body=sink.getvalue())
+    damaged, junk = f"{prefix}00000.parquet", f"{prefix}00099.parquet"
+    body = s3_client.get_object(Bucket=BUCKET, Key=damaged)["Body"].read()
+    s3_client.put_object(Bucket=BUCKET, Key=damaged, Body=body[: len(body) // 2])
+    s3_client.put_object(Bucket=BUCKET, Key=junk, Body=b"\xff\xfe\x00binary")
+    s3_client.put_object(Bucket=BUCKET, Key=f"captions/parquet/{fingerprint}/notes.txt", Body=b"not a part")
+    lost = min(6, len(table))
+    fourth = vlm_caption(job)
+    assert fourth["processed"] == lost and fourth["succeeded"] + fourth["failed"] == lost
+    # The Parquet view's files, read as one: every result once (runs 1, 3 and 4 added some); the
+    # first run's file made again by the fourth run from its readable parts, which are gone.
+    views = [o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix="captions/parquet/")["Contents"]
+             if o["Key"].count("/") == 2]
+    valid = [record["key"] for record in _records(s3_client, views)]
+    assert sorted(valid) == sorted([k.removeprefix("images/") for k in objects] + ["new.png"])  # each once
+    assert len(views) == 3 and view_key in views
+    left = [o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix=f"captions/parquet/{fingerprint}/")
+            ["Contents"]]
+    assert sorted(left) == sorted([damaged, junk, f"captions/parquet/{fingerprint}/notes.txt"])
     ended = json.loads(s3_client.get_object(Bucket=BUCKET, Key=f"captions/manifests/{fourth['run_id']}.json")["Body"].read())
-    repaired = ended["parquet"]["repaired"][first_run]  # the cut part named; its whole lines are in the view
-    assert [part.rsplit("/", 1)[1] for part in repaired["damaged_parts"]] == [damaged.rsplit("/", 1)[1]], repaired
+    repaired = ended["parquet"]["repaired"][first_run]  # the unreadable files named
+    assert sorted(repaired["skipped"]) == sorted(f"s3://{BUCKET}/{key}" for key in (damaged, junk)), repaired
     assert len(clients) == 1  # four runs in this process, still the one client
-
-
-def _records_lenient(s3_client, prefix: str) -> list[dict]:
-    """The records a reader can parse (a damaged part's whole lines, none of the foreign files)."""
-    from vlm_caption.tasks.records import ResultRecord
-
-    found = []
-    for obj in s3_client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]:
-        for line in s3_client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read().split(b"\n"):
-            try:
-                found.append(ResultRecord.model_validate_json(line).model_dump())
-            except ValueError:
-                continue
-    return found

@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -19,6 +18,7 @@ from vlm_caption.flows.params import CaptionJob
 from vlm_caption.tasks.engine.vllm_engine import release_engines
 from tests.images import image_bytes
 from tests.processes import engine_core_pids
+from tests.result_files import records as _records
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,11 +35,6 @@ def engines_in_their_own_process():
         yield
         release_engines()
     vllm.envs.disable_envs_cache()
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for part in sorted(out.glob("results/*/*.jsonl"))
-            for line in part.read_text().splitlines() if line]
 
 
 def test_a_prompt_longer_than_the_context_fails_alone(prefect_api, tiny_llava, tmp_path):
@@ -70,7 +65,7 @@ def test_an_engine_killed_mid_run_is_replaced_and_nothing_is_duplicated(prefect_
     def kill_once_the_first_part_is_written():
         deadline = time.time() + 600
         while time.time() < deadline and not killed:
-            if list(out.glob("results/*/*.jsonl")):
+            if list(out.glob("parquet/*/part-*.parquet")):
                 for pid in engine_core_pids():
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)

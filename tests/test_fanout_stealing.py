@@ -15,6 +15,7 @@ from vlm_caption.flows.params import CaptionJob
 from vlm_caption.tasks.fanout import ChildRun, claim_unstarted
 from tests.images import image_bytes
 from tests.processes import idle_partition_deployment as create_idle_partition_deployment
+from tests.result_files import records as result_records
 
 
 
@@ -65,7 +66,7 @@ def test_fan_out_with_no_free_worker_completes(idle_partition_deployment, tiny_l
                      partition_deployment=idle_partition_deployment, sampling={"max_tokens": 4})
     summary = vlm_caption(job)
 
-    records = [json.loads(line) for part in out.glob("results/*/*.jsonl") for line in part.read_text().splitlines()]
+    records = result_records(out)
     assert Counter(r["key"] for r in records) == Counter(keys)  # every object once
     assert all(r["error"] is None for r in records)
     manifest = json.loads((out / "manifests" / f"{summary['run_id']}.json").read_text())
@@ -132,9 +133,9 @@ def test_the_manifest_counts_what_a_child_that_left_no_report_had_written(tmp_pa
                             fingerprint="fp", run_id=partition_parts_id("run1", 2))
 
     failed = {"kind": "decode", "message": "not an image", "retryable": False}
-    write_shard(out, "fp", partition_parts_id("run1", 2), 3, [record("c.jpg"), record("d.jpg", failed)],
-                     "claims/run1/000003.done")
-    write_shard(out, "fp", partition_parts_id("run1", 2), 5, [record("e.jpg"), record("f.jpg")])
+    write_shard(out, "fp", partition_parts_id("run1", 2), 3, [record("c.jpg"), record("d.jpg", failed)], "src/",
+                "claims/run1/000003.done")
+    write_shard(out, "fp", partition_parts_id("run1", 2), 5, [record("e.jpg"), record("f.jpg")], "src/")
     out.write("claims/run1/000005.r1", b"{}")
     monkeypatch.setattr(caption_flow, "wait_for_children", lambda children, run_here: {1: "COMPLETED", 2: "CRASHED"})
     monkeypatch.setattr(caption_flow, "read_partition_reports", read_partition_reports.fn)

@@ -84,8 +84,9 @@ def test_the_sample_is_drawn_from_the_runs_own_parts_never_the_history(tmp_path)
     from tests.test_parquet_view import Watched
 
     out = open_storage(str(tmp_path / "out"), create=True)
-    write_shard(out, "f", "old-run", 0, [record("old.jpg")])
-    mine = write_shard(out, "f", "this-run", 0, [record("new.jpg", question="q1"), record("new.jpg", question="q2")])
+    write_shard(out, "f", "old-run", 0, [record("old.jpg")], "src/")
+    mine = write_shard(out, "f", "this-run", 0, [record("new.jpg", question="q1"), record("new.jpg", question="q2")],
+                       "src/")
     assert [(r.key, r.question) for r in run_records(out, [mine])] == [("new.jpg", "q1"), ("new.jpg", "q2")]
     watched = Watched(out)
     assert list(run_records(watched, [])) == [] and watched.calls == []

@@ -28,6 +28,7 @@ from vlm_caption.tasks.sources.listing import iter_items
 from vlm_caption.tasks.sources.storage import LocalStorage
 from tests.images import image_bytes
 from tests.pages import gallery_items
+from tests.result_files import records as _local_records, s3_records
 
 ODD = os.fsdecode(b"odd \xff name x.jpg")  # as Python lists it: the byte 0xff as a lone surrogate
 NFC, NFD = unicodedata.normalize("NFC", "café.jpg"), unicodedata.normalize("NFD", "café.jpg")
@@ -122,11 +123,6 @@ def _files(root: Path, skip: Path | None = None) -> dict[str, tuple[int, int]]:
     return found
 
 
-def _local_records(out: Path) -> list[dict]:
-    return [json.loads(line) for part in sorted((out / "results").rglob("*.jsonl"))
-            for line in part.read_text(encoding="utf-8").splitlines() if line]
-
-
 def _view_keys(files: list[bytes]) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -212,9 +208,10 @@ def test_a_folder_of_hostile_names_and_links_is_captioned_or_recorded_item_by_it
         assert by_key[key]["sha256"] is None and by_key[key]["size"] == os.lstat(src / key).st_size
     assert summary["listed"] == len(expect) and summary["failed"] == 7
 
-    # Nothing of an outside target anywhere in the output (records, manifest, gallery, Parquet);
-    # nothing written outside the output.
-    written = b"".join(path.read_bytes() for path in out.rglob("*") if path.is_file())
+    # Nothing of an outside target anywhere in the output (records, manifest, gallery, Parquet: its
+    # records read back too, the files being compressed); nothing written outside the output.
+    written = b"".join(path.read_bytes() for path in out.rglob("*") if path.is_file()) + \
+        json.dumps(records, ensure_ascii=False).encode()
     assert SECRET.strip() not in written and b"SECRET-MARKER-65" not in written
     assert not [h for h in outside_hashes if h.encode() in written]
     assert _files(tmp_path, skip=out) == before
@@ -271,9 +268,7 @@ def test_a_bucket_of_hostile_keys_is_captioned_under_each_exact_key(prefect_api,
                 for page in pages for o in page.get("Contents", [])}
 
     written = objects("out/")
-    records = [json.loads(line) for key, body in sorted(written.items())
-               if key.startswith("out/results/") and key.endswith(".jsonl")
-               for line in body.decode().splitlines() if line]
+    records = s3_records(s3_client, bucket, "out/")
     assert sorted(r["key"] for r in records) == sorted(bodies)
     for record in records:
         assert record["error"] is None, (record["key"], record["error"])

@@ -7,16 +7,15 @@ One run per moment, on the embedded Prefect server and vLLM's engine process (th
 on any host), each recognised from what the terminal or the output shows: right after the log's line
 (vLLM importing), the phase line `building the engine` (the engine's share in this process, as
 Prefect's start begins), the phase line `starting Prefect` with Prefect's "Starting temporary server" in the log
-(its embedded server starting, the engine building beside it), the first part of the run (or the
-`view-owed` mark its writer leaves before it) appearing in the output (parts being written), and, on
-the next run (earlier results: Prefect started first, the engine at the first item with work),
-captions coming in (the engine generating); then a run to the end. And, without an engine, a main
-thread that does not let go of the Ctrl-C: the watchdog ends the run, or a second Ctrl-C at once.
+(its embedded server starting, the engine building beside it), the first part of the run appearing
+in the output (parts being written), and, on the next run (earlier results: Prefect started first,
+the engine at the first item with work), captions coming in (the engine generating); then a run to
+the end. And, without an engine, a main thread that does not let go of the Ctrl-C: the watchdog
+ends the run, or a second Ctrl-C at once.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -28,6 +27,7 @@ import psutil
 import pytest
 
 from vlm_caption.flows.demo import make_sample_images
+from tests.result_files import records as _records
 from tests.terminal_io import CTRL_C, Terminal
 
 EXE = str(Path(sys.executable).with_name("vlm-caption"))
@@ -55,14 +55,14 @@ def _captioning(terminal: Terminal, out: Path, before: set[Path]) -> bool:
 
 
 def _files(out: Path) -> set[Path]:
-    """Every file under the output's results/: parts, `view-owed` marks, staged files."""
-    return {path for path in (out / "results").rglob("*") if path.is_file()} if (out / "results").exists() else set()
+    """Every file under the output's parquet/: view files, parts, staged files."""
+    return {path for path in (out / "parquet").rglob("*") if path.is_file()} if (out / "parquet").exists() else set()
 
 
 def _writing(terminal: Terminal, out: Path, before: set[Path]) -> bool:
-    """The run's first part, or the `view-owed` mark its writer leaves before it, is in the output
-    (or being staged there): parts are being written."""
-    return any(".jsonl" in path.name or path.parent.name == "view-owed" for path in _files(out) - before)
+    """The run's first part is in the output (or being staged there, `.part-….parquet.<tmp>`):
+    parts are being written."""
+    return any("part-" in path.name and ".parquet" in path.name for path in _files(out) - before)
 
 
 # In the order of a first run's start, then a rerun (earlier results) for the generating. Each gets
@@ -74,10 +74,6 @@ MOMENTS = {
     "parts being written": _writing,
     "the engine generating": _captioning,
 }
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for part in out.glob("results/*/part-*.jsonl") for line in part.read_text().splitlines()]
 
 
 def _interrupt(args: list[str], env: dict[str, str], seen, moment: str) -> str:

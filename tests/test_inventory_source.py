@@ -24,6 +24,7 @@ from vlm_caption.tasks.sources.listing import iter_items
 from vlm_caption.tasks.sources.registry import detect_format
 from vlm_caption.tasks.sources.storage import StorageError
 from tests.images import corrupt_jpeg, image_bytes
+from tests.result_files import records as _records
 
 SOURCE, DEST, PREFIX, CONFIG = "inv-src", "inv-dest", "inventory", "nightly"
 CSV_SCHEMA = "Bucket, Key, VersionId, IsLatest, IsDeleteMarker, Size, LastModifiedDate, ETag, StorageClass"
@@ -168,11 +169,6 @@ def test_a_report_that_cannot_be_used_says_what_to_change(s3_client, tmp_path: P
     rewrite(files=[dict(doc["files"][0], size=len(short), MD5checksum=hashlib.md5(short).hexdigest())])
     with pytest.raises(StorageError, match=r"line 1: not a row of the manifest's fileSchema \(Bucket, Key, VersionId"):
         list(iter_items(checked(manifest)))
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for part in sorted((out / "results").rglob("*.jsonl"))
-            for line in part.read_text().splitlines() if line]
 
 
 def test_a_flow_over_a_report_gives_the_records_of_a_listing(prefect_api, s3_client, tiny_llava, tmp_path: Path):

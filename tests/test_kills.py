@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pyarrow.dataset as pads
 
-from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_rows import load_rows, read_part_rows
+from vlm_caption.tasks.records import ResultRecord
+from vlm_caption.tasks.results.done_rows import load_rows, record_row
+from vlm_caption.tasks.results.layout import parts_prefix
 from vlm_caption.tasks.sources.storage import open_storage
 from tests.images import image_bytes
+from tests.result_files import records as result_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,23 +111,22 @@ def test_a_run_killed_at_any_point_is_made_whole_by_the_next(tiny_llava, tmp_pat
             assert "freed the job's slot: the run that held it is gone" in events, (point, events[:40])
             assert "waiting for another run of this job" not in events
 
-    records = [json.loads(line) for part in output.glob("results/*/*.jsonl") for line in part.read_text().splitlines()]
+    records = result_records(output)
     keys = Counter(r["key"] for r in records)
     assert keys == Counter(f"{i:02d}.png" for i in range(added)), keys  # none lost, none twice
     assert all(r["error"] is None for r in records)
 
-    # The Parquet view, read as one dataset, is exactly the parts' results, each once, down to its
-    # hash columns; it owes no run a file, so the done-index a next run loads is the view's alone.
+    # The Parquet view, read as one dataset, is exactly the records' results, each once, down to its
+    # hash columns; it owes no run a file (no part is left unfolded), so the done-index a next run
+    # loads is the view's alone.
     fingerprint = records[0]["fingerprint"]
     rows = pads.dataset(str(output / "parquet"), format="parquet").to_table().to_pylist()
     assert sorted(r["key"] for r in rows) == sorted(keys)
     out = open_storage(str(output))
-    parts = [ref for ref in out.iter_objects(prefix=f"results/{fingerprint}/") if ref.key.endswith(".jsonl")]
-    by_part, unreadable = read_part_rows(out, parts, get_logger())
-    done = sorted(tuple(row) for part in by_part.values() for row in part.tolist())
-    assert not unreadable and len(done) == added
+    done = sorted(record_row(ResultRecord.model_validate(r)) for r in records)
+    assert len(done) == added
     assert sorted((r["done_key"], r["listed_hash"], r["content_hash"]) for r in rows) == done
-    assert not list(out.iter_objects(prefix=f"results/{fingerprint}/view-owed/"))
+    assert not list(out.iter_objects(prefix=parts_prefix(fingerprint)))
     loaded = load_rows(out, fingerprint)
     assert not loaded.unreadable and all(source.key.startswith("parquet/") for source in loaded.sources)
     assert sorted(tuple(row) for source in loaded.sources for row in source.rows.tolist()) == done

@@ -165,7 +165,7 @@ def test_done_items_are_judged_as_the_done_index_judges_each_one():
     """`DoneIndex.pending_mask` (a batch at once) says what `pending_by_listing` says item by item:
     done, changed since (another etag), a question not asked before, a re-run result, no etag."""
     from vlm_caption.tasks.results.done_index import DoneIndex
-    from vlm_caption.tasks.results.done_rows import index_rows
+    from tests.result_files import index_rows
     from vlm_caption.tasks.records import ResultRecord
     from vlm_caption.tasks.sources.items import WorkItem
 

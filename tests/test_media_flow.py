@@ -19,6 +19,7 @@ from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
 from tests.checkpoints import build_checkpoint
 from tests.images import VIDEO_CORPUS_ERRORS, corrupt_jpeg, image_bytes, video_bytes, video_corpus
+from tests.result_files import s3_records
 
 BUCKET = "media-kinds"
 
@@ -37,13 +38,8 @@ def put(s3_client, objects: dict[str, bytes]) -> None:
         s3_client.put_object(Bucket=BUCKET, Key=key, Body=body)
 
 
-def records(s3_client, prefix: str) -> list[dict]:
-    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    found = []
-    for key in sorted(o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".jsonl")):
-        body = s3_client.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
-        found += [json.loads(line) for line in body.splitlines() if line]
-    return found
+def records(s3_client, out: str) -> list[dict]:
+    return s3_records(s3_client, BUCKET, out)
 
 
 def run(**fields) -> dict:
@@ -62,7 +58,7 @@ def test_videos_from_a_bucket_get_captions_and_broken_ones_error_records(prefect
 
     summary = run(source=f"s3://{BUCKET}/clips/", output=f"s3://{BUCKET}/video-out/", recipe="qwen2_vl",
                   modality="video", num_frames=4, model=str(model), shard_size=2, sampling={"max_tokens": 6})
-    found = {r["key"]: r for r in records(bucket, "video-out/results/")}
+    found = {r["key"]: r for r in records(bucket, "video-out/")}
     assert sorted(found) == sorted(["clip0.mp4", "clip1.mp4", "clip2.mp4", "corrupt.mp4", "empty.mp4", *odd])
     for i in range(3):
         clip = found[f"clip{i}.mp4"]
@@ -151,7 +147,7 @@ def group_job(model: str, out: str, **extra) -> dict:
 @pytest.mark.parametrize("method", ["generate", "chat"])
 def test_folder_groups_with_generate_and_chat(prefect_api, bucket, albums, idefics3, method):
     summary = run(**group_job(idefics3, f"groups-{method}", method=method))
-    found = {r["key"]: r for r in records(bucket, f"groups-{method}/results/")}
+    found = {r["key"]: r for r in records(bucket, f"groups-{method}/")}
     assert sorted(found) == ["beach", "big", "broken", "city"]
     for name in ("beach", "city"):
         group = found[name]
@@ -185,7 +181,7 @@ def test_two_questions_one_fetch_and_decode_each_then_resume_by_question(prefect
     job = group_job(idefics3, "questions", glob="*.jpg", questions=["What is shown?", "Which colours?"],
                     gallery_items=0)
     first = run(**job)
-    found = records(bucket, "questions/results/")
+    found = records(bucket, "questions/")
     good = [r for r in found if r["error"] is None]
     assert Counter(r["key"] for r in good) == {"beach": 2, "city": 2}  # beach has one .jpg: a group of one
     assert Counter((r["key"], r["question"]) for r in found) == Counter(
@@ -201,9 +197,9 @@ def test_two_questions_one_fetch_and_decode_each_then_resume_by_question(prefect
 
     third = run(**{**job, "questions": [*job["questions"], "How many people?"]})
     assert third["processed"] == 4  # only the new question, for each of the four groups
-    added = [r for r in records(bucket, "questions/results/") if r["question"] == "How many people?"]
+    added = [r for r in records(bucket, "questions/") if r["question"] == "How many people?"]
     assert sorted(r["key"] for r in added) == ["beach", "big", "broken", "city"]
-    assert len(records(bucket, "questions/results/")) == 12
+    assert len(records(bucket, "questions/")) == 12
     get_settings.cache_clear()
 
 
@@ -230,16 +226,19 @@ def test_a_manifest_of_groups_with_per_item_questions_and_gemma3_chat(prefect_ap
     ]
     bucket.put_object(Bucket=BUCKET, Key="index/jobs.jsonl", Body="\n".join(json.dumps(x) for x in lines).encode())
     for method in ("generate", "chat"):
-        run(manifest=f"s3://{BUCKET}/index/jobs.jsonl", output=f"s3://{BUCKET}/manifest-{method}/", recipe="gemma3",
-            modality="multi-image", method=method, model=model, max_images=3, sampling={"max_tokens": 4})
-        found = {(r["key"], r["question"]): r for r in records(bucket, f"manifest-{method}/results/")}
-        assert sorted(found) == [("missing", "Anything?"), ("mixed", "Compare them."), ("mixed", "What differs?"),
-                                 ("pair", "Same place?")]
+        summary = run(manifest=f"s3://{BUCKET}/index/jobs.jsonl", output=f"s3://{BUCKET}/manifest-{method}/",
+                      recipe="gemma3", modality="multi-image", method=method, model=model, max_images=3,
+                      sampling={"max_tokens": 4})
+        found = {(r["key"], r["question"]): r for r in records(bucket, f"manifest-{method}/")}
+        assert sorted(found) == [("mixed", "Compare them."), ("mixed", "What differs?"), ("pair", "Same place?")]
         for key in (("mixed", "Compare them."), ("mixed", "What differs?"), ("pair", "Same place?")):
             assert found[key]["error"] is None and found[key]["output_tokens"] > 0, found[key]["error"]
             assert found[key]["prompt_tokens"] > len(found[key]["prompt"]) // 8  # the images were expanded
         assert [m["key"] for m in found[("mixed", "What differs?")]["members"]] == lines[0]["media"]
-        missing = found[("missing", "Anything?")]["error"]
+        # The retryable error is the manifest's (its failures), not a record kept in the output's files.
+        written = f"manifest-{method}/manifests/{summary['run_id']}.json"
+        manifest = json.loads(bucket.get_object(Bucket=BUCKET, Key=written)["Body"].read())
+        (missing,) = [f for f in manifest["failures"] if (f["key"], f["question"]) == ("missing", "Anything?")]
         assert missing["kind"] == "fetch" and missing["retryable"] is True  # a rerun tries it again
 
 
@@ -251,4 +250,4 @@ def test_a_bad_manifest_line_stops_the_job_before_any_engine(prefect_api, tmp_pa
     with pytest.raises(StorageError, match="line 2: media"):
         vlm_caption(CaptionJob(manifest=str(manifest), output=str(tmp_path / "out"), recipe="idefics3",
                                modality="multi-image", skip_model_check=True))
-    assert not (tmp_path / "out" / "results").exists()
+    assert not (tmp_path / "out" / "parquet").exists()

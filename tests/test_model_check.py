@@ -388,4 +388,4 @@ def test_the_flow_fails_early_with_the_message_as_its_state(prefect_api, tmp_pat
     # The UI shows the problem as one line, what to do included, not an exception's type and traceback.
     assert state.is_failed() and state.message.startswith(f"model {tiny_qwen2_vl} is a 'qwen2_vl' model")
     assert "\n" not in state.message and "--skip-model-check" in state.message
-    assert not (tmp_path / "caps" / "results").exists()
+    assert not (tmp_path / "caps" / "parquet").exists()

@@ -21,6 +21,7 @@ from vlm_caption.tasks.sources.listing import iter_items
 from vlm_caption.tasks.sources.storage import open_storage
 from vlm_caption.tasks.sources.watermark import check_modified_since, resolve_modified_since, with_changed_since
 from tests.images import image_bytes
+from tests.result_files import records as _records
 from tests.test_inventory_source import bucket_rows, write_report
 
 DAY = 86400
@@ -76,11 +77,6 @@ def test_a_time_leaves_out_what_is_older(tmp_path: Path, s3_client):
     assert sorted(item.id for item in iter_items(report)) == ["a.jpg", "c.jpg"]
     bucket = with_changed_since(SourceSpec("s3://since-src/"), since, out, "fp")
     assert sorted(item.id for item in iter_items(bucket)) == ["a.jpg", "b.jpg", "c.jpg"]  # all uploaded now
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for part in sorted((out / "results").rglob("*.jsonl"))
-            for line in part.read_text().splitlines()]
 
 
 def test_auto_lists_what_is_new_and_what_failed_retryably(prefect_api, tiny_llava, tmp_path: Path, monkeypatch):

@@ -22,6 +22,7 @@ from vlm_caption.bench.history import Locations, add_new_items, item_key, small_
 from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
 from vlm_caption.flows.plan import make_plan, start_engine_first
+from tests.result_files import records as result_records
 
 HISTORY, SHARD = 300, 8
 PER_SHARD_TASKS = {"caption-batch", "start-engine"}  # the shards' task runs: a batch of them each
@@ -106,9 +107,9 @@ def test_a_night_with_nothing_new_then_one_with_a_few_new_items(prefect_api, his
     assert summary["succeeded"] == 3
     names = task_runs(state.state_details.flow_run_id)
     assert {name: names[name] for name in PER_SHARD_TASKS} == {"caption-batch": 1, "start-engine": 1}
-    parts = sorted((where.base / "out" / "results").glob(f"*/part-{summary['run_id']}-*.jsonl"))
-    assert len(parts) == 1
-    keys = sorted(json.loads(line)["key"] for line in parts[0].read_text().splitlines())
+    manifest = json.loads((where.base / "out" / "manifests" / f"{summary['run_id']}.json").read_text())
+    assert len(manifest["parts"]) == 1  # the run's parts, folded into its view file at its end
+    keys = sorted(r["key"] for r in result_records(where.base / "out") if r["run_id"] == summary["run_id"])
     assert keys == sorted(new)
 
     # An object that sorts after everything listed (a night's keys that begin with the day): the next

@@ -19,7 +19,9 @@ from vlm_caption.bench.config import BenchConfig
 from vlm_caption.bench.history import Locations, add_new_items, synthesize
 from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
+from vlm_caption.tasks.results.layout import run_of
 from tests.processes import idle_partition_deployment
+from tests.result_files import records as result_records
 
 HISTORY, SHARD = 200, 8
 POOL, DEPLOYMENT = "nightly-no-workers", "partition-nightly"
@@ -89,6 +91,5 @@ def test_a_fanned_out_night_with_nothing_new_starts_no_child(partition_deploymen
     assert len(_child_runs(where.out)) == 2
     manifest = json.loads((where.base / "out" / "manifests" / f"{summary['run_id']}.json").read_text())
     assert sorted(p["index"] for p in manifest["partitions"]) == [0, 1, 2]
-    records = [json.loads(line) for part in (where.base / "out" / "results").glob(f"*/part-{summary['run_id']}-*.jsonl")
-               for line in part.read_text().splitlines()]
+    records = [r for r in result_records(where.base / "out") if run_of(r["run_id"]) == summary["run_id"]]
     assert sorted(r["key"] for r in records) == sorted(new)

@@ -1,6 +1,6 @@
 """The one-file Parquet export (tasks/results/parquet.py, `vlm-caption export OUTPUT --to PATH`)
-and the run's end step that adds to the view (tasks/results/parquet_view.py; the view itself is
-tests/test_parquet_view.py): parts written with the project's own writer, read back with
+and the run's end step that folds its parts into the view (tasks/results/parquet_view.py; the view
+itself is tests/test_parquet_view.py): parts written with the project's own writer, read back with
 `datasets`, pyarrow and pandas. No engine starts."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
@@ -26,6 +25,7 @@ FP = "0123456789abcdef"
 RUN1 = "aaaa1111-20260101T000000"
 RUN2 = "0000ffff-20260102T000000"  # later, though its random prefix sorts first
 ONE_FILE = "export/results.parquet"  # where these tests write the one-file export, in the output
+SOURCE = "s3://media/photos/"  # the job's source, every row's `source`
 
 
 def record(key: str, run_id: str, text: str | None = "a cat", error: dict | None = None,
@@ -49,10 +49,9 @@ def write_history(output: str) -> None:
         record("a.jpg", RUN1, "first caption"),
         record("b.jpg", RUN1, None, {"kind": "decode", "message": "not an image", "retryable": False}),
         record("c.jpg", RUN1, None, {"kind": "fetch", "message": "timed out", "retryable": True}),
-    ])
-    write_shard(output, FP, RUN1, 1, [record("d.jpg", RUN1, "a dog", question="What animal?")])
-    write_manifest.fn(output, RUN1, {"run_id": RUN1, "parameters": {"source": "s3://media/photos/"}})
-    write_shard(output, FP, RUN2, 0, [record("a.jpg", RUN2, "second caption")])
+    ], SOURCE)
+    write_shard(output, FP, RUN1, 1, [record("d.jpg", RUN1, "a dog", question="What animal?")], SOURCE)
+    write_shard(output, FP, RUN2, 0, [record("a.jpg", RUN2, "second caption")], SOURCE)
 
 
 def by_key(rows: list[dict]) -> dict[str, dict]:
@@ -65,8 +64,7 @@ def check_rows(rows: list[dict]) -> None:
     assert rows["a.jpg"]["caption"] == "second caption" and rows["a.jpg"]["run_id"] == RUN2
     assert rows["b.jpg"]["caption"] is None
     assert (rows["b.jpg"]["error_kind"], rows["b.jpg"]["error_message"]) == ("decode", "not an image")
-    assert rows["d.jpg"]["question"] == "What animal?" and rows["d.jpg"]["source"] == "s3://media/photos/"
-    assert rows["a.jpg"]["source"] is None  # run 2 wrote no manifest
+    assert rows["d.jpg"]["question"] == "What animal?" and rows["d.jpg"]["source"] == SOURCE
     assert rows["d.jpg"]["timings"]["generate_s"] == pytest.approx(0.3)
     assert {"model", "recipe", "fingerprint", "prompt_tokens", "output_tokens"} <= set(rows["a.jpg"])
     # the done-index's row of the record, which the done-index reads from the view
@@ -82,8 +80,6 @@ def test_folder_export_reads_back_with_datasets_pyarrow_and_pandas(tmp_path):
     report = export_parquet(out(output), out(output), ONE_FILE, row_group_rows=2)
     path = Path(output) / ONE_FILE
     assert report["path"] == str(path) and report["rows"] == 3 and report["complete"]
-    # run 2's rows have no source: said in the report, not left blank without a word
-    assert list(report["runs_without_source"]) == [RUN2] and "FileNotFoundError" in report["runs_without_source"][RUN2]
     assert pq.ParquetFile(path).metadata.num_row_groups == report["row_groups"] >= 2
     check_rows(pq.read_table(path).to_pylist())
     dataset = load_dataset("parquet", data_files=str(path), split="train",
@@ -94,23 +90,23 @@ def test_folder_export_reads_back_with_datasets_pyarrow_and_pandas(tmp_path):
     assert frame.set_index("key").loc["b.jpg", "error_kind"] == "decode"
 
 
-def test_a_fanned_out_runs_rows_get_the_source_from_its_one_manifest(tmp_path):
-    """Each partition of a fanned-out run names its records `<run_id>-p<N>` (which partition
-    captioned the item); the run writes one manifest, under its own id. Every row gets the
-    source from it, and the report names no run without one (found on four H200s: every row of
-    a fan-out had an empty source, and a warning per partition)."""
+def test_a_fanned_out_runs_rows_name_the_partition_that_captioned_them(tmp_path):
+    """Each partition of a fanned-out run names its parts and records `<run_id>-p<N>` (which
+    partition captioned the item); the run's fold takes them all into the run's one file."""
+    from vlm_caption.tasks.results.done_index import read_done_index
     from vlm_caption.tasks.results.layout import partition_parts_id
 
     output = out(tmp_path / "out")
     for index, key in enumerate(["a.jpg", "b.jpg"]):
         parts_id = partition_parts_id(RUN1, index)
-        write_shard(output, FP, parts_id, index, [record(key, parts_id, f"caption {index}")])
-    write_manifest.fn(output, RUN1, {"run_id": RUN1, "parameters": {"source": "s3://media/photos/"}})
-    report = export_parquet(output, output, ONE_FILE)
-    assert report["rows"] == 2 and "runs_without_source" not in report
-    rows = by_key(pq.read_table(Path(tmp_path / "out") / ONE_FILE).to_pylist())
+        write_shard(output, FP, parts_id, index, [record(key, parts_id, f"caption {index}")], SOURCE)
+    parts = parquet_view.parts_by_run(output, FP)
+    assert list(parts) == [RUN1] and len(parts[RUN1]) == 2
+    report = parquet_view.fold_run(output, FP, RUN1, parts[RUN1], read_done_index(output, FP))
+    assert report["rows"] == 2 and report["complete"] and parquet_view.parts_by_run(output, FP) == {}
+    rows = by_key(pq.read_table(Path(tmp_path / "out") / run_parquet_key(RUN1)).to_pylist())
     assert {key: (row["run_id"], row["source"]) for key, row in rows.items()} == {
-        "a.jpg": (f"{RUN1}-p0", "s3://media/photos/"), "b.jpg": (f"{RUN1}-p1", "s3://media/photos/")}
+        "a.jpg": (f"{RUN1}-p0", SOURCE), "b.jpg": (f"{RUN1}-p1", SOURCE)}
 
 
 def test_extra_record_fields_become_string_columns(tmp_path, monkeypatch):
@@ -123,30 +119,28 @@ def test_extra_record_fields_become_string_columns(tmp_path, monkeypatch):
         monkeypatch.setattr(parquet, "ResultRecord", extended)
     output = str(tmp_path / "out")
     fields = {**record("a.jpg", RUN1).model_dump(), "structured": {"animal": "cat", "count": 2}}
-    write_shard(out(output), FP, RUN1, 0, [extended(**fields)])
+    write_shard(out(output), FP, RUN1, 0, [extended(**fields)], SOURCE)
     report = export_parquet(out(output), out(output), ONE_FILE)
     rows = pq.read_table(report["path"]).to_pylist()
     assert json.loads(rows[0]["structured"]) == {"animal": "cat", "count": 2}
 
 
-def test_part_cut_short_or_unreadable_is_not_exported_as_complete(tmp_path):
-    """A part cut mid-line gives the records it still holds and is named under damaged_parts; a
-    part that is not UTF-8 gives none and is named under skipped_parts; neither export is complete."""
+def test_a_part_cut_short_is_named_and_the_export_not_complete(tmp_path):
+    """A part cut short (by hand: a run writes each part whole, atomically) is named under
+    `skipped`, its rows left out and the export not complete; the rebuild of the view says so too
+    and keeps the part where it is, for a look."""
     output = tmp_path / "out"
-    write_shard(out(output), FP, RUN1, 0, [record("a.jpg", RUN1), record("b.jpg", RUN1)])
-    write_shard(out(output), FP, RUN1, 1, [record("z.jpg", RUN1)])
+    write_shard(out(output), FP, RUN1, 0, [record("a.jpg", RUN1), record("b.jpg", RUN1)], SOURCE)
+    write_shard(out(output), FP, RUN1, 1, [record("z.jpg", RUN1)], SOURCE)
     cut = output / part_key(FP, RUN1, 0)
-    body = cut.read_bytes()
-    cut.write_bytes(body[: len(body.splitlines(keepends=True)[0]) + 20])  # a.jpg whole, b.jpg cut mid-line
-    broken = output / part_key(FP, RUN1, 1)
-    broken.write_bytes(b"\xff\xfe not utf-8")
+    cut.write_bytes(cut.read_bytes()[:100])
 
     report = export_parquet(out(output), out(output), ONE_FILE)
-    assert report["complete"] is False
-    assert str(cut) in report["damaged_parts"] and str(broken) in report["skipped_parts"]
-    assert [row["key"] for row in pq.read_table(report["path"]).to_pylist()] == ["a.jpg"]
+    assert report["complete"] is False and list(report["skipped"]) == [str(cut)]
+    assert [row["key"] for row in pq.read_table(report["path"]).to_pylist()] == ["z.jpg"]
     assert main(["export", str(output)]) == 1  # the CLI's rebuild of the view says so too
-    assert [row["key"] for row in pads.dataset(str(output / "parquet")).to_table().to_pylist()] == ["a.jpg"]
+    assert [row["key"] for row in pq.read_table(output / run_parquet_key(RUN1)).to_pylist()] == ["z.jpg"]
+    assert cut.exists()
 
 
 def test_s3_export(s3_client, tmp_path):
@@ -176,7 +170,7 @@ def test_cli_export_to_a_path(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["path"] == str(target) and printed["rows"] == 3
     check_rows(pq.read_table(target).to_pylist())
-    assert not (Path(output) / "parquet").exists()  # the view is left as it is
+    assert not list((Path(output) / "parquet").glob("*.parquet"))  # the view is left as it is: parts, no file
 
 
 def test_cli_export_of_a_missing_folder_is_a_clear_error(tmp_path, capsys):
@@ -188,9 +182,11 @@ def test_export_failure_at_run_end_is_recorded_not_raised(tmp_path, monkeypatch)
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(parquet_view, "add_run", broken)
-    assert export_after_run.fn(out(tmp_path), str(tmp_path), FP, RUN1, ["a part"]) == {
+    write_shard(out(tmp_path), FP, RUN1, 0, [record("a.jpg", RUN1)], SOURCE)
+    monkeypatch.setattr(parquet_view, "fold_run", broken)
+    assert export_after_run.fn(out(tmp_path), str(tmp_path), FP, RUN1) == {
         "error": "OSError: disk full", "complete": False}
+    assert parquet_view.parts_by_run(out(tmp_path), FP)[RUN1]  # the part stays in the view, for the next run
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -215,7 +211,7 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
 
     def shards(run):
         stats = RunStats()
-        stats.parts.append(write_shard(out(output), FP, RUN1, 0, records))  # as the pipeline names them
+        stats.parts.append(write_shard(out(output), FP, RUN1, 0, records, job.source))  # as the pipeline names them
         stats.add(2, 0, records)
         return stats, None, None  # counts, engine, claims' figures
 
@@ -230,14 +226,14 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
     monkeypatch.setattr(caption, "publish_summary", lambda *args: None)
     monkeypatch.setattr(caption, "emit", lambda *args, **kwargs: None)
     if fails:
-        monkeypatch.setattr(parquet_view, "add_run", lambda *args, **kwargs: 1 / 0)
+        monkeypatch.setattr(parquet_view, "fold_run", lambda *args, **kwargs: 1 / 0)
     summary = caption.caption_job(plan, RUN1, get_logger())
     manifest = json.loads((Path(output) / "manifests" / f"{RUN1}.json").read_text())
     assert manifest["counts"]["processed"] == 2 and summary["processed"] == 2
     if fails:
         assert summary["parquet"] is None and manifest["parquet"] == {"error": "ZeroDivisionError: division by zero",
                                                                       "complete": False}
-        # The next run, with nothing new, adds the failed run's results to the view.
+        # The next run, with nothing new, folds the failed run's parts into the view.
         monkeypatch.undo()
         monkeypatch.setattr(caption, "caption_shards", lambda run: (RunStats(), None, None))
         for name in ("write_manifest", "export_after_run"):
@@ -259,5 +255,5 @@ def test_run_end_exports_and_records_it_in_the_manifest(tmp_path, monkeypatch, f
         summary = caption.caption_job(plan, RUN2, get_logger())
         manifest = json.loads((Path(output) / "manifests" / f"{RUN2}.json").read_text())
         assert manifest["parquet"]["path"] is None and manifest["parquet"]["rows"] == 0 and summary["parquet"] is None
-        assert sorted(p.name for p in (Path(output) / "parquet").iterdir()) == [f"run-{RUN1}.parquet"]
+        assert sorted(p.name for p in (Path(output) / "parquet").glob("**/*.parquet")) == [f"run-{RUN1}.parquet"]
         assert manifest["gallery"]["items"] == 0

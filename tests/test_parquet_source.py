@@ -14,6 +14,7 @@ from vlm_caption.tasks.sources.parquet_source import ColumnError, ParquetReader,
 from vlm_caption.tasks.sources.registry import detect_format
 from vlm_caption.tasks.sources.storage import open_storage
 from tests.images import corrupt_jpeg, image_bytes
+from tests.result_files import records as result_records
 
 BUCKET = "parquet-src"
 
@@ -87,8 +88,7 @@ def test_folder_of_parquet_end_to_end_and_rerun(prefect_api, tiny_llava, tmp_pat
     job = CaptionJob(source=str(source), output=str(tmp_path / "out"), model=str(tiny_llava), shard_size=4,
                      sampling={"max_tokens": 4}, column="image", gallery_items=20)
     summary = vlm_caption(job)
-    records = [json.loads(line) for part in sorted((tmp_path / "out" / "results").rglob("*.jsonl"))
-               for line in part.read_text().splitlines() if line]
+    records = result_records(tmp_path / "out")
     by_key = {r["key"]: r for r in records}
     assert sorted(by_key) == sorted([f"part-0.parquet/{i}" for i in range(6)] + [f"part-1.parquet/{i}" for i in range(3)])
     assert by_key["part-0.parquet/2"]["error"]["kind"] == "decode"
@@ -102,6 +102,5 @@ def test_folder_of_parquet_end_to_end_and_rerun(prefect_api, tiny_llava, tmp_pat
 
     again = vlm_caption(job)
     assert again["processed"] == 0 and again["skipped_already_done"] == 9
-    again_records = [line for part in (tmp_path / "out" / "results").rglob("*.jsonl")
-                     for line in part.read_text().splitlines() if line]
+    again_records = result_records(tmp_path / "out")
     assert len(again_records) == len(records)  # nothing computed again

@@ -16,6 +16,7 @@ from vlm_caption.tasks.sources.reader import BadInput
 from vlm_caption.tasks.sources.registry import SOURCE_FORMATS, detect_format, open_reader, reader_class
 from vlm_caption.tasks.sources.storage import StorageError
 from tests.images import image_bytes
+from tests.result_files import records as result_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,19 +72,19 @@ def test_a_path_list_end_to_end_and_rerun(prefect_api, tiny_llava, tmp_path: Pat
     job = CaptionJob(source=str(listing), output=str(tmp_path / "out"), model=str(tiny_llava), shard_size=2,
                      sampling={"max_tokens": 4}, gallery_items=10)
     summary = vlm_caption(job)
-    records = [json.loads(line) for part in sorted((tmp_path / "out" / "results").rglob("*.jsonl"))
-               for line in part.read_text().splitlines() if line]
+    records = result_records(tmp_path / "out")
     by_key = {r["key"]: r for r in records}
-    assert len(records) == 5 and all(by_key[k]["text"] is not None for k in ("img/a.png", "img/b.png"))
+    assert len(records) == 4 and all(by_key[k]["text"] is not None for k in ("img/a.png", "img/b.png"))
     assert by_key[str(tmp_path / "src-elsewhere.png")]["error"] is None
     bad = by_key["ftp://old.example.org/c.png"]["error"]
     assert bad["kind"] == "bad_input" and not bad["retryable"] and "ftp://" in bad["message"]
-    missing = by_key["img/missing.png"]["error"]
-    assert missing["kind"] == "fetch" and missing["retryable"]
+    # The retryable error is the manifest's (its failures), not a record kept in the output's files.
     manifest = json.loads((tmp_path / "out" / "manifests" / f"{summary['run_id']}.json").read_text())
+    assert "img/missing.png" not in by_key
+    (missing,) = [f for f in manifest["failures"] if f["key"] == "img/missing.png"]
+    assert missing["kind"] == "fetch" and missing["retryable"]
     assert manifest["parameters"]["source_format"] == "paths"
 
-    vlm_caption(job)
-    again = [json.loads(line) for part in sorted((tmp_path / "out" / "results").rglob("*.jsonl"))
-             for line in part.read_text().splitlines() if line]
-    assert sorted(r["key"] for r in again[len(records):]) == ["img/missing.png"]  # only it is tried again
+    again = vlm_caption(job)
+    failures = json.loads((tmp_path / "out" / "manifests" / f"{again['run_id']}.json").read_text())["failures"]
+    assert again["processed"] == 1 and [f["key"] for f in failures] == ["img/missing.png"]  # only it is tried again

@@ -24,6 +24,7 @@ import pytest
 
 from vlm_caption.flows import cli
 from tests.conftest import free_port
+from tests.result_files import records as result_records
 from tests.terminal_io import assert_quiet_terminal, run_in_a_terminal
 
 EXE = Path(sys.executable).with_name("vlm-caption")
@@ -139,8 +140,7 @@ def test_an_operator_starts_the_server_runs_the_demo_and_sees_it_in_the_ui(tmp_p
         assert {"vlm-caption-summary", "vlm-caption-samples", "vlm-caption-progress"} <= set(artifacts)
         summary = {row["metric"]: row["value"] for row in json.loads(artifacts["vlm-caption-summary"]["data"])}
         assert summary["succeeded"] == "3" and summary["failed"] == "0"
-        records = [json.loads(line) for part in (demo_dir / "captions" / "results").glob("*/*.jsonl")
-                   for line in part.read_text().splitlines()]
+        records = result_records(demo_dir / "captions")
         captions = {r["key"]: r["text"] for r in records}
         assert sorted(captions) == ["sample-00.jpg", "sample-01.png", "sample-02.webp"]
         logs = httpx.post(f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}},

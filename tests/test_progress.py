@@ -109,7 +109,7 @@ def test_the_summary_says_what_was_done_how_fast_and_where_it_all_is(capsys, tmp
         "vlm-caption: run finished",
         "  items    10 captioned: 8 ok, 2 failed (bad_input 1, engine 1); 5 already done",
         "  speed    0.50 items/s over 20 s (2.00 while generating, 128 output tokens/s)",
-        "  results  s3://b/out/results/abc/",
+        "  results  s3://b/out/parquet/",
         "  manifest s3://b/out/manifests/r.json",
         "  gallery  s3://b/out/manifests/r.html",
         f"  log      {tmp_path / 'run.log'}",

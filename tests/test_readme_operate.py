@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from vlm_caption.flows.server import ServerError, check_port_free
+from tests.result_files import records as result_records
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -171,7 +172,7 @@ def test_the_readme_operate_block_as_pasted_by_a_newcomer(operator):
     assert run["name"] == f"llava · {REPO}/vlm-caption-demo/images/"
     dev = httpx.get(f"{API}/deployments/name/vlm-caption/dev", timeout=30).json()
     assert dev["parameters"]["job"]["model"] == f"{REPO}/vlm-caption-demo/tiny-llava"
-    assert list((REPO / "vlm-caption-demo" / "captions-dev" / "results").glob("*/*.jsonl"))
+    assert result_records(REPO / "vlm-caption-demo" / "captions-dev")
     # The server's and the worker's output went to their logs, not to the operator's terminal.
     worker_log = (REPO / "worker-0.log").read_text(errors="replace")
     assert "started!" in worker_log and "started!" not in screen

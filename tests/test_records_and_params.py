@@ -3,7 +3,7 @@ from pydantic import ValidationError
 
 from vlm_caption.flows.params import CaptionJob
 from vlm_caption.tasks.results.done_index import DoneIndex
-from vlm_caption.tasks.results.done_rows import index_rows
+from tests.result_files import index_rows
 from vlm_caption.tasks.records import ResultRecord, job_fingerprint
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 

@@ -15,14 +15,10 @@ from vlm_caption.tasks.records import GenerationOutput, sha256_hex
 from vlm_caption.tasks.results.report import cost_line, run_cost
 from vlm_caption.tasks.settings import get_settings
 from tests.images import image_bytes
+from tests.result_files import records as _records
 
 LOOP = "a cat and a cat and a cat and a cat and a cat and"
 MENDED = "A small coloured square on its own."
-
-
-def _records(output: Path) -> list[dict]:
-    return [json.loads(line) for part in sorted((output / "results").rglob("*.jsonl"))
-            for line in part.read_text().splitlines() if line]
 
 
 @pytest.fixture

@@ -57,6 +57,7 @@ import pytest
 
 from tests.images import image_bytes
 from tests.postgres import FINAL, REPO, PrefectStack, _descendants
+from tests.result_files import s3_records
 
 pytestmark = pytest.mark.timeout(1500)  # a hung worker must fail the test, not stall CI
 
@@ -237,18 +238,19 @@ def unfinished_claims(s3_client, run_id: str) -> dict[int, str]:
     return held
 
 
+def shards_by_partition(parts: list[str], run_id: str) -> dict[int, set[int]]:
+    """Which shards each partition wrote a results part of, from the parts' keys or URIs."""
+    found: dict[int, set[int]] = {}
+    for part in parts:
+        if match := re.search(rf"/part-{re.escape(run_id)}-p(\d+)-(\d{{5}})\.parquet$", part):
+            found.setdefault(int(match[1]), set()).add(int(match[2]))
+    return found
+
+
 def parts_by_partition(s3_client, run_id: str) -> dict[int, set[int]]:
-    """Which shards each partition wrote a results part of."""
-    parts: dict[int, set[int]] = {}
-    for key in keys_under(s3_client, f"{OUT}results/"):
-        if match := re.search(rf"/part-{re.escape(run_id)}-p(\d+)-(\d{{5}})\.jsonl$", key):
-            parts.setdefault(int(match[1]), set()).add(int(match[2]))
-    return parts
-
-
-def records(s3_client) -> list[dict]:
-    return [json.loads(line) for key in keys_under(s3_client, f"{OUT}results/") if key.endswith(".jsonl")
-            for line in body(s3_client, key).decode().splitlines() if line.strip()]
+    """Which shards each partition wrote a results part of, as the output holds them while the run
+    runs (at its end they are folded into its view file and deleted: the manifest lists them)."""
+    return shards_by_partition(keys_under(s3_client, f"{OUT}parquet/"), run_id)
 
 
 def tails(stack: PrefectStack, hosts: dict[str, Host], chars: int = 3000) -> str:
@@ -311,17 +313,17 @@ def test_parent_and_partitions_on_separate_hosts_share_only_the_bucket_and_the_a
     assert parent["state_type"] == "COMPLETED", f"{parent['state']}\n" + tails(stack, hosts)
 
     # Every item captioned once: none lost with the killed host, none captioned twice.
-    found = records(s3_client)
+    found = s3_records(s3_client, BUCKET, OUT)
     assert Counter(r["key"] for r in found) == Counter(keys)
     assert all(r["error"] is None for r in found), [r["error"] for r in found if r["error"]]
 
     # The killed partition's unfinished shards were captioned by another partition, which says so.
-    parts = parts_by_partition(s3_client, run_id)
+    (manifest,) = [json.loads(body(s3_client, key)) for key in keys_under(s3_client, f"{OUT}manifests/{run_id}")
+                   if key.endswith(".json")]
+    parts = shards_by_partition(manifest["parts"], run_id)  # the run's parts, folded and deleted at its end
     left = held - parts.get(victim, set())
     assert left, f"partition {victim} had finished every shard it held when its host was killed"
     assert all(any(shard in done for p, done in parts.items() if p != victim) for shard in left), (left, parts)
-    (manifest,) = [json.loads(body(s3_client, key)) for key in keys_under(s3_client, f"{OUT}manifests/{run_id}")
-                   if key.endswith(".json")]
     partitions = {p["index"]: p for p in manifest["partitions"]}
     assert sorted(partitions) == [0, 1, 2]
     assert sum(p["retaken"] for i, p in partitions.items() if i != victim) >= len(left), partitions

@@ -14,6 +14,7 @@ import vlm_caption.flows.batches as batches
 from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
 from tests.images import image_bytes
+from tests.result_files import records as result_records
 
 IMAGES = 12
 
@@ -89,9 +90,12 @@ def test_batches_grow_and_a_failed_shard_fails_its_batch_and_loses_nothing(prefe
     assert [line.split("shards=")[1].split()[0] for line in lines] == ["1", "2", "4", "4", "1"]
     assert tried[4] == 1 + batches.BATCH_RETRIES and tried[3] == 1  # the failing shard tried again by its batch's retries
 
-    records = [json.loads(line) for part in sorted(out.glob("results/*/*.jsonl")) for line in part.read_text().splitlines()]
-    assert sorted(r["key"] for r in records) == [f"{i:02d}.jpg" for i in range(IMAGES)]  # every item written
-    error = next(r["error"] for r in records if r["key"] == "04.jpg")
+    # Every item written: the captions in the output's files, the failed one's retryable error in the
+    # manifest's failures (a retryable record is not kept in a file once its run has folded its parts).
+    records = result_records(out)
+    assert sorted(r["key"] for r in records) == [f"{i:02d}.jpg" for i in range(IMAGES) if i != 4]
+    failures = json.loads((out / "manifests" / f"{summary['run_id']}.json").read_text())["failures"]
+    error = next(f for f in failures if f["key"] == "04.jpg")
     assert error["kind"] == "generate" and error["retryable"]
     assert "a fault the test put in shard 4" in error["message"]
     assert summary["failed"] == 1 and summary["succeeded"] == IMAGES - 1
@@ -126,8 +130,7 @@ def test_a_part_never_written_is_counted_as_write_failures_and_computed_by_the_n
     assert any(f["kind"] == "write" and "shard 1" in f["message"] for f in summary["failures"]), summary["failures"]
     failed = [run for run in _task_runs(state.state_details.flow_run_id) if run.state.is_failed()]
     assert [run.name for run in failed] == ["caption-batch-2"], failed  # shards 1 and 2; shard 1 never written
-    records = [json.loads(line) for part in out.glob("results/*/*.jsonl") for line in part.read_text().splitlines()]
-    assert sorted(r["key"] for r in records) == ["00.jpg", "02.jpg"]
+    assert sorted(r["key"] for r in result_records(out)) == ["00.jpg", "02.jpg"]
 
     monkeypatch.setattr(batches, "write_shard", write_shard)
     again = vlm_caption(job)  # not on the done-index: computed again, and only it

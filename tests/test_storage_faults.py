@@ -20,6 +20,7 @@ from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
 from tests.fault_proxy import FaultProxy
 from tests.images import image_bytes
+from tests.result_files import s3_records
 
 BUCKET = "faulty"
 COUNT = 200
@@ -37,12 +38,9 @@ def bucket(s3_endpoint):
     return client, objects
 
 
-def _records(client, prefix: str, bucket: str = BUCKET) -> list[dict]:
-    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-            for o in page.get("Contents", []) if o["Key"].endswith(".jsonl")]
-    # every part parses whole: a part is one PUT, never a partial write
-    return [json.loads(line) for key in keys
-            for line in client.get_object(Bucket=bucket, Key=key)["Body"].read().decode().splitlines() if line]
+def _records(client, out: str, bucket: str = BUCKET) -> list[dict]:
+    # every Parquet file reads whole: a file is one PUT, never a partial write
+    return s3_records(client, bucket, out)
 
 
 def _through(proxy: FaultProxy, monkeypatch, endpoint: bool = True):
@@ -98,7 +96,7 @@ def test_faults_lose_and_duplicate_nothing(prefect_api, bucket, s3_endpoint, tin
     finally:
         proxy.close()
         get_settings.cache_clear()
-    records = _records(client, f"{out}results/")
+    records = _records(client, out)
     final = [r for r in records if r["error"] is None or not r["error"]["retryable"]]
     counts = Counter(r["key"] for r in final)
     report = {"rate": rate, "injected": dict(proxy.injected), "requests": dict(proxy.requests), "items": COUNT,
@@ -146,7 +144,7 @@ def test_videos_and_groups_under_faults_lose_and_duplicate_nothing(prefect_api, 
     finally:
         proxy.close()
         get_settings.cache_clear()
-    records = _records(client, "out/results/", bucket)
+    records = _records(client, "out/", bucket)
     print("FAULT-REPORT " + json.dumps({"modality": modality, "injected": dict(proxy.injected),
                                         "items": len(items), "records": len(records), "failed": summary["failed"]}))
     assert sum(proxy.injected.values()) > 0
@@ -245,7 +243,7 @@ def test_a_credentials_blocks_client_under_faults_loses_and_duplicates_nothing(p
     finally:
         proxy.close()
         get_settings.cache_clear()
-    records = _records(client, f"{out}results/", "faulty-blocks")
+    records = _records(client, out, "faulty-blocks")
     final = [r for r in records if r["error"] is None or not r["error"]["retryable"]]
     counts = Counter(r["key"] for r in final)
     report = {"kind": kind, "source": source, "injected": dict(proxy.injected), "requests": dict(proxy.requests),

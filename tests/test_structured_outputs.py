@@ -14,6 +14,7 @@ from vlm_caption.flows.params import TAGS_SCHEMA, CaptionJob
 from vlm_caption.recipes import get_recipe
 from vlm_caption.tasks.records import structured_answer
 from tests.images import image_bytes
+from tests.result_files import records as _records
 
 SCHEMA = {  # closed choices, so that random weights can finish an answer within max_tokens
     "type": "object",
@@ -72,11 +73,6 @@ def test_cli_refuses_a_bad_schema_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     assert main(["run", str(tmp_path), "--out", str(tmp_path / "out"), "--json-schema", str(tmp_path / "no.json")]) == 2
     assert capsys.readouterr().err.startswith("vlm-caption: error: --json-schema")
-
-
-def _records(output: Path) -> list[dict]:
-    return [json.loads(line) for part in sorted((output / "results").rglob("*.jsonl"))
-            for line in part.read_text().splitlines() if line]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from vlm_caption.tasks.sources.registry import detect_format
 from vlm_caption.tasks.sources.storage import LocalStorage, open_storage
 from vlm_caption.tasks.sources.webdataset import WebDatasetReader, read_member, split_member, tar_items
 from tests.images import corrupt_jpeg, image_bytes
+from tests.result_files import s3_records
 
 BUCKET = "wds"
 
@@ -169,7 +170,7 @@ def test_bucket_of_shards_by_brace_pattern_end_to_end_and_rerun(prefect_api, s3_
     job = CaptionJob(source=f"s3://{BUCKET}/ds/{{00000..00002}}.tar", output=f"s3://{BUCKET}/out/",
                      model=str(tiny_llava), shard_size=3, sampling={"max_tokens": 4}, gallery_items=50)
     summary = vlm_caption(job)
-    records = _records(s3_client, "out/results/")
+    records = _records(s3_client, "out/")
     by_key = {r["key"]: r for r in records}
     assert not any(k.startswith("00009.tar") for k in by_key)
     assert all(f"00000.tar/{i:06d}" in by_key for i in range(5))
@@ -193,13 +194,8 @@ def test_bucket_of_shards_by_brace_pattern_end_to_end_and_rerun(prefect_api, s3_
 
     again = vlm_caption(job)
     assert again["processed"] == 0 and again["skipped_already_done"] == len(by_key)
-    assert len(_records(s3_client, "out/results/")) == len(records)
+    assert len(_records(s3_client, "out/")) == len(records)
 
 
-def _records(s3_client, prefix: str) -> list[dict]:
-    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-    records = []
-    for key in sorted(o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".jsonl")):
-        body = s3_client.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
-        records += [json.loads(line) for line in body.splitlines() if line]
-    return records
+def _records(s3_client, out: str) -> list[dict]:
+    return s3_records(s3_client, BUCKET, out)

@@ -16,15 +16,14 @@ from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.observability import phase
 from vlm_caption.tasks.records import ResultRecord
-from vlm_caption.tasks.results.done_rows import (ROW, Signature, Source, _hash64, content_hash, final_records,
-                                                listing_signature, load_rows, read_part_lines, record_signature,
-                                                result_key, signature_hash)
+from vlm_caption.tasks.results.done_rows import (ROW, Signature, Source, _hash64, content_hash, listing_signature,
+                                                load_rows, record_signature, result_key, signature_hash)
 from vlm_caption.tasks.results.parquet import record_from_row
 from vlm_caption.tasks.sources.items import WorkItem
 from vlm_caption.tasks.sources.storage import Storage, open_seekable
 
 MAX_CANDIDATES = 64  # earlier results with the same bytes looked at for one (item, question)
-CACHED = 32  # parts or view row groups whose records are kept (each at most a shard's or ROW_GROUP_ROWS)
+CACHED = 32  # row groups (of parts or view files) whose records are kept (each at most ROW_GROUP_ROWS)
 
 
 def listed_signature_hash(item: WorkItem) -> int | None:
@@ -56,8 +55,8 @@ class DoneIndex:
         self._starts = np.cumsum([0] + [len(t) for t in tables[:-1]]) if tables else np.empty(0, np.int64)
         self._by: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # column -> (sorted values, their ordinals)
         self._lock, self._reading = threading.Lock(), threading.Lock()
-        # A part, or a view file's row group, is read once while among the CACHED read last, so a
-        # rerun with many copies of one earlier shard reads it once.
+        # A row group is read once while among the CACHED read last, so a rerun with many copies
+        # of one earlier shard reads it once.
         self._records = functools.lru_cache(CACHED)(self._read_records)
         self.reads = 0
 
@@ -166,26 +165,23 @@ class DoneIndex:
         return copy
 
     def _record(self, ordinal: int) -> ResultRecord | None:
-        """The record behind loaded row `ordinal`, read back from its part or its view file's row group."""
+        """The record behind loaded row `ordinal`, read back from its file's row group."""
         s = int(np.searchsorted(self._starts, ordinal, "right")) - 1
-        source, row, group = self._sources[s], ordinal - int(self._starts[s]), -1
-        if source.starts is not None:  # a view file: the file's row, in the row group starting before it
-            row = row if source.at is None else int(source.at[row])
-            group = int(np.searchsorted(source.starts, row, "right")) - 1
-            row -= int(source.starts[group])
+        source, row = self._sources[s], ordinal - int(self._starts[s])
+        row = row if source.at is None else int(source.at[row])  # the file's row, in the row group before it
+        group = int(np.searchsorted(source.starts, row, "right")) - 1
+        row -= int(source.starts[group])
         with self._reading:  # one read of a source however many fetch threads ask for it at once
             records = self._records(s, group)
         return records[row] if row < len(records) else None
 
     def _read_records(self, s: int, group: int) -> list[ResultRecord]:
-        """Source `s`'s final records (a part, `group` -1) or its row group `group`'s (a view file)."""
+        """The records of source `s`'s row group `group`."""
         import pyarrow.parquet as pq
 
         self.reads += 1
         source = self._sources[s]
         try:
-            if group < 0:
-                return final_records(read_part_lines(self._out, source.key))[0]
             with open_seekable(self._out, source.key, source.size) as raw:
                 return [record_from_row(row) for row in pq.ParquetFile(raw).read_row_group(group).to_pylist()]
         except Exception:  # noqa: BLE001 - gone or unreadable since the load: no copy from it

@@ -11,12 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
-from pydantic import ValidationError
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.records import ResultRecord
-from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, VIEW_HASHES, part_prefix, results_prefix,
-                                              view_owed_prefix)
+from vlm_caption.tasks.results.layout import PARQUET_VIEW_PREFIX, RETRYABLE, VIEW_HASHES, parts_prefix
 from vlm_caption.tasks.sources.items import ObjectRef, WorkItem
 from vlm_caption.tasks.sources.storage import Storage, open_seekable
 from vlm_caption.tasks.sources.s3_client import is_transient, retry_transient
@@ -61,101 +59,53 @@ def record_row(record: ResultRecord) -> tuple[int, int, int]:
             content_hash(record.sha256))
 
 
-def index_rows(records: Iterable[ResultRecord]) -> np.ndarray:
-    """The index rows of the records that are final (a retryable failure is computed again)."""
-    return np.array([record_row(r) for r in records if r.is_final], dtype=ROW)
-
-
-def parse_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
-    """The records among a results part's lines, in order, and how many non-empty lines are not records."""
-    records, bad = [], 0
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            records.append(ResultRecord.model_validate_json(line))
-        except ValidationError:
-            bad += 1
-    return records, bad
-
-
-def final_records(lines: list[str]) -> tuple[list[ResultRecord], int]:
-    """The final records among a part's lines, in order (the i-th is its done-index row i), and how
-    many non-empty lines are not records."""
-    records, bad = parse_records(lines)
-    return [r for r in records if r.is_final], bad
-
-
-def read_part_lines(out: Storage, key: str) -> list[str]:
-    """A part's lines. A read that fails transiently is tried again, then raised."""
-    return retry_transient(lambda: out.read(key), out.describe(key)).decode("utf-8").splitlines()
-
-
-def _parse_part(out: Storage, part: ObjectRef, log) -> np.ndarray | None:
-    """A part's rows from its records. A transient failure is raised (the load is retried):
-    skipped, its results would be computed again and written twice."""
-    try:
-        lines = read_part_lines(out, part.key)
-    except Exception as exc:
-        if is_transient(exc):
-            raise
-        log.warning("unreadable results part skipped", part=out.describe(part.key), error=str(exc))
-        return None
-    records, bad = parse_records(lines)
-    if bad:
-        log.warning("results part has lines that are not records; they are ignored",
-                    part=out.describe(part.key), bad_lines=bad)
-    return index_rows(records)
-
-
-def read_part_rows(out: Storage, parts: list[ObjectRef], log) -> tuple[dict[str, np.ndarray], list[str]]:
-    """The rows of `parts`, parsed side by side, and the parts that could not be read."""
-    with ThreadPoolExecutor(READERS) as pool:
-        read = list(pool.map(lambda part: _parse_part(out, part, log), parts))
-    return ({part.key: rows for part, rows in zip(parts, read) if rows is not None},
-            [part.key for part, rows in zip(parts, read) if rows is None])
-
-
-def listed_under(out: Storage, prefixes: Iterable[str]) -> dict[str, ObjectRef]:
-    objects: dict[str, ObjectRef] = {}
-    for prefix in sorted(set(prefixes)):
-        objects.update((ref.key, ref) for ref in out.iter_objects(prefix=prefix))
-    return objects
-
-
-def view_files(out: Storage) -> list[ObjectRef]:
-    """The view's files (the .parquet files directly under parquet/): compacted ones, then the
-    runs', each by name (its stamp)."""
-    files = [ref for ref in out.iter_objects(prefix=PARQUET_VIEW_PREFIX)
+def view_files(listed: Iterable[ObjectRef]) -> list[ObjectRef]:
+    """The view's files among the objects `listed` under parquet/ (the .parquet files directly
+    there, not the parts in its folders): compacted ones, then the runs', each by name (its stamp)."""
+    files = [ref for ref in listed
              if ref.key.endswith(".parquet") and "/" not in ref.key.removeprefix(PARQUET_VIEW_PREFIX)]
     return sorted(files, key=lambda ref: (not ref.key.removeprefix(PARQUET_VIEW_PREFIX).startswith("compacted-"),
                                           ref.key))
 
 
 def view_file_rows(out: Storage, ref: ObjectRef, fingerprint: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """A view file's rows of `fingerprint`, which rows of the file they are (None: all), and the
-    first row of each of its row groups; read from the fingerprint and hash columns of the row
-    groups whose statistics may hold the fingerprint (ranged reads on S3)."""
+    """A view file's (or part's) rows of `fingerprint`'s final results, which rows of the file they
+    are (None: all), and the first row of each of its row groups; read from the fingerprint, hash
+    and retryable columns of the row groups whose statistics may hold the fingerprint (ranged
+    reads on S3)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     with open_seekable(out, ref.key, ref.size) as raw:
         source = pq.ParquetFile(raw)
-        meta, position = source.metadata, source.schema_arrow.get_field_index("fingerprint")
-        columns = ["fingerprint", *VIEW_HASHES] if set(VIEW_HASHES) <= set(source.schema_arrow.names) else None
+        meta, names = source.metadata, source.schema_arrow.names
+        columns = ["fingerprint", *VIEW_HASHES] if set(VIEW_HASHES) <= set(names) else None
+        if columns and RETRYABLE in names:
+            columns.append(RETRYABLE)
         starts = np.cumsum([0] + [meta.row_group(group).num_rows for group in range(meta.num_row_groups)])
         rows, ordinals = [], []
-        for group in range(meta.num_row_groups):
-            stats = meta.row_group(group).column(position).statistics
-            if stats is None or not stats.has_min_max or stats.min <= fingerprint <= stats.max:
-                table = source.read_row_group(group, columns=columns)
-                mine = np.flatnonzero(pc.equal(table["fingerprint"], fingerprint).fill_null(False).to_numpy(
-                    zero_copy_only=False))
-                rows.append(table_rows(table)[mine])
-                ordinals.append((mine + starts[group]).astype(np.uint32))
+        for group in may_hold(meta, names.index("fingerprint"), fingerprint):
+            table = source.read_row_group(group, columns=columns)
+            wanted = pc.equal(table["fingerprint"], fingerprint)
+            if RETRYABLE in table.column_names:  # a part's retryable failures are computed again, never done
+                wanted = pc.and_(wanted, pc.invert(pc.fill_null(table[RETRYABLE], False)))
+            mine = np.flatnonzero(wanted.fill_null(False).to_numpy(zero_copy_only=False))
+            rows.append(table_rows(table)[mine])
+            ordinals.append((mine + starts[group]).astype(np.uint32))
     at = np.concatenate(ordinals) if ordinals else np.empty(0, np.uint32)
     return (np.concatenate(rows) if rows else np.empty(0, ROW), None if len(at) == meta.num_rows else at,
             starts[:-1])
+
+
+def may_hold(meta, position: int, fingerprint: str) -> list[int]:
+    """The row groups of a Parquet file (its metadata) whose statistics of column `position` (the
+    fingerprint) may hold `fingerprint`."""
+    groups = []
+    for group in range(meta.num_row_groups):
+        stats = meta.row_group(group).column(position).statistics
+        if stats is None or not stats.has_min_max or stats.min <= fingerprint <= stats.max:
+            groups.append(group)
+    return groups
 
 
 def table_rows(table) -> np.ndarray:
@@ -174,38 +124,65 @@ def table_rows(table) -> np.ndarray:
 
 
 class Source(NamedTuple):
-    """Rows read from one object: a part (row i is its i-th final record) or a view file of
-    `size` bytes whose row groups begin at rows `starts` (row i is the file's row `at[i]`, or i)."""
+    """Rows read from one Parquet file (a view file or a part) of `size` bytes whose row groups
+    begin at rows `starts`: row i is the file's row `at[i]` (or i, where `at` is None)."""
 
     key: str
     rows: np.ndarray
     at: np.ndarray | None = None
-    starts: np.ndarray | None = None  # None: a part
+    starts: np.ndarray | None = None
     size: int = 0
 
 
 class LoadedRows(NamedTuple):
-    """What a load read: its sources, and the parts it could not read (their items are computed again)."""
+    """What a load read: its sources, and the files it could not read (their items are computed again)."""
 
     sources: list[Source]
     unreadable: list[str]
 
 
+def view_and_parts(out: Storage, fingerprint: str) -> tuple[list[ObjectRef], list[ObjectRef]]:
+    """The view's files (`view_files`) and `fingerprint`'s parts not folded into them yet, from
+    one listing of the view."""
+    listed = list(out.iter_objects(prefix=PARQUET_VIEW_PREFIX))
+    prefix = parts_prefix(fingerprint)
+    return view_files(listed), [ref for ref in listed if ref.key.startswith(prefix) and ref.key.endswith(".parquet")]
+
+
 def load_rows(out: Storage, fingerprint: str) -> LoadedRows:
-    """The rows of `fingerprint`'s final results: the view's, and the parts of the runs it still
-    owes a file; or, where the view holds none, every part's."""
+    """The rows of `fingerprint`'s final results: the view's files' and the parts not folded into
+    them yet (a killed run's, a running one's). A file that cannot be read (not transiently) is
+    skipped with a warning; its results are computed again."""
     log = get_logger(fingerprint=fingerprint)
-    owed_prefix = view_owed_prefix(fingerprint)
-    # The marks before the files: a run writes its file before it removes its mark, so a load
-    # sees one or the other, never neither.
-    owed = [ref.key[len(owed_prefix):] for ref in out.iter_objects(prefix=owed_prefix)]
-    files = view_files(out)
+    files, parts = view_and_parts(out, fingerprint)
+
+    def read(ref: ObjectRef):
+        try:
+            return retry_transient(lambda: view_file_rows(out, ref, fingerprint), out.describe(ref.key))
+        except Exception as exc:
+            if is_transient(exc):
+                raise  # skipped, its results would be computed again and written twice
+            log.warning("unreadable results file skipped", file=out.describe(ref.key), error=str(exc))
+            return None
+
     with ThreadPoolExecutor(READERS) as pool:
-        read = list(pool.map(lambda ref: view_file_rows(out, ref, fingerprint), files))
-    sources = [Source(ref.key, rows, at, starts, ref.size) for ref, (rows, at, starts) in zip(files, read) if len(rows)]
-    prefixes = [part_prefix(fingerprint, run) for run in owed] if sources else [results_prefix(fingerprint)]
-    parts = [ref for key, ref in listed_under(out, prefixes).items()
-             if key.endswith(".jsonl") and key.count("/") == 2]
-    by_part, unreadable = read_part_rows(out, parts, log)
-    sources += [Source(key, rows) for key, rows in by_part.items()]
-    return LoadedRows(sources, unreadable)
+        read_rows = list(pool.map(read, files + parts))
+    return LoadedRows([Source(ref.key, *rows, ref.size) for ref, rows in zip(files + parts, read_rows)
+                       if rows is not None and len(rows[0])],
+                      [ref.key for ref, rows in zip(files + parts, read_rows) if rows is None])
+
+
+def has_results(out: Storage, fingerprint: str) -> bool:
+    """Whether the output may hold a result of `fingerprint`: a part, or a view file (the newest
+    first) with a row group whose statistics may hold it; only the files' footers are read."""
+    import pyarrow.parquet as pq
+
+    files, parts = view_and_parts(out, fingerprint)
+    if parts:
+        return True
+    for ref in reversed(files):
+        with open_seekable(out, ref.key, ref.size) as raw:
+            meta = pq.ParquetFile(raw).metadata
+            if may_hold(meta, meta.schema.to_arrow_schema().names.index("fingerprint"), fingerprint):
+                return True
+    return False

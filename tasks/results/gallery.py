@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_rows import parse_records
+from vlm_caption.tasks.results.parquet import read_records
 from vlm_caption.tasks.results.gallery_page import GalleryItem, publish_gallery, render_gallery
 from vlm_caption.tasks.results.layout import manifest_key
 from vlm_caption.tasks.records import ResultRecord
@@ -180,14 +180,14 @@ def run_records(out: Storage, parts: list[str], unreadable: list[str] | None = N
     the history. A part that cannot be read is logged and added to `unreadable`."""
     for key in (key_within(out, p) for p in parts):
         try:
-            lines = out.read(key).decode("utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
+            records = read_records(out, key)
+        except Exception as exc:  # noqa: BLE001 - logged and named: its items are not shown
             get_logger().warning("gallery: a results part could not be read; its items are not shown",
                                  part=out.describe(key), error=f"{type(exc).__name__}: {exc}")
             if unreadable is not None:
                 unreadable.append(out.describe(key))
             continue
-        yield from parse_records(lines)[0]
+        yield from records
 
 
 def media_fetcher(source: SourceSpec) -> Callable[[ResultRecord], bytes | None]:

@@ -1,35 +1,30 @@
-"""Where results live under the output URI: the keys of docs/results.md's "Layout" (parts, view-owed
-marks, manifests, partition reports, the Parquet view's files)."""
+"""Where results live under the output URI: the keys of docs/results.md's "Layout" (the Parquet
+view's files and the parts of runs not folded into it yet, manifests, partition reports)."""
 
 import re
 import time
 import uuid
 
 _PARTITION_SUFFIX = re.compile(r"-p\d+$")
-_PART_NAME = re.compile(r"^part-(.+)-\d{5}\.jsonl$")
+_PART_NAME = re.compile(r"^part-(.+)-\d{5}\.parquet$")
 PARQUET_VIEW_PREFIX = "parquet/"
 VIEW_HASHES = ("done_key", "listed_hash", "content_hash")  # a view row's done-index row (done_rows.py)
+RETRYABLE = "error_retryable"  # a part's column: its row is a failure the next run tries again
 
 
-def results_prefix(fingerprint: str) -> str:
-    return f"results/{fingerprint}/"
-
-
-def view_owed_prefix(fingerprint: str) -> str:
-    return f"{results_prefix(fingerprint)}view-owed/"
-
-
-def view_owed_key(fingerprint: str, run_id: str) -> str:
-    return f"{view_owed_prefix(fingerprint)}{run_id}"
+def parts_prefix(fingerprint: str) -> str:
+    """Where the runs of `fingerprint` write their parts, inside the view: a run folds its own
+    into its view file at its end and deletes them, so what is here is a killed or running run's."""
+    return f"{PARQUET_VIEW_PREFIX}{fingerprint}/"
 
 
 def part_prefix(fingerprint: str, parts_id: str) -> str:
     """The keys of `parts_id`'s parts (and, for a run's id, its partitions')."""
-    return f"{results_prefix(fingerprint)}part-{parts_id}-"
+    return f"{parts_prefix(fingerprint)}part-{parts_id}-"
 
 
 def part_key(fingerprint: str, parts_id: str, shard_index: int) -> str:
-    return f"{part_prefix(fingerprint, parts_id)}{shard_index:05d}.jsonl"
+    return f"{part_prefix(fingerprint, parts_id)}{shard_index:05d}.parquet"
 
 
 def partition_parts_id(run_id: str, index: int) -> str:

@@ -1,24 +1,25 @@
-"""An output's final results as Parquet rows: the schema, the rules (docs/results.md), and the
+"""Results as Parquet rows: the schema (of a shard's part and of the view's files alike), a
+record's row and back, which rows are each result's latest (`latest_rows`), the writes, and the
 one-file export (`vlm-caption export OUTPUT --to PATH`); the view under <output>/parquet/ is
-parquet_view.py. Memory: one part and one row group of ROW_GROUP_ROWS, plus 16 bytes per result.
+parquet_view.py. Memory: one row group of ROW_GROUP_ROWS, plus 24 bytes per result.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import io
 import json
 import re
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_rows import final_records, read_part_rows, record_row
-from vlm_caption.tasks.results.layout import VIEW_HASHES, manifest_key, run_of
+from vlm_caption.tasks.results.done_rows import ROW, record_row, result_key, table_rows, view_files
+from vlm_caption.tasks.results.layout import PARQUET_VIEW_PREFIX, RETRYABLE, VIEW_HASHES
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.sources.items import ObjectRef
 from vlm_caption.tasks.sources.storage import Storage
@@ -41,7 +42,7 @@ def results_schema():
 
     return pa.schema([
         ("key", pa.string()), ("source", pa.string()), ("question", pa.string()), ("caption", pa.string()),
-        ("error_kind", pa.string()), ("error_message", pa.string()),
+        ("error_kind", pa.string()), ("error_message", pa.string()), (RETRYABLE, pa.bool_()),
         ("model", pa.string()), ("recipe", pa.string()), ("run_id", pa.string()), ("fingerprint", pa.string()),
         ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()),
         ("timings", pa.struct([(name, pa.float64()) for name in TIMING_KEYS])),
@@ -62,6 +63,7 @@ def view_row(record: ResultRecord, source: str | None) -> dict[str, Any]:
     row.update(source=source, caption=record.text, error_kind=error.get("kind"), error_message=error.get("message"),
                timings={name: record.timings.get(name) for name in TIMING_KEYS}, video=_json(record.video),
                members=_json([m.model_dump() for m in record.members] if record.members else None))
+    row[RETRYABLE] = error.get("retryable", False) if error else None
     for name in _EXTRA:
         value = getattr(record, name, None)
         row[name] = value if value is None or isinstance(value, str) else _json(value)
@@ -70,8 +72,8 @@ def view_row(record: ResultRecord, source: str | None) -> dict[str, Any]:
 
 
 def record_from_row(row: dict[str, Any]) -> ResultRecord:
-    """The record a view row was made from (`view_row`), as far as a copy of its answer needs it:
-    every field but a string-valued `structured` that reads as JSON."""
+    """The record a row was made from (`view_row`): every field but a string-valued `structured`
+    that reads as JSON."""
     fields = {name: row.get(name) for name in _EXTRA}
     for name, value in fields.items():
         if isinstance(value, str) and ResultRecord.model_fields[name].annotation != (str | None):
@@ -79,30 +81,38 @@ def record_from_row(row: dict[str, Any]) -> ResultRecord:
                 fields[name] = json.loads(value)
     fields.update({name: row[name] for name in _SAME}, prompt_tokens=row["prompt_tokens"] or 0,
                   output_tokens=row["output_tokens"] or 0)
-    error = {"kind": row["error_kind"], "message": row["error_message"]} if row.get("error_kind") else None
+    error = {"kind": row["error_kind"], "message": row["error_message"],
+             "retryable": bool(row.get(RETRYABLE))} if row.get("error_kind") else None
     return ResultRecord(
         text=row["caption"], error=error, members=json.loads(row["members"]) if row.get("members") else None,
         video=json.loads(row["video"]) if row.get("video") else None,
         timings={k: v for k, v in (row.get("timings") or {}).items() if v is not None}, **fields)
 
 
+def read_records(out: Storage, key: str) -> list[ResultRecord]:
+    """The records of a part (or a view file), in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return [record_from_row(row) for row in pq.read_table(pa.BufferReader(out.read(key))).to_pylist()]
+
+
 def part_order(part: ObjectRef) -> tuple[str, str]:
-    """Parts sort by their run's UTC stamp (`part-<8 hex>-<stamp>[-pN]-<shard>.jsonl`), then name."""
+    """Parts sort by their run's UTC stamp (`part-<8 hex>-<stamp>[-pN]-<shard>.parquet`), then name."""
     found = STAMP_IN_NAME.search(part.key.rsplit("/", 1)[-1])
     return (found.group(1) if found else "", part.key)
 
 
-def latest_ordinals(keyed: list[np.ndarray], stamps: list[np.ndarray] | None = None) -> list[np.ndarray]:
-    """Given each part's (or file's) result keys in record order (parts oldest first), the
-    ordinals in each part of the results that are the latest: a key's last record in the newest
-    part holding it; with `stamps` (a number per record, like the keys), the latest stamp first."""
+def latest_ordinals(keyed: list[np.ndarray], stamps: list[np.ndarray]) -> list[np.ndarray]:
+    """Given each file's result keys in row order (files oldest first) and a stamp per row, the
+    ordinals in each file of the results that are the latest: a key's row with the latest stamp,
+    then in the newest file holding it, then the last there."""
     if not keyed:
         return []
     key = np.concatenate([k.astype(np.uint64) for k in keyed])
     rank = np.concatenate([np.full(len(k), i, np.uint32) for i, k in enumerate(keyed)])
     ordinal = np.concatenate([np.arange(len(k), dtype=np.uint32) for k in keyed])
-    by_stamp = (np.concatenate(stamps),) if stamps is not None else ()
-    order = np.lexsort((ordinal, rank, *by_stamp, key))  # by key, then oldest to newest (stamp, part, record)
+    order = np.lexsort((ordinal, rank, np.concatenate(stamps), key))  # by key, then oldest to newest
     key, rank, ordinal = key[order], rank[order], ordinal[order]
     last = np.ones(len(key), bool)
     last[:-1] = key[1:] != key[:-1]
@@ -110,53 +120,61 @@ def latest_ordinals(keyed: list[np.ndarray], stamps: list[np.ndarray] | None = N
     return [np.sort(ordinal[rank == i]) for i in range(len(keyed))]
 
 
-def latest_in_parts(out: Storage, parts: list[ObjectRef], log,
-                    report: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """For each part (oldest first), its result keys in its final records' order and the
-    ordinals among them of the results that are the latest (`latest_ordinals`). A part that
-    cannot be read is named in `report` as skipped (it has no keys)."""
-    rows_of, unreadable = read_part_rows(out, parts, log)
-    for key in unreadable:
-        report["skipped_parts"][out.describe(key)] = "unreadable"
-    keyed = [rows_of[part.key]["key"] if part.key in rows_of else np.empty(0, np.uint64) for part in parts]
-    return keyed, latest_ordinals(keyed)
+class Latest(NamedTuple):
+    """Of files read oldest first: each file's rows that are their result's latest final record,
+    the done-index keys of those rows (all files together), the files that could not be read, and
+    the final rows left out as older records of a result."""
+
+    wanted: list[np.ndarray]
+    done_keys: np.ndarray
+    unreadable: dict[str, str]
+    dropped: int
 
 
-def select_rows(out: Storage, chosen: Iterable[tuple[ObjectRef, np.ndarray]], log,
-                report: dict) -> Iterator[list[dict[str, Any]]]:
-    """The rows of the chosen records, a list per part: for each part, the ordinals (among its
-    final records, as its done-index rows count them) to take."""
+def latest_rows(out: Storage, files: list[ObjectRef]) -> Latest:
+    """Each result (fingerprint, item key, question) once, the latest: its row in the newest run
+    (the run id's stamp), then the later file, then the later row. A part's retryable failures are
+    left out. Memory: 24 bytes a row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
 
-    @functools.cache
-    def source_of(run: str) -> str | None:
-        """The source (or manifest) run `run` read, from its manifest (a fanned-out run's one, for
-        its partitions' records too); None where there is none (named in `runs_without_source`)."""
+    hashes, stamps, eligible, done_keys, unreadable = [], [], [], [], {}
+    for ref in files:
         try:
-            parameters = json.loads(out.read(manifest_key(run))).get("parameters") or {}
-            return parameters.get("source") or parameters.get("manifest")
-        except Exception as exc:  # noqa: BLE001 - a run that wrote no manifest (killed): no source column
-            reason = f"{type(exc).__name__}: {exc}"
-            report.setdefault("runs_without_source", {})[run] = reason
-            log.warning("run's manifest unreadable; its rows have no source", run_id=run,
-                        manifest=out.describe(manifest_key(run)), error=reason)
-            return None
+            data = pa.BufferReader(out.read(ref.key))
+            names = pq.ParquetFile(data).schema_arrow.names
+            table = pq.read_table(data, columns=[
+                name for name in ("fingerprint", "key", "question", "run_id", RETRYABLE, "done_key") if name in names])
+        except Exception as exc:  # noqa: BLE001 - named in the report; its rows are left out
+            unreadable[out.describe(ref.key)] = f"unreadable: {type(exc).__name__}: {exc}"
+            table = results_schema().empty_table().select(["fingerprint", "key", "question", "run_id"])
+        final = np.ones(len(table), bool)
+        if RETRYABLE in table.column_names:
+            final = ~pc.fill_null(table[RETRYABLE], False).to_numpy(zero_copy_only=False)
+        table = table.filter(pa.array(final))
+        eligible.append(np.flatnonzero(final).astype(np.uint32))
+        hashes.append(np.fromiter((result_key(f"{fp}\x1f{key}", question) for fp, key, question in zip(
+            table["fingerprint"].to_pylist(), table["key"].to_pylist(), table["question"].to_pylist())),
+            np.uint64, len(table)))
+        stamp = pc.struct_field(pc.extract_regex(pc.fill_null(table["run_id"], ""), STAMP_IN_NAME.pattern), [0])
+        stamps.append(pc.fill_null(pc.cast(pc.replace_substring(stamp, "T", ""), pa.int64()), 0).to_numpy())
+        done_keys.append(table["done_key"].to_numpy(zero_copy_only=False) if "done_key" in table.column_names
+                         else np.zeros(len(table), np.uint64))
+    keep = latest_ordinals(hashes, stamps)
+    return Latest([rows[wanted] for rows, wanted in zip(eligible, keep)],
+                  np.concatenate([keys[wanted] for keys, wanted in zip(done_keys, keep)] or [np.empty(0, np.uint64)]),
+                  unreadable, sum(map(len, hashes)) - sum(map(len, keep)))
 
-    for part, wanted in chosen:
-        name = out.describe(part.key)
-        if not len(wanted) or name in report["skipped_parts"]:
-            continue
-        try:
-            data = out.read(part.key)
-            records, bad = final_records(data.decode("utf-8").splitlines())
-        except (OSError, UnicodeDecodeError) as exc:
-            report["skipped_parts"][name] = f"unreadable: {exc}"
-            log.warning("results part unreadable; left out of the Parquet export", part=name, error=str(exc))
-            continue
-        if bad or not data.endswith(b"\n"):
-            report["damaged_parts"][name] = f"{bad} line(s) are not records (cut short?)"
-        # Rows keyed in pass one come from the same body (a part is written once, whole): each
-        # wanted ordinal names a final record.
-        yield [view_row(records[i], source_of(run_of(records[i].run_id))) for i in wanted if i < len(records)]
+
+def part_bytes(rows: list[dict[str, Any]]) -> bytes:
+    """A shard's part: its rows as one Parquet file, in memory (a shard is small)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=results_schema()), buffer, compression="zstd")
+    return buffer.getvalue()
 
 
 def write_rows(target: Storage, key: str, batches: Iterable, *, row_group_rows: int = ROW_GROUP_ROWS,
@@ -189,33 +207,70 @@ def write_rows(target: Storage, key: str, batches: Iterable, *, row_group_rows: 
 
 
 def finished(report: dict, started: float, **fields: Any) -> dict:
-    """An export's result: `fields`, `complete` (no part damaged or skipped), the seconds since
-    `started`, and the report's entries that are not empty."""
-    complete = not report["damaged_parts"] and not report["skipped_parts"]
-    return {**fields, "complete": complete, "seconds": round(time.perf_counter() - started, 3),
+    """An export's result: `fields`, `complete` (no file skipped), the seconds since `started`,
+    and the report's entries that are not empty."""
+    return {**fields, "complete": not report.get("skipped"), "seconds": round(time.perf_counter() - started, 3),
             **{k: v for k, v in report.items() if v}}
+
+
+def kept_rows(source, keep: np.ndarray) -> Iterator:
+    """The rows of ParquetFile `source` whose indexes are in sorted `keep`, as tables in the
+    results' schema, row group by row group (memory: one row group)."""
+    import pyarrow as pa
+
+    schema, start = results_schema(), 0
+    for index in range(source.num_row_groups):
+        count = source.metadata.row_group(index).num_rows
+        wanted = keep[np.searchsorted(keep, start):np.searchsorted(keep, start + count)] - start
+        start += count
+        if not len(wanted):
+            continue
+        table = source.read_row_group(index)
+        if not table.schema.equals(schema):
+            # Written before a column existed (the hash columns among them): it gets it, made from
+            # its other columns, or empty.
+            rows = table_rows(table)
+            made = {column: pa.array(rows[name]) for column, name in zip(VIEW_HASHES, ROW.names)}
+            table = pa.table([table[field.name] if field.name in table.column_names else
+                              made.get(field.name, pa.nulls(len(table), field.type)) for field in schema],
+                             schema=schema)
+        yield table if len(wanted) == count else table.take(pa.array(wanted))
+
+
+def chosen_tables(out: Storage, files: list[ObjectRef], wanted: list[np.ndarray]) -> Iterator:
+    """The rows `wanted` of each file, as tables of the results' schema."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for ref, rows in zip(files, wanted):
+        if len(rows):
+            yield from kept_rows(pq.ParquetFile(pa.BufferReader(out.read(ref.key))), rows)
+
+
+def merge_files(out: Storage, files: list[ObjectRef], target: Storage, key: str, *,
+                row_group_rows: int = ROW_GROUP_ROWS) -> dict:
+    """Write the final results of `files` (oldest first), each once, the latest, as one Parquet
+    file `key` in `target`; a report: where, rows, row groups, seconds, the files skipped."""
+    started = time.perf_counter()
+    latest = latest_rows(out, files)
+    rows, groups = write_rows(target, key, chosen_tables(out, files, latest.wanted), row_group_rows=row_group_rows)
+    return finished({"skipped": latest.unreadable}, started, path=target.describe(key), rows=rows, row_groups=groups,
+                    duplicates_dropped=latest.dropped)
 
 
 def export_parquet(out: Storage, target: Storage, target_key: str, *,
                    row_group_rows: int = ROW_GROUP_ROWS) -> dict:
-    """Write the output `out`'s final records (every part, every fingerprint) as one Parquet
-    file, `target_key` in `target`, and return a report: where, rows, row groups, seconds, and
-    any damaged or skipped parts."""
-    started = time.perf_counter()
+    """Write the output `out`'s final results (the view's files and the parts not folded into
+    them, every fingerprint; each result once, the latest) as one Parquet file, `target_key` in
+    `target`, and return `merge_files`'s report."""
+    listed = list(out.iter_objects(prefix=PARQUET_VIEW_PREFIX))
+    parts = [ref for ref in listed if ref.key.count("/") == 2 and ref.key.endswith(".parquet")]
+    result = merge_files(out, view_files(listed) + sorted(parts, key=part_order), target, target_key,
+                         row_group_rows=row_group_rows)
     log = get_logger()
-    report: dict[str, Any] = {"damaged_parts": {}, "skipped_parts": {}}
-    by_fingerprint: dict[str, list[ObjectRef]] = {}  # each fingerprint's parts, oldest first
-    for ref in sorted(out.iter_objects(prefix="results/"), key=part_order):
-        segments = ref.key.split("/")
-        if len(segments) == 3 and segments[2].endswith(".jsonl"):
-            by_fingerprint.setdefault(segments[1], []).append(ref)
-    chosen = ((part, wanted) for _, parts in sorted(by_fingerprint.items())  # each one's latest results
-              for part, wanted in zip(parts, latest_in_parts(out, parts, log, report)[1]))
-    rows, groups = write_rows(target, target_key, select_rows(out, chosen, log, report), row_group_rows=row_group_rows)
-    result = finished(report, started, path=target.describe(target_key), rows=rows, row_groups=groups)
     if result["complete"]:
-        log.info("results exported as Parquet", path=result["path"], rows=rows)
+        log.info("results exported as Parquet", path=result["path"], rows=result["rows"])
     else:
-        log.warning("results exported as Parquet without some parts", path=result["path"], rows=rows,
-                    damaged=list(report["damaged_parts"]), skipped=list(report["skipped_parts"]))
+        log.warning("results exported as Parquet without some files", path=result["path"], rows=result["rows"],
+                    skipped=list(result["skipped"]))
     return result

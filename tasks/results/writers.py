@@ -1,4 +1,4 @@
-"""Write results: one atomic JSON Lines part per shard, the run's manifest (last), and a
+"""Write results: one atomic Parquet part per shard, the run's manifest (last), and a
 fanned-out child's report for its parent. A full disk under a folder output is one
 `DiskFullError`, not retried; the write that failed left nothing behind, so a rerun skips every
 part on disk."""
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import json
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,9 +14,9 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.errors import OutOfSpaceError, free_space, retry_unless_permanent
-from vlm_caption.tasks.results.done_rows import parse_records, read_part_lines
 from vlm_caption.tasks.results.layout import (manifest_key, part_key, part_prefix, partition_parts_id,
-                                              partition_report_key, run_of, view_owed_key)
+                                              partition_report_key)
+from vlm_caption.tasks.results.parquet import part_bytes, read_records, view_row
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.results.report import PartitionReport, RunStats
 from vlm_caption.tasks.sources.storage import Storage
@@ -45,28 +44,18 @@ def write_object(out: Storage, key: str, data: bytes) -> None:
         raise error from None
 
 
-_owed: set[tuple[str, str, str]] = set()  # (output, fingerprint, run) this process has marked owed
-_owed_lock = threading.Lock()
-
-
-def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int,
-                records: list[ResultRecord], done_key: str | None = None) -> str | None:
-    """One JSON Lines file per shard, written atomically; nothing to write, no file. Before the
-    run's first part, its mark that the Parquet view owes it a file (which also makes the next
-    done-index load read its parts). Then `done_key`, the shard's claim marked done for the
-    other partitions of a fan-out (tasks/claims.py): only after its part, so a partition that
-    dies between the two has the shard redone, never lost. A failure is raised: the shard's
-    batch tries it again, rewriting the whole part."""
+def write_shard(out: Storage, fingerprint: str, parts_id: str, shard_index: int, records: list[ResultRecord],
+                source: str, done_key: str | None = None) -> str | None:
+    """One Parquet part per shard, in the view's folder of `fingerprint` (`source`: the job's
+    source or manifest, the rows' column), written atomically; nothing to write, no file. Then
+    `done_key`, the shard's claim marked done for the other partitions of a fan-out
+    (tasks/claims.py): only after its part, so a partition that dies between the two has the
+    shard redone, never lost. A failure is raised: the shard's batch tries it again, rewriting
+    the whole part."""
     written = None
     if records:
         key = part_key(fingerprint, parts_id, shard_index)
-        body = "".join(record.model_dump_json() + "\n" for record in records).encode()
-        run = run_of(parts_id)  # the mark, once per process and run
-        with _owed_lock:
-            if (out.uri, fingerprint, run) not in _owed:
-                write_object(out, view_owed_key(fingerprint, run), b"")
-                _owed.add((out.uri, fingerprint, run))
-        write_object(out, key, body)
+        write_object(out, key, part_bytes([view_row(record, source) for record in records]))
         written = out.describe(key)
     if done_key is not None:
         write_object(out, done_key, b"")
@@ -103,10 +92,10 @@ def report_from_parts(out: Storage, fingerprint: str, run_id: str, index: int,
     engine's time, are not in its parts: they stay out of the counts."""
     stats, prefix = RunStats(), part_prefix(fingerprint, partition_parts_id(run_id, index))
     for ref in out.iter_objects(prefix=prefix):
-        if not ref.key.endswith(".jsonl"):
+        if not ref.key.endswith(".parquet"):
             continue
-        records, _ = parse_records(read_part_lines(out, ref.key))
-        shard = int(ref.key[len(prefix):].removesuffix(".jsonl"))
+        records = read_records(out, ref.key)
+        shard = int(ref.key[len(prefix):].removesuffix(".parquet"))
         stats.add(0 if retaken(shard) else len({record.key for record in records}), 0, records)
         stats.parts.append(out.describe(ref.key))
     return stats.report(index, None)
