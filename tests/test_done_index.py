@@ -139,7 +139,8 @@ class LoadsAtEachStep:
 def test_a_fold_leaves_every_result_in_the_view_at_each_step_and_folded_again_gives_the_same(tmp_path):
     """Killed between any two steps of its fold (its file written, an older file rewritten, a
     part deleted), a run leaves each result in the view, at worst twice; the next run folds what
-    is left, and the view holds each result once, the latest."""
+    is left (with the run's file where it was written), and the view holds each result once, the
+    latest."""
     out = _out(tmp_path / "out")
     write_shard(out, FP, RUN1, 0, [_record(0), _record(1)], SOURCE)
     _fold(out, RUN1)
@@ -158,6 +159,13 @@ def test_a_fold_leaves_every_result_in_the_view_at_each_step_and_folded_again_gi
     rows = [row for s in load_rows(out, FP).sources for row in s.rows["key"].tolist()]
     assert len(rows) == len(set(rows)) == 4
     assert read_done_index(out, FP).earlier_answer("q", sha256=f"{1:064x}").text == "again"
+
+    # Killed while deleting its parts (one left): folded again, its file still holds all three.
+    write_shard(out, FP, RUN2, 2, [_record(3)], SOURCE)
+    report = export_after_run.fn(out, out.uri, FP, "dddd0000-20260104T000000")
+    assert report["repaired"][RUN2]["rows"] == 3 and parts_by_run(out, FP) == {}
+    rows = [row for s in load_rows(out, FP).sources for row in s.rows["key"].tolist()]
+    assert len(rows) == len(set(rows)) == 4
 
 
 def test_a_view_file_without_the_hash_columns_gives_the_same_rows(tmp_path):

@@ -31,14 +31,17 @@ def fold_run(out: Storage, fingerprint: str, run_id: str, parts: list[ObjectRef]
     each once, the latest, written as `parquet/run-<run_id>.parquet`; a result they replaced taken
     out of the older file that held it (as `earlier`, a done-index of the output, says); then the
     parts deleted. Each step leaves every result in the view, at worst twice (a kill between
-    them): folded again by the next run, a run's parts give the same file."""
+    them): folded again by the next run, with its file where it was written."""
     started = time.perf_counter()
     log = get_logger(run_id=run_id, fingerprint=fingerprint)
-    parts = sorted(parts, key=part_order)
-    latest = latest_rows(out, parts)
     key = run_parquet_key(run_id)
-    holders = _holders(out, earlier, {part.key for part in parts}, latest.done_keys, key)
-    rows, groups = write_rows(out, key, chosen_tables(out, parts, latest.wanted), empty_too=False)
+    files = view_files(out.iter_objects(prefix=PARQUET_VIEW_PREFIX))
+    # A run folded before and killed while deleting its parts: its file is read with the parts
+    # left, so that the file written again holds every result of the run, not those parts' alone.
+    sources = [ref for ref in files if ref.key == key] + sorted(parts, key=part_order)
+    latest = latest_rows(out, sources)
+    holders = _holders(files, earlier, {part.key for part in parts}, latest.done_keys, key)
+    rows, groups = write_rows(out, key, chosen_tables(out, sources, latest.wanted), empty_too=False)
     rewritten: dict[str, int] = {}  # older view files: the rows removed from each
     report: dict[str, Any] = {"rewritten": rewritten, "skipped": latest.unreadable}
     for member, results in holders:
@@ -61,12 +64,12 @@ def fold_run(out: Storage, fingerprint: str, run_id: str, parts: list[ObjectRef]
     return result
 
 
-def _holders(out: Storage, earlier: DoneIndex, mine: set[str], added: np.ndarray,
+def _holders(view: list[ObjectRef], earlier: DoneIndex, mine: set[str], added: np.ndarray,
              own: str) -> list[tuple[ObjectRef, set[int]]]:
-    """The view's files that may hold an earlier record of a result the run added, each with those
-    results' keys, as the done-index says: the file it read the record from, or for a part its
-    run's file; where that file is gone since (merged), the compacted files."""
-    files = {ref.key: ref for ref in view_files(out.iter_objects(prefix=PARQUET_VIEW_PREFIX)) if ref.key != own}
+    """The view's files (of `view`) that may hold an earlier record of a result the run added,
+    each with those results' keys, as the done-index says: the file it read the record from, or
+    for a part its run's file; where that file is gone since (merged), the compacted files."""
+    files = {ref.key: ref for ref in view if ref.key != own}
     merged = [key for key in files if not key.removeprefix(PARQUET_VIEW_PREFIX).startswith("run-")]
     holders: dict[str, set[int]] = defaultdict(set)
     for source, keys in earlier.holding(added).items():
