@@ -70,11 +70,17 @@ def demo_job(args, job_fields: dict[str, Any]) -> CaptionJob:
 
 
 def print_samples(summary: dict[str, Any], output: str) -> None:
-    """The first captions, under the run's summary (from the run's file of the Parquet view)."""
+    """The first captions of the job, under the run's summary: from the newest file of the
+    Parquet view that holds any (this run's, or an earlier run's when nothing was new)."""
+    from vlm_caption.tasks.results.done_rows import view_files
+    from vlm_caption.tasks.results.layout import PARQUET_VIEW_PREFIX
     from vlm_caption.tasks.results.parquet import read_records
-    from vlm_caption.tasks.sources.storage import open_storage, split_parent
+    from vlm_caption.tasks.sources.storage import open_storage
 
-    if summary.get("parquet"):
-        parent, key = split_parent(summary["parquet"])
-        for record in read_records(open_storage(parent), key)[:3]:
+    out = open_storage(output)
+    for ref in reversed(view_files(out.iter_objects(prefix=PARQUET_VIEW_PREFIX))):
+        records = [record for record in read_records(out, ref.key) if record.fingerprint == summary["fingerprint"]]
+        for record in records[:3]:
             print(f"  {record.key}: {(record.text or record.error)!r}")
+        if records:
+            return
