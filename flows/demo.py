@@ -14,13 +14,18 @@ BANNER = "!" * 78
 
 
 def make_sample_images(folder: Path, count: int) -> list[Path]:
-    """Simple scenes (sky, sun, shapes, text) in several formats and sizes."""
+    """Simple scenes (sky, sun, shapes, text) in several formats and sizes. One already there is
+    kept, so that a second demo finds nothing new (a file written again would be a new item)."""
     from PIL import Image, ImageDraw
 
     folder.mkdir(parents=True, exist_ok=True)
     palette = [(220, 60, 60), (60, 160, 80), (60, 90, 200), (240, 200, 40), (150, 80, 190)]
     paths = []
     for i in range(count):
+        path = folder / f"sample-{i:02d}{('.jpg', '.png', '.webp')[i % 3]}"
+        paths.append(path)
+        if path.exists():
+            continue
         width, height = 320 + 40 * (i % 3), 240 + 30 * (i % 2)
         image = Image.new("RGB", (width, height), (135, 190, 235))
         draw = ImageDraw.Draw(image)
@@ -35,10 +40,7 @@ def make_sample_images(folder: Path, count: int) -> list[Path]:
         else:
             draw.polygon([(x, 170), (x + 40, 90), (x + 80, 170)], fill=color)
         draw.text((10, 10), f"sample {i}", fill=(0, 0, 0))
-        suffix = (".jpg", ".png", ".webp")[i % 3]
-        path = folder / f"sample-{i:02d}{suffix}"
         image.save(path)
-        paths.append(path)
     return paths
 
 

@@ -83,6 +83,17 @@ def test_demo_first_run_on_a_busy_machine_with_a_fresh_prefect_home(tmp_path):
     shown = gallery_items(gallery.read_text())
     assert shown == {key: "thumb" for key in ("sample-00.jpg", "sample-01.png", "sample-02.webp")}
     assert manifest["gallery"]["items"] == 3
+    assert [p.name for p in results.iterdir()] == [f"run-{manifest['run_id']}.parquet"]  # the parts' folder gone too
+
+    # The demo again: its images kept, so nothing is new; no engine is built, and the captions the
+    # first run wrote are shown again.
+    again = subprocess.run([str(exe), "demo", "--dir", str(tmp_path / "demo"), "--images", "3"], env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "0 captioned: 0 ok, 0 failed; 3 already done" in again.stdout, again.stdout
+    assert "building the engine" not in again.stderr and "loading vLLM" not in again.stderr, again.stderr
+    assert all(f"  {key}: " in again.stdout for key in ("sample-00.jpg", "sample-01.png", "sample-02.webp"))
+    assert len(result_records(tmp_path / "demo" / "captions")) == 3
 
 
 def test_a_slow_embedded_server_gets_a_message_that_says_what_to_do(monkeypatch, capsys, tmp_path):

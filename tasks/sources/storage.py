@@ -84,8 +84,14 @@ class LocalStorage:
     def _staged(self, key: str, data: bytes) -> Iterator[tuple[str, Path]]:
         """`data` in a temporary file beside `key`'s path (folders made), removed afterwards."""
         path = Path(key_path(self.uri, key))  # never written outside the folder
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        for attempt in range(3):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+                break
+            except FileNotFoundError:  # a delete took the folder away as it emptied (`delete`)
+                if attempt == 2:
+                    raise
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
@@ -110,7 +116,11 @@ class LocalStorage:
         return os.path.exists(self.path(key))
 
     def delete(self, key: str) -> None:
-        Path(key_path(self.uri, key)).unlink(missing_ok=True)
+        path = Path(key_path(self.uri, key))
+        path.unlink(missing_ok=True)
+        if path.parent != self.root:
+            with contextlib.suppress(OSError):  # as in a bucket, a folder goes with its last file
+                path.parent.rmdir()  # (a fold leaves no empty parquet/<fp>/); one not empty stays
 
     def describe(self, key: str) -> str:
         return str(self.root / key)
