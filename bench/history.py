@@ -44,7 +44,7 @@ DROPPED = "Subscription queue is full"
 
 def run_history(cfg: BenchConfig) -> dict[str, Any]:
     from vlm_caption.bench.driver import build_checkpoint
-    from vlm_caption.bench.harness import loopback_s3
+    from vlm_caption.bench.harness import loopback_s3, prefect_api
     from vlm_caption.bench.history_inventory import InventoryLocations, kept_history
 
     work = Path(cfg.workdir).resolve()
@@ -60,6 +60,11 @@ def run_history(cfg: BenchConfig) -> dict[str, Any]:
     with ExitStack() as serving:  # an inventory's items are in a bucket: the loopback one
         env = serving.enter_context(loopback_s3(work)) if cfg.source == "s3" or inventory else {}
         env = {**os.environ, **env}
+        # --prefect server: the timed runs against one `prefect server start`, up before them, as a
+        # deployment's nightly run meets its server (embedded: each run starts its own, fresh).
+        api = serving.enter_context(prefect_api(cfg.prefect, work))
+        runs_db = (lambda home: work / "prefect-server" / "prefect.db") if api else (lambda home: home / "prefect.db")
+        env_api = {**env, **api}
         where = InventoryLocations(base, cfg.source) if inventory else Locations(base, cfg.source)
         began = time.perf_counter()
         new = new_keys(where, cfg.history, cfg.history_new_at)
@@ -77,12 +82,15 @@ def run_history(cfg: BenchConfig) -> dict[str, Any]:
             report["synthesize_s"] = round(time.perf_counter() - began, 1)
             if cfg.history_keep:
                 (base / "synthesized.json").write_text(json.dumps({**wanted, "compacted": where.compacted}))
-        report["nothing_new"] = timed_run(where, where.source, where.out, model, cfg, env, base / "prefect-1")
+        report["prefect_api"] = api.get("PREFECT_API_URL", "embedded")
+        report["nothing_new"] = timed_run(where, where.source, where.out, model, cfg, env_api, base / "prefect-1",
+                                          runs_db)
         if cfg.history_new:
             add_new_items(where, new, env)
-            report["one_pct_new"] = timed_run(where, where.source, where.out, model, cfg, env, base / "prefect-2")
-            report["new_only_empty_output"] = timed_run(where, where.new_source, where.new_out, model, cfg, env,
-                                                        base / "prefect-3")
+            report["one_pct_new"] = timed_run(where, where.source, where.out, model, cfg, env_api, base / "prefect-2",
+                                              runs_db)
+            report["new_only_empty_output"] = timed_run(where, where.new_source, where.new_out, model, cfg, env_api,
+                                                        base / "prefect-3", runs_db)
     line = (f"history {cfg.history:,} ({cfg.source}, {cfg.history_source}): nothing new "
             f"{report['nothing_new']['wall_s']} s, {report['nothing_new']['peak_rss_mb']} MB")
     if cfg.history_new:
@@ -225,8 +233,9 @@ def add_new_items(where: Locations, keys: list[str], env: dict[str, str]) -> Non
 
 
 def timed_run(where, source: str, out: str, model: str, cfg: BenchConfig, env: dict[str, str],
-              home: Path) -> dict[str, Any]:
-    """`vlm-caption run` as a night's run starts it (its own process, a fresh Prefect home)."""
+              home: Path, runs_db) -> dict[str, Any]:
+    """`vlm-caption run` as a night's run starts it (its own process, a fresh Prefect home; its
+    API the embedded server, or the one `env` names). `runs_db(home)`: the database it records in."""
     import psutil
 
     exe, log_dir = Path(sys.executable).with_name("vlm-caption"), home / "logs"
@@ -250,19 +259,23 @@ def timed_run(where, source: str, out: str, model: str, cfg: BenchConfig, env: d
         raise RuntimeError(f"vlm-caption run failed (exit {proc.returncode}):\n{output[-4000:]}")
     logs = "".join(p.read_text(errors="replace") for p in log_dir.rglob("*.log")) if log_dir.exists() else output
     return {"wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20), "tree_peak_rss_mb": round(tree_peak / 2**20),
-            "task_runs": task_runs(home / "prefect.db"), "dropped_events": logs.count(DROPPED),
+            "task_runs": task_runs(runs_db(home)), "dropped_events": logs.count(DROPPED),
             "summary": output.strip().splitlines()[-8:]}
 
 
 def task_runs(db: Path) -> dict[str, Any]:
-    """The task runs the run's server recorded, by name and by state, and what its database
-    holds after the run (rows of the tables a run fills, its size on disk)."""
+    """The task runs of the newest flow run the server recorded, by name and by state, and what
+    its database holds after the run (rows of the tables runs fill, its size on disk)."""
     if not db.exists():
         return {}
     with sqlite3.connect(db) as conn:
-        rows = conn.execute("select name, state_type from task_run").fetchall()
-        spans = conn.execute("select name, start_time, end_time from task_run where end_time is not null").fetchall()
-        flow = conn.execute("select start_time, end_time from flow_run").fetchone()
+        newest = conn.execute("select id, start_time, end_time from flow_run order by created desc").fetchone()
+        if newest is None:
+            return {}
+        flow_id, *flow = newest
+        rows = conn.execute("select name, state_type from task_run where flow_run_id = ?", (flow_id,)).fetchall()
+        spans = conn.execute("select name, start_time, end_time from task_run where end_time is not null "
+                             "and flow_run_id = ?", (flow_id,)).fetchall()
         tables = {table: conn.execute(f"select count(*) from {table}").fetchone()[0]  # noqa: S608 - our names
                   for table in ("task_run_state", "flow_run", "events", "log", "artifact")}
     names = Counter(name.rsplit("-", 1)[0] for name, _ in rows)  # "prepare-shard-3f2" -> "prepare-shard"
