@@ -63,8 +63,8 @@ def _where() -> dict:
 @flow(name="vlm-caption", flow_run_name=lambda: run_name_from(flow_run.parameters), persist_result=False,
       on_failure=[on_run_failed])
 def vlm_caption(job: CaptionJob) -> dict:
-    """Caption every item under `job.source` (or of `job.manifest`) and write JSON Lines
-    results to `job.output`: one record per (item, question)."""
+    """Caption every item under `job.source` (or of `job.manifest`) and write the results to
+    `job.output` as Parquet (`parquet/`, read as one dataset): one record per (item, question)."""
     configure_logging()
     try:
         plan = make_plan(job)  # every check that needs no engine; locations, recipe, model
