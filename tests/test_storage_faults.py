@@ -21,8 +21,7 @@ from vlm_caption.flows.caption import vlm_caption
 from vlm_caption.flows.params import CaptionJob
 from tests.fault_proxy import FaultProxy
 from tests.images import image_bytes
-from tests.result_files import s3_keys
-from tests.result_files import s3_records
+from tests.result_files import s3_keys, s3_records
 
 BUCKET = "faulty"
 COUNT = 200
