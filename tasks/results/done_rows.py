@@ -141,12 +141,19 @@ class LoadedRows(NamedTuple):
     unreadable: list[str]
 
 
+def view_parts(listed: Iterable[ObjectRef], fingerprint: str | None = None) -> list[ObjectRef]:
+    """The parts not folded into the view yet among the objects `listed` under parquet/ (the
+    .parquet files in its fingerprints' folders), of every fingerprint or of `fingerprint`."""
+    prefix = parts_prefix(fingerprint) if fingerprint else PARQUET_VIEW_PREFIX
+    return [ref for ref in listed if ref.key.startswith(prefix) and ref.key.endswith(".parquet")
+            and ref.key.count("/") == 2]
+
+
 def view_and_parts(out: Storage, fingerprint: str) -> tuple[list[ObjectRef], list[ObjectRef]]:
     """The view's files (`view_files`) and `fingerprint`'s parts not folded into them yet, from
     one listing of the view."""
     listed = list(out.iter_objects(prefix=PARQUET_VIEW_PREFIX))
-    prefix = parts_prefix(fingerprint)
-    return view_files(listed), [ref for ref in listed if ref.key.startswith(prefix) and ref.key.endswith(".parquet")]
+    return view_files(listed), view_parts(listed, fingerprint)
 
 
 def load_rows(out: Storage, fingerprint: str) -> LoadedRows:

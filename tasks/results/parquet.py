@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from vlm_caption.tasks.observability import get_logger
-from vlm_caption.tasks.results.done_rows import ROW, record_row, result_key, table_rows, view_files
+from vlm_caption.tasks.results.done_rows import (ROW, record_row, result_key, table_rows, view_files,
+                                                view_parts)
 from vlm_caption.tasks.results.layout import PARQUET_VIEW_PREFIX, RETRYABLE, VIEW_HASHES
 from vlm_caption.tasks.records import ResultRecord
 from vlm_caption.tasks.sources.items import ObjectRef
@@ -264,8 +265,7 @@ def export_parquet(out: Storage, target: Storage, target_key: str, *,
     them, every fingerprint; each result once, the latest) as one Parquet file, `target_key` in
     `target`, and return `merge_files`'s report."""
     listed = list(out.iter_objects(prefix=PARQUET_VIEW_PREFIX))
-    parts = [ref for ref in listed if ref.key.count("/") == 2 and ref.key.endswith(".parquet")]
-    result = merge_files(out, view_files(listed) + sorted(parts, key=part_order), target, target_key,
+    result = merge_files(out, view_files(listed) + sorted(view_parts(listed), key=part_order), target, target_key,
                          row_group_rows=row_group_rows)
     log = get_logger()
     if result["complete"]:

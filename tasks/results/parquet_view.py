@@ -17,7 +17,7 @@ from prefect.cache_policies import NONE
 
 from vlm_caption.tasks.observability import get_logger
 from vlm_caption.tasks.results.done_index import DoneIndex, loaded_index, read_done_index
-from vlm_caption.tasks.results.done_rows import view_file_rows, view_files
+from vlm_caption.tasks.results.done_rows import view_file_rows, view_files, view_parts
 from vlm_caption.tasks.results.layout import (PARQUET_VIEW_PREFIX, compacted_parquet_key, part_run,
                                               parts_prefix, run_parquet_key)
 from vlm_caption.tasks.results.parquet import (chosen_tables, finished, kept_rows, latest_rows, merge_files,
@@ -163,8 +163,7 @@ def rebuild_view(out: Storage) -> dict:
     """Make the view whole (`vlm-caption export OUTPUT`): every part a run left, of every
     fingerprint, folded in (oldest run first), then the view's files compacted into one."""
     started = time.perf_counter()
-    fingerprints = sorted({ref.key.split("/")[1] for ref in out.iter_objects(prefix=PARQUET_VIEW_PREFIX)
-                           if ref.key.count("/") == 2})
+    fingerprints = sorted({ref.key.split("/")[1] for ref in view_parts(out.iter_objects(prefix=PARQUET_VIEW_PREFIX))})
     folded: dict[str, dict] = {}
     for fingerprint in fingerprints:
         runs = parts_by_run(out, fingerprint)
