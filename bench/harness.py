@@ -72,6 +72,11 @@ class GpuSampler:
         return [self.busy_pct(start + i * step, start + (i + 1) * step) for i in range(10)]
 
 
+def server_home(work: Path) -> Path:
+    """The `PREFECT_HOME` of the bench's `prefect server start` (`prefect_api`): its database is there."""
+    return work / "prefect-server"
+
+
 @contextmanager
 def prefect_api(mode: str, work: Path):
     """The environment that points the flow phases at their Prefect API: nothing (each starts
@@ -82,7 +87,7 @@ def prefect_api(mode: str, work: Path):
         return
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect-server"), "PREFECT_UI_ENABLED": "false",
+    env = {**os.environ, "PREFECT_HOME": str(server_home(work)), "PREFECT_UI_ENABLED": "false",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     with open(work / "prefect-server.log", "wb") as log, started(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],

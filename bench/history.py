@@ -44,7 +44,7 @@ DROPPED = "Subscription queue is full"
 
 def run_history(cfg: BenchConfig) -> dict[str, Any]:
     from vlm_caption.bench.driver import build_checkpoint
-    from vlm_caption.bench.harness import loopback_s3, prefect_api
+    from vlm_caption.bench.harness import loopback_s3, prefect_api, server_home
     from vlm_caption.bench.history_inventory import InventoryLocations, kept_history
 
     work = Path(cfg.workdir).resolve()
@@ -63,7 +63,7 @@ def run_history(cfg: BenchConfig) -> dict[str, Any]:
         # --prefect server: the timed runs against one `prefect server start`, up before them, as a
         # deployment's nightly run meets its server (embedded: each run starts its own, fresh).
         api = serving.enter_context(prefect_api(cfg.prefect, work))
-        runs_db = (lambda home: work / "prefect-server" / "prefect.db") if api else (lambda home: home / "prefect.db")
+        runs_db = (lambda home: server_home(work) / "prefect.db") if api else (lambda home: home / "prefect.db")
         env_api = {**env, **api}
         where = InventoryLocations(base, cfg.source) if inventory else Locations(base, cfg.source)
         began = time.perf_counter()
