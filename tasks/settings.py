@@ -40,8 +40,8 @@ class Settings(BaseSettings):
     # One shard ahead at a time is a shard's latency (its task run, its fetches) per shard, which a
     # small model outruns.
     prepare_ahead: int = Field(
-        2, description="Shards fetched and decoded ahead of the engine once it runs (while it starts, as many as "
-        "its feed will hold).")
+        2, description="Shards fetched and decoded ahead of the engine, and all that are prepared while it builds "
+        "(once it runs, its feed fills to `VLM_CAPTION_FEED_DEPTH`).")
     # Media
     decode_processes: int | None = Field(
         None, description="Processes of the decode pool. Unset: one per core this process may use (cpuset, "

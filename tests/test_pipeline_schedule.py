@@ -1,6 +1,6 @@
 """How the shard pipeline schedules its work around the engine's start, with stand-in steps
-(no engine, no Prefect API): while the engine starts, the feed's whole depth of shards is
-prepared, a few shards at a time and no more than their decoded bytes allow."""
+(no engine, no Prefect API): while the engine builds, only the lookahead is prepared; then the
+feed fills, a few shards at a time."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from vlm_caption.flows.batches import ShardPipeline
 from vlm_caption.flows.params import CaptionJob
 from vlm_caption.flows.plan import PartitionRun, RunPlan, engine_spec
 from vlm_caption.recipes import get_recipe
-from vlm_caption.tasks.engine.feed import FEED_REQUESTS
+from vlm_caption.tasks.engine.feed import FEED_ITEMS
 from vlm_caption.tasks.prepare import PreparedItem, PreparedShard
 from vlm_caption.tasks.results.done_index import DoneIndex
 from vlm_caption.tasks.settings import get_settings
@@ -141,26 +141,12 @@ def _run(shards: int) -> None:
     assert stats.listed == shards * SHARD_SIZE
 
 
-def test_the_feeds_whole_depth_is_prepared_while_the_engine_starts(stand_ins, monkeypatch):
+def test_while_the_engine_builds_only_the_lookahead_is_prepared_then_the_feed_fills(stand_ins, monkeypatch):
     monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(2 * 1024**3))
     get_settings.cache_clear()
-    schedule = stand_ins(engine_start_s=3.0)  # ample for 32 quick prepares on a busy machine
+    schedule = stand_ins(engine_start_s=1.0)  # ample for many quick prepares, had they been allowed
     _run(shards=48)
-    depth = FEED_REQUESTS // SHARD_SIZE  # 32 shards: 2,048 requests of 21.7 MB crops fit in 2 GiB
-    # All of it by the time the engine is up (before: 8 shards, FEED_ITEMS), not the whole listing.
-    assert depth <= schedule.prepared_when_up <= depth + 2 < 48
-    assert schedule.most_at_once <= 512 // SHARD_SIZE  # a few shards at a time (FEED_ITEMS)
+    # VLM_CAPTION_PREPARE_AHEAD (2) shards while it builds, not the feed's depth (32 shards).
+    assert schedule.prepared_when_up == get_settings().prepare_ahead == 2
+    assert schedule.most_at_once <= FEED_ITEMS // SHARD_SIZE  # then a few shards at a time
     assert sorted(schedule.generated) == list(range(48))  # every shard, once
-
-
-def test_what_is_prepared_while_the_engine_starts_is_bounded_by_decoded_bytes(stand_ins, monkeypatch):
-    shard_bytes = SHARD_SIZE * 336 * 336 * 3
-    monkeypatch.setenv("VLM_CAPTION_FEED_MEDIA_BYTES", str(12 * shard_bytes))
-    get_settings.cache_clear()
-    schedule = stand_ins(engine_start_s=2.0)
-    _run(shards=20)
-    # The first 8 shards (FEED_ITEMS) go out before any shard's bytes are known; then the depth
-    # the bytes allow, 12, not 32.
-    assert 12 <= schedule.prepared_when_up <= 12 + 2
-    assert sorted(schedule.generated) == list(range(20))
-

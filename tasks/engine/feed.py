@@ -29,8 +29,7 @@ ENGINE_STOP_S = 20.0
 # at 640x480, shard size 64: 512 in flight against a batch of 1024 gave 118 img/s, 0.72x raw
 # vLLM; shard size 512, 3,072 in flight, 162 img/s).
 FEED_REQUESTS = 2048
-# The least any image feed aims at, and before the engine is up, until a prepared shard tells
-# how many bytes a shard's decoded images hold.
+# The least any image feed aims at.
 FEED_ITEMS = 512
 
 
@@ -67,10 +66,8 @@ def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | No
             requests = max(min(FEED_ITEMS, running), min(FEED_REQUESTS, 2 * running))
         else:  # up with nothing finished yet: its batch bounds it; not up: the floor below
             requests = min(FEED_ITEMS, 2 * seqs)
-    elif sizing:
+    else:  # (before the engine is up, the floor below: flows/feed_schedule.py prepares no more then)
         requests = max(min(FEED_ITEMS, seqs), min(FEED_REQUESTS, 2 * seqs))
-    else:  # before the engine is up: the most it could take, once a shard's bytes bound it
-        requests = FEED_REQUESTS if shard_media_bytes else FEED_ITEMS
     depth = max(6, shards_holding(requests, shard_size, questions))
     if shard_media_bytes:
         depth = min(depth, int(settings.feed_media_bytes // shard_media_bytes))
