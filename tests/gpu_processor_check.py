@@ -119,7 +119,6 @@ def tokens_on(recipe_name: str, model: str, device: str) -> list[list[int]]:
     from vlm_caption.recipes import get_recipe
     from vlm_caption.tasks.engine.arguments import EngineSpec, engine_plan
 
-    recipe = get_recipe(recipe_name)
     rng = np.random.default_rng(1)
     spec = EngineSpec.build(get_recipe(recipe_name), modality="video", model=model,
                             processor_device="cuda" if device == "flow" else device)

@@ -77,7 +77,6 @@ def test_cpu_engines_start_without_inductor_unless_the_user_keeps_it(monkeypatch
     the environment."""
     from vlm_caption.tasks.engine.arguments import eager_engine_processes
 
-    recipe = get_recipe("llava")
     cpu_args = engine_plan(EngineSpec.build(get_recipe("llava"), model="/none"), on_cpu=True)[0]
     gpu_args = engine_plan(EngineSpec.build(get_recipe("llava"), model="/none"), on_cpu=False)[0]
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
@@ -111,7 +110,6 @@ def test_cpu_engines_skip_the_multimodal_memory_profile_unless_the_job_asks_for_
     """On CPU the KV cache is sized in bytes, so vLLM's start-up run of the vision encoder over its
     largest dummy batch measures nothing; a GPU engine still profiles, and the job's engine
     overrides win."""
-    recipe = get_recipe("qwen2_vl")
     cpu_args = engine_plan(EngineSpec.build(get_recipe("qwen2_vl"), modality="video", model="/none"), on_cpu=True)[0]
     gpu_args = engine_plan(EngineSpec.build(get_recipe("qwen2_vl"), modality="video", model="/none"), on_cpu=False)[0]
     asked = EngineSpec.build(get_recipe("qwen2_vl"), modality="video", model="/none", engine_overrides={"skip_mm_profiling": False})

@@ -185,9 +185,7 @@ def test_a_run_done_within_the_rate_window_ends_with_its_rate_not_a_dash(capsys,
 def test_prefects_first_run_notice_goes_to_the_quiet_runs_log(tmp_path):
     """In a terminal, with a Prefect home never used, `import prefect` prints a three-line telemetry
     notice; before a quiet run it is held, written into the run's log, and one line of ours says so."""
-    import os
     import sys
-    from pathlib import Path
 
     from tests.terminal_io import run_in_a_terminal
 

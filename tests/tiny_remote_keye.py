@@ -155,7 +155,7 @@ def _build(out: Path, seed: int, model_type: str, architecture: str, v1_5: bool 
     write_json(out / "processor_config.json", dict(processor_class="TinyKeyeProcessor",
                                                    auto_map={"AutoProcessor": auto_map["AutoProcessor"]}))
     v = KEYE_VISION
-    e, inter, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    e = v["hidden_size"]
     shapes: dict = {}
     vm = "visual.vision_model."
     siglip_tower_shapes(shapes, vm, v, packing=True)

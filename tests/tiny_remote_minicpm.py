@@ -246,7 +246,7 @@ def _build(out: Path, seed: int, audio: bool = False) -> Path:
         write_json(out / "preprocessor_config.json", dict(IMAGE, image_processor_type="TinyMiniCPMVImageProcessor",
                                                           processor_class=processor, auto_map=auto_map))
     v = MINICPMV_VISION
-    e, inter, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    e = v["hidden_size"]
     h = TEXT["hidden_size"]
     shapes: dict = {}
     siglip_tower_shapes(shapes, "vpm.", v)

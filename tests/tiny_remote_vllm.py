@@ -245,7 +245,7 @@ def build_tiny_ovis2_5(out: Path, seed: int = 0) -> Path:
     SiglipImageProcessor(size={"height": 512, "width": 512}, image_mean=[0.5, 0.5, 0.5],
                          image_std=[0.5, 0.5, 0.5]).save_pretrained(out)
     v = OVIS25_VIT
-    e, inter, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    e = v["hidden_size"]
     shapes: dict = {}
     vm = "visual_tokenizer.vit.vision_model."
     siglip_tower_shapes(shapes, vm, v)
