@@ -123,9 +123,8 @@ class FeedSchedule:
         7B engine built in 20 s, against 26 s beside the feed's whole depth being decoded, and the run
         generated no slower: docs/benchmarks.md). Once it is up, the feed's depth."""
         ahead = self.ahead
-        if not self.engine_up.is_set():
-            return ahead < self.lookahead
-        return ahead < self.lookahead or (ahead + self.in_flight <= self.depth and self.preparing < self.filling)
+        return ahead < self.lookahead or (self.engine_up.is_set() and ahead + self.in_flight <= self.depth
+                                          and self.preparing < self.filling)
 
     @property
     def depth(self) -> int:
