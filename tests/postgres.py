@@ -170,6 +170,10 @@ class PrefectStack:
         _kill_tree(self.workers[name].pid, signal.SIGKILL)
         self.workers.pop(name).wait(timeout=30)
 
+    def signal_worker(self, name: str, sig: int) -> None:
+        """Send `sig` to a worker and everything under it (SIGSTOP: a host frozen; SIGCONT: thawed)."""
+        _kill_tree(self.workers[name].pid, sig)
+
     def close(self) -> None:
         for proc in [*self.workers.values(), self.server]:
             if proc is not None and proc.poll() is None:

@@ -44,6 +44,7 @@ import re
 import secrets
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,7 +57,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.images import image_bytes
-from tests.postgres import FINAL, REPO, PrefectStack, _descendants
+from tests.postgres import REPO, PrefectStack, _descendants
 from tests.result_files import s3_records
 
 pytestmark = pytest.mark.timeout(1500)  # a hung worker must fail the test, not stall CI
@@ -253,6 +254,18 @@ def parts_by_partition(s3_client, run_id: str) -> dict[int, set[int]]:
     return shards_by_partition(keys_under(s3_client, f"{OUT}parquet/"), run_id)
 
 
+def child_hosts(stack: PrefectStack, hosts: list[Host]) -> dict[int, Host]:
+    """Which of `hosts` runs each child partition started so far (index -> host), from the child
+    flow runs' process ids."""
+    found = {}
+    for run in stack.runs_of("vlm-caption/partition"):
+        if run.get("infrastructure_pid"):
+            pid = int(run["infrastructure_pid"].rsplit(":", 1)[-1])  # "pid" or "host:pid"
+            found.update({run["parameters"]["job"]["partition"]["index"]: host for host in hosts
+                          if host.name in stack.workers and pid in _descendants(stack.workers[host.name].pid)})
+    return found
+
+
 def tails(stack: PrefectStack, hosts: dict[str, Host], chars: int = 3000) -> str:
     return stack.log_tail("server", chars=chars) + "".join(
         f"\n--- {host.name}\n" + host.log.read_text(errors="replace")[-chars:] for host in hosts.values()
@@ -291,25 +304,46 @@ def test_parent_and_partitions_on_separate_hosts_share_only_the_bucket_and_the_a
         hosts["a"].start_worker(stack, hidden[hosts["a"].name])
         hosts["b"].start_worker(stack, hidden[hosts["b"].name])
 
-        # Once a child has captioned a shard and holds another, its host dies.
-        run_id, victim, deadline = None, None, time.time() + 900
+        # The run's end is watched beside the loop below, which reads only the bucket: under load the
+        # API can take a minute to answer (SQLite locked), longer than a child holds its last shards.
+        ended: dict[str, dict] = {}  # "run": the parent's flow run once final
+
+        def wait_for_parent() -> None:
+            with contextlib.suppress(TimeoutError):  # not final by then: the wait below says so
+                ended["run"] = stack.wait_for(parent_id, timeout=1400)
+
+        threading.Thread(target=wait_for_parent, name="parent-run", daemon=True).start()
+        # Once a child has captioned a shard and holds another, its host dies. The host is frozen
+        # (SIGSTOP) before its claims are read again, so that what it holds cannot change between that
+        # read and the kill; a host that turns out to hold nothing unfinished is let go on (SIGCONT).
+        run_id, victim, on_host, deadline = None, None, {}, time.time() + 900
         while victim is None:
-            state = stack.flow_run(parent_id)["state_type"]
-            assert state not in FINAL, f"the run ended ({state}) before a partition was killed\n" + tails(stack, hosts)
+            assert "run" not in ended, (f"the run ended ({ended['run']['state_type']}) before a partition was "
+                                        "killed\n" + tails(stack, hosts))
             assert time.time() < deadline, "no child partition got to work\n" + tails(stack, hosts)
             run_id = run_id or run_id_of(s3_client, parent_id)
             if run_id:
                 held, parts = unfinished_claims(s3_client, run_id), parts_by_partition(s3_client, run_id)
-                victim = next((p for p in (1, 2) if parts.get(p) and f"p{p}" in held.values()), None)
+                for p in [p for p in (1, 2) if parts.get(p) and f"p{p}" in held.values()]:
+                    on_host = on_host if p in on_host else child_hosts(stack, [hosts["a"], hosts["b"]])
+                    if p not in on_host:
+                        continue
+                    stack.signal_worker(on_host[p].name, signal.SIGSTOP)
+                    held = {index for index, owner in unfinished_claims(s3_client, run_id).items()
+                            if owner == f"p{p}"}
+                    if held - parts_by_partition(s3_client, run_id).get(p, set()):
+                        victim, killed = p, on_host[p]
+                        break
+                    stack.signal_worker(on_host[p].name, signal.SIGCONT)
             time.sleep(0.5)
+        stack.kill_worker(killed.name)
         children = {run["parameters"]["job"]["partition"]["index"]: run
                     for run in stack.runs_of("vlm-caption/partition")}
-        pid = int(children[victim]["infrastructure_pid"].rsplit(":", 1)[-1])  # "pid" or "host:pid"
-        (killed,) = [h for h in (hosts["a"], hosts["b"]) if pid in _descendants(stack.workers[h.name].pid)]
-        held = {index for index, owner in unfinished_claims(s3_client, run_id).items() if owner == f"p{victim}"}
-        stack.kill_worker(killed.name)
-
-        parent = stack.wait_for(parent_id, timeout=600)
+        deadline = time.time() + 600
+        while "run" not in ended:
+            assert time.time() < deadline, "the run did not end after the kill\n" + tails(stack, hosts)
+            time.sleep(1)
+        parent = ended["run"]
     assert parent["state_type"] == "COMPLETED", f"{parent['state']}\n" + tails(stack, hosts)
 
     # Every item captioned once: none lost with the killed host, none captioned twice.
