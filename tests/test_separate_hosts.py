@@ -19,8 +19,9 @@ that path to its children as it is: it must exist on every host, as in an image.
 
 The run: `prefect deployment run vlm-caption/prod` with fan_out=3, picked up by the parent host's
 worker (started first, `--limit 1`), whose two children (the `partition` deployment) the two other
-hosts' workers pick up. Once a child has captioned a shard and holds another, its host is killed
-(its worker and everything under it). The others retake its shards when its heartbeat goes stale,
+hosts' workers pick up. Once a child has captioned a shard and holds another, its host is frozen
+(SIGSTOP: what it holds cannot change while the test reads it) and killed (its worker and everything
+under it). The others retake its shards when its heartbeat goes stale,
 Prefect's zombie automation marks its flow run CRASHED, and the parent completes.
 
 Checked: every item captioned exactly once (none lost, none twice); the killed partition's
