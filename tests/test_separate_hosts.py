@@ -313,7 +313,8 @@ def test_parent_and_partitions_on_separate_hosts_share_only_the_bucket_and_the_a
             with contextlib.suppress(TimeoutError):  # not final by then: the wait below says so
                 ended["run"] = stack.wait_for(parent_id, timeout=1400)
 
-        threading.Thread(target=wait_for_parent, name="parent-run", daemon=True).start()
+        waiting = threading.Thread(target=wait_for_parent, name="parent-run", daemon=True)
+        waiting.start()
         # Once a child has captioned a shard and holds another, its host dies. The host is frozen
         # (SIGSTOP) before its claims are read again, so that what it holds cannot change between that
         # read and the kill; a host that turns out to hold nothing unfinished is let go on (SIGCONT).
@@ -340,10 +341,8 @@ def test_parent_and_partitions_on_separate_hosts_share_only_the_bucket_and_the_a
         stack.kill_worker(killed.name)
         children = {run["parameters"]["job"]["partition"]["index"]: run
                     for run in stack.runs_of("vlm-caption/partition")}
-        deadline = time.time() + 600
-        while "run" not in ended:
-            assert time.time() < deadline, "the run did not end after the kill\n" + tails(stack, hosts)
-            time.sleep(1)
+        waiting.join(timeout=600)
+        assert "run" in ended, "the run did not end after the kill\n" + tails(stack, hosts)
         parent = ended["run"]
     assert parent["state_type"] == "COMPLETED", f"{parent['state']}\n" + tails(stack, hosts)
 
