@@ -32,11 +32,11 @@ class Settings(BaseSettings):
     # holds its decoded media in memory.
     feed_depth: int | None = Field(
         None, description="Shards whose requests are in the engine at once. Unset: sized by "
-        "`tasks.engine.feed.feed_depth` (images: at least 6 shards and twice the engine's batch, at most 2,048 "
-        "requests and `VLM_CAPTION_FEED_MEDIA_BYTES` of decoded media; videos and groups: 2 shards).")
+        "`tasks.engine.feed.feed_depth` (images and groups: at least 6 shards and twice the engine's batch, at "
+        "most 2,048 requests and `VLM_CAPTION_FEED_MEDIA_BYTES` of decoded media; videos: 2 shards).")
     feed_media_bytes: int = Field(
         2 * 1024**3, description="Decoded images the shards in the engine's feed may hold; bounds the feed's "
-        "depth for images (never under 2 shards).")
+        "depth for images and groups (never under 2 shards).")
     # One shard ahead at a time is a shard's latency (its task run, its fetches) per shard, which a
     # small model outruns.
     prepare_ahead: int = Field(

@@ -143,7 +143,7 @@ def test_the_feed_depth_keeps_twice_the_engines_batch_of_images_in_flight(monkey
     """Shards in the engine at once, sized in requests: twice the engine's batch (H100, tiny
     LLaVA: 512 in flight against a batch of 1024 ran at 0.72x raw vLLM), so small shards get
     more of them, never fewer than 6 -- unless their decoded media would pass
-    `feed_media_bytes`, and then never fewer than 2; videos and groups 2; the setting wins."""
+    `feed_media_bytes`, and then never fewer than 2; groups of images alike; videos 2; the setting wins."""
     from vlm_caption.tasks.engine.feed import FEED_ITEMS, FEED_REQUESTS, feed_depth
     from vlm_caption.tasks.settings import get_settings
 
@@ -163,7 +163,9 @@ def test_the_feed_depth_keeps_twice_the_engines_batch_of_images_in_flight(monkey
     assert feed_depth("image", 64, 1, engine, crops) == 32
     assert feed_depth("image", 64, 1, engine, photos) == 2 * 1024**3 // photos == 5
     assert feed_depth("image", 1024, 1, engine, 16 * photos) == 2  # never so few that the engine drains
-    assert feed_depth("video", 16, 1, engine) == feed_depth("multi-image", 16, 1, engine) == 2
+    assert feed_depth("video", 16, 1, engine) == 2
+    assert feed_depth("multi-image", 64, 1, engine) == feed_depth("image", 64, 1, engine) == 32
+    assert feed_depth("multi-image", 64, 1, engine, 16 * photos) == 2  # large groups: as far as their bytes fit
     # Shards shared with other partitions: twice what the engine runs at once, from its KV cache
     # and a finished request's tokens; before a request has finished, twice its batch, at most
     # FEED_ITEMS; before the engine is up, 6 shards (what it claims then, the others cannot take).

@@ -45,8 +45,9 @@ def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | No
     requests and bytes: on an H100 (7B, 1920x1080) 6 shards of 64 kept the batch full (1.06x raw
     vLLM), 6 shards of 16 starved it (0.92x). Images: at least 6 shards and twice the engine's
     `max_num_seqs`, between FEED_ITEMS and FEED_REQUESTS, as far as `shard_media_bytes` (a
-    prepared shard's, on average) fits `feed_media_bytes`, never fewer than 2 shards; videos and
-    groups: 2. `sizing`: the engine's (None before it is up).
+    prepared shard's, on average) fits `feed_media_bytes`, never fewer than 2 shards; groups of
+    images the same (at 2 shards the engine drained at each shard's end: 0.87x of 6 on an H200);
+    videos: 2. `sizing`: the engine's (None before it is up).
 
     `shared` (claims, tasks/claims.py): a shard in the feed is one the other partitions cannot
     take, so the feed aims at twice what the engine runs at once (KV cache over `request_tokens`,
@@ -56,7 +57,7 @@ def feed_depth(modality: str, shard_size: int, questions: int, sizing: dict | No
     settings = get_settings()
     if settings.feed_depth:
         return max(1, settings.feed_depth)
-    if modality != "image":
+    if modality == "video":
         return 2
     seqs = (sizing or {}).get("max_num_seqs") or 0
     if shared:
