@@ -3,9 +3,9 @@ worker and the server) for longer than the clients retry, then comes back on the
 
 On the session's Prefect server on PostgreSQL with its two workers (tests/postgres.py), a prod
 run captions a manifest of COUNT images over HTTP, one per shard, as one-image groups
-(`multi-image`: the engine holds 2 shards, so shard k's part is written once shard k+2 is
-fetched). The HTTP server hands out the images in steps the test sets: READY at once (so some
-parts are written), then, once the API server is stopped, one now and then through the outage
+(`multi-image`), each shard's part written once its image is served and captioned. The HTTP
+server hands out the images in steps the test sets: READY at once (so some parts are written),
+then, once the API server is stopped, one now and then through the outage
 (parts are written while the API is away), and the rest only after the API is back (so the run
 is still going when it returns, and ends talking to it). Expected: what was written stays; the
 run goes on once the API is back, or ends FAILED/CRASHED with a message saying why; a plain
