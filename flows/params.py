@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 
 from vlm_caption.recipes import Recipe, RecipeError, get_recipe
 from vlm_caption.tasks.sources.registry import SOURCE_FORMATS, formats_help, reader_class
-from vlm_caption.tasks.sources.storage import StorageError
+from vlm_caption.tasks.sources.storage import check_location
 from vlm_caption.tasks.sources.watermark import check_modified_since
 
 DEFAULT_QUESTIONS = {
@@ -174,17 +174,7 @@ class CaptionJob(BaseModel):
     @field_validator("source", "manifest", "output")
     @classmethod
     def _uri(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        value = value.strip()
-        scheme = value.split("://", 1)[0] if "://" in value else ""
-        if not value:
-            raise ValueError("empty location")
-        if scheme and scheme not in ("s3", "s3a", "file"):
-            raise StorageError(f"{value}: unsupported scheme {scheme!r}; use s3://bucket/prefix or a folder")
-        if scheme in ("s3", "s3a") and not value.split("://", 1)[1].split("/", 1)[0]:
-            raise StorageError(f"{value}: missing bucket name; use s3://BUCKET/PREFIX/")
-        return value
+        return None if value is None else check_location(value)
 
     @field_validator("questions")
     @classmethod

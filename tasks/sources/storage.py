@@ -242,23 +242,25 @@ def split_parent(uri: str) -> tuple[str, str]:
     return (parent + "/" if "://" in parent or parent else "/"), name
 
 
+def check_location(uri: str) -> str:
+    """`uri` stripped, where it is `s3://bucket/prefix`, `file:///path` or a local path; else what to give."""
+    if not (uri := uri.strip()):
+        raise StorageError("empty location")
+    parsed = urlparse(uri)
+    if parsed.scheme in ("s3", "s3a") and not parsed.netloc:
+        raise StorageError(f"{uri}: missing bucket name; use s3://BUCKET/PREFIX/")
+    if parsed.scheme not in ("s3", "s3a", "file") and len(parsed.scheme) > 1:  # "C:" on Windows is a drive
+        raise StorageError(f"{uri}: unsupported scheme {parsed.scheme!r}. Use s3://bucket/prefix "
+                           "(AWS S3, MinIO, R2, Ceph via VLM_CAPTION_S3_ENDPOINT_URL) or a local folder.")
+    return uri
+
+
 def open_storage(uri: str, *, create: bool = False, follow_links: bool = True) -> Storage:
     """A Storage for `s3://bucket/prefix`, `file:///path` or a plain local path."""
-    if not uri or not uri.strip():
-        raise StorageError("empty storage location: give a folder or an s3://bucket/prefix URI")
-    parsed = urlparse(uri)
+    parsed = urlparse(uri := check_location(uri))
     if parsed.scheme in ("s3", "s3a"):
-        if not parsed.netloc:
-            raise StorageError(f"{uri}: missing bucket name; use s3://BUCKET/PREFIX/")
         return shared_s3_storage(parsed.netloc, parsed.path.lstrip("/"))
-    if parsed.scheme == "file":
-        return LocalStorage(parsed.path, create=create, follow_links=follow_links)
-    if parsed.scheme and len(parsed.scheme) > 1:  # "C:" on Windows is a drive, not a scheme
-        raise StorageError(
-            f"{uri}: unsupported scheme {parsed.scheme!r}. Use s3://bucket/prefix "
-            "(AWS S3, MinIO, R2, Ceph via VLM_CAPTION_S3_ENDPOINT_URL) or a local folder."
-        )
-    return LocalStorage(uri, create=create, follow_links=follow_links)
+    return LocalStorage(parsed.path if parsed.scheme == "file" else uri, create=create, follow_links=follow_links)
 
 
 READ_AHEAD = 8 << 20  # a ranged GET fetches at least this much: tar headers of small members share one
